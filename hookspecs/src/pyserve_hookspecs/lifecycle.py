@@ -1,0 +1,188 @@
+"""Backend lifecycle hooks, in the order the server calls them.
+
+Concurrency and ordering (the same promises Triton makes to TRITONBACKEND backends):
+
+* Backend hooks run once per backend, on a model-loading thread, never concurrently with
+  each other. ``pyserve_backend_initialize`` runs the first time a model needs the backend
+  (so a backend's heavy imports cost nothing to a server that does not use it).
+* Model hooks for one model version never run concurrently with each other; hooks of
+  different models may run concurrently on different loading threads.
+* Instance hooks for one instance never run concurrently with each other. Each instance has
+  its own execution thread: ``pyserve_execute`` for an instance is never called twice at
+  once, but executes of different instances (of the same model too) do run in parallel.
+* Finalizers run in exact reverse order of creation: instances, then the model, then (at
+  server shutdown) the backend. A finalizer runs only if its matching create succeeded.
+
+The objects passed in (``backend``, ``model``, ``instance``) are the server's contexts
+(``pyserve.BackendContext``, ``pyserve.ModelContext``, ``pyserve.InstanceContext``). Each has
+a ``state`` attribute that belongs to the backend; the value a create hook returns is stored
+there for the matching finalizer and for ``pyserve_execute``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from pyserve_hookspecs._markers import hookspec
+
+if TYPE_CHECKING:  # the contract never imports the server at run time
+    from pyserve import (
+        BackendContext,
+        InferError,
+        InferRequest,
+        InferResponse,
+        InstanceContext,
+        ModelContext,
+    )
+
+
+@hookspec
+def pyserve_backend_initialize(backend: BackendContext) -> None:
+    """Prepare the backend before its first model is created.
+
+    When: once per server process, the first time a model that names this backend is loaded.
+    Thread: a model-loading thread (not the event loop); blocking work is fine.
+
+    :param backend: the backend's context: ``backend.name``, ``backend.config`` (the
+        ``--backend-config <name>,<key>=<value>`` settings as ``dict[str, str]``) and
+        ``backend.state``, which the backend may set freely.
+    :returns: nothing.
+    :raises Exception: the backend is marked failed; every model that needs it becomes
+        UNAVAILABLE with the exception text as its reason, and the call is not retried.
+    """
+
+
+@hookspec
+def pyserve_backend_finalize(backend: BackendContext) -> None:
+    """Release what ``pyserve_backend_initialize`` acquired.
+
+    When: once, at server shutdown, after every model of the backend has been finalized;
+    only for a backend whose initialize succeeded.
+    Thread: the shutdown thread.
+
+    :param backend: the same context object given to ``pyserve_backend_initialize``.
+    :returns: nothing.
+    :raises Exception: logged with the backend name; shutdown continues.
+    """
+
+
+@hookspec(firstresult=True)
+def pyserve_model_auto_complete(model: ModelContext) -> bool | None:
+    """Fill in what config.pbtxt leaves out, from the model's own files.
+
+    When: before ``pyserve_model_create`` of each model version, unless the server runs with
+    ``--disable-auto-complete-config`` / ``--strict-model-config``; also when a model has no
+    config.pbtxt at all.
+    Thread: a model-loading thread.
+
+    The backend may add inputs and outputs, set ``max_batch_size`` and enable
+    ``dynamic_batching`` on ``model.config`` (a ``ModelConfig`` protobuf message) in place;
+    it must not change what the user did set. The server validates the completed config
+    afterwards and reports problems against the model.
+
+    :param model: the model's context (see ``pyserve_model_create``).
+    :returns: ``True`` if the config was changed, otherwise ``None`` or ``False``.
+    :raises Exception: the model version becomes UNAVAILABLE with the exception text.
+    """
+
+
+@hookspec(firstresult=True)
+def pyserve_model_create(model: ModelContext) -> Any:
+    """Load one version of a model (Triton's ``TRITONBACKEND_ModelInitialize``).
+
+    When: for each version the model's ``version_policy`` selects, after the backend is
+    initialized and the config is complete and valid.
+    Thread: a model-loading thread; blocking work (reading weights) is fine.
+
+    :param model: the model's context: ``name``, ``version``, ``config`` (the normalized
+        ``ModelConfig`` message; treat it as read-only), ``path`` (model directory),
+        ``version_path`` (the version directory), ``parameters`` (the config's
+        ``parameters`` as ``dict[str, str]``), ``backend`` (the backend's context).
+    :returns: any object; it is stored as ``model.state``. ``None`` is fine.
+    :raises Exception: the version becomes UNAVAILABLE with the exception text as its reason;
+        no instance is created and ``pyserve_model_finalize`` is not called. Other models
+        keep loading.
+    """
+
+
+@hookspec
+def pyserve_model_finalize(model: ModelContext) -> None:
+    """Release one model version (Triton's ``TRITONBACKEND_ModelFinalize``).
+
+    When: when the version is unloaded or the server shuts down, after all its instances
+    were finalized; only if ``pyserve_model_create`` succeeded.
+    Thread: an unloading thread.
+
+    :param model: the same context object given to ``pyserve_model_create``.
+    :returns: nothing.
+    :raises Exception: logged with the model name; unloading continues.
+    """
+
+
+@hookspec(firstresult=True)
+def pyserve_instance_create(instance: InstanceContext) -> Any:
+    """Create one model instance (Triton's ``TRITONBACKEND_ModelInstanceInitialize``).
+
+    When: ``instance_group.count`` times per group after ``pyserve_model_create`` succeeded,
+    one after another.
+    Thread: a model-loading thread. The instance's own execution thread starts after this
+    returns.
+
+    :param instance: the instance's context: ``name`` (Triton's ``<group>_<n>``), ``kind``
+        (``"CPU"``, ``"GPU"`` or ``"MODEL"``), ``device_id``, ``index``, ``model`` (the model's
+        context) and ``state``.
+    :returns: any object; it is stored as ``instance.state``.
+    :raises Exception: the model version becomes UNAVAILABLE; the instances already created
+        are finalized in reverse order, then the model.
+    """
+
+
+@hookspec
+def pyserve_instance_finalize(instance: InstanceContext) -> None:
+    """Release one model instance (Triton's ``TRITONBACKEND_ModelInstanceFinalize``).
+
+    When: at unload or shutdown, after the instance's thread has finished its last execute
+    (in-flight requests complete first); instances are finalized in reverse creation order.
+    Thread: an unloading thread.
+
+    :param instance: the same context object given to ``pyserve_instance_create``.
+    :returns: nothing.
+    :raises Exception: logged with the instance name; unloading continues.
+    """
+
+
+@hookspec(firstresult=True)
+def pyserve_execute(
+    instance: InstanceContext, requests: Sequence[InferRequest]
+) -> Sequence[InferResponse | InferError | BaseException] | None:
+    """Run the model on the requests the scheduler gathered for this instance.
+
+    When: whenever the model's scheduler hands a batch to this instance. Without dynamic
+    batching every call carries one request; with it, up to ``max_batch_size`` requests
+    (counted along the batch dimension) that may be executed as one batch.
+    Thread: the instance's own execution thread, never the event loop. Calls for one
+    instance never overlap; calls for different instances do. A backend that wants the GIL
+    released must do its heavy work in native code (numpy, a framework) as usual.
+
+    Each request exposes ``inputs`` (``dict[str, numpy.ndarray]``, validated against the
+    config, possibly read-only views of the received bytes: do not write into them),
+    ``requested_outputs`` (names to produce), ``parameters``, ``id`` and the sequence fields.
+
+    :param instance: the instance's context (``instance.state`` is what
+        ``pyserve_instance_create`` returned; ``instance.model`` the model's context).
+    :param requests: the gathered requests, in arrival order; never empty.
+    :returns: one entry per request, in the same order: an ``InferResponse`` (outputs as
+        arrays, optional response parameters), or an ``InferError`` / any exception
+        instance for a request that failed alone, so that one bad request never fails the
+        others. A list of the wrong length fails the whole batch with a clear error.
+        Instead, a backend may return ``None`` and answer through each request's
+        ``request.response_sender()``: ``send(response, final=False)`` any number of times,
+        then ``send(final=True)`` (with or without a last response). The sender may be used
+        from any thread, also after execute returned; that is how decoupled models
+        (``model_transaction_policy { decoupled: true }``) stream 0..N responses per request.
+        A non-decoupled model must have sent its one final response for every request by the
+        time execute returns ``None``; a request left unanswered gets an error.
+    :raises Exception: every request of the batch gets an error response naming the model;
+        the exception is logged once and the instance keeps serving.
+    """

@@ -1,0 +1,219 @@
+"""The ``pyserve`` command: ``run`` (Triton's flag names), ``validate`` and ``backends``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pyserve import __version__, logs
+
+EXAMPLE_REPOSITORY = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
+"""The bundled example repository, served when no ``--model-repository`` is given."""
+
+
+def _bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got '{value}'")
+
+
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be between 0 and 65535, got {port}")
+    return port
+
+
+def _backend_setting(item: str) -> tuple[str, str, str]:
+    """One ``--backend-config`` value, Triton's ``<backend>,<key>=<value>`` or global ``<key>=<value>``.
+
+    :returns: ``(backend, key, value)``; ``backend`` is ``""`` for a global setting.
+    """
+    backend, setting = "", item
+    if "," in item.split("=", 1)[0]:
+        backend, _, setting = item.partition(",")
+        if not backend.strip():
+            raise argparse.ArgumentTypeError(f"'{item}' names no backend before ','")
+    key, sep, value = setting.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"'{item}' must be <backend>,<key>=<value> or <key>=<value>")
+    return backend.strip(), key.strip(), value
+
+
+def _backend_config(items: Sequence[tuple[str, str, str]]) -> dict[str, dict[str, str]]:
+    """The parsed ``--backend-config`` values, as settings per backend (``""`` = every backend)."""
+    settings: dict[str, dict[str, str]] = {}
+    for backend, key, value in items:
+        settings.setdefault(backend, {})[key] = value
+    return settings
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    run = sub.add_parser("run", help="serve a Triton model repository over KServe v2 (HTTP and gRPC)")
+    run.add_argument("--model-repository", "--model-store", action="append", default=[], metavar="PATH",
+                     help="a model repository (repeatable); default: the bundled examples/model_repository")
+    run.add_argument("--host", "--http-address", dest="host", default="0.0.0.0",
+                     help="address to listen on (default 0.0.0.0, as Triton)")
+    run.add_argument("--http-port", type=_port, default=8000, help="HTTP port (default 8000; 0 = any free port)")
+    run.add_argument("--grpc-port", type=_port, default=8001, help="gRPC port (default 8001)")
+    run.add_argument("--metrics-port", type=_port, default=8002, help="metrics port (default 8002)")
+    run.add_argument("--allow-http", type=_bool, default=True, metavar="BOOL")
+    run.add_argument("--allow-grpc", type=_bool, default=True, metavar="BOOL")
+    run.add_argument("--allow-metrics", type=_bool, default=True, metavar="BOOL")
+    grpc_flags = run.add_argument_group("gRPC")
+    grpc_flags.add_argument("--grpc-address", default="", metavar="HOST",
+                            help="address the gRPC service listens on (default: --host)")
+    grpc_flags.add_argument("--grpc-infer-response-compression-level", default="none",
+                            choices=["none", "low", "medium", "high"],
+                            help="compress infer responses (gzip) unless 'none'")
+    grpc_flags.add_argument("--grpc-max-message-size", type=int, default=2**31 - 1, metavar="BYTES",
+                            help="largest gRPC message sent or received (default 2 GiB - 1)")
+    grpc_flags.add_argument("--grpc-keepalive-time", type=int, default=7_200_000, metavar="MS")
+    grpc_flags.add_argument("--grpc-keepalive-timeout", type=int, default=20_000, metavar="MS")
+    grpc_flags.add_argument("--grpc-keepalive-permit-without-calls", type=_bool, default=False, metavar="BOOL")
+    grpc_flags.add_argument("--grpc-http2-max-pings-without-data", type=int, default=2, metavar="N")
+    grpc_flags.add_argument("--grpc-http2-min-recv-ping-interval-without-data", type=int, default=300_000,
+                            metavar="MS")
+    grpc_flags.add_argument("--grpc-http2-max-ping-strikes", type=int, default=2, metavar="N")
+    run.add_argument("--id", dest="server_id", default="pyserve", help="server name in server metadata")
+    run.add_argument("--log-verbose", type=int, default=0, metavar="N", help="verbose logging level (0 = off)")
+    run.add_argument("--strict-model-config", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
+                     help="require config.pbtxt and turn off auto-complete (deprecated in Triton)")
+    run.add_argument("--disable-auto-complete-config", action="store_true",
+                     help="backends do not complete model configs")
+    run.add_argument("--exit-timeout-secs", type=float, default=30.0, metavar="SECS",
+                     help="on SIGINT/SIGTERM, wait this long for in-flight requests (default 30)")
+    run.add_argument("--exit-on-error", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
+                     help="exit if any model fails to load (default false: serve the others)")
+    run.add_argument("--backend-config", action="append", default=[], type=_backend_setting,
+                     metavar="BACKEND,KEY=VALUE",
+                     help="a setting passed to a backend (repeatable)")
+    run.add_argument("--model-load-thread-count", type=int, default=4, metavar="N")
+    run.add_argument("--http-max-input-size", type=int, default=64 * 1024 * 1024, metavar="BYTES",
+                     help="largest request body accepted (default 64 MiB)")
+
+
+def _repositories(paths: Sequence[str]) -> list[Path]:
+    if paths:
+        return [Path(p) for p in paths]
+    if not EXAMPLE_REPOSITORY.is_dir():
+        raise SystemExit(
+            "pyserve: no --model-repository given, and the bundled example repository is not "
+            "available in this installation"
+        )
+    return [EXAMPLE_REPOSITORY]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from pyserve.grpc.server import GrpcOptions
+    from pyserve.server import Server, ServerOptions, StartupError
+
+    logs.configure(args.log_verbose)
+    repositories = _repositories(args.model_repository)
+    for repo in repositories:
+        if not repo.is_dir():
+            print(f"pyserve: --model-repository '{repo}' does not exist or is not a directory", file=sys.stderr)
+            return 2
+    fixed_ports = [p for p in (args.http_port, args.grpc_port, args.metrics_port) if p]  # 0 = any free port
+    if len(set(fixed_ports)) < len(fixed_ports):
+        print("pyserve: --http-port, --grpc-port and --metrics-port must differ", file=sys.stderr)
+        return 2
+    options = ServerOptions(
+        model_repositories=repositories,
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        allow_http=args.allow_http,
+        allow_grpc=args.allow_grpc,
+        grpc=GrpcOptions(
+            host=args.grpc_address,
+            max_message_bytes=args.grpc_max_message_size,
+            infer_compression=args.grpc_infer_response_compression_level,
+            keepalive_time_ms=args.grpc_keepalive_time,
+            keepalive_timeout_ms=args.grpc_keepalive_timeout,
+            keepalive_permit_without_calls=args.grpc_keepalive_permit_without_calls,
+            http2_max_pings_without_data=args.grpc_http2_max_pings_without_data,
+            http2_min_recv_ping_interval_without_data_ms=args.grpc_http2_min_recv_ping_interval_without_data,
+            http2_max_ping_strikes=args.grpc_http2_max_ping_strikes,
+        ),
+        server_id=args.server_id,
+        exit_timeout_secs=args.exit_timeout_secs,
+        auto_complete=not (args.strict_model_config or args.disable_auto_complete_config),
+        exit_on_error=args.exit_on_error,
+        backend_config=_backend_config(args.backend_config),
+        http_max_input_size=args.http_max_input_size,
+        model_load_thread_count=args.model_load_thread_count,
+    )
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        runner = asyncio.run
+    try:
+        runner(Server(options).run())
+    except StartupError as exc:
+        print(f"pyserve: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"pyserve: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from pyserve.validate_repo import validate_repositories
+
+    problems = validate_repositories([Path(p) for p in args.repository])
+    for line in problems:
+        print(line)
+    if problems:
+        print(f"{len(problems)} problem(s) found", file=sys.stderr)
+        return 1
+    print("OK: no problems found")
+    return 0
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    from pyserve.plugins import PluginHost
+
+    infos = PluginHost().installed()
+    if args.json:
+        print(json.dumps([
+            {"name": i.name, "distribution": i.distribution, "version": i.version,
+             "platforms": list(i.platforms), "entry_point": i.source}
+            for i in infos
+        ], indent=2))
+        return 0
+    if not infos:
+        print("no backends installed (pip install pyserve-backend-<name>)")
+        return 0
+    rows = [[i.name, i.distribution, i.version, ", ".join(i.platforms) or "-"] for i in infos]
+    print(logs.table(["Backend", "Distribution", "Version", "Platforms"], rows))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pyserve", description="A Python inference server that speaks Triton's protocol.")
+    parser.add_argument("--version", action="version", version=f"pyserve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    validate = sub.add_parser("validate", help="check model repositories without serving them")
+    validate.add_argument("repository", nargs="+", help="model repository directories")
+    backends = sub.add_parser("backends", help="list installed backends")
+    backends.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"run": cmd_run, "validate": cmd_validate, "backends": cmd_backends}
+    return handlers[args.command](args)

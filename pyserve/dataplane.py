@@ -1,0 +1,150 @@
+"""The transport-neutral core API both frontends call: health, metadata, config and infer.
+
+Frontends decode the wire format, call the data plane, and encode what it returns; they
+never touch models, schedulers or backends directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pyserve.errors import ErrorCode, InferError
+from pyserve.inference import FutureSender, InferRequest, InferResponse
+from pyserve.model_manager import ModelManager
+from pyserve.models import ModelVersion
+from pyserve.protocol.config_json import model_config_to_dict
+
+EXTENSIONS = ("classification", "binary_tensor_data", "parameters", "model_configuration")
+"""The protocol extensions this server implements (reported by server metadata)."""
+
+
+class DataPlane:
+    """Serves the KServe v2 API on top of a ``ModelManager``.
+
+    Thread-safety: every method runs on the event loop; ``infer`` hands the request to an
+    instance thread and awaits its response without blocking the loop.
+
+    :param models: the server's models.
+    :param server_name: reported as server metadata ``name`` (Triton's ``--id``).
+    :param server_version: reported as server metadata ``version``.
+    """
+
+    def __init__(self, models: ModelManager, server_name: str, server_version: str) -> None:
+        self.models = models
+        self.server_name = server_name
+        self.server_version = server_version
+        self.live = False
+        self.accepting = False
+        self.in_flight = 0
+        self._idle: asyncio.Event | None = None
+
+    # -- health and metadata -----------------------------------------------------------------
+    def is_ready(self) -> bool:
+        """Triton's strict readiness: live, accepting, and every model version READY."""
+        return self.live and self.accepting and self.models.all_ready()
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": self.server_name, "version": self.server_version, "extensions": list(EXTENSIONS)}
+
+    def model(self, name: str, version: str | None = None) -> ModelVersion:
+        """The version serving ``name`` (latest READY when ``version`` is None).
+
+        :raises InferError: NOT_FOUND / UNAVAILABLE, with Triton's messages.
+        """
+        return self.models.get(name, version)
+
+    def model_ready(self, name: str, version: str | None = None) -> bool:
+        try:
+            return self.models.get(name, version).ready
+        except InferError:
+            return False
+
+    def model_metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
+        """Triton's model metadata object for one model (all READY versions when unversioned)."""
+        served = self.models.get(name, version)
+        io = served.io
+        assert io is not None and served.config is not None
+        record = self.models.records[name]
+        versions = [str(served.version)] if version else [str(v.version) for v in record.ready_versions()]
+        batch = [-1] if io.batching else []
+
+        def tensors(specs: Any) -> list[dict[str, Any]]:
+            return [
+                {"name": s.name, "datatype": s.datatype.name, "shape": batch + list(s.dims)}
+                for s in specs.values()
+            ]
+
+        return {
+            "name": name,
+            "versions": versions,
+            "platform": served.config.platform or served.config.backend,
+            "inputs": tensors(io.inputs),
+            "outputs": tensors(io.outputs),
+        }
+
+    def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
+        """The model's normalized config in Triton's JSON form."""
+        served = self.models.get(name, version)
+        return model_config_to_dict(served.config)
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        return self.models.index(ready_only)
+
+    # -- inference -------------------------------------------------------------------------------
+    def submit(self, model: ModelVersion, request: InferRequest) -> InferError | None:
+        """Schedule a request whose sender is attached; ``finished`` must follow its final response.
+
+        :returns: an error if the request was refused (shutting down, not ready, queue full).
+        """
+        if not self.accepting:
+            return InferError("Server is shutting down; no new requests are accepted", ErrorCode.UNAVAILABLE)
+        if not model.ready:
+            return InferError.unavailable(f"model '{model.name}' version {model.version} is not ready")
+        try:
+            model.enqueue(request)
+        except InferError as exc:
+            return exc
+        self.in_flight += 1
+        return None
+
+    def finished(self, request: InferRequest) -> None:
+        """A submitted request got its final response (or was abandoned); call on the loop."""
+        self.in_flight -= 1
+        if self.in_flight == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def infer(self, model: ModelVersion, request: InferRequest) -> InferResponse | InferError:
+        """Schedule a decoded request and wait for its single response.
+
+        Cancelling the awaiting task (client disconnect) marks the request cancelled, so a
+        request still queued never reaches execute.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[InferResponse | InferError] = loop.create_future()
+        request.attach_sender(FutureSender(loop, future))
+        error = self.submit(model, request)
+        if error is not None:
+            return error
+        try:
+            return await future
+        except asyncio.CancelledError:
+            request.cancel()
+            raise
+        finally:
+            self.finished(request)
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop accepting and wait up to ``timeout`` seconds for in-flight requests.
+
+        :returns: True if every in-flight request finished in time.
+        """
+        self.accepting = False
+        if self.in_flight == 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False

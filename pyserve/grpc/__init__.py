@@ -1,0 +1,1 @@
+"""The gRPC frontend: Triton's ``inference.GRPCInferenceService`` on grpc.aio."""

@@ -1,0 +1,90 @@
+"""Building the grpc.aio server: generic handlers from our own service descriptors.
+
+The handlers are made from ``pyserve.protocol.SERVICE_DESCRIPTOR`` (our .proto files in a
+private descriptor pool), so no generated ``_pb2_grpc`` module is needed and Triton's own
+generated modules can be imported in the same process without a conflict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from pyserve import protocol as pb
+from pyserve.dataplane import DataPlane
+from pyserve.grpc.servicer import HealthServicer, InferenceServicer
+
+MAX_MESSAGE_BYTES = 2**31 - 1
+"""Default cap on gRPC message size: what protobuf itself can hold (as Triton allows)."""
+
+
+@dataclass
+class GrpcOptions:
+    """gRPC settings, named after Triton's ``--grpc-*`` flags."""
+
+    host: str = ""  # empty: the server's --host
+    port: int = 8001
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    infer_compression: str = "none"  # none | low | medium | high
+    keepalive_time_ms: int = 7_200_000
+    keepalive_timeout_ms: int = 20_000
+    keepalive_permit_without_calls: bool = False
+    http2_max_pings_without_data: int = 2
+    http2_min_recv_ping_interval_without_data_ms: int = 300_000
+    http2_max_ping_strikes: int = 2
+
+
+def _handlers(service: Any, servicer: object) -> grpc.GenericRpcHandler:
+    methods = {}
+    for method in service.methods:
+        request_class = pb.message_class(method.input_type.full_name)
+        response_class = pb.message_class(method.output_type.full_name)
+        behaviour = getattr(servicer, method.name)
+        if method.client_streaming and method.server_streaming:
+            make = grpc.stream_stream_rpc_method_handler
+        elif method.server_streaming:
+            make = grpc.unary_stream_rpc_method_handler
+        elif method.client_streaming:
+            make = grpc.stream_unary_rpc_method_handler
+        else:
+            make = grpc.unary_unary_rpc_method_handler
+        methods[method.name] = make(
+            behaviour,
+            request_deserializer=request_class.FromString,
+            response_serializer=response_class.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(service.full_name, methods)
+
+
+def create_server(dataplane: DataPlane, options: GrpcOptions) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server bound to ``host:port`` (not started).
+
+    :returns: the server and the port actually bound (for port 0).
+    :raises RuntimeError: the port could not be bound.
+    """
+    channel_options = [
+        ("grpc.max_send_message_length", options.max_message_bytes),
+        ("grpc.max_receive_message_length", options.max_message_bytes),
+        ("grpc.keepalive_time_ms", options.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", options.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", int(options.keepalive_permit_without_calls)),
+        ("grpc.http2.max_pings_without_data", options.http2_max_pings_without_data),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", options.http2_min_recv_ping_interval_without_data_ms),
+        ("grpc.http2.max_ping_strikes", options.http2_max_ping_strikes),
+    ]
+    server = grpc.aio.server(options=channel_options)
+    servicer = InferenceServicer(dataplane, compress_infer=options.infer_compression != "none")
+    server.add_generic_rpc_handlers((
+        _handlers(pb.SERVICE_DESCRIPTOR, servicer),
+        _handlers(pb.HEALTH_SERVICE_DESCRIPTOR, HealthServicer(dataplane)),
+    ))
+    address = f"[{options.host}]:{options.port}" if ":" in options.host else f"{options.host}:{options.port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise RuntimeError(f"gRPC service could not bind {address}: {exc}") from None
+    if port == 0:
+        raise RuntimeError(f"gRPC service could not bind {address}")
+    return server, port

@@ -1,0 +1,184 @@
+"""``inference.GRPCInferenceService`` on grpc.aio: decode → data plane → encode.
+
+Every RPC of Triton's service is served; the ones whose feature has not landed yet
+(statistics, shared memory, trace and log settings, model load/unload) answer with a status
+and a message saying so. Errors carry the same texts as HTTP, mapped to the gRPC status codes
+Triton uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from pyserve import protocol as pb
+from pyserve.dataplane import DataPlane
+from pyserve.errors import ErrorCode, InferError
+from pyserve.grpc.codec import decode_infer, encode_infer
+from pyserve.grpc.stream import StreamSession
+
+log = logging.getLogger("pyserve.grpc")
+
+GRPC_STATUS: dict[ErrorCode, grpc.StatusCode] = {
+    ErrorCode.UNKNOWN: grpc.StatusCode.UNKNOWN,
+    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.INVALID_ARG: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
+    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorCode.CANCELLED: grpc.StatusCode.CANCELLED,
+}
+"""Triton's error code → gRPC status mapping."""
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: InferError) -> None:
+    await context.abort(GRPC_STATUS[error.code], error.message)
+
+
+def _version(value: str) -> str | None:
+    if not value:
+        return None
+    if not value.isdigit():
+        raise InferError.not_found(f"model version '{value}' is not a number")
+    return value
+
+
+class InferenceServicer:
+    """The RPC implementations, one method per RPC name.
+
+    :param dataplane: the server's data plane.
+    :param compress_infer: gzip infer responses (``--grpc-infer-response-compression-level``).
+    """
+
+    def __init__(self, dataplane: DataPlane, compress_infer: bool = False) -> None:
+        self.dataplane = dataplane
+        self.compress_infer = compress_infer
+
+    # -- health and metadata -----------------------------------------------------------------
+    async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.ServerLiveResponse(live=self.dataplane.live)
+
+    async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.ServerReadyResponse(ready=self.dataplane.is_ready())
+
+    async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            version = _version(request.version)
+        except InferError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, version))
+
+    async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        meta = self.dataplane.server_metadata()
+        return pb.ServerMetadataResponse(name=meta["name"], version=meta["version"], extensions=meta["extensions"])
+
+    async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            meta = self.dataplane.model_metadata(request.name, _version(request.version))
+        except InferError as exc:
+            await _abort(context, exc)
+        response = pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"])
+        for field in ("inputs", "outputs"):
+            for tensor in meta[field]:
+                getattr(response, field).add(name=tensor["name"], datatype=tensor["datatype"], shape=tensor["shape"])
+        return response
+
+    async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            model = self.dataplane.model(request.name, _version(request.version))
+        except InferError as exc:
+            await _abort(context, exc)
+        response = pb.ModelConfigResponse()
+        response.config.CopyFrom(model.config)
+        return response
+
+    async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if request.repository_name:
+            await _abort(context, InferError.unsupported("'repository_name' specification is not supported"))
+        response = pb.RepositoryIndexResponse()
+        for entry in self.dataplane.repository_index(request.ready):
+            response.models.add(
+                name=entry["name"], version=entry.get("version", ""), state=entry["state"], reason=entry.get("reason", "")
+            )
+        return response
+
+    # -- inference -------------------------------------------------------------------------------
+    async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            model = self.dataplane.model(request.model_name, _version(request.model_version))
+            if model.decoupled:
+                raise InferError.unsupported(
+                    "ModelInfer RPC doesn't support models with decoupled transaction policy; "
+                    "use ModelStreamInfer"
+                )
+            decoded = decode_infer(request, model)
+            result = await self.dataplane.infer(model, decoded.request)
+            if isinstance(result, InferError):
+                raise result
+            response = encode_infer(result, decoded, model)
+        except InferError as exc:
+            await _abort(context, exc)
+        if self.compress_infer:
+            context.set_compression(grpc.Compression.Gzip)
+        return response
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        error_closes = any(
+            key == "triton_grpc_error" and str(value).lower() == "true"
+            for key, value in (context.invocation_metadata() or ())
+        )
+        session = StreamSession(self.dataplane, error_closes=error_closes)
+        reader = asyncio.ensure_future(session.read(request_iterator))
+        try:
+            async for item in session.responses():
+                if isinstance(item, InferError):
+                    await _abort(context, item)
+                yield item
+            await reader
+        finally:
+            if not reader.done():
+                reader.cancel()
+            session.cancel_open()
+
+    # -- features owned by later work ------------------------------------------------------------
+    async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _abort(context, InferError.unsupported("the statistics extension is not available on this server yet"))
+
+    async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _abort(context, InferError.unavailable("explicit model load / unload is not allowed if polling is enabled"))
+
+    async def RepositoryModelUnload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _abort(context, InferError.unavailable("explicit model load / unload is not allowed if polling is enabled"))
+
+    async def _shared_memory(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _abort(context, InferError.unsupported("shared memory is not supported by this server yet"))
+
+    SystemSharedMemoryStatus = SystemSharedMemoryRegister = SystemSharedMemoryUnregister = _shared_memory
+    CudaSharedMemoryStatus = CudaSharedMemoryRegister = CudaSharedMemoryUnregister = _shared_memory
+
+    async def TraceSetting(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _abort(context, InferError.unsupported("the trace extension is not available on this server yet"))
+
+    async def LogSettings(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _abort(context, InferError.unsupported("the logging extension is not available on this server yet"))
+
+
+class HealthServicer:
+    """``grpc.health.v1.Health/Check``: SERVING while the server is live."""
+
+    def __init__(self, dataplane: DataPlane) -> None:
+        self.dataplane = dataplane
+
+    async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        status = "SERVING" if self.dataplane.live else "NOT_SERVING"
+        response = pb.message_class("grpc.health.v1.HealthCheckResponse")()
+        response.status = response.DESCRIPTOR.fields_by_name["status"].enum_type.values_by_name[status].number
+        return response
+

@@ -1,0 +1,143 @@
+"""``ModelStreamInfer``: many requests multiplexed on one stream, 0..N responses each.
+
+A ``StreamSession`` reads requests as they arrive, schedules each one, and yields responses
+in the order they are sent — from any instance thread — each tagged with the request's id
+and the ``triton_final_response`` parameter. Errors are per request (``error_message``) and
+keep the stream open, unless the client asked for ``triton_grpc_error`` (then the first error
+ends the stream with a status). Closing or cancelling the stream cancels every open request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pyserve import protocol as pb
+from pyserve.dataplane import DataPlane
+from pyserve.errors import InferError
+from pyserve.grpc.codec import decode_infer, encode_infer, error_only_response
+from pyserve.inference import InferRequest, InferResponse
+
+_END = object()
+
+
+class _StreamSender:
+    """Turns one request's responses into stream messages, from any thread."""
+
+    __slots__ = ("_decoded", "_empty_final", "_loop", "_model", "_session")
+
+    def __init__(self, session: StreamSession, decoded: Any, model: Any, empty_final: bool) -> None:
+        self._session = session
+        self._decoded = decoded
+        self._model = model
+        self._empty_final = empty_final
+        self._loop = session.loop
+
+    def send(self, response: InferResponse | InferError | None, final: bool) -> None:
+        self._loop.call_soon_threadsafe(self._session.deliver, self, response, final)
+
+    def is_cancelled(self) -> bool:
+        return self._session.closed
+
+    def message(self, response: InferResponse | InferError | None, final: bool) -> Any:
+        """The stream message for one response, or None when nothing is to be sent."""
+        request: InferRequest = self._decoded.request
+        if isinstance(response, InferError):
+            return pb.ModelStreamInferResponse(error_message=response.message)
+        if response is None:
+            if not (final and self._empty_final):
+                return None
+            infer = error_only_response(request, self._model)
+        else:
+            try:
+                infer = encode_infer(response, self._decoded, self._model)
+            except InferError as exc:
+                return pb.ModelStreamInferResponse(error_message=exc.message)
+        infer.parameters["triton_final_response"].bool_param = final
+        return pb.ModelStreamInferResponse(infer_response=infer)
+
+
+class StreamSession:
+    """One ``ModelStreamInfer`` call.
+
+    :param dataplane: the server's data plane.
+    :param error_closes: end the stream with a status on the first error.
+    """
+
+    def __init__(self, dataplane: DataPlane, error_closes: bool = False) -> None:
+        self.dataplane = dataplane
+        self.error_closes = error_closes
+        self.loop = asyncio.get_running_loop()
+        self.closed = False
+        self._out: asyncio.Queue[Any] = asyncio.Queue()
+        self._open: set[InferRequest] = set()
+        self._reading = True
+
+    async def read(self, requests: AsyncIterator[Any]) -> None:
+        """Schedule every request of the stream as it arrives."""
+        try:
+            async for message in requests:
+                self._start(message)
+        finally:
+            self._reading = False
+            self._maybe_end()
+
+    def _start(self, message: Any) -> None:
+        try:
+            model = self.dataplane.model(message.model_name, message.model_version or None)
+            decoded = decode_infer(message, model, stream=True)
+        except InferError as exc:
+            self._emit_error(exc)
+            return
+        request = decoded.request
+        empty_final = False
+        param = message.parameters.get("triton_enable_empty_final_response")
+        if param is not None and param.WhichOneof("parameter_choice") == "bool_param":
+            empty_final = param.bool_param
+        request.attach_sender(_StreamSender(self, decoded, model, empty_final))
+        error = self.dataplane.submit(model, request)
+        if error is not None:
+            self._emit_error(error)
+        else:
+            self._open.add(request)
+
+    def deliver(self, sender: _StreamSender, response: InferResponse | InferError | None, final: bool) -> None:
+        """Runs on the loop: queue the message, close the request on its final response."""
+        if self.closed:
+            return
+        if isinstance(response, InferError) and self.error_closes:
+            self._out.put_nowait(response)
+        else:
+            message = sender.message(response, final)
+            if message is not None:
+                self._out.put_nowait(message)
+        if final:
+            request = sender._decoded.request
+            if request in self._open:
+                self._open.discard(request)
+                self.dataplane.finished(request)
+            self._maybe_end()
+
+    def _emit_error(self, error: InferError) -> None:
+        self._out.put_nowait(error if self.error_closes else pb.ModelStreamInferResponse(error_message=error.message))
+
+    def _maybe_end(self) -> None:
+        if not self._reading and not self._open:
+            self._out.put_nowait(_END)
+
+    async def responses(self) -> AsyncIterator[Any]:
+        """Messages to write, in the order they were sent; ends when all requests are done."""
+        while True:
+            item = await self._out.get()
+            if item is _END:
+                return
+            yield item
+
+    def cancel_open(self) -> None:
+        """The stream ended or broke: cancel what is still running."""
+        self.closed = True
+        for request in list(self._open):
+            request.cancel()
+            self.dataplane.finished(request)
+        self._open.clear()

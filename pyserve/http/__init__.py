@@ -1,0 +1,1 @@
+"""The HTTP/REST frontend (KServe v2 + Triton's extensions) on Starlette and uvicorn."""

@@ -1,0 +1,248 @@
+"""The KServe v2 REST routes, as Triton serves them, on Starlette.
+
+Each route decodes, calls the ``DataPlane`` and encodes; nothing here knows about backends.
+Every error body is ``{"error": "..."}``; unknown routes get 404 ``Not Found`` and wrong
+methods 405 ``Method Not Allowed``, as Triton answers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from pyserve.dataplane import DataPlane
+from pyserve.errors import InferError
+from pyserve.http.body import compress, read_body
+from pyserve.http.codec import HEADER_LENGTH, decode_infer, encode_infer, parse_header_length
+from pyserve.http.errors import error_response, status_error
+from pyserve.http.generate import SSE_TYPE, GenerateSender, decode_generate, encode_generate, sse_event
+from pyserve.inference import InferResponse
+
+T = TypeVar("T")
+
+log = logging.getLogger("pyserve.http")
+
+_MODEL = "/v2/models/{model_name}"
+_VERSIONED = "/v2/models/{model_name}/versions/{model_version:int}"
+
+
+def _json(data: Any) -> Response:
+    return Response(orjson.dumps(data), 200, media_type="application/json")
+
+
+def _version(request: Request) -> str | None:
+    version = request.path_params.get("model_version")
+    return None if version is None else str(version)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Await ``work``, or cancel it and return None if the client disconnects first.
+
+    Cancelling marks the inference request cancelled, so a queued request never executes.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _disconnected(receive: Callable[[], Awaitable[Any]]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(sender: GenerateSender) -> list[InferResponse | InferError]:
+    return [item async for item in sender.responses()]
+
+
+def create_app(dataplane: DataPlane, *, max_input_size: int) -> Starlette:
+    """Build the Starlette application serving ``dataplane``.
+
+    :param max_input_size: the largest request body accepted, compressed or not.
+    """
+
+    async def live(request: Request) -> Response:
+        if dataplane.live:
+            return Response(b"", 200)
+        return status_error(400, "Server is not live")
+
+    async def ready(request: Request) -> Response:
+        if dataplane.is_ready():
+            return Response(b"", 200)
+        return status_error(400, "Server is not ready")
+
+    async def server_metadata(request: Request) -> Response:
+        return _json(dataplane.server_metadata())
+
+    async def model_metadata(request: Request) -> Response:
+        try:
+            return _json(dataplane.model_metadata(request.path_params["model_name"], _version(request)))
+        except InferError as exc:
+            return error_response(exc)
+
+    async def model_ready(request: Request) -> Response:
+        if dataplane.model_ready(request.path_params["model_name"], _version(request)):
+            return Response(b"", 200)
+        return status_error(400, "Model version not ready")
+
+    async def model_config(request: Request) -> Response:
+        try:
+            return _json(dataplane.model_config(request.path_params["model_name"], _version(request)))
+        except InferError as exc:
+            return error_response(exc)
+
+    async def repository_index(request: Request) -> Response:
+        ready_only = False
+        try:
+            body = await read_body(request, max_input_size)
+            if body.strip():
+                payload = orjson.loads(body)
+                if not isinstance(payload, dict):
+                    raise InferError.invalid("the repository index body must be a JSON object")
+                ready_only = payload.get("ready", False)
+                if not isinstance(ready_only, bool):
+                    raise InferError.invalid("'ready' must be a boolean")
+        except orjson.JSONDecodeError as exc:
+            return status_error(400, f"failed to parse the request JSON buffer: {exc}")
+        except InferError as exc:
+            return error_response(exc)
+        return _json(dataplane.repository_index(ready_only))
+
+    async def infer(request: Request) -> Response:
+        try:
+            model = dataplane.model(request.path_params["model_name"], _version(request))
+            if model.decoupled:
+                return status_error(
+                    501, "HTTP end point doesn't support models with decoupled transaction policy"
+                )
+            body = await read_body(request, max_input_size)
+            header_length = parse_header_length(request.headers.get(HEADER_LENGTH), len(body))
+            decoded = decode_infer(body, header_length, model)
+            result = await _unless_disconnected(request, dataplane.infer(model, decoded.request))
+            if result is None:
+                return status_error(400, "client disconnected")
+            if isinstance(result, InferError):
+                return error_response(result)
+            content, headers = encode_infer(result, decoded, model)
+        except InferError as exc:
+            return error_response(exc)
+        accept = request.headers.get("accept-encoding")
+        if accept:
+            content, encoding = compress(content, accept)
+            if encoding:
+                headers["content-encoding"] = encoding
+        media_type = headers.pop("content-type")
+        return Response(content, 200, headers=headers, media_type=media_type)
+
+    async def generate(request: Request) -> Response:
+        try:
+            model = dataplane.model(request.path_params["model_name"], _version(request))
+            body = await read_body(request, max_input_size)
+            infer_request = decode_generate(body, model)
+            sender = GenerateSender()
+            infer_request.attach_sender(sender)
+            error = dataplane.submit(model, infer_request)
+            if error is not None:
+                raise error
+            try:
+                responses = await _unless_disconnected(request, _collect(sender))
+            finally:
+                dataplane.finished(infer_request)
+            if responses is None:
+                infer_request.cancel()
+                return status_error(400, "client disconnected")
+            errors = [r for r in responses if isinstance(r, InferError)]
+            if errors:
+                raise errors[0]
+            if len(responses) != 1:
+                raise InferError.invalid(
+                    "generate expects model to produce exactly 1 response, use generate stream for model "
+                    f"that generates various number of responses (model '{model.name}' produced {len(responses)})"
+                )
+            response = responses[0]
+            assert isinstance(response, InferResponse)
+            return _json(encode_generate(response, infer_request, model))
+        except InferError as exc:
+            return error_response(exc)
+
+    async def generate_stream(request: Request) -> Response:
+        try:
+            model = dataplane.model(request.path_params["model_name"], _version(request))
+            body = await read_body(request, max_input_size)
+            infer_request = decode_generate(body, model)
+            sender = GenerateSender()
+            infer_request.attach_sender(sender)
+            error = dataplane.submit(model, infer_request)
+            if error is not None:
+                raise error
+        except InferError as exc:
+            return error_response(exc)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for item in sender.responses():
+                    if isinstance(item, InferError):
+                        yield sse_event({"error": item.message})
+                        continue
+                    try:
+                        yield sse_event(encode_generate(item, infer_request, model))
+                    except InferError as exc:
+                        yield sse_event({"error": exc.message})
+            finally:
+                sender.closed = True
+                infer_request.cancel()
+                dataplane.finished(infer_request)
+
+        return StreamingResponse(events(), media_type=SSE_TYPE)
+
+    async def repository_control(request: Request) -> Response:
+        return status_error(503, "explicit model load / unload is not allowed if polling is enabled")
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        message = {404: "Not Found", 405: "Method Not Allowed"}.get(exc.status_code, str(exc.detail))
+        return status_error(exc.status_code, message)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return status_error(500, f"internal server error: {type(exc).__name__}: {exc}")
+
+    routes = [
+        Route("/v2/health/live", live, methods=["GET"]),
+        Route("/v2/health/ready", ready, methods=["GET"]),
+        Route("/v2", server_metadata, methods=["GET"]),
+        Route("/v2/repository/index", repository_index, methods=["POST"]),
+        Route("/v2/repository/models/{model_name}/load", repository_control, methods=["POST"]),
+        Route("/v2/repository/models/{model_name}/unload", repository_control, methods=["POST"]),
+    ]
+    for prefix in (_MODEL, _VERSIONED):
+        routes += [
+            Route(prefix, model_metadata, methods=["GET"]),
+            Route(prefix + "/ready", model_ready, methods=["GET"]),
+            Route(prefix + "/config", model_config, methods=["GET"]),
+            Route(prefix + "/infer", infer, methods=["POST"]),
+            Route(prefix + "/generate", generate, methods=["POST"]),
+            Route(prefix + "/generate_stream", generate_stream, methods=["POST"]),
+        ]
+    return Starlette(
+        routes=routes,
+        exception_handlers={HTTPException: http_error, Exception: internal_error},
+    )

@@ -1,0 +1,84 @@
+"""Reading request bodies with a size cap, including compressed ones.
+
+The cap (``--http-max-input-size``) is enforced from ``Content-Length`` before anything is
+read, while streaming for chunked bodies, and on the decompressed size for gzip/deflate, so
+an oversized or zip-bomb body is refused without the memory being allocated.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from starlette.requests import Request
+
+from pyserve.errors import InferError
+
+DEFAULT_MAX_INPUT_SIZE = 64 * 1024 * 1024
+"""Triton's default ``--http-max-input-size`` (64 MiB)."""
+
+
+def _too_large(limit: int) -> InferError:
+    return InferError.invalid(
+        f"request body is larger than the server's limit of {limit} bytes (--http-max-input-size)"
+    )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, decompressed if ``Content-Encoding`` says so.
+
+    :raises InferError: over the limit, bad Content-Length, unknown encoding or corrupt data.
+    """
+    length_header = request.headers.get("content-length")
+    if length_header is not None:
+        try:
+            declared = int(length_header)
+        except ValueError:
+            raise InferError.invalid("Content-Length must be an integer") from None
+        if declared > limit:
+            raise _too_large(limit)
+    chunks: list[bytes] = []
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding == "gzip":
+        return _inflate(body, zlib.MAX_WBITS | 16, limit, encoding)
+    if encoding == "deflate":
+        return _inflate(body, zlib.MAX_WBITS, limit, encoding)
+    raise InferError.unsupported(f"unsupported Content-Encoding '{encoding}'; use gzip, deflate or identity")
+
+
+def _inflate(data: bytes, wbits: int, limit: int, encoding: str) -> bytes:
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(data, limit + 1)
+    except zlib.error as exc:
+        raise InferError.invalid(f"request body is not valid {encoding} data: {exc}") from None
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise _too_large(limit)
+    if not inflater.eof:
+        raise InferError.invalid(f"request body is truncated {encoding} data")
+    return out
+
+
+def compress(body: bytes, accept_encoding: str) -> tuple[bytes, str | None]:
+    """Compress a response body if the client accepts gzip or deflate."""
+    accepted = set()
+    for part in accept_encoding.split(","):
+        name, _, params = part.partition(";")
+        quality = params.strip().lower()
+        if quality.startswith("q=") and quality[2:].strip() in ("0", "0.0", "0.00", "0.000"):
+            continue
+        accepted.add(name.strip().lower())
+    if "gzip" in accepted:
+        c = zlib.compressobj(6, zlib.DEFLATED, zlib.MAX_WBITS | 16)
+        return c.compress(body) + c.flush(), "gzip"
+    if "deflate" in accepted:
+        return zlib.compress(body), "deflate"
+    return body, None

@@ -1,0 +1,407 @@
+"""KServe v2 REST bodies ⇄ ``InferRequest`` / ``InferResponse``, with Triton's binary extension.
+
+A request body is a JSON header, optionally followed by binary tensor data
+(``Inference-Header-Content-Length`` gives the JSON length). Binary inputs become numpy
+views of the received bytes, so no tensor is copied between the socket and the backend.
+A response carries JSON ``data`` or, per output, binary data after the JSON header.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+
+from pyserve.classification import classify
+from pyserve.errors import InferError
+from pyserve.inference import InferRequest, InferResponse
+from pyserve.model_config import ModelIO, TensorSpec
+from pyserve.models import ModelVersion
+from pyserve.validation import (
+    check_input,
+    check_outputs_requested,
+    decode_bytes_elements,
+    element_count,
+    encode_bytes_elements,
+    finish_inputs,
+    parse_parameters,
+)
+
+HEADER_LENGTH = "inference-header-content-length"
+JSON_TYPE = "application/json"
+BINARY_TYPE = "application/octet-stream"
+
+
+@dataclass(slots=True)
+class OutputOptions:
+    """How the client wants one output returned."""
+
+    binary: bool
+    classification: int = 0
+
+
+@dataclass(slots=True)
+class DecodedRequest:
+    """A decoded ``/infer`` body: the request plus the per-output wire options."""
+
+    request: InferRequest
+    outputs: dict[str, OutputOptions]
+
+
+def parse_header_length(value: str | None, body_length: int) -> int | None:
+    """The JSON length from ``Inference-Header-Content-Length``, checked against the body."""
+    if value is None:
+        return None
+    try:
+        length = int(value)
+    except ValueError:
+        raise InferError.invalid(
+            f"Inference-Header-Content-Length must be an integer, got '{value}'"
+        ) from None
+    if length < 0 or length > body_length:
+        raise InferError.invalid(
+            f"Inference-Header-Content-Length {length} is outside the request body of {body_length} byte(s)"
+        )
+    return length
+
+
+def _load_json(data: bytes | memoryview) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise InferError.invalid(f"failed to parse the request JSON buffer: {exc}") from None
+
+
+def decode_infer(body: bytes, header_length: int | None, model: ModelVersion) -> DecodedRequest:
+    """Decode and validate an ``/infer`` body for ``model``.
+
+    :raises InferError: anything malformed or not matching the model config (INVALID_ARG).
+    """
+    assert model.io is not None
+    if header_length == 0:
+        return _decode_raw_binary(body, model)
+    view = memoryview(body)
+    if header_length is None:
+        header = _load_json(view)
+        binary = view[:0]
+    else:
+        header = _load_json(view[:header_length])
+        binary = view[header_length:]
+    if not isinstance(header, dict):
+        raise InferError.invalid("the request body must be a JSON object")
+    return _decode_header(header, binary, model)
+
+
+def _decode_header(header: dict[str, Any], binary: memoryview, model: ModelVersion) -> DecodedRequest:
+    io = model.io
+    assert io is not None
+    name = model.name
+    request_id = header.get("id", "")
+    if not isinstance(request_id, str):
+        raise InferError.invalid("request 'id' must be a string")
+    params = header.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InferError.invalid("request 'parameters' must be a JSON object")
+    options = parse_parameters(params, allow=frozenset({"binary_data_output"}))
+    binary_default = params.get("binary_data_output", False)
+    if not isinstance(binary_default, bool):
+        raise InferError.invalid("parameter 'binary_data_output' must be a boolean")
+    raw_inputs = header.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise InferError.invalid("request 'inputs' must be a non-empty list")
+    inputs: dict[str, np.ndarray] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    offset = 0
+    for entry in raw_inputs:
+        if not isinstance(entry, dict):
+            raise InferError.invalid("each entry of 'inputs' must be a JSON object")
+        spec, shape = check_input(name, io, entry.get("name"), entry.get("datatype"), entry.get("shape"))
+        if spec.name in inputs:
+            raise InferError.invalid(f"input '{spec.name}' is given more than once for model '{name}'")
+        array, offset = _decode_input(entry, spec, shape, binary, offset, name)
+        inputs[spec.name] = array
+        shapes[spec.name] = shape
+    if offset != len(binary):
+        raise InferError.invalid(
+            f"the request carries {len(binary) - offset} byte(s) of binary data that no input claims"
+        )
+    batch = finish_inputs(name, io, inputs, shapes)
+    outputs = _decode_outputs(header.get("outputs"), io, name, binary_default)
+    request = InferRequest(
+        name,
+        model.version,
+        inputs,
+        tuple(outputs),
+        id=request_id,
+        parameters=options.custom,
+        flags=options.flags,
+        correlation_id=options.correlation_id,
+        priority=options.priority,
+        timeout_us=options.timeout_us,
+        batch_size=batch,
+    )
+    return DecodedRequest(request, outputs)
+
+
+def _decode_input(
+    entry: dict[str, Any],
+    spec: TensorSpec,
+    shape: tuple[int, ...],
+    binary: memoryview,
+    offset: int,
+    model: str,
+) -> tuple[np.ndarray, int]:
+    params = entry.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InferError.invalid(f"'parameters' of input '{spec.name}' must be a JSON object")
+    has_data = "data" in entry
+    size = params.get("binary_data_size")
+    if "shared_memory_region" in params:
+        raise InferError.unsupported(
+            f"input '{spec.name}': shared memory inputs are not supported by this server yet"
+        )
+    if (size is not None) == has_data:
+        raise InferError.invalid(
+            f"input '{spec.name}' must have exactly one of 'data' or parameter 'binary_data_size'"
+        )
+    count = element_count(shape)
+    dtype = spec.datatype
+    if size is not None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InferError.invalid(
+                f"input '{spec.name}': 'binary_data_size' must be a non-negative integer"
+            )
+        end = offset + size
+        if end > len(binary):
+            raise InferError.invalid(
+                f"input '{spec.name}': 'binary_data_size' is {size} but only {len(binary) - offset} "
+                "byte(s) of binary data remain in the request"
+            )
+        chunk = binary[offset:end]
+        if dtype.is_bytes:
+            array = decode_bytes_elements(chunk, count, spec.name)
+        else:
+            expected = count * dtype.itemsize
+            if size != expected:
+                raise InferError.invalid(
+                    f"input '{spec.name}' has shape {list(shape)} of {dtype.name}, which needs "
+                    f"{expected} byte(s), but 'binary_data_size' is {size}"
+                )
+            array = np.frombuffer(chunk, dtype=dtype.dtype, count=count)
+        return array.reshape(shape), end
+    return _json_to_array(entry["data"], spec, shape, count, model), offset
+
+
+def _json_to_array(data: Any, spec: TensorSpec, shape: tuple[int, ...], count: int, model: str) -> np.ndarray:
+    """Convert JSON ``data`` (flat or nested, row-major) to an array of the input's dtype."""
+    name = spec.name
+    dtype = spec.datatype
+    if not isinstance(data, list):
+        raise InferError.invalid(f"'data' of input '{name}' must be a JSON array")
+    if dtype.name in ("FP16", "BF16"):
+        raise InferError.invalid(
+            f"input '{name}': receiving {dtype.name} data via JSON is not supported; send it as binary data"
+        )
+    try:
+        raw = np.array(data, dtype=object if dtype.is_bytes else None)
+    except (ValueError, TypeError, OverflowError):
+        raise InferError.invalid(
+            f"'data' of input '{name}' is not a well-formed array: its nested lists are ragged or "
+            "nested too deeply"
+        ) from None
+    if raw.size != count or (raw.ndim != 1 and raw.shape != shape):
+        raise InferError.invalid(
+            f"Unable to parse 'data' of input '{name}': its shape {list(raw.shape)} does not match "
+            f"the input shape {list(shape)} ({count} element(s))"
+        )
+    kind = raw.dtype.kind
+    if dtype.is_bytes:
+        flat = raw.reshape(-1)
+        out = np.empty(count, dtype=object)
+        for i, item in enumerate(flat):
+            if not isinstance(item, str):
+                raise InferError.invalid(f"'data' of BYTES input '{name}' must hold strings")
+            out[i] = item.encode("utf-8")
+        return out.reshape(shape)
+    if dtype.name == "BOOL":
+        if kind != "b":
+            raise InferError.invalid(f"'data' of BOOL input '{name}' must hold true/false values")
+    elif dtype.dtype.kind in "iu":
+        if kind not in "iu":
+            # numpy infers float64 (or object) for integers beyond int64, e.g. large UINT64
+            # values: re-read those exactly instead of refusing or rounding them.
+            exact = _exact_integers(data, shape)
+            if exact is None:
+                raise InferError.invalid(f"'data' of {dtype.name} input '{name}' must hold integers")
+            raw = exact
+        info = np.iinfo(dtype.dtype)
+        if raw.size and (raw.min() < info.min or raw.max() > info.max):
+            raise InferError.invalid(f"'data' of input '{name}' has values out of range for {dtype.name}")
+    elif kind not in "iuf":
+        raise InferError.invalid(f"'data' of {dtype.name} input '{name}' must hold numbers")
+    return raw.astype(dtype.dtype, copy=False).reshape(shape)
+
+
+def _exact_integers(data: list[Any], shape: tuple[int, ...]) -> np.ndarray | None:
+    """``data`` as an object array of Python ints, or None if any element is not an int."""
+    flat = np.array(data, dtype=object).reshape(-1)
+    if not all(type(v) is int for v in flat):
+        return None
+    return flat.reshape(shape)
+
+
+def _decode_raw_binary(body: bytes, model: ModelVersion) -> DecodedRequest:
+    """Triton's raw binary request: the whole body is the single input's bytes, batch 1."""
+    io = model.io
+    assert io is not None
+    if len(io.inputs) != 1:
+        raise InferError.invalid(
+            f"a raw binary request (Inference-Header-Content-Length: 0) needs a model with exactly "
+            f"one input; model '{model.name}' has {len(io.inputs)}"
+        )
+    spec = next(iter(io.inputs.values()))
+    dims = list(spec.dims)
+    if spec.datatype.is_bytes:
+        if dims != [1] and dims != [-1]:
+            raise InferError.invalid("a raw binary BYTES input must have dims [1]")
+        shape = [1]
+        array = np.empty(1, dtype=object)
+        array[0] = bytes(body)
+    else:
+        itemsize = spec.datatype.itemsize
+        if len(body) % itemsize:
+            raise InferError.invalid(
+                f"raw binary input of {len(body)} byte(s) is not a whole number of {spec.datatype.name} elements"
+            )
+        variable = [i for i, d in enumerate(dims) if d == -1]
+        if len(variable) > 1:
+            raise InferError.invalid(
+                "a raw binary request needs an input with at most one variable dimension"
+            )
+        fixed = element_count([d for d in dims if d != -1])
+        total = len(body) // itemsize
+        if variable:
+            if fixed == 0 or total % fixed:
+                raise InferError.invalid("raw binary input size does not fit the input's dims")
+            dims[variable[0]] = total // fixed
+        elif fixed != total:
+            raise InferError.invalid(
+                f"raw binary input has {total} element(s) but the input's dims need {fixed}"
+            )
+        shape = dims
+        array = np.frombuffer(body, dtype=spec.datatype.dtype)
+    full = (1, *shape) if io.batching else tuple(shape)
+    inputs = {spec.name: array.reshape(full)}
+    finish_inputs(model.name, io, inputs, {spec.name: full})
+    outputs = {n: OutputOptions(binary=True) for n in io.outputs}
+    return DecodedRequest(InferRequest(model.name, model.version, inputs, tuple(outputs)), outputs)
+
+
+def _decode_outputs(raw: Any, io: ModelIO, model: str, binary_default: bool) -> dict[str, OutputOptions]:
+    if raw is None:
+        return {n: OutputOptions(binary=binary_default) for n in io.outputs}
+    if not isinstance(raw, list):
+        raise InferError.invalid("request 'outputs' must be a list")
+    names = []
+    for entry in raw:
+        if not isinstance(entry, dict):
+            raise InferError.invalid("each entry of 'outputs' must be a JSON object")
+        names.append(entry.get("name"))
+    check_outputs_requested(model, io, names)
+    outputs: dict[str, OutputOptions] = {}
+    for entry in raw:
+        params = entry.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise InferError.invalid(f"'parameters' of output '{entry['name']}' must be a JSON object")
+        binary = params.get("binary_data", binary_default)
+        if not isinstance(binary, bool):
+            raise InferError.invalid(f"output '{entry['name']}': 'binary_data' must be a boolean")
+        k = params.get("classification", 0)
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise InferError.invalid(
+                f"output '{entry['name']}': 'classification' must be a non-negative integer"
+            )
+        if "shared_memory_region" in params:
+            raise InferError.unsupported(
+                f"output '{entry['name']}': shared memory outputs are not supported by this server yet"
+            )
+        outputs[entry["name"]] = OutputOptions(binary=binary, classification=k)
+    if not outputs:
+        return {n: OutputOptions(binary=binary_default) for n in io.outputs}
+    return outputs
+
+
+def encode_infer(
+    response: InferResponse, decoded: DecodedRequest, model: ModelVersion
+) -> tuple[bytes, dict[str, str]]:
+    """The HTTP body and headers for a successful response."""
+    io = model.io
+    assert io is not None
+    request = decoded.request
+    out_entries: list[dict[str, Any]] = []
+    blobs: list[bytes | memoryview] = []
+    for name, opts in decoded.outputs.items():
+        array = response.outputs[name]
+        spec = io.outputs.get(name)
+        datatype = spec.datatype.name if spec else "BYTES"
+        if opts.classification:
+            labels = spec.labels if spec else ()
+            array = classify(array, opts.classification, labels, io.batching, name)
+            datatype = "BYTES"
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+        if opts.binary:
+            blob = _to_wire_bytes(array, datatype)
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            entry["data"] = _to_json_data(array, datatype, name)
+        out_entries.append(entry)
+    header: dict[str, Any] = {}
+    if request.id:
+        header["id"] = request.id
+    header["model_name"] = model.name
+    header["model_version"] = str(model.version)
+    if response.parameters:
+        header["parameters"] = response.parameters
+    header["outputs"] = out_entries
+    try:
+        json_bytes = orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError as exc:  # e.g. a backend's response parameter of an unsupported type
+        raise InferError(f"the response of model '{model.name}' cannot be written as JSON: {exc}") from None
+    if not blobs:
+        return json_bytes, {"content-type": JSON_TYPE}
+    body = b"".join([json_bytes, *blobs])
+    return body, {"content-type": BINARY_TYPE, HEADER_LENGTH: str(len(json_bytes))}
+
+
+def _to_wire_bytes(array: np.ndarray, datatype: str) -> bytes | memoryview:
+    if datatype == "BYTES":
+        return encode_bytes_elements(array)
+    array = np.ascontiguousarray(array)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    # a byte view, not a typed buffer: the buffer protocol has no code for BF16 ("E")
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def _to_json_data(array: np.ndarray, datatype: str, name: str) -> Any:
+    flat = np.ascontiguousarray(array).reshape(-1)
+    if datatype == "BYTES":
+        data = []
+        for item in flat:
+            if isinstance(item, str):
+                data.append(item)
+                continue
+            try:
+                data.append(bytes(item).decode("utf-8"))
+            except UnicodeDecodeError:
+                raise InferError.invalid(
+                    f"output '{name}' holds bytes that are not valid UTF-8 and cannot be returned as "
+                    "JSON; request it with parameter 'binary_data': true"
+                ) from None
+        return data
+    if datatype == "BF16":
+        return flat.astype(np.float32)
+    return flat

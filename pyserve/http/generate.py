@@ -1,0 +1,134 @@
+"""Triton's generate extension: ``/generate`` (one JSON object) and ``/generate_stream`` (SSE).
+
+The request body is a JSON object: each top-level key naming a model input becomes that
+input (a scalar → one element, a list → a 1-D tensor, with a batch dimension of 1 for
+batching models); the other keys, and the keys of a nested ``parameters`` object, become
+request parameters. Each response is a JSON object with ``model_name``, ``model_version``,
+``id`` (when given) and one key per output — a single element as a scalar, otherwise a flat
+list. ``/generate_stream`` sends every response as a server-sent event ``data: <json>``;
+errors after the first event arrive as ``data: {"error": ...}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import orjson
+
+from pyserve.errors import InferError
+from pyserve.http.codec import _json_to_array
+from pyserve.inference import InferRequest, InferResponse
+from pyserve.models import ModelVersion
+from pyserve.validation import check_input, finish_inputs, parse_parameters
+
+SSE_TYPE = "text/event-stream; charset=utf-8"
+
+
+def decode_generate(body: bytes, model: ModelVersion) -> InferRequest:
+    """Map a generate body onto the model's inputs and parameters.
+
+    :raises InferError: not a JSON object, a value that does not fit its input, a missing input.
+    """
+    io = model.io
+    assert io is not None
+    try:
+        payload = orjson.loads(body) if body.strip() else {}
+    except orjson.JSONDecodeError as exc:
+        raise InferError.invalid(f"failed to parse the request JSON buffer: {exc}") from None
+    if not isinstance(payload, dict):
+        raise InferError.invalid("the generate request body must be a JSON object")
+    request_id = payload.get("id", "")
+    if not isinstance(request_id, str):
+        raise InferError.invalid("request 'id' must be a string")
+    params: dict[str, Any] = {}
+    nested = payload.get("parameters", {})
+    if not isinstance(nested, dict):
+        raise InferError.invalid("'parameters' must be a JSON object")
+    inputs: dict[str, np.ndarray] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, value in payload.items():
+        if key in ("id", "parameters"):
+            continue
+        spec = io.inputs.get(key)
+        if spec is None:
+            params[key] = value
+            continue
+        data = value if isinstance(value, list) else [value]
+        shape = [1, len(data)] if io.batching else [len(data)]
+        spec, checked = check_input(model.name, io, key, spec.datatype.name, shape)
+        inputs[key] = _json_to_array(data, spec, checked, len(data), model.name)
+        shapes[key] = checked
+    params.update(nested)
+    options = parse_parameters(params)
+    batch = finish_inputs(model.name, io, inputs, shapes)
+    return InferRequest(
+        model.name,
+        model.version,
+        inputs,
+        tuple(io.outputs),
+        id=request_id,
+        parameters=options.custom,
+        flags=options.flags,
+        correlation_id=options.correlation_id,
+        priority=options.priority,
+        timeout_us=options.timeout_us,
+        batch_size=batch,
+    )
+
+
+def encode_generate(response: InferResponse, request: InferRequest, model: ModelVersion) -> dict[str, Any]:
+    """One generate response object."""
+    out: dict[str, Any] = {}
+    for name, array in response.outputs.items():
+        flat = np.asarray(array).reshape(-1)
+        values = [_plain(v) for v in flat]
+        out[name] = values[0] if len(values) == 1 else values
+    out["model_name"] = model.name
+    out["model_version"] = str(model.version)
+    if request.id:
+        out["id"] = request.id
+    if response.parameters:
+        out["parameters"] = response.parameters
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InferError.invalid("an output holds bytes that are not valid UTF-8") from None
+    if isinstance(value, np.generic):
+        return value.item() if value.dtype.name != "bfloat16" else float(value)
+    return value
+
+
+class GenerateSender:
+    """Collects one request's responses on the event loop (sent from any thread)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[InferResponse | InferError | None, bool]] = asyncio.Queue()
+        self.closed = False
+
+    def send(self, response: InferResponse | InferError | None, final: bool) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (response, final))
+
+    def is_cancelled(self) -> bool:
+        return self.closed
+
+    async def responses(self) -> AsyncIterator[InferResponse | InferError]:
+        """Every response until the final flag (a bare final flag yields nothing)."""
+        while True:
+            response, final = await self.queue.get()
+            if response is not None:
+                yield response
+            if final:
+                return
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"

@@ -1,0 +1,268 @@
+"""Transport-neutral inference requests and responses.
+
+Frontends (HTTP, gRPC) decode the wire format into an ``InferRequest`` whose inputs are
+already validated numpy arrays; backends answer with ``InferResponse`` objects. Responses
+travel back through the request's ``ResponseSender``, which is how both the one-response
+path and (later) decoupled models deliver results from any thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from pyserve.errors import ErrorCode, InferError
+
+ParameterValue = bool | int | float | str
+"""A request or response parameter value (the KServe v2 parameter types)."""
+
+SEQUENCE_START = 1
+"""Request flag: first request of a sequence (``TRITONSERVER_REQUEST_FLAG_SEQUENCE_START``)."""
+SEQUENCE_END = 2
+"""Request flag: last request of a sequence (``TRITONSERVER_REQUEST_FLAG_SEQUENCE_END``)."""
+
+
+class ResponseSender(Protocol):
+    """Where the responses of one request go.
+
+    ``send`` may be called from any thread. A request gets exactly one call with
+    ``final=True``; for a non-decoupled model that call carries its only response.
+    """
+
+    def send(self, response: InferResponse | InferError | None, final: bool) -> None:
+        """Deliver a response (or an error, or nothing with ``final=True``)."""
+
+    def is_cancelled(self) -> bool:
+        """Whether the client went away or cancelled the request."""
+
+
+class InferResponse:
+    """The answer to one request.
+
+    :param outputs: output name → array (numpy, or any array numpy can view without a copy).
+        BYTES outputs are object arrays of ``bytes`` (``str`` elements are UTF-8 encoded).
+    :param parameters: response parameters sent back to the client.
+    :param error: set instead of outputs when this request failed.
+    """
+
+    __slots__ = ("error", "outputs", "parameters")
+
+    def __init__(
+        self,
+        outputs: Mapping[str, Any] | None = None,
+        parameters: Mapping[str, ParameterValue] | None = None,
+        error: InferError | None = None,
+    ) -> None:
+        self.outputs: dict[str, Any] = dict(outputs) if outputs else {}
+        self.parameters: dict[str, ParameterValue] = dict(parameters) if parameters else {}
+        self.error = error
+
+    def __repr__(self) -> str:
+        if self.error is not None:
+            return f"InferResponse(error={self.error!r})"
+        shapes = {k: getattr(v, "shape", None) for k, v in self.outputs.items()}
+        return f"InferResponse(outputs={shapes})"
+
+
+class InferRequest:
+    """One inference request, as a backend sees it.
+
+    Thread-safety: a request is owned by one execute at a time; ``cancel`` and
+    ``is_cancelled`` may be called from any thread.
+
+    :ivar model_name: the model the request is for.
+    :ivar model_version: the version serving it.
+    :ivar id: the client's request id (``""`` when none was given).
+    :ivar inputs: input name → numpy array, validated against the model config. Arrays may be
+        read-only views of the received bytes; copy before writing.
+    :ivar requested_outputs: the output names to produce (all outputs when the client named
+        none).
+    :ivar parameters: the client's request parameters (reserved keys removed).
+    :ivar flags: ``SEQUENCE_START`` / ``SEQUENCE_END`` bits.
+    :ivar correlation_id: the sequence id (``0`` or ``""`` when not in a sequence).
+    :ivar priority: the schedule priority level (0 = model default).
+    :ivar timeout_us: the queue timeout the client asked for (0 = model default).
+    :ivar batch_size: size of the leading batch dimension (1 for non-batching models).
+    :ivar arrival_ns: ``time.monotonic_ns()`` when the frontend created the request.
+    """
+
+    __slots__ = (
+        "_backend_sender",
+        "_cancelled",
+        "_final_sent",
+        "_sender",
+        "arrival_ns",
+        "finish",
+        "batch_size",
+        "correlation_id",
+        "flags",
+        "id",
+        "inputs",
+        "model_name",
+        "model_version",
+        "parameters",
+        "priority",
+        "requested_outputs",
+        "timeout_us",
+    )
+
+    def __init__(
+        self,
+        model_name: str,
+        model_version: int,
+        inputs: dict[str, np.ndarray],
+        requested_outputs: tuple[str, ...],
+        *,
+        id: str = "",
+        parameters: dict[str, ParameterValue] | None = None,
+        flags: int = 0,
+        correlation_id: int | str = 0,
+        priority: int = 0,
+        timeout_us: int = 0,
+        batch_size: int = 1,
+    ) -> None:
+        self.model_name = model_name
+        self.model_version = model_version
+        self.inputs = inputs
+        self.requested_outputs = requested_outputs
+        self.id = id
+        self.parameters: dict[str, ParameterValue] = parameters if parameters is not None else {}
+        self.flags = flags
+        self.correlation_id = correlation_id
+        self.priority = priority
+        self.timeout_us = timeout_us
+        self.batch_size = batch_size
+        self.arrival_ns = time.monotonic_ns()
+        self._sender: ResponseSender | None = None
+        self._backend_sender: BackendResponseSender | None = None
+        self._cancelled = False
+        self._final_sent = False
+        self.finish: Callable[[InferRequest, InferResponse], InferResponse | InferError] | None = None
+
+    def __repr__(self) -> str:
+        return f"InferRequest(model={self.model_name!r}, id={self.id!r}, inputs={list(self.inputs)})"
+
+    def response_sender(self) -> BackendResponseSender:
+        """The sender a backend answers this request through (any thread, any time).
+
+        Decoupled models send any number of responses and then ``final=True`` (with or
+        without a last response); other models may send exactly one response with
+        ``final=True`` instead of returning it from ``pyserve_execute``.
+        """
+        sender = self._backend_sender
+        if sender is None:
+            sender = self._backend_sender = BackendResponseSender(self)
+        return sender
+
+    # -- core side ---------------------------------------------------------------------------
+    def attach_sender(self, sender: ResponseSender) -> None:
+        """Attach where responses go (the frontend's sender); called before scheduling."""
+        self._sender = sender
+
+    def attached_sender(self) -> ResponseSender:
+        """The frontend's sender, for core code that wraps it."""
+        if self._sender is None:
+            raise InferError("request has no response sender attached", ErrorCode.INTERNAL)
+        return self._sender
+
+    def reply(self, response: InferResponse | InferError | None, final: bool = True) -> None:
+        """Send a response (already checked) or an error to the frontend."""
+        if final:
+            self._final_sent = True
+        self.attached_sender().send(response, final)
+
+    @property
+    def final_sent(self) -> bool:
+        """Whether the request's final response went out."""
+        return self._final_sent
+
+    def cancel(self) -> None:
+        """Mark the request cancelled (client disconnect); a queued request is then dropped."""
+        self._cancelled = True
+
+    def is_cancelled(self) -> bool:
+        """True once the client cancelled or went away."""
+        if self._cancelled:
+            return True
+        sender = self._sender
+        return sender is not None and sender.is_cancelled()
+
+
+class BackendResponseSender:
+    """What ``InferRequest.response_sender()`` returns: sends from any thread.
+
+    Responses are checked like returned ones (requested outputs, datatypes) before they
+    reach the client.
+
+    :raises InferError: on ``send`` after the final response was sent.
+    """
+
+    __slots__ = ("_request",)
+
+    def __init__(self, request: InferRequest) -> None:
+        self._request = request
+
+    def send(self, response: InferResponse | InferError | BaseException | None = None, final: bool = False) -> None:
+        request = self._request
+        if request._final_sent:
+            raise InferError(
+                f"a final response was already sent for this request of model '{request.model_name}'",
+                ErrorCode.INTERNAL,
+            )
+        result: InferResponse | InferError | None
+        if isinstance(response, InferResponse):
+            if response.error is not None:
+                result = response.error
+            elif request.finish is not None:
+                result = request.finish(request, response)
+            else:
+                result = response
+        elif isinstance(response, BaseException):
+            result = error_response(response, request.model_name)
+        else:
+            result = response
+        request.reply(result, final)
+
+    def is_cancelled(self) -> bool:
+        return self._request.is_cancelled()
+
+
+def error_response(error: BaseException, model_name: str) -> InferError:
+    """Turn anything a backend produced as an error into an ``InferError``."""
+    if isinstance(error, InferError):
+        return error
+    return InferError(
+        f"Failed to process the request(s) for model '{model_name}', message: "
+        f"{type(error).__name__}: {error}",
+        ErrorCode.INTERNAL,
+    )
+
+
+class FutureSender:
+    """A ``ResponseSender`` for one-response requests awaited on an asyncio loop.
+
+    ``send`` hands the response to the loop thread-safely; ``result`` is awaited by the
+    frontend. Used for HTTP ``/infer`` and gRPC ``ModelInfer``.
+    """
+
+    __slots__ = ("_future", "_loop")
+
+    def __init__(self, loop: Any, future: Any) -> None:
+        self._loop = loop
+        self._future = future
+
+    def send(self, response: InferResponse | InferError | None, final: bool) -> None:
+        if response is None:
+            response = InferError("model sent no response for the request", ErrorCode.INTERNAL)
+        self._loop.call_soon_threadsafe(_resolve, self._future, response)
+
+    def is_cancelled(self) -> bool:
+        return self._future.cancelled()
+
+
+def _resolve(future: Any, response: InferResponse | InferError) -> None:
+    if not future.done():
+        future.set_result(response)

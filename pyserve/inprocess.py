@@ -1,0 +1,197 @@
+"""Calling models of this server from inside it (BLS), without the network and without copies.
+
+Backends reach it as ``model.server`` (a ``ServerHandle``). Calls may come from instance
+threads (blocking ``infer`` / ``stream``) or from coroutines on any loop (``infer_async``).
+Requests go straight to the target model's scheduler on the server's event loop, so they get
+the same batching, sequence and ensemble handling as requests from clients; input arrays are
+passed by reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import Iterator
+from typing import Any
+
+from pyserve import datatypes
+from pyserve.errors import ErrorCode, InferError
+from pyserve.inference import InferRequest, InferResponse
+from pyserve.validation import check_input, check_outputs_requested, finish_inputs
+
+_DONE = object()
+
+
+class _QueueSender:
+    """Collects a request's responses for a waiting thread."""
+
+    __slots__ = ("_cancelled", "queue")
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._cancelled = False
+
+    def send(self, response: InferResponse | InferError | None, final: bool) -> None:
+        if response is not None:
+            self.queue.put(response)
+        if final:
+            self.queue.put(_DONE)
+
+    def is_cancelled(self) -> bool:
+        return self._cancelled
+
+
+class ServerHandle:
+    """The in-process API of one running server.
+
+    Thread-safety: every method may be called from any thread except the server's event
+    loop thread itself for the blocking ones (they would wait on the loop they block).
+
+    :param dataplane: the server's data plane.
+    :param loop: the server's event loop.
+    """
+
+    def __init__(self, dataplane: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._dataplane = dataplane
+        self._loop = loop
+
+    def model_ready(self, name: str, version: str | None = None) -> bool:
+        """Whether a model (version) is READY."""
+        return bool(self._dataplane.model_ready(name, version))
+
+    def model_config(self, name: str, version: str | None = None) -> Any:
+        """The ``ModelConfig`` message of a READY model.
+
+        :raises InferError: unknown or unavailable model.
+        """
+        return self._dataplane.model(name, version).config
+
+    def is_decoupled(self, name: str, version: str | None = None) -> bool:
+        return bool(self._dataplane.model(name, version).decoupled)
+
+    def _submit(self, request: InferRequest, sender: Any) -> None:
+        version = None if request.model_version in (-1, 0) else str(request.model_version)
+
+        def submit() -> None:
+            try:
+                model = self._dataplane.model(request.model_name, version)
+                _validate(request, model)
+                request.model_version = model.version
+                request.attach_sender(_Finishing(sender, self._dataplane, request, self._loop))
+                error = self._dataplane.submit(model, request)
+            except InferError as exc:
+                error = exc
+            if error is not None:
+                sender.send(error, True)
+
+        if _on_loop(self._loop):
+            submit()
+        else:
+            self._loop.call_soon_threadsafe(submit)
+
+    def stream(self, request: InferRequest, timeout: float | None = None) -> Iterator[InferResponse | InferError]:
+        """Send a request and yield its responses as they come (decoupled models: 0..N).
+
+        :param timeout: seconds to wait for each response; on expiry the request is cancelled
+            and an UNAVAILABLE error is yielded.
+        """
+        if _on_loop(self._loop):
+            raise InferError("blocking in-process calls cannot be made on the server's event loop", ErrorCode.INTERNAL)
+        sender = _QueueSender()
+        self._submit(request, sender)
+        while True:
+            try:
+                item = sender.queue.get(timeout=timeout)
+            except queue.Empty:
+                request.cancel()
+                yield InferError.unavailable(f"request to model '{request.model_name}' timed out")
+                return
+            if item is _DONE:
+                return
+            yield item
+
+    def infer(self, request: InferRequest, timeout: float | None = None) -> InferResponse | InferError:
+        """Send a request and wait for its one response (blocking)."""
+        results = list(self.stream(request, timeout))
+        errors = [r for r in results if isinstance(r, InferError)]
+        if errors:
+            return errors[0]
+        if len(results) != 1:
+            return InferError(
+                f"model '{request.model_name}' sent {len(results)} responses; use a decoupled call to read them all",
+                ErrorCode.INTERNAL,
+            )
+        return results[0]
+
+    async def infer_async(self, request: InferRequest) -> InferResponse | InferError:
+        """Await one response from a coroutine running on any event loop."""
+        caller = asyncio.get_running_loop()
+        future: asyncio.Future[list[Any]] = caller.create_future()
+        collected: list[Any] = []
+
+        class _Sender:
+            def send(self, response: Any, final: bool) -> None:
+                if response is not None:
+                    collected.append(response)
+                if final:
+                    caller.call_soon_threadsafe(lambda: future.done() or future.set_result(collected))
+
+            def is_cancelled(self) -> bool:
+                return future.cancelled()
+
+        self._submit(request, _Sender())
+        results = await future
+        errors = [r for r in results if isinstance(r, InferError)]
+        if errors:
+            return errors[0]
+        if len(results) != 1:
+            return InferError(f"model '{request.model_name}' sent {len(results)} responses", ErrorCode.INTERNAL)
+        return results[0]
+
+
+class _Finishing:
+    """Forwards to the caller's sender and tells the data plane when the request is done."""
+
+    __slots__ = ("_dataplane", "_inner", "_loop", "_request")
+
+    def __init__(self, inner: Any, dataplane: Any, request: InferRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self._inner = inner
+        self._dataplane = dataplane
+        self._request = request
+        self._loop = loop
+
+    def send(self, response: InferResponse | InferError | None, final: bool) -> None:
+        self._inner.send(response, final)
+        if final:
+            if _on_loop(self._loop):
+                self._dataplane.finished(self._request)
+            else:
+                self._loop.call_soon_threadsafe(self._dataplane.finished, self._request)
+
+    def is_cancelled(self) -> bool:
+        return self._inner.is_cancelled()
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+def _validate(request: InferRequest, model: Any) -> None:
+    """The checks a frontend's codec makes, for a request built in-process.
+
+    :raises InferError: unknown/missing inputs or outputs, wrong datatype or shape.
+    """
+    io = model.io
+    shapes = {}
+    for name, array in request.inputs.items():
+        spec = io.inputs.get(name)
+        if spec is None:
+            raise InferError.invalid(f"unexpected inference input '{name}' for model '{model.name}'")
+        dtype = datatypes.from_numpy(array.dtype)
+        _, shape = check_input(model.name, io, name, dtype.name if dtype else str(array.dtype), list(array.shape))
+        shapes[name] = shape
+    request.batch_size = finish_inputs(model.name, io, request.inputs, shapes)
+    request.requested_outputs = check_outputs_requested(model.name, io, list(request.requested_outputs))

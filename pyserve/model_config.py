@@ -1,0 +1,373 @@
+"""config.pbtxt: parsing (protobuf ``text_format``), Triton's normalization, and validation.
+
+``parse_config`` turns the text into a ``ModelConfig`` message and reports syntax errors and
+unknown fields with file, line and column. ``normalize`` applies the defaults Triton fills
+in (name, platform/backend, default filename, version policy, instance groups, batching
+defaults). ``validate`` lists every remaining problem, each naming the field it is about.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import text_format
+
+from pyserve import datatypes
+from pyserve.datatypes import DataType
+from pyserve.errors import ModelConfigError
+from pyserve.protocol import ModelConfig, data_type_name
+
+ENSEMBLE_PLATFORM = "ensemble"
+
+DEFAULT_FILENAMES: dict[str, str] = {
+    "tensorrt_plan": "model.plan",
+    "onnxruntime_onnx": "model.onnx",
+    "pytorch_libtorch": "model.pt",
+    "libtorch": "model.pt",
+    "torch_aoti": "model.pt2",
+    "tensorflow_savedmodel": "model.savedmodel",
+    "tensorflow_graphdef": "model.graphdef",
+    "python": "model.py",
+    "openvino": "model.xml",
+    "dali": "model.dali",
+}
+"""Platform (or backend, for backends without a platform) → Triton's default model file."""
+
+_FILE_TO_PLATFORM: tuple[tuple[str, str, str], ...] = (
+    ("model.plan", "tensorrt_plan", "tensorrt"),
+    ("model.onnx", "onnxruntime_onnx", "onnxruntime"),
+    ("model.pt", "pytorch_libtorch", "pytorch"),
+    ("model.savedmodel", "tensorflow_savedmodel", "tensorflow"),
+    ("model.graphdef", "tensorflow_graphdef", "tensorflow"),
+    ("model.py", "", "python"),
+)
+
+_BACKEND_DEFAULT_PLATFORM = {
+    "onnxruntime": "onnxruntime_onnx",
+    "pytorch": "pytorch_libtorch",
+    "tensorrt": "tensorrt_plan",
+}
+
+
+def parse_config(text: str, path: Path | str) -> Any:
+    """Parse config.pbtxt text into a ``ModelConfig`` message.
+
+    :raises ModelConfigError: with ``<path>:<line>:<column>: <protobuf's message>``.
+    """
+    config = ModelConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as exc:
+        line, column = exc.GetLine(), exc.GetColumn()
+        message = str(exc)
+        message = re.sub(r"^\d+:\d+ : ", "", message)
+        where = f"{path}:{line}:{column}" if line else str(path)
+        raise ModelConfigError(f"{where}: {message}") from None
+    return config
+
+
+def gpu_count() -> int:
+    """GPUs visible to this process (NVIDIA device nodes), honouring CUDA_VISIBLE_DEVICES."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"])
+    try:
+        return len([n for n in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", n)])
+    except OSError:
+        return 0
+
+
+def _kind_name(group: Any) -> str:
+    return group.DESCRIPTOR.fields_by_name["kind"].enum_type.values_by_number[group.kind].name
+
+
+def _kind_value(group: Any, name: str) -> int:
+    return group.DESCRIPTOR.fields_by_name["kind"].enum_type.values_by_name[name].number
+
+
+def normalize(config: Any, model_dir: Path, platform_backend: Any = None) -> None:
+    """Fill in Triton's defaults in place.
+
+    :param config: the parsed ``ModelConfig``.
+    :param model_dir: the model directory (its name is the model name).
+    :param platform_backend: ``callable(platform) -> backend name | None`` for platforms
+        beyond Triton's own table (the plugin host's ``platform_backend``).
+    :raises ModelConfigError: when the config cannot be completed (name mismatch, no way to
+        tell the backend, GPU instances without GPUs).
+    """
+    name = model_dir.name
+    if not config.name:
+        config.name = name
+    elif config.name != name:
+        raise ModelConfigError(
+            f"{model_dir / 'config.pbtxt'}: field 'name': '{config.name}' does not match the "
+            f"model directory name '{name}'"
+        )
+    _resolve_backend(config, model_dir, platform_backend)
+    if not config.default_model_filename:
+        default = DEFAULT_FILENAMES.get(config.platform) or DEFAULT_FILENAMES.get(config.backend)
+        if default:
+            config.default_model_filename = default
+    if not config.HasField("version_policy"):
+        config.version_policy.latest.num_versions = 1
+    if config.platform == ENSEMBLE_PLATFORM:
+        return
+    _normalize_instance_groups(config)
+    if config.HasField("dynamic_batching") and not config.dynamic_batching.preferred_batch_size:
+        if config.max_batch_size > 0:
+            config.dynamic_batching.preferred_batch_size.append(config.max_batch_size)
+    if config.HasField("sequence_batching") and not config.sequence_batching.max_sequence_idle_microseconds:
+        config.sequence_batching.max_sequence_idle_microseconds = 1_000_000
+    if not config.optimization.HasField("input_pinned_memory"):
+        config.optimization.input_pinned_memory.enable = True
+    if not config.optimization.HasField("output_pinned_memory"):
+        config.optimization.output_pinned_memory.enable = True
+
+
+def _resolve_backend(config: Any, model_dir: Path, platform_backend: Any) -> None:
+    if config.platform == ENSEMBLE_PLATFORM:
+        if config.backend:
+            raise ModelConfigError(
+                f"{model_dir / 'config.pbtxt'}: field 'backend' must be empty for platform 'ensemble'"
+            )
+        return
+    if config.platform and not config.backend:
+        backend = None
+        if platform_backend is not None:
+            backend = platform_backend(config.platform)
+        if backend is None:
+            from pyserve.plugins import TRITON_PLATFORMS
+
+            backend = TRITON_PLATFORMS.get(config.platform)
+        if backend is None:
+            raise ModelConfigError(
+                f"{model_dir / 'config.pbtxt'}: field 'platform': unknown platform "
+                f"'{config.platform}'; no installed backend claims it"
+            )
+        config.backend = backend
+        return
+    if not config.backend:
+        if config.default_model_filename:
+            for filename, platform, backend in _FILE_TO_PLATFORM:
+                if config.default_model_filename.endswith(Path(filename).suffix):
+                    config.platform, config.backend = platform, backend
+                    return
+        first = _first_version_dir(model_dir)
+        if first is not None:
+            for filename, platform, backend in _FILE_TO_PLATFORM:
+                if (first / filename).exists():
+                    config.platform, config.backend = platform, backend
+                    return
+        if "." in model_dir.name:
+            config.backend = model_dir.name.rsplit(".", 1)[1]
+            return
+        raise ModelConfigError(
+            f"{model_dir / 'config.pbtxt'}: the config names no 'backend' or 'platform', and "
+            "no model file in the version directory shows which backend to use"
+        )
+    if not config.platform and config.backend in _BACKEND_DEFAULT_PLATFORM:
+        config.platform = _BACKEND_DEFAULT_PLATFORM[config.backend]
+    if not config.platform and config.backend == "tensorflow":
+        first = _first_version_dir(model_dir)
+        graphdef = config.default_model_filename.endswith(".graphdef") or (
+            first is not None and (first / "model.graphdef").exists()
+        )
+        config.platform = "tensorflow_graphdef" if graphdef else "tensorflow_savedmodel"
+
+
+def _first_version_dir(model_dir: Path) -> Path | None:
+    from pyserve.repository import version_numbers
+
+    try:
+        versions = version_numbers(model_dir)
+    except OSError:
+        return None
+    return model_dir / str(versions[0]) if versions else None
+
+
+def _normalize_instance_groups(config: Any) -> None:
+    if not config.instance_group:
+        config.instance_group.add()
+    gpus = gpu_count()
+    for index, group in enumerate(config.instance_group):
+        where = f"instance_group[{index}]"
+        if not group.name:
+            group.name = f"{config.name}_{index}"
+        if group.count == 0:
+            group.count = 1
+        kind = _kind_name(group)
+        if kind == "KIND_AUTO":
+            kind = "KIND_GPU" if gpus else "KIND_CPU"
+            group.kind = _kind_value(group, kind)
+        if kind == "KIND_GPU":
+            if not gpus:
+                raise ModelConfigError(
+                    f"{config.name}/config.pbtxt: {where} ('{group.name}') has kind KIND_GPU "
+                    "but no GPU is available"
+                )
+            if not group.gpus:
+                group.gpus.extend(range(gpus))
+            bad = [g for g in group.gpus if g < 0 or g >= gpus]
+            if bad:
+                raise ModelConfigError(
+                    f"{config.name}/config.pbtxt: {where} ('{group.name}') names GPU(s) {bad}, "
+                    f"but only {gpus} GPU(s) are available"
+                )
+        elif group.gpus and kind == "KIND_CPU":
+            raise ModelConfigError(
+                f"{config.name}/config.pbtxt: {where} ('{group.name}') has kind KIND_CPU but lists gpus"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One input or output as the config declares it.
+
+    :ivar dims: the declared non-batch dims (``-1`` = any size).
+    :ivar reshape: the shape the backend sees instead of ``dims``, if the config reshapes.
+    :ivar labels: classification labels from ``label_filename`` (outputs only).
+    """
+
+    name: str
+    datatype: DataType
+    dims: tuple[int, ...]
+    reshape: tuple[int, ...] | None = None
+    optional: bool = False
+    allow_ragged_batch: bool = False
+    labels: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelIO:
+    """The inputs and outputs of a model, in config order, ready for fast validation."""
+
+    max_batch_size: int
+    inputs: dict[str, TensorSpec]
+    outputs: dict[str, TensorSpec]
+
+    @property
+    def batching(self) -> bool:
+        return self.max_batch_size > 0
+
+
+def _tensor_problems(kind: str, index: int, tensor: Any) -> list[str]:
+    where = f"{kind}[{index}]" + (f" '{tensor.name}'" if tensor.name else "")
+    problems = []
+    if not tensor.name:
+        problems.append(f"{where}: field 'name' must not be empty")
+    if datatypes.from_config_name(data_type_name(tensor.data_type)) is None:
+        problems.append(f"{where}: field 'data_type' must be set to a valid type (got {data_type_name(tensor.data_type)})")
+    has_reshape = tensor.HasField("reshape")
+    if not tensor.dims and not (has_reshape and not tensor.reshape.shape):
+        problems.append(f"{where}: field 'dims' must not be empty (use reshape {{ shape: [] }} for scalars)")
+    for d in tensor.dims:
+        if d < -1 or d == 0:
+            problems.append(f"{where}: field 'dims': dimension {d} must be >= 1, or -1 for a variable size")
+            break
+    if has_reshape:
+        for d in tensor.reshape.shape:
+            if d < -1 or d == 0:
+                problems.append(f"{where}: field 'reshape': dimension {d} must be >= 1, or -1")
+                break
+        fixed_dims = all(d > 0 for d in tensor.dims)
+        fixed_reshape = all(d > 0 for d in tensor.reshape.shape)
+        if fixed_dims and fixed_reshape and _product(tensor.dims) != _product(tensor.reshape.shape):
+            problems.append(
+                f"{where}: field 'reshape': shape {list(tensor.reshape.shape)} has a different "
+                f"element count than dims {list(tensor.dims)}"
+            )
+    return problems
+
+
+def _product(values: Any) -> int:
+    total = 1
+    for v in values:
+        total *= int(v)
+    return total
+
+
+def validate(config: Any, model_dir: Path) -> list[str]:
+    """Every problem left in a normalized config; empty when it can be served."""
+    problems: list[str] = []
+    if config.max_batch_size < 0:
+        problems.append(f"field 'max_batch_size' must be >= 0 (got {config.max_batch_size})")
+    if config.platform == ENSEMBLE_PLATFORM:
+        if config.instance_group:
+            problems.append("field 'instance_group' is not allowed for an ensemble")
+        if not config.ensemble_scheduling.step:
+            problems.append("field 'ensemble_scheduling' must list at least one step for an ensemble")
+    elif config.HasField("ensemble_scheduling"):
+        problems.append("field 'ensemble_scheduling' is only allowed with platform 'ensemble'")
+    if not config.input:
+        problems.append("the model declares no 'input'")
+    if not config.output:
+        problems.append("the model declares no 'output'")
+    for kind, tensors in (("input", config.input), ("output", config.output)):
+        seen: set[str] = set()
+        for index, tensor in enumerate(tensors):
+            problems.extend(_tensor_problems(kind, index, tensor))
+            if tensor.name in seen:
+                problems.append(f"{kind}[{index}]: name '{tensor.name}' is declared twice")
+            seen.add(tensor.name)
+    for index, tensor in enumerate(config.input):
+        fmt = tensor.DESCRIPTOR.fields_by_name["format"].enum_type.values_by_number[tensor.format].name
+        if fmt in ("FORMAT_NHWC", "FORMAT_NCHW") and len(tensor.dims) != 3:
+            problems.append(f"input[{index}] '{tensor.name}': format {fmt} needs exactly 3 dims")
+    for index, tensor in enumerate(config.output):
+        if tensor.label_filename and not (model_dir / tensor.label_filename).is_file():
+            problems.append(
+                f"output[{index}] '{tensor.name}': label_filename '{tensor.label_filename}' "
+                "does not exist in the model directory"
+            )
+    if config.version_policy.WhichOneof("policy_choice") == "latest" and config.version_policy.latest.num_versions < 1:
+        problems.append("field 'version_policy.latest.num_versions' must be >= 1")
+    if config.HasField("dynamic_batching"):
+        for size in config.dynamic_batching.preferred_batch_size:
+            if size < 1 or (config.max_batch_size > 0 and size > config.max_batch_size):
+                problems.append(
+                    f"field 'dynamic_batching.preferred_batch_size': {size} must be between 1 "
+                    f"and max_batch_size ({config.max_batch_size})"
+                )
+    return problems
+
+
+def model_io(config: Any, model_dir: Path) -> ModelIO:
+    """Build the validation tables for a valid config (labels are read here)."""
+
+    def spec(tensor: Any, with_labels: bool) -> TensorSpec:
+        labels: tuple[str, ...] = ()
+        if with_labels and tensor.label_filename:
+            text = (model_dir / tensor.label_filename).read_text(encoding="utf-8")
+            labels = tuple(text.splitlines())
+        reshape = tuple(int(d) for d in tensor.reshape.shape) if tensor.HasField("reshape") else None
+        dtype = datatypes.from_config_name(data_type_name(tensor.data_type))
+        assert dtype is not None
+        return TensorSpec(
+            name=tensor.name,
+            datatype=dtype,
+            dims=tuple(int(d) for d in tensor.dims),
+            reshape=reshape,
+            optional=bool(getattr(tensor, "optional", False)),
+            allow_ragged_batch=bool(getattr(tensor, "allow_ragged_batch", False)),
+            labels=labels,
+        )
+
+    return ModelIO(
+        max_batch_size=int(config.max_batch_size),
+        inputs={t.name: spec(t, False) for t in config.input},
+        outputs={t.name: spec(t, True) for t in config.output},
+    )
+
+
+def instance_kind(group: Any) -> str:
+    """``"CPU"``, ``"GPU"`` or ``"MODEL"`` for a normalized instance group."""
+    return _kind_name(group).removeprefix("KIND_")
+
+
+def parameters(config: Any) -> dict[str, str]:
+    """The config's ``parameters`` map as plain strings."""
+    return {key: value.string_value for key, value in config.parameters.items()}

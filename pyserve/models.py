@@ -1,0 +1,83 @@
+"""Runtime objects for loaded models: one ``ModelVersion`` per served version.
+
+A ``ModelVersion`` ties a version's config, its backend context, its instances and its
+scheduler together. ``ModelRecord`` groups the versions of one model name with the
+model-level reason shown when no version could even be attempted.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyserve.backend import InstanceContext, ModelContext
+from pyserve.inference import InferRequest
+from pyserve.model_config import ModelIO
+from pyserve.plugins import LoadedBackend
+from pyserve.repository import ModelSource
+from pyserve.scheduling import InstanceWorker, Scheduler
+
+
+class ModelState(str, enum.Enum):
+    """Triton's model version states, as the repository index reports them."""
+
+    UNKNOWN = "UNKNOWN"
+    LOADING = "LOADING"
+    READY = "READY"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+@dataclass(eq=False)
+class ModelVersion:
+    """One version of a model and everything that serves it.
+
+    ``enqueue`` is the hot path: it is called on the event loop for every request.
+    """
+
+    name: str
+    version: int
+    state: ModelState = ModelState.LOADING
+    reason: str = ""
+    config: Any = None
+    io: ModelIO | None = None
+    context: ModelContext | None = None
+    backend: LoadedBackend | None = None
+    instances: list[InstanceContext] = field(default_factory=list)
+    workers: list[InstanceWorker] = field(default_factory=list)
+    scheduler: Scheduler | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.state is ModelState.READY
+
+    @property
+    def decoupled(self) -> bool:
+        return bool(self.config is not None and self.config.model_transaction_policy.decoupled)
+
+    def enqueue(self, request: InferRequest) -> None:
+        assert self.scheduler is not None
+        self.scheduler.enqueue(request)
+
+    def fail(self, reason: str) -> None:
+        self.state = ModelState.UNAVAILABLE
+        self.reason = reason
+
+
+@dataclass(eq=False)
+class ModelRecord:
+    """All versions of one model name, plus a model-level reason when none could load."""
+
+    name: str
+    source: ModelSource
+    versions: dict[int, ModelVersion] = field(default_factory=dict)
+    state: ModelState = ModelState.LOADING
+    reason: str = ""
+
+    def fail(self, reason: str) -> None:
+        self.state = ModelState.UNAVAILABLE
+        self.reason = reason
+
+    def ready_versions(self) -> list[ModelVersion]:
+        return [v for _, v in sorted(self.versions.items()) if v.ready]

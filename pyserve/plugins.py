@@ -1,0 +1,285 @@
+"""Plugin discovery and the scoped hook callers the core calls backends through.
+
+* Backends come from the entry-point group ``pyserve.backends`` (name = backend name). Only
+  the entry-point *metadata* is read at startup; a backend's package is imported the first
+  time a model needs it.
+* Server plugins come from ``pyserve.plugins`` and are loaded at startup; they take part in
+  every model's hook calls (e.g. to wrap ``pyserve_execute``).
+* ``pyserve.platforms`` entry points map a config ``platform`` to a backend name, on top of
+  Triton's own platform table.
+
+One ``PluginHost`` belongs to one server; there is no module-level plugin manager.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import inspect
+import logging
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+from pyserve_hookspecs import (
+    BACKEND_ENTRY_POINT_GROUP,
+    PLATFORM_ENTRY_POINT_GROUP,
+    PROJECT_NAME,
+    SERVER_PLUGIN_ENTRY_POINT_GROUP,
+    SPEC_MODULES,
+)
+
+from pyserve.backend import Backend
+
+log = logging.getLogger("pyserve.plugins")
+
+TRITON_PLATFORMS: dict[str, str] = {
+    "tensorrt_plan": "tensorrt",
+    "onnxruntime_onnx": "onnxruntime",
+    "pytorch_libtorch": "pytorch",
+    "libtorch": "pytorch",
+    "torch_aoti": "pytorch",
+    "tensorflow_savedmodel": "tensorflow",
+    "tensorflow_graphdef": "tensorflow",
+}
+"""Triton's fixed platform → backend table (``ensemble`` has no backend)."""
+
+LIFECYCLE_HOOKS = (
+    "pyserve_backend_initialize",
+    "pyserve_backend_finalize",
+    "pyserve_model_auto_complete",
+    "pyserve_model_create",
+    "pyserve_model_finalize",
+    "pyserve_instance_create",
+    "pyserve_instance_finalize",
+    "pyserve_execute",
+)
+
+
+class BackendUnavailable(Exception):
+    """A backend cannot be used; the message says why and what to install."""
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What is known about an installed backend without importing it."""
+
+    name: str
+    distribution: str
+    version: str
+    platforms: tuple[str, ...]
+    source: str  # the entry point's value, or "<registered>" for programmatic ones
+
+
+class BackendHooks:
+    """Typed facade over the hook callers scoped to one backend.
+
+    Every call reaches only the owning backend plus the server plugins. Rebuilt by the
+    host whenever another backend is registered, so the scoping stays exact.
+    """
+
+    __slots__ = tuple(name.removeprefix("pyserve_") for name in LIFECYCLE_HOOKS)
+
+    def __init__(self, pm: pluggy.PluginManager, others: Iterable[object]) -> None:
+        others = list(others)
+        for hook_name in LIFECYCLE_HOOKS:
+            setattr(self, hook_name.removeprefix("pyserve_"), pm.subset_hook_caller(hook_name, others))
+
+    backend_initialize: Any
+    backend_finalize: Any
+    model_auto_complete: Any
+    model_create: Any
+    model_finalize: Any
+    instance_create: Any
+    instance_finalize: Any
+    execute: Any
+
+
+@dataclass(eq=False)
+class LoadedBackend:
+    """A backend whose plugin object is registered with the plugin manager."""
+
+    info: BackendInfo
+    plugin: object
+    hooks: BackendHooks
+    initialized: bool = False
+    init_error: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _as_plugin(obj: object) -> object:
+    """Entry points may name a module, a Backend instance or a Backend subclass."""
+    if inspect.isclass(obj):
+        if issubclass(obj, Backend):
+            return obj()
+        raise TypeError(f"{obj!r} is a class but not a pyserve.Backend subclass")
+    return obj
+
+
+class PluginHost:
+    """Owns the pluggy manager, the backend registry and the server plugins.
+
+    Thread-safety: ``backend`` may be called from several model-loading threads at once.
+
+    :param extra_backends: name → plugin object, registered as if they were installed
+        (tests and embedding applications).
+    :param server_plugins: extra server plugins, in addition to the entry points.
+    :param use_entry_points: read the ``pyserve.*`` entry-point groups.
+    """
+
+    def __init__(
+        self,
+        *,
+        extra_backends: Mapping[str, object] | None = None,
+        server_plugins: Iterable[object] = (),
+        use_entry_points: bool = True,
+    ) -> None:
+        self.pm = pluggy.PluginManager(PROJECT_NAME)
+        for module in SPEC_MODULES:
+            self.pm.add_hookspecs(module)
+        self._lock = threading.RLock()
+        self._loaded: dict[str, LoadedBackend] = {}
+        self._entry_points: dict[str, list[metadata.EntryPoint]] = {}
+        self._extra: dict[str, object] = dict(extra_backends or {})
+        self._platforms: dict[str, str] = dict(TRITON_PLATFORMS)
+        self.server_plugins: list[object] = []
+        if use_entry_points:
+            self._read_entry_points()
+        for plugin in server_plugins:
+            self.add_server_plugin(plugin)
+
+    # -- discovery -----------------------------------------------------------------------
+    def _read_entry_points(self) -> None:
+        for ep in metadata.entry_points(group=BACKEND_ENTRY_POINT_GROUP):
+            self._entry_points.setdefault(ep.name, []).append(ep)
+        for ep in metadata.entry_points(group=PLATFORM_ENTRY_POINT_GROUP):
+            self._platforms[ep.name] = ep.value.strip()
+        for ep in metadata.entry_points(group=SERVER_PLUGIN_ENTRY_POINT_GROUP):
+            try:
+                self.add_server_plugin(_as_plugin(ep.load()), name=f"{ep.name} ({_dist_label(ep)})")
+            except Exception as exc:  # a broken optional plugin must not stop the server
+                log.error("server plugin '%s' from %s failed to load: %s", ep.name, _dist_label(ep), exc)
+
+    def add_server_plugin(self, plugin: object, name: str | None = None) -> None:
+        """Register a server-wide plugin; it may only wrap ``pyserve_execute``."""
+        with self._lock:
+            self.pm.register(plugin, name=name)
+            try:
+                for impl in self.pm.hook.pyserve_execute.get_hookimpls():
+                    if impl.plugin is plugin and not impl.wrapper:
+                        raise pluggy.PluginValidationError(
+                            plugin,
+                            f"server plugin {name or plugin!r} implements pyserve_execute without "
+                            "wrapper=True; server plugins may only wrap execute",
+                        )
+                self.pm.check_pending()
+            except pluggy.PluginValidationError:
+                # A rejected plugin must not stay registered: it would take part in hook
+                # calls, and every later check_pending would fail on it.
+                self.pm.unregister(plugin)
+                raise
+            self.server_plugins.append(plugin)
+            self._rebuild_hooks()
+
+    def platform_backend(self, platform: str) -> str | None:
+        """The backend name that serves a config ``platform``, if any."""
+        return self._platforms.get(platform)
+
+    def is_installed(self, name: str) -> bool:
+        """Whether a backend of this name is installed or registered (no import happens)."""
+        return name in self._extra or name in self._entry_points or name in self._loaded
+
+    def installed(self) -> list[BackendInfo]:
+        """Every installed backend, from metadata alone (nothing is imported)."""
+        return [self._info(name) for name in sorted(set(self._entry_points) | set(self._extra))]
+
+    def _info(self, name: str) -> BackendInfo:
+        platforms = tuple(sorted(p for p, b in self._platforms.items() if b == name))
+        if name in self._extra:
+            return BackendInfo(name, "<registered>", "", platforms, "<registered>")
+        ep = self._entry_points[name][0]
+        dist = ep.dist
+        return BackendInfo(
+            name,
+            dist.name if dist else "<unknown>",
+            dist.version if dist else "",
+            platforms,
+            ep.value,
+        )
+
+    # -- loading ---------------------------------------------------------------------------
+    def backend(self, name: str) -> LoadedBackend:
+        """The loaded backend ``name``, importing and registering it on first use.
+
+        :raises BackendUnavailable: not installed, installed twice, or failed to import.
+        """
+        loaded = self._loaded.get(name)
+        if loaded is not None:
+            return loaded
+        with self._lock:
+            loaded = self._loaded.get(name)
+            if loaded is not None:
+                return loaded
+            plugin = self._import(name)
+            info = self._info(name)
+            if self.pm.is_registered(plugin):
+                other = self.pm.get_name(plugin)
+                raise BackendUnavailable(
+                    f"backend '{name}' from {info.distribution} is the same plugin object as "
+                    f"'{other}'; each backend needs its own module or Backend instance"
+                )
+            try:
+                self.pm.register(plugin, name=f"backend:{name}")
+                self.pm.check_pending()
+            except pluggy.PluginValidationError as exc:
+                if self.pm.is_registered(plugin):
+                    self.pm.unregister(plugin)
+                raise BackendUnavailable(
+                    f"backend '{name}' from {info.distribution} does not follow the pyserve "
+                    f"plugin contract: {exc}"
+                ) from exc
+            loaded = LoadedBackend(info, plugin, BackendHooks(self.pm, ()))
+            self._loaded[name] = loaded
+            self._rebuild_hooks()
+            log.debug("loaded backend '%s' from %s", name, info.distribution)
+            return loaded
+
+    def loaded_backends(self) -> list[LoadedBackend]:
+        """Backends imported so far, in load order."""
+        return list(self._loaded.values())
+
+    def _import(self, name: str) -> object:
+        if name in self._extra:
+            return _as_plugin(self._extra[name])
+        eps = self._entry_points.get(name)
+        if not eps:
+            raise BackendUnavailable(
+                f"backend '{name}' is not installed; install the package that provides it "
+                f"(for a first-party backend: pip install pyserve-backend-{name})"
+            )
+        if len(eps) > 1:
+            sources = ", ".join(_dist_label(ep) for ep in eps)
+            raise BackendUnavailable(f"backend '{name}' is provided by more than one package: {sources}")
+        ep = eps[0]
+        try:
+            return _as_plugin(ep.load())
+        except Exception as exc:
+            raise BackendUnavailable(
+                f"backend '{name}' from {_dist_label(ep)} failed to import "
+                f"({ep.value}): {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _rebuild_hooks(self) -> None:
+        backends = [b.plugin for b in self._loaded.values()]
+        for loaded in self._loaded.values():
+            loaded.hooks = BackendHooks(self.pm, [p for p in backends if p is not loaded.plugin])
+
+    def server_hook(self, name: str) -> Any:
+        """A hook caller reaching the server plugins only (observer hooks)."""
+        return self.pm.subset_hook_caller(name, [b.plugin for b in self._loaded.values()])
+
+
+def _dist_label(ep: metadata.EntryPoint) -> str:
+    dist = ep.dist
+    return f"{dist.name} {dist.version}" if dist else ep.value

@@ -1,0 +1,72 @@
+"""Schedulers: how queued requests become batches for a model's instances.
+
+The model's ``InstanceWorker`` threads call the scheduler's ``next_batch`` whenever they are
+free. ``enqueue`` is called on the event loop and must not block.
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Protocol
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pyserve.inference import InferRequest, InferResponse
+from pyserve.model_config import ModelIO
+from pyserve.scheduling.dynamic import DynamicBatcher
+from pyserve.scheduling.instance import STOP, Batch, InstanceWorker
+from pyserve.scheduling.sequence import SequenceBatcher
+
+__all__ = ["STOP", "Batch", "DefaultScheduler", "DynamicBatcher", "InstanceWorker", "Scheduler", "SequenceBatcher", "scheduler_for"]
+
+
+class Scheduler(Protocol):
+    """What the data plane and the instance workers need from a scheduler."""
+
+    def enqueue(self, request: InferRequest) -> None:
+        """Queue one request; never blocks; called on the event loop.
+
+        :raises InferError: the request is refused (e.g. the queue is full).
+        """
+
+    def batch_source(self, index: int) -> Callable[[], Batch | None]:
+        """Instance ``index``'s blocking "next batch" call; ``STOP`` ends the worker."""
+
+    observe: Callable[[InferRequest, InferResponse], None] | None
+    """Called with each successful raw response, or None."""
+
+    def stop(self, workers: int) -> None:
+        """Let the workers finish what is queued, then stop them."""
+
+
+class DefaultScheduler:
+    """Triton's default scheduler: each request is its own execute, on the first free instance."""
+
+    observe = None
+
+    def __init__(self) -> None:
+        self.work: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
+
+    def batch_source(self, index: int) -> Callable[[], Batch | None]:
+        return self.work.get
+
+    def enqueue(self, request: InferRequest) -> None:
+        self.work.put((request,))
+
+    def stop(self, workers: int) -> None:
+        for _ in range(workers):
+            self.work.put(STOP)
+
+
+def scheduler_for(config: Any, io: ModelIO, instances: int, model_dir: Path) -> Scheduler:
+    """The scheduler a model's config asks for.
+
+    :raises ValueError: the scheduling block cannot be used as configured.
+    """
+    if config.HasField("sequence_batching"):
+        return SequenceBatcher(config, io, instances, model_dir)
+    if config.HasField("dynamic_batching"):
+        return DynamicBatcher(config, io)
+    return DefaultScheduler()

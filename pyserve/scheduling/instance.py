@@ -1,0 +1,180 @@
+"""A model instance's execution thread: takes batches, calls the backend, delivers results.
+
+Every instance has one worker thread, so a backend's ``pyserve_execute`` never blocks the
+event loop and never runs twice at once for the same instance. Workers of one model ask the
+same scheduler for their next batch, so a batch goes to whichever instance is free.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from pyserve import datatypes
+from pyserve.backend import InstanceContext
+from pyserve.errors import ErrorCode, InferError
+from pyserve.inference import InferRequest, InferResponse, error_response
+from pyserve.model_config import ModelIO
+from pyserve.plugins import LoadedBackend
+
+log = logging.getLogger("pyserve.execute")
+
+STOP = None
+"""Put on a work queue once per worker to stop it after the work queued before it."""
+
+Batch = Sequence[InferRequest]
+
+
+class InstanceWorker:
+    """Runs the executes of one instance on a dedicated thread.
+
+    :param instance: the instance's context, passed to every execute.
+    :param backend: the owning backend; its scoped ``pyserve_execute`` caller is looked up per
+        batch, because the host rebuilds scoped callers whenever another backend registers.
+    :param next_batch: the scheduler's blocking ``next_batch``; returns a batch or ``STOP``.
+    :param io: the model's tensor tables, to check what the backend returns.
+    :param observe: called with each successful raw response before it is filtered (the
+        sequence batcher keeps implicit state this way).
+    """
+
+    def __init__(
+        self,
+        instance: InstanceContext,
+        backend: LoadedBackend,
+        next_batch: Callable[[], Batch | None],
+        io: ModelIO,
+        observe: Callable[[InferRequest, InferResponse], None] | None = None,
+    ) -> None:
+        self.instance = instance
+        self._backend = backend
+        self._next_batch = next_batch
+        self._io = io
+        self._observe = observe
+        self._model_name = instance.model.name
+        self._thread = threading.Thread(
+            target=self._run, name=f"pyserve-instance-{instance.name}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        next_batch = self._next_batch
+        while True:
+            try:
+                batch = next_batch()
+            except Exception:  # a scheduler bug must not silently leave the model without a worker
+                log.exception("model '%s': the scheduler failed to form a batch", self._model_name)
+                continue
+            if batch is STOP:
+                return
+            try:
+                self.execute_batch(batch)
+            except BaseException:  # never let one batch kill the instance
+                log.exception("model '%s': unexpected failure while delivering a batch", self._model_name)
+
+    def execute_batch(self, batch: Batch) -> None:
+        """Execute one batch and send every request its response or error."""
+        live: list[InferRequest] = []
+        for request in batch:
+            if request.is_cancelled():
+                request.reply(InferError("request was cancelled", ErrorCode.CANCELLED))
+            else:
+                live.append(request)
+        if not live:
+            return
+        for request in live:
+            request.finish = self._finish_response
+        try:
+            results = self._backend.hooks.execute(instance=self.instance, requests=live)
+        except Exception as exc:
+            log.error("model '%s' instance '%s': execute failed: %s: %s",
+                      self._model_name, self.instance.name, type(exc).__name__, exc)
+            error = error_response(exc, self._model_name)
+            for request in live:
+                if not request.final_sent:
+                    request.reply(error)
+            return
+        if results is None:
+            self._check_senders(live)
+            return
+        if len(results) != len(live):
+            error = InferError(
+                f"backend '{self.instance.model.backend.name}' returned {len(results)} "
+                f"response(s) for {len(live)} request(s) of model '{self._model_name}'",
+                ErrorCode.INTERNAL,
+            )
+            log.error("%s", error.message)
+            for request in live:
+                request.reply(error)
+            return
+        for request, result in zip(live, results):
+            request.reply(self._finish(request, result))
+
+    def _check_senders(self, requests: list[InferRequest]) -> None:
+        """``None`` from execute: decoupled models answer later; others must have answered."""
+        if self.instance.model.config.model_transaction_policy.decoupled:
+            return
+        for request in requests:
+            if not request.final_sent:
+                request.reply(InferError(
+                    f"backend '{self.instance.model.backend.name}' returned no response for a request of "
+                    f"model '{self._model_name}' and sent none through its response sender",
+                    ErrorCode.INTERNAL,
+                ))
+
+    def _finish_response(self, request: InferRequest, response: InferResponse) -> InferResponse | InferError:
+        if self._observe is not None:
+            self._observe(request, response)
+        return check_outputs(request, response, self._io, self._model_name)
+
+    def _finish(self, request: InferRequest, result: object) -> InferResponse | InferError:
+        """Check a backend's result for one request and keep only the requested outputs."""
+        if isinstance(result, InferResponse):
+            if result.error is not None:
+                return result.error
+            return self._finish_response(request, result)
+        if isinstance(result, BaseException):
+            return error_response(result, self._model_name)
+        return InferError(
+            f"backend '{self.instance.model.backend.name}' returned {type(result).__name__} for a "
+            f"request of model '{self._model_name}'; expected InferResponse or InferError",
+            ErrorCode.INTERNAL,
+        )
+
+
+def check_outputs(
+    request: InferRequest, response: InferResponse, io: ModelIO, model_name: str
+) -> InferResponse | InferError:
+    """Keep the requested outputs, as numpy arrays whose datatype matches the config."""
+    outputs: dict[str, np.ndarray] = {}
+    produced = response.outputs
+    for name in request.requested_outputs:
+        value = produced.get(name)
+        if value is None:
+            return InferError(
+                f"model '{model_name}' did not produce the requested output '{name}'", ErrorCode.INTERNAL
+            )
+        array = value if isinstance(value, np.ndarray) else np.asarray(value)
+        spec = io.outputs.get(name)
+        if spec is not None:
+            actual = datatypes.from_numpy(array.dtype)
+            if actual is None or actual.name != spec.datatype.name:
+                got = actual.name if actual else str(array.dtype)
+                return InferError(
+                    f"model '{model_name}' produced output '{name}' as {got}, but its config "
+                    f"declares {spec.datatype.name}",
+                    ErrorCode.INTERNAL,
+                )
+        outputs[name] = array
+    response.outputs = outputs
+    return response

@@ -1,0 +1,290 @@
+"""The server: owns the plugins, the models, the data plane and the frontends.
+
+``Server.run`` is what ``pyserve run`` calls: it loads the models, serves HTTP, and on
+SIGINT/SIGTERM stops accepting, lets in-flight requests finish (up to
+``--exit-timeout-secs``), then finalizes instances, models and backends in reverse order.
+``ServerThread`` runs the same server on a background thread (tests, notebooks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import socket
+import threading
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import uvicorn
+
+from pyserve import __version__, logs
+from pyserve.dataplane import DataPlane
+from pyserve.grpc.server import GrpcOptions
+from pyserve.grpc.server import create_server as create_grpc_server
+from pyserve.http.app import create_app
+from pyserve.http.body import DEFAULT_MAX_INPUT_SIZE
+from pyserve.inprocess import ServerHandle
+from pyserve.model_manager import ModelManager
+from pyserve.plugins import PluginHost
+
+log = logging.getLogger("pyserve.server")
+
+
+@dataclass
+class ServerOptions:
+    """Everything ``pyserve run`` can set; field names follow Triton's flags."""
+
+    model_repositories: list[Path]
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    allow_http: bool = True
+    allow_grpc: bool = True
+    grpc: GrpcOptions = field(default_factory=GrpcOptions)
+    server_id: str = "pyserve"
+    exit_timeout_secs: float = 30.0
+    auto_complete: bool = True
+    exit_on_error: bool = False
+    backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    http_max_input_size: int = DEFAULT_MAX_INPUT_SIZE
+    model_load_thread_count: int = 4
+
+
+class _NoSignalUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the pyserve server owns shutdown."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+class StartupError(RuntimeError):
+    """The server could not start (e.g. ``--exit-on-error`` with a model that failed)."""
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` for uvicorn to listen on.
+
+    Bound here rather than by uvicorn, which calls ``sys.exit`` when the port is taken.
+
+    :raises StartupError: the address cannot be resolved or bound (e.g. the port is in use).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn chooses
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        reason = exc.strerror or str(exc)
+        raise StartupError(f"HTTP service cannot listen on {host}:{port}: {reason}") from exc
+    return listener
+
+
+class Server:
+    """One pyserve server.
+
+    :param options: the settings.
+    :param plugins: the plugin host; a default one reading entry points is made if omitted.
+    """
+
+    def __init__(self, options: ServerOptions, plugins: PluginHost | None = None) -> None:
+        self.options = options
+        self.plugins = plugins if plugins is not None else PluginHost()
+        self.models = ModelManager(
+            options.model_repositories,
+            self.plugins,
+            auto_complete=options.auto_complete,
+            backend_config=options.backend_config,
+            load_threads=options.model_load_thread_count,
+        )
+        self.dataplane = DataPlane(self.models, options.server_id, __version__)
+        self.http_port: int | None = None
+        self.grpc_port: int | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._uvicorn: _NoSignalUvicorn | None = None
+        self._serve_task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self._stopped = False
+
+    async def start(self) -> None:
+        """Load the models, then start listening.
+
+        :raises StartupError: a model failed and ``exit_on_error`` is set, or the port is taken.
+        """
+        loop = asyncio.get_running_loop()
+        self.models.server_handle = ServerHandle(self.dataplane, loop)
+        await loop.run_in_executor(None, self.models.load_all)
+        self._log_model_table()
+        if self.options.exit_on_error and not self.models.all_ready():
+            await loop.run_in_executor(None, self.models.unload_all)
+            raise StartupError("failed to load all models (--exit-on-error)")
+        self.dataplane.live = True
+        self.dataplane.accepting = True
+        if self.options.allow_http:
+            await self._start_http()
+        if self.options.allow_grpc:
+            await self._start_grpc()
+
+    async def _start_grpc(self) -> None:
+        settings = dataclasses.replace(self.options.grpc, port=self.options.grpc_port)
+        if not settings.host:
+            settings.host = self.options.host
+        try:
+            self._grpc, self.grpc_port = create_grpc_server(self.dataplane, settings)
+        except RuntimeError as exc:
+            raise StartupError(str(exc)) from None
+        await self._grpc.start()
+        log.info("Started GRPCInferenceService at %s:%d", settings.host, self.grpc_port)
+
+    async def _start_http(self) -> None:
+        app = create_app(self.dataplane, max_input_size=self.options.http_max_input_size)
+        config = uvicorn.Config(
+            app,
+            host=self.options.host,
+            port=self.options.http_port,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=max(int(self.options.exit_timeout_secs), 1),
+            server_header=False,
+        )
+        listener = _bind(self.options.host, self.options.http_port)
+        self._uvicorn = _NoSignalUvicorn(config)
+        self._serve_task = asyncio.create_task(self._uvicorn.serve(sockets=[listener]))
+        while not self._uvicorn.started:
+            if self._serve_task.done():
+                self._serve_task.result()
+                raise StartupError(
+                    f"HTTP service could not start on {self.options.host}:{self.options.http_port}"
+                )
+            await asyncio.sleep(0.01)
+        self.http_port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
+        log.info("Started HTTPService at %s:%d", self.options.host, self.http_port)
+
+    def _log_model_table(self) -> None:
+        rows = [
+            [e["name"], e.get("version", "-"), e["state"] + (f": {e['reason']}" if e.get("reason") else "")]
+            for e in self.models.index()
+        ]
+        log.info("\n%s", logs.table(["Model", "Version", "Status"], rows))
+        backends = [[b.info.name, b.info.distribution, b.info.version] for b in self.plugins.loaded_backends()]
+        if backends:
+            log.info("\n%s", logs.table(["Backend", "Distribution", "Version"], backends))
+
+    def request_stop(self) -> None:
+        """Ask a running ``serve_until_stopped`` to shut down (thread-safe via the loop)."""
+        self._stop.set()
+
+    async def serve_until_stopped(self) -> None:
+        """Wait for ``request_stop`` (or a signal), then shut down gracefully."""
+        await self._stop.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """Stop accepting, finish in-flight requests (bounded), then unload everything."""
+        if self._stopped:
+            return
+        self._stopped = True
+        loop = asyncio.get_running_loop()
+        timeout = self.options.exit_timeout_secs
+        deadline = loop.time() + timeout
+        log.info("Shutting down: waiting up to %.0f s for in-flight requests", timeout)
+        drained = await self.dataplane.drain(timeout)
+        if not drained:
+            log.warning("exit timeout reached with %d request(s) still in flight", self.dataplane.in_flight)
+        if self._uvicorn is not None and self._serve_task is not None:
+            if not drained:  # the exit timeout is spent: do not let uvicorn wait that long again
+                self._uvicorn.config.timeout_graceful_shutdown = 0
+            self._uvicorn.should_exit = True
+            with contextlib.suppress(Exception):
+                await self._serve_task
+        if self._grpc is not None:
+            await self._grpc.stop(grace=max(deadline - loop.time(), 0.0) if drained else 0)
+        self.dataplane.live = False
+        remaining = max(deadline - loop.time(), 0.0)
+        await loop.run_in_executor(None, self.models.unload_all, remaining)
+        log.info("Server stopped")
+
+    async def run(self) -> None:
+        """Start, serve until SIGINT/SIGTERM, then shut down (``pyserve run``)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop)
+        try:
+            await self.start()
+        except BaseException:
+            await self.shutdown()
+            raise
+        await self.serve_until_stopped()
+
+
+class ServerThread:
+    """Runs a ``Server`` on its own thread and event loop; for tests and embedding.
+
+    Use as a context manager; ``url`` is ``http://127.0.0.1:<port>`` once entered.
+    """
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        """``127.0.0.1:<http port>``, as ``tritonclient.http`` takes it."""
+        return f"127.0.0.1:{self.server.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """``127.0.0.1:<grpc port>``, as ``tritonclient.grpc`` takes it."""
+        return f"127.0.0.1:{self.server.grpc_port}"
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name="pyserve-server", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _main(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+
+        async def main() -> None:
+            try:
+                await self.server.start()
+            except BaseException as exc:
+                self._error = exc
+                self._started.set()
+                await self.server.shutdown()
+                return
+            self._started.set()
+            await self.server.serve_until_stopped()
+
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self.server.request_stop)
+            self._thread.join(timeout=60)
+
+    def __enter__(self) -> ServerThread:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,299 @@
+"""The ``pyserve`` command, run as a real subprocess (``python -m pyserve``)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from conftest import EXAMPLE_REPOSITORY, REPO_ROOT, write_model
+
+EXAMPLE_MODELS = ("classifier", "identity_bytes", "identity_fp32", "sentiment", "simple")
+STARTED = re.compile(r"Started HTTPService at (\S+):(\d+)")
+EXIT_TIMEOUT = 10
+
+
+def pyserve(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pyserve", *args],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, check=False,
+    )
+
+
+class RunningServer:
+    """A ``pyserve run`` subprocess whose stderr is collected on a thread."""
+
+    def __init__(self, args: Sequence[str]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pyserve", "run", "--http-port", "0", "--grpc-port", "0",
+             "--metrics-port", "0", "--http-address", "127.0.0.1", *args],
+            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        self.lines: list[str] = []
+        self.port: int | None = None
+        self._started = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.append(line)
+            match = STARTED.search(line)
+            if match:
+                self.port = int(match.group(2))
+                self._started.set()
+        self._started.set()
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def wait_started(self, timeout: float = 30) -> str:
+        assert self._started.wait(timeout), "server did not start:\n" + self.stderr
+        assert self.port is not None, "server exited before listening:\n" + self.stderr
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, timeout: float) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout)
+        self._reader.join(5)
+        return code
+
+    def close(self) -> None:
+        """Kill the process if it still runs, and close its pipe."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        self._reader.join(5)
+        if self.process.stderr is not None:
+            self.process.stderr.close()
+
+
+@pytest.fixture
+def run_server() -> Iterator[Any]:
+    started: list[RunningServer] = []
+
+    def start(*args: str) -> RunningServer:
+        server = RunningServer(args)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.close()
+
+
+def _infer_fp32(url: str, model: str, values: Sequence[float]) -> np.ndarray:
+    client = httpclient.InferenceServerClient(url, network_timeout=30)
+    try:
+        tensor = httpclient.InferInput("INPUT0", [1, len(values)], "FP32")
+        tensor.set_data_from_numpy(np.asarray([values], dtype=np.float32))
+        output = client.infer(model, [tensor]).as_numpy("OUTPUT0")
+        assert output is not None
+        return output
+    finally:
+        client.close()
+
+
+SLOW_MODEL = """
+backend: "identity"
+max_batch_size: 4
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+parameters { key: "execute_delay_ms" value: { string_value: "1500" } }
+"""
+
+
+def test_run_serves_and_drains_on_sigterm(run_server: Any, tmp_path: Path) -> None:
+    slow_repo = tmp_path / "slow_repo"
+    write_model(slow_repo, "slow", SLOW_MODEL)
+    server = run_server("--model-repository", "examples/model_repository", "--model-repository", str(slow_repo),
+                        "--exit-timeout-secs", str(EXIT_TIMEOUT))
+    url = server.wait_started()
+
+    for model in (*EXAMPLE_MODELS, "slow"):
+        assert re.search(rf"\|\s*{model}\s*\|\s*1\s*\|\s*READY\s*\|", server.stderr), server.stderr
+    np.testing.assert_array_equal(_infer_fp32(url, "identity_fp32", [1.5, 2.5]), [[1.5, 2.5]])
+
+    outcome: dict[str, Any] = {}
+
+    def slow_request() -> None:
+        try:
+            outcome["result"] = _infer_fp32(url, "slow", [7.0])
+        except Exception as exc:  # reported by the assertions below
+            outcome["error"] = exc
+
+    client_thread = threading.Thread(target=slow_request)
+    client_thread.start()
+    time.sleep(0.5)  # the request is now inside its 1.5 s execute
+    started = time.monotonic()
+    code = server.stop(timeout=EXIT_TIMEOUT + 5)
+    elapsed = time.monotonic() - started
+    client_thread.join(10)
+    assert code == 0, server.stderr
+    assert "error" not in outcome, outcome
+    np.testing.assert_array_equal(outcome["result"], [[7.0]])
+    assert elapsed < EXIT_TIMEOUT
+    assert "Server stopped" in server.stderr
+
+
+def test_run_without_repository_serves_the_bundled_examples(run_server: Any) -> None:
+    server = run_server("--exit-timeout-secs", "5")
+    url = server.wait_started()
+    client = httpclient.InferenceServerClient(url)
+    try:
+        names = sorted({e["name"] for e in client.get_model_repository_index()})
+        assert client.is_server_ready()
+    finally:
+        client.close()
+    assert names == sorted(EXAMPLE_MODELS)
+    assert server.stop(timeout=20) == 0, server.stderr
+
+
+def test_run_with_bad_repository_path(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such" / "repo"
+    result = pyserve("run", "--http-port", "0", "--model-repository", str(missing))
+    assert result.returncode == 2
+    assert str(missing) in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("foo", "'foo' must be <backend>,<key>=<value> or <key>=<value>"),
+     ("identity,k", "'identity,k' must be"),
+     (",k=v", "names no backend")],
+)
+def test_backend_config_errors_are_clear(value: str, message: str) -> None:
+    result = pyserve("run", "--http-port", "0", "--backend-config", value)
+    assert result.returncode == 2
+    assert "argument --backend-config" in result.stderr and message in result.stderr
+
+
+def test_backend_config_is_parsed() -> None:
+    from pyserve.cli import _backend_config, build_parser
+
+    args = build_parser().parse_args(
+        ["run", "--backend-config", "identity,k=v", "--backend-config", "shared=1,2",
+         "--backend-config", "identity,eq=a=b"]
+    )
+    assert _backend_config(args.backend_config) == {"identity": {"k": "v", "eq": "a=b"}, "": {"shared": "1,2"}}
+
+
+def test_validate_example_repository() -> None:
+    result = pyserve("validate", str(EXAMPLE_REPOSITORY))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("OK")
+
+
+def test_validate_reports_every_problem(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    write_model(repo, "syntax", 'backend: "identity"\ninput [ { name: "x" data_type: TYPE_FP32 dims: [ 1 }\n')
+    write_model(repo, "dims", """
+        backend: "identity"
+        input [ { name: "x" data_type: TYPE_FP32 dims: [ 0 ] } ]
+        output [ { name: "y" data_type: TYPE_FP32 dims: [ -2 ] } ]
+        """)
+    write_model(repo, "labels", """
+        backend: "identity"
+        input [ { name: "x" data_type: TYPE_FP32 dims: [ 3 ] } ]
+        output [ { name: "y" data_type: TYPE_FP32 dims: [ 3 ] label_filename: "labels.txt" } ]
+        """)
+    write_model(repo, "ghost", """
+        backend: "nosuch"
+        input [ { name: "x" data_type: TYPE_FP32 dims: [ 3 ] } ]
+        output [ { name: "y" data_type: TYPE_FP32 dims: [ 3 ] } ]
+        """)
+    result = pyserve("validate", str(repo))
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    by_model: dict[str, list[str]] = {}
+    for line in lines:
+        by_model.setdefault(line.split(":", 1)[0], []).append(line)
+    assert sorted(by_model) == ["dims", "ghost", "labels", "syntax"], result.stdout
+    assert re.search(r"syntax/config\.pbtxt:2:\d+: ", by_model["syntax"][0])
+    dims = "\n".join(by_model["dims"])
+    assert "input[0] 'x': field 'dims': dimension 0" in dims
+    assert "output[0] 'y': field 'dims': dimension -2" in dims
+    assert "label_filename 'labels.txt' does not exist" in by_model["labels"][0]
+    assert "backend 'nosuch' is not installed" in by_model["ghost"][0]
+    assert "pip install pyserve-backend-nosuch" in by_model["ghost"][0]
+    assert f"{len(lines)} problem(s) found" in result.stderr
+
+
+def test_validate_missing_repository(tmp_path: Path) -> None:
+    result = pyserve("validate", str(tmp_path / "nothing"))
+    assert result.returncode == 1
+    assert str(tmp_path / "nothing") in result.stdout
+
+
+def test_backends_table_and_json() -> None:
+    table = pyserve("backends")
+    assert table.returncode == 0, table.stderr
+    for name, dist in (("identity", "pyserve-backend-identity"), ("string_processor", "pyserve-backend-string-processor")):
+        assert re.search(rf"\|\s*{name}\s*\|\s*{dist}\s*\|\s*\d+\.\d+", table.stdout), table.stdout
+
+    as_json = pyserve("backends", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    infos = {info["name"]: info for info in json.loads(as_json.stdout)}
+    assert infos["identity"]["distribution"] == "pyserve-backend-identity"
+    assert infos["identity"]["entry_point"] == "pyserve_backend_identity"
+    assert infos["string_processor"]["distribution"] == "pyserve-backend-string-processor"
+    for info in infos.values():
+        assert re.fullmatch(r"\d+(\.\d+)+.*", info["version"])
+        assert isinstance(info["platforms"], list)
+
+
+def test_run_with_port_in_use() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = pyserve("run", "--http-address", "127.0.0.1", "--http-port", str(port),
+                         "--grpc-port", "0", "--metrics-port", "0", "--exit-timeout-secs", "1")
+    assert result.returncode == 1, result.stderr
+    assert f"pyserve: error: HTTP service cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
+def test_run_rejects_equal_ports() -> None:
+    result = pyserve("run", "--http-port", "9100", "--grpc-port", "9100")
+    assert result.returncode == 2
+    assert "must differ" in result.stderr
+
+
+def test_exit_timeout_bounds_shutdown_with_a_stuck_execute(run_server: Any, tmp_path: Path) -> None:
+    repo = tmp_path / "stuck_repo"
+    write_model(repo, "stuck", SLOW_MODEL.replace('"1500"', '"6000"'))
+    server = run_server("--model-repository", str(repo), "--exit-timeout-secs", "1")
+    url = server.wait_started()
+    outcome: dict[str, Any] = {}
+
+    def stuck_request() -> None:
+        try:
+            outcome["result"] = _infer_fp32(url, "stuck", [1.0])
+        except Exception as exc:  # expected: the server gave up on it
+            outcome["error"] = exc
+
+    client_thread = threading.Thread(target=stuck_request)
+    client_thread.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    code = server.stop(timeout=10)
+    elapsed = time.monotonic() - started
+    client_thread.join(10)
+    assert code == 0, server.stderr
+    assert elapsed < 4, server.stderr  # not the 6 s the execute takes
+    assert "error" in outcome
+    assert "exit timeout reached with 1 request(s) still in flight" in server.stderr
+    assert "stuck_0_0 still executing at the exit timeout; not finalized" in server.stderr

@@ -1,0 +1,496 @@
+"""The dynamic batcher, driven by real concurrent clients against real servers.
+
+A small recording backend (``Recorder``) notes every execute: which instance ran it, which
+requests (by request id) it held, their batch sizes and input shapes. Requests ask it to
+sleep with the request parameter ``delay_ms`` (the longest in a batch wins), which is how
+the tests keep an instance busy while others queue. Timing assertions use wide margins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+import tritonclient.http.aio as aioclient
+from tritonclient.utils import InferenceServerException
+
+from pyserve import InferError, InferRequest, InferResponse, InstanceContext
+from pyserve.backend import Backend
+from pyserve.errors import ErrorCode
+from pyserve.model_config import model_io, parse_config
+from pyserve.scheduling import DynamicBatcher
+from pyserve.server import ServerThread
+
+StartServer = Callable[..., ServerThread]
+MakeRepo = Callable[..., Path]
+
+
+@dataclass(frozen=True)
+class Execute:
+    model: str
+    instance: str
+    ids: tuple[str, ...]
+    sizes: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    started: float
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+
+class Recorder(Backend):
+    """Echoes ``INPUT0`` as ``OUTPUT0`` and records every execute."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.executes: list[Execute] = []
+
+    def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
+        record = Execute(
+            instance.model.name,
+            instance.name,
+            tuple(r.id for r in requests),
+            tuple(r.batch_size for r in requests),
+            tuple(r.inputs["INPUT0"].shape for r in requests),
+            time.monotonic(),
+        )
+        with self.lock:
+            self.executes.append(record)
+        delay = max(float(r.parameters.get("delay_ms", 0)) for r in requests)
+        if delay:
+            time.sleep(delay / 1000)
+        params = {"batch_size": record.total, "instance": instance.name}
+        return [InferResponse({"OUTPUT0": r.inputs["INPUT0"]}, params) for r in requests]
+
+    def of(self, model: str) -> list[Execute]:
+        with self.lock:
+            return [e for e in self.executes if e.model == model]
+
+    def order(self, model: str) -> list[str]:
+        return [i for e in self.of(model) for i in e.ids]
+
+
+def config(max_batch_size: int, batching: str, instances: int = 1, dims: str = "[ -1 ]", extra_input: str = "") -> str:
+    return textwrap.dedent(
+        f"""
+        backend: "recorder"
+        max_batch_size: {max_batch_size}
+        input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: {dims} {extra_input} }} ]
+        output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: {dims} }} ]
+        instance_group [ {{ count: {instances} kind: KIND_CPU }} ]
+        dynamic_batching {{ {batching} }}
+        """
+    )
+
+
+def serve(start_server: StartServer, make_repo: MakeRepo, models: dict[str, str]) -> tuple[ServerThread, Recorder]:
+    recorder = Recorder()
+    server = start_server(make_repo(models), backends={"recorder": recorder})
+    return server, recorder
+
+
+def tensor(rows: int = 1, cols: int = 2, value: float = 0.0) -> list[httpclient.InferInput]:
+    data = np.full((rows, cols), value, dtype=np.float32)
+    inp = httpclient.InferInput("INPUT0", list(data.shape), "FP32")
+    inp.set_data_from_numpy(data)
+    return [inp]
+
+
+@dataclass
+class Outcome:
+    id: str
+    done: float
+    result: Any = None
+    error: InferenceServerException | None = None
+
+    @property
+    def status(self) -> str | None:
+        return None if self.error is None else str(self.error.status())
+
+    @property
+    def message(self) -> str:
+        return "" if self.error is None else str(self.error.message())
+
+
+async def call(
+    client: aioclient.InferenceServerClient,
+    model: str,
+    rid: str,
+    *,
+    after: float = 0.0,
+    rows: int = 1,
+    cols: int = 2,
+    delay_ms: int = 0,
+    value: float = 0.0,
+    **kwargs: Any,
+) -> Outcome:
+    """Send one request ``after`` seconds from now; record when its answer came back."""
+    if after:
+        await asyncio.sleep(after)
+    params = {"delay_ms": delay_ms} if delay_ms else None
+    try:
+        result = await client.infer(model, tensor(rows, cols, value), request_id=rid, parameters=params, **kwargs)
+        return Outcome(rid, time.monotonic(), result=result)
+    except InferenceServerException as exc:
+        return Outcome(rid, time.monotonic(), error=exc)
+
+
+def run(server: ServerThread, *calls: Callable[[aioclient.InferenceServerClient], Any]) -> list[Outcome]:
+    """Run coroutine factories concurrently on one aio client."""
+
+    async def main() -> list[Outcome]:
+        client = aioclient.InferenceServerClient(server.url)
+        try:
+            return list(await asyncio.gather(*(c(client) for c in calls)))
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+def req(model: str, rid: str, **kwargs: Any) -> Callable[[aioclient.InferenceServerClient], Any]:
+    return lambda client: call(client, model, rid, **kwargs)
+
+
+def ok(outcomes: list[Outcome]) -> None:
+    for o in outcomes:
+        assert o.error is None, (o.id, o.status, o.message)
+
+
+# -- batches form -----------------------------------------------------------------------------
+def test_concurrent_requests_are_batched(start_server: StartServer, make_repo: MakeRepo) -> None:
+    server, recorder = serve(start_server, make_repo, {"m": config(8, "max_queue_delay_microseconds: 300000")})
+    outcomes = run(server, *(req("m", f"r{i}") for i in range(8)))
+    ok(outcomes)
+    executes = recorder.of("m")
+    assert sum(e.total for e in executes) == 8
+    assert len(executes) <= 3 and max(e.total for e in executes) >= 4, executes
+    reported = {o.id: o.result.get_response()["parameters"]["batch_size"] for o in outcomes}
+    assert max(reported.values()) >= 4, reported
+
+
+def test_identity_reports_the_batch_it_was_in(start_server: StartServer, make_repo: MakeRepo) -> None:
+    identity = """
+    backend: "identity"
+    max_batch_size: 8
+    input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+    output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+    dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 5000000 }
+    parameters { key: "report_batch_size" value: { string_value: "true" } }
+    """
+    server = start_server(make_repo({"ident": identity}))
+    start = time.monotonic()
+    outcomes = run(server, *(req("ident", f"r{i}") for i in range(4)))
+    ok(outcomes)
+    assert time.monotonic() - start < 3.0
+    assert [o.result.get_response()["parameters"]["batch_size"] for o in outcomes] == [4, 4, 4, 4]
+
+
+def test_preferred_batch_size_is_sent_without_waiting_the_delay(
+    start_server: StartServer, make_repo: MakeRepo
+) -> None:
+    batching = "preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 5000000"
+    server, recorder = serve(start_server, make_repo, {"m": config(8, batching)})
+    start = time.monotonic()
+    outcomes = run(server, *(req("m", f"r{i}") for i in range(8)))
+    elapsed = time.monotonic() - start
+    ok(outcomes)
+    assert [e.total for e in recorder.of("m")] == [4, 4]
+    assert elapsed < 3.0, elapsed  # far below the 5 s delay
+
+
+def test_run_that_would_pass_the_largest_preferred_size_is_sent_early(
+    start_server: StartServer, make_repo: MakeRepo
+) -> None:
+    # Triton: with preferred [4], requests of batch 3 + 3 would pass 4, so the first 3 go at
+    # once; the second 3 then waits until a request of 1 makes it 4.
+    batching = "preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 5000000"
+    server, recorder = serve(start_server, make_repo, {"m": config(8, batching)})
+    start = time.monotonic()
+    ok(run(server, req("m", "a", rows=3), req("m", "b", rows=3, after=0.1), req("m", "c", after=0.3)))
+    assert time.monotonic() - start < 3.0
+    assert [e.ids for e in recorder.of("m")] == [("a",), ("b", "c")]
+
+
+def test_max_queue_delay_bounds_the_wait(start_server: StartServer, make_repo: MakeRepo) -> None:
+    server, recorder = serve(start_server, make_repo, {"m": config(8, "max_queue_delay_microseconds: 200000")})
+    run(server, req("m", "warmup"))  # connection set up, code paths warm
+    start = time.monotonic()
+    (outcome,) = run(server, req("m", "lone"))
+    elapsed = time.monotonic() - start
+    ok([outcome])
+    assert 0.18 <= elapsed < 0.8, elapsed
+    assert recorder.of("m")[-1].ids == ("lone",)
+
+
+def test_max_batch_size_counts_the_batch_dimension(start_server: StartServer, make_repo: MakeRepo) -> None:
+    server, recorder = serve(start_server, make_repo, {"m": config(8, "max_queue_delay_microseconds: 300000")})
+    outcomes = run(server, *(req("m", f"r{i}", rows=3) for i in range(6)))
+    ok(outcomes)
+    for o in outcomes:
+        assert o.result.as_numpy("OUTPUT0").shape == (3, 2)
+    totals = [e.total for e in recorder.of("m")]
+    assert sum(totals) == 18
+    assert max(totals) <= 8, totals
+    assert 6 in totals, totals  # two requests of 3 did share a batch
+
+
+def test_different_shapes_never_share_a_batch(start_server: StartServer, make_repo: MakeRepo) -> None:
+    batching = "max_queue_delay_microseconds: 300000"
+    server, recorder = serve(start_server, make_repo, {"m": config(8, batching)})
+    outcomes = run(server, *(req("m", f"r{i}", cols=2 + i % 2, after=0.01 * i) for i in range(8)))
+    ok(outcomes)
+    executes = recorder.of("m")
+    assert sum(e.total for e in executes) == 8
+    for e in executes:
+        assert len({s[1:] for s in e.shapes}) == 1, e
+
+
+def test_ragged_inputs_share_a_batch(start_server: StartServer, make_repo: MakeRepo) -> None:
+    batching = "max_queue_delay_microseconds: 500000"
+    model = config(8, batching, extra_input="allow_ragged_batch: true")
+    server, recorder = serve(start_server, make_repo, {"m": model})
+    outcomes = run(server, *(req("m", f"r{i}", cols=2 + i % 2, value=i) for i in range(6)))
+    ok(outcomes)
+    for i, o in enumerate(outcomes):
+        assert o.result.as_numpy("OUTPUT0").shape == (1, 2 + i % 2)
+    assert any(len({s[1:] for s in e.shapes}) == 2 for e in recorder.of("m")), recorder.of("m")
+
+
+# -- priorities and queue policies --------------------------------------------------------------
+def test_higher_priority_requests_run_first(start_server: StartServer, make_repo: MakeRepo) -> None:
+    batching = "priority_levels: 2 default_priority_level: 2"
+    server, recorder = serve(start_server, make_repo, {"m": config(1, batching)})
+    calls = [req("m", "busy", delay_ms=600)]
+    calls += [req("m", f"low{i}", priority=2, after=0.15 + 0.02 * i) for i in range(3)]
+    calls += [req("m", f"high{i}", priority=1, after=0.3 + 0.02 * i) for i in range(3)]
+    calls += [req("m", "default", after=0.25)]  # default level 2, queued before the high ones
+    ok(run(server, *calls))
+    order = recorder.order("m")
+    assert order[0] == "busy"
+    assert sorted(order[1:4]) == ["high0", "high1", "high2"], order
+    assert set(order[4:]) == {"low0", "low1", "low2", "default"}, order
+
+
+def test_full_queue_rejects_at_once(start_server: StartServer, make_repo: MakeRepo) -> None:
+    batching = "default_queue_policy { max_queue_size: 2 }"
+    server, recorder = serve(start_server, make_repo, {"m": config(1, batching)})
+    calls = [req("m", "busy", delay_ms=800)]
+    calls += [req("m", f"q{i}", after=0.2 + 0.05 * i) for i in range(5)]
+    start = time.monotonic()
+    outcomes = run(server, *calls)
+    rejected = [o for o in outcomes if o.error is not None]
+    assert [o.id for o in rejected] == ["q2", "q3", "q4"]
+    for o in rejected:
+        assert o.status == "503"
+        assert "Exceeds maximum queue size" in o.message
+        assert o.done - start < 0.7  # answered at once, while "busy" still runs
+    assert recorder.order("m") == ["busy", "q0", "q1"]
+
+
+def test_queue_timeout_rejects(start_server: StartServer, make_repo: MakeRepo) -> None:
+    batching = "default_queue_policy { default_timeout_microseconds: 100000 }"
+    server, recorder = serve(start_server, make_repo, {"m": config(1, batching)})
+    outcomes = run(server, req("m", "busy", delay_ms=500), req("m", "late0", after=0.1), req("m", "late1", after=0.1))
+    assert outcomes[0].error is None
+    for o in outcomes[1:]:
+        assert o.error is not None and "timeout" in o.message.lower(), o
+    assert recorder.order("m") == ["busy"]
+
+
+def test_request_timeout_overrides_downwards(start_server: StartServer, make_repo: MakeRepo) -> None:
+    batching = "default_queue_policy { default_timeout_microseconds: 10000000 allow_timeout_override: true }"
+    server, recorder = serve(start_server, make_repo, {"m": config(1, batching)})
+    outcomes = run(
+        server,
+        req("m", "busy", delay_ms=500),
+        req("m", "short", after=0.1, timeout=100_000),
+        req("m", "default", after=0.1),
+        req("m", "longer", after=0.1, timeout=60_000_000),  # may only lower: stays 10 s
+    )
+    by_id = {o.id: o for o in outcomes}
+    assert by_id["short"].error is not None and "timeout" in by_id["short"].message.lower()
+    ok([by_id["busy"], by_id["default"], by_id["longer"]])
+    assert "short" not in recorder.order("m")
+
+
+def test_request_timeout_is_ignored_without_override(start_server: StartServer, make_repo: MakeRepo) -> None:
+    batching = "default_queue_policy { default_timeout_microseconds: 10000000 }"
+    server, _ = serve(start_server, make_repo, {"m": config(1, batching)})
+    ok(run(server, req("m", "busy", delay_ms=400), req("m", "short", after=0.1, timeout=50_000)))
+
+
+def test_timeout_action_delay_runs_timed_out_requests_last(start_server: StartServer, make_repo: MakeRepo) -> None:
+    batching = "default_queue_policy { timeout_action: DELAY allow_timeout_override: true }"
+    server, recorder = serve(start_server, make_repo, {"m": config(1, batching)})
+    outcomes = run(
+        server,
+        req("m", "busy", delay_ms=600),
+        req("m", "d0", after=0.1, timeout=50_000),
+        req("m", "d1", after=0.12, timeout=50_000),
+        req("m", "n0", after=0.2),
+        req("m", "n1", after=0.22),
+    )
+    ok(outcomes)
+    order = recorder.order("m")
+    assert order[0] == "busy"
+    assert set(order[1:3]) == {"n0", "n1"}, order
+    assert set(order[3:]) == {"d0", "d1"}, order
+
+
+def test_priority_queue_policy_applies_per_level(start_server: StartServer, make_repo: MakeRepo) -> None:
+    batching = """
+    priority_levels: 2 default_priority_level: 1
+    priority_queue_policy { key: 2 value: { max_queue_size: 1 } }
+    """
+    server, _ = serve(start_server, make_repo, {"m": config(1, batching)})
+    outcomes = run(
+        server,
+        req("m", "busy", delay_ms=500),
+        req("m", "low0", priority=2, after=0.1),
+        req("m", "low1", priority=2, after=0.15),
+        req("m", "high0", priority=1, after=0.15),
+        req("m", "high1", priority=1, after=0.15),
+    )
+    by_id = {o.id: o for o in outcomes}
+    assert by_id["low1"].status == "503" and "Exceeds maximum queue size" in by_id["low1"].message
+    ok([by_id[k] for k in ("busy", "low0", "high0", "high1")])
+
+
+# -- instances and ordering -----------------------------------------------------------------------
+def test_preserve_ordering(start_server: StartServer, make_repo: MakeRepo) -> None:
+    models = {
+        "ordered": config(1, "preserve_ordering: true", instances=2),
+        "unordered": config(1, "", instances=2),
+    }
+    server, recorder = serve(start_server, make_repo, models)
+    for model, expect_in_order in (("ordered", True), ("unordered", False)):
+        outcomes = run(
+            server,
+            req(model, "slow", delay_ms=600),
+            req(model, "fast", after=0.15),
+        )
+        ok(outcomes)
+        slow, fast = outcomes
+        assert len({e.instance for e in recorder.of(model)}) == 2
+        if expect_in_order:
+            assert fast.done >= slow.done, (fast.done - slow.done)
+        else:
+            assert fast.done < slow.done - 0.2, (fast.done - slow.done)
+
+
+def test_batches_go_to_whichever_instance_is_free(start_server: StartServer, make_repo: MakeRepo) -> None:
+    server, recorder = serve(start_server, make_repo, {"m": config(1, "", instances=3)})
+    start = time.monotonic()
+    outcomes = run(server, *(req("m", f"r{i}", delay_ms=400) for i in range(6)))
+    elapsed = time.monotonic() - start
+    ok(outcomes)
+    used = {e.instance for e in recorder.of("m")}
+    assert len(used) == 3, used
+    assert elapsed < 1.6, elapsed  # 6 x 400 ms on 3 instances, not 2.4 s
+    per_reply = {o.result.get_response()["parameters"]["instance"] for o in outcomes}
+    assert per_reply == used
+
+
+# -- cancellation (scheduler level: the HTTP frontend does not detect disconnects) ------------------
+class Collect:
+    """A response sender that keeps what it is sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, response: InferResponse | InferError | None, final: bool) -> None:
+        self.sent.append((response, final))
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+def batcher(text: str) -> DynamicBatcher:
+    parsed = parse_config(textwrap.dedent(text), Path("config.pbtxt"))
+    return DynamicBatcher(parsed, model_io(parsed, Path(".")))
+
+
+def make_request(rid: str, rows: int = 1) -> tuple[InferRequest, Collect]:
+    request = InferRequest("m", 1, {"INPUT0": np.zeros((rows, 2), np.float32)}, ("OUTPUT0",), id=rid, batch_size=rows)
+    sender = Collect()
+    request.attach_sender(sender)
+    return request, sender
+
+
+def test_cancelled_queued_request_never_reaches_execute() -> None:
+    scheduler = batcher(config(8, "max_queue_delay_microseconds: 0"))
+    (a, _), (b, b_sender), (c, _) = make_request("a"), make_request("b"), make_request("c")
+    for r in (a, b, c):
+        scheduler.enqueue(r)
+    b.cancel()
+    batch = scheduler.next_batch()
+    assert batch is not None and [r.id for r in batch] == ["a", "c"]
+    assert len(b_sender.sent) == 1
+    error, final = b_sender.sent[0]
+    assert final and isinstance(error, InferError) and error.code is ErrorCode.CANCELLED
+
+
+def test_cancelled_head_is_skipped_while_waiting_for_the_delay() -> None:
+    scheduler = batcher(config(8, "max_queue_delay_microseconds: 100000"))
+    first, sender = make_request("first")
+    scheduler.enqueue(first)
+    first.cancel()
+    second, _ = make_request("second")
+    scheduler.enqueue(second)
+    start = time.monotonic()
+    batch = scheduler.next_batch()
+    assert batch is not None and [r.id for r in batch] == ["second"]
+    assert time.monotonic() - start < 1.0
+    assert sender.sent and sender.sent[0][0].code is ErrorCode.CANCELLED
+
+
+def test_stop_sends_what_is_queued_then_stops() -> None:
+    scheduler = batcher(config(8, "max_queue_delay_microseconds: 10000000"))
+    request, _ = make_request("a", rows=2)
+    scheduler.enqueue(request)
+    scheduler.stop(1)
+    batch = scheduler.next_batch()
+    assert batch is not None and [r.id for r in batch] == ["a"]
+    assert scheduler.next_batch() is None
+
+
+@pytest.mark.parametrize(
+    ("preferred", "rows", "expected"),
+    [
+        ("[ 4 ]", [1, 1, 1, 1, 1, 1], ["4"]),  # exactly a preferred size
+        ("[ 2, 4 ]", [1, 1, 1], ["2"]),  # the largest preferred size reached so far
+        ("[ 4 ]", [3, 3], ["3"]),  # the next request would pass the largest preferred size
+        ("[ 4, 8 ]", [3, 3], []),  # neither: wait for more or for the delay
+    ],
+)
+def test_preferred_batch_selection(preferred: str, rows: list[int], expected: list[str]) -> None:
+    batching = f"preferred_batch_size: {preferred} max_queue_delay_microseconds: 300000"
+    scheduler = batcher(config(8, batching))
+    for i, n in enumerate(rows):
+        scheduler.enqueue(make_request(f"r{i}", n)[0])
+    got: list[str] = []
+
+    def take() -> None:
+        batch = scheduler.next_batch()
+        assert batch is not None
+        got.append(str(sum(r.batch_size for r in batch)))
+
+    start = time.monotonic()
+    take()
+    waited = time.monotonic() - start
+    if expected:
+        assert got == expected and waited < 0.25, (got, waited)
+    else:
+        assert waited >= 0.25, waited  # nothing preferred: sent only when the delay ran out
+        assert got == [str(sum(rows))]

@@ -1,0 +1,277 @@
+"""Ensembles (``platform: "ensemble"``) served by a real server.
+
+Steps chain a model of the ``identity`` backend and a model of ``Scale``, a small backend
+defined here (``OUT = 2 * IN + 1``; a negative input makes it fail that request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+import tritonclient.http.aio as aioclient
+from tritonclient.utils import InferenceServerException
+
+from pyserve import InferRequest, InferResponse, InstanceContext
+from pyserve.backend import Backend
+from pyserve.server import ServerThread
+
+StartServer = Callable[..., ServerThread]
+MakeRepo = Callable[..., Path]
+
+
+class Scale(Backend):
+    def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[Any]:
+        results: list[Any] = []
+        for r in requests:
+            x = r.inputs["IN"]
+            if (x < 0).any():
+                results.append(ValueError("negative values are not allowed"))
+            else:
+                results.append(InferResponse({"OUT": x * 2 + 1}))
+        return results
+
+
+def identity(delay_ms: int = 0, datatype: str = "TYPE_FP32", pair: bool = False) -> str:
+    inputs = f'{{ name: "INPUT0" data_type: {datatype} dims: [ 2 ] }}'
+    outputs = f'{{ name: "OUTPUT0" data_type: {datatype} dims: [ 2 ] }}'
+    if pair:
+        inputs += f', {{ name: "INPUT1" data_type: {datatype} dims: [ 2 ] }}'
+        outputs += f', {{ name: "OUTPUT1" data_type: {datatype} dims: [ 2 ] }}'
+    return textwrap.dedent(
+        f"""
+        backend: "identity"
+        max_batch_size: 0
+        input [ {inputs} ]
+        output [ {outputs} ]
+        parameters {{ key: "execute_delay_ms" value: {{ string_value: "{delay_ms}" }} }}
+        """
+    )
+
+
+SCALE = """
+backend: "scale"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] } ]
+"""
+
+
+def ensemble(steps: str, inputs: str = "", outputs: str = "") -> str:
+    inputs = inputs or '{ name: "IN" data_type: TYPE_FP32 dims: [ 2 ] }'
+    outputs = outputs or '{ name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] }'
+    return textwrap.dedent(
+        f"""
+        platform: "ensemble"
+        max_batch_size: 0
+        input [ {inputs} ]
+        output [ {outputs} ]
+        ensemble_scheduling {{ step [ {steps} ] }}
+        """
+    )
+
+
+def step(model: str, inputs: dict[str, str], outputs: dict[str, str]) -> str:
+    imap = " ".join(f'input_map {{ key: "{k}" value: "{v}" }}' for k, v in inputs.items())
+    omap = " ".join(f'output_map {{ key: "{k}" value: "{v}" }}' for k, v in outputs.items())
+    return f'{{ model_name: "{model}" model_version: -1 {imap} {omap} }}'
+
+
+CHAIN = ensemble(
+    step("ident", {"INPUT0": "IN"}, {"OUTPUT0": "mid"}) + ","
+    + step("scale", {"IN": "mid"}, {"OUT": "OUT"})
+)
+
+
+def infer(client: httpclient.InferenceServerClient, model: str, data: np.ndarray, inp: str = "IN",
+          out: str = "OUT") -> np.ndarray:
+    tensor = httpclient.InferInput(inp, list(data.shape), "FP32")
+    tensor.set_data_from_numpy(data)
+    return client.infer(model, [tensor]).as_numpy(out)
+
+
+def test_chain_matches_calling_the_steps_by_hand(start_server: StartServer, make_repo: MakeRepo) -> None:
+    outer = ensemble(step("chain", {"IN": "IN"}, {"OUT": "x"}) + "," + step("scale", {"IN": "x"}, {"OUT": "OUT"}))
+    repo = make_repo({"ident": identity(), "scale": SCALE, "chain": CHAIN, "outer": outer})
+    server = start_server(repo, backends={"scale": Scale()})
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        data = np.array([1.5, -0.0], dtype=np.float32)
+        by_hand = infer(client, "scale", infer(client, "ident", data, "INPUT0", "OUTPUT0"))
+        chained = infer(client, "chain", data)
+        np.testing.assert_array_equal(chained, by_hand)
+        np.testing.assert_array_equal(chained, data * 2 + 1)
+        # an ensemble of an ensemble
+        np.testing.assert_array_equal(infer(client, "outer", data), (data * 2 + 1) * 2 + 1)
+        assert client.is_model_ready("outer")
+    finally:
+        client.close()
+
+
+def test_independent_steps_run_concurrently(start_server: StartServer, make_repo: MakeRepo) -> None:
+    fan = ensemble(
+        step("slow_a", {"INPUT0": "IN"}, {"OUTPUT0": "A"}) + "," + step("slow_b", {"INPUT0": "IN"}, {"OUTPUT0": "B"}),
+        outputs='{ name: "A" data_type: TYPE_FP32 dims: [ 2 ] }, { name: "B" data_type: TYPE_FP32 dims: [ 2 ] }',
+    )
+    repo = make_repo({"slow_a": identity(300), "slow_b": identity(300), "fan": fan})
+    server = start_server(repo)
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        data = np.array([3, 4], dtype=np.float32)
+        infer(client, "fan", data, out="A")  # warm up
+        start = time.monotonic()
+        tensor = httpclient.InferInput("IN", [2], "FP32")
+        tensor.set_data_from_numpy(data)
+        result = client.infer("fan", [tensor])
+        elapsed = time.monotonic() - start
+        np.testing.assert_array_equal(result.as_numpy("A"), data)
+        np.testing.assert_array_equal(result.as_numpy("B"), data)
+        assert 0.28 <= elapsed < 0.55, elapsed  # ~300 ms, not 600
+    finally:
+        client.close()
+
+
+def test_failing_step_fails_only_that_request(start_server: StartServer, make_repo: MakeRepo) -> None:
+    repo = make_repo({"ident": identity(50), "scale": SCALE, "chain": CHAIN})
+    server = start_server(repo, backends={"scale": Scale()})
+    values = [1.0, -1.0, 2.0, 3.0, -5.0, 4.0]
+
+    async def one(client: aioclient.InferenceServerClient, value: float) -> Any:
+        data = np.full(2, value, dtype=np.float32)
+        tensor = httpclient.InferInput("IN", [2], "FP32")
+        tensor.set_data_from_numpy(data)
+        try:
+            return (await client.infer("chain", [tensor])).as_numpy("OUT")
+        except InferenceServerException as exc:
+            return exc
+
+    async def main() -> list[Any]:
+        client = aioclient.InferenceServerClient(server.url)
+        try:
+            return list(await asyncio.gather(*(one(client, v) for v in values)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    for value, result in zip(values, results):
+        if value < 0:
+            assert isinstance(result, InferenceServerException), result
+            message = str(result.message())
+            assert "step 1" in message and "scale" in message and "negative values" in message, message
+        else:
+            np.testing.assert_array_equal(result, np.full(2, value * 2 + 1, dtype=np.float32))
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        assert client.is_server_live() and client.is_server_ready()
+        np.testing.assert_array_equal(infer(client, "chain", np.ones(2, np.float32)), np.full(2, 3, np.float32))
+    finally:
+        client.close()
+
+
+BROKEN = {
+    "unknown_model": (
+        ensemble(step("nope", {"INPUT0": "IN"}, {"OUTPUT0": "OUT"})),
+        ["step 0", "nope"],
+    ),
+    "unmapped_input": (
+        ensemble(step("pair", {"INPUT0": "IN"}, {"OUTPUT0": "OUT"})),
+        ["step 0", "'INPUT1' is not mapped"],
+    ),
+    "unknown_tensor": (
+        ensemble(step("ident", {"INPUT0": "IN"}, {"OUTPUT0": "t"}) + "," + step("scale", {"IN": "ghost"}, {"OUT": "OUT"})),
+        ["step 1", "'ghost'", "no input or step provides"],
+    ),
+    "written_twice": (
+        ensemble(
+            step("ident", {"INPUT0": "IN"}, {"OUTPUT0": "OUT"}) + "," + step("scale", {"IN": "IN"}, {"OUT": "OUT"})
+        ),
+        ["step 1", "'OUT'", "already written by step 0"],
+    ),
+    "cycle": (
+        ensemble(
+            step("pair", {"INPUT0": "IN", "INPUT1": "t1"}, {"OUTPUT0": "OUT", "OUTPUT1": "t0"}) + ","
+            + step("ident", {"INPUT0": "t0"}, {"OUTPUT0": "t1"})
+        ),
+        ["cycle", "step 0", "step 1"],
+    ),
+    "dtype_mismatch": (
+        ensemble(
+            step("ident", {"INPUT0": "IN"}, {"OUTPUT0": "OUT"}),
+            inputs='{ name: "IN" data_type: TYPE_INT32 dims: [ 2 ] }',
+        ),
+        ["step 0", "'INPUT0'", "FP32", "'IN'", "INT32"],
+    ),
+    "unused_input": (
+        ensemble(
+            step("ident", {"INPUT0": "IN"}, {"OUTPUT0": "OUT"}),
+            inputs='{ name: "IN" data_type: TYPE_FP32 dims: [ 2 ] }, { name: "EXTRA" data_type: TYPE_FP32 dims: [ 2 ] }',
+        ),
+        ["ensemble input 'EXTRA' is not used"],
+    ),
+    "output_not_produced": (
+        ensemble(
+            step("ident", {"INPUT0": "IN"}, {"OUTPUT0": "OUT"}),
+            outputs='{ name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] }, { name: "NOPE" data_type: TYPE_FP32 dims: [ 2 ] }',
+        ),
+        ["ensemble output 'NOPE' is not produced"],
+    ),
+    "unknown_step_output": (
+        ensemble(step("ident", {"INPUT0": "IN"}, {"OUTPUT9": "OUT", "OUTPUT0": "x"})),
+        ["step 0", "'OUTPUT9'"],
+    ),
+}
+
+
+def test_invalid_ensembles_are_unavailable_with_reasons(start_server: StartServer, make_repo: MakeRepo) -> None:
+    models = {"ident": identity(), "pair": identity(pair=True), "scale": SCALE, "good": CHAIN}
+    models.update({name: text for name, (text, _) in BROKEN.items()})
+    server = start_server(make_repo(models), backends={"scale": Scale()})
+    index = httpx.post(f"http://{server.url}/v2/repository/index", json={}).json()
+    entries = {e["name"]: e for e in index}
+    assert entries["good"]["state"] == "READY"
+    for name, (_, fragments) in BROKEN.items():
+        entry = entries[name]
+        assert entry["state"] == "UNAVAILABLE", entry
+        for fragment in fragments:
+            assert fragment in entry.get("reason", ""), (name, fragment, entry)
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        np.testing.assert_array_equal(infer(client, "good", np.zeros(2, np.float32)), np.ones(2, np.float32))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("requested", ["A", "B"])
+def test_only_requested_output_is_returned(start_server: StartServer, make_repo: MakeRepo, requested: str) -> None:
+    fan = ensemble(
+        step("ident", {"INPUT0": "IN"}, {"OUTPUT0": "A"}) + "," + step("scale", {"IN": "IN"}, {"OUT": "B"}),
+        outputs='{ name: "A" data_type: TYPE_FP32 dims: [ 2 ] }, { name: "B" data_type: TYPE_FP32 dims: [ 2 ] }',
+    )
+    server = start_server(make_repo({"ident": identity(), "scale": SCALE, "fan": fan}), backends={"scale": Scale()})
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        tensor = httpclient.InferInput("IN", [2], "FP32")
+        tensor.set_data_from_numpy(np.array([1, 2], np.float32))
+        result = client.infer("fan", [tensor], outputs=[httpclient.InferRequestedOutput(requested)])
+        other = "B" if requested == "A" else "A"
+        assert result.as_numpy(other) is None
+        expected = np.array([1, 2], np.float32) if requested == "A" else np.array([3, 5], np.float32)
+        np.testing.assert_array_equal(result.as_numpy(requested), expected)
+    finally:
+        client.close()
+
+
+def test_zz_print(start_server: StartServer, make_repo: MakeRepo) -> None:
+    models = {"ident": identity(), "pair": identity(pair=True), "scale": SCALE}
+    models.update({name: text for name, (text, _) in BROKEN.items()})
+    server = start_server(make_repo(models), backends={"scale": Scale()})
+    for e in httpx.post(f"http://{server.url}/v2/repository/index", json={}).json():
+        print(e)

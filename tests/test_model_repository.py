@@ -1,0 +1,387 @@
+"""Model repositories as Triton reads them: configs, versions, platforms, auto-complete.
+
+Each test serves a repository on a real server and checks what the KServe v2 API reports
+(repository index reasons, version readiness, ``/config``); configuration errors are also
+checked through ``validate_repositories`` (what ``pyserve validate`` prints).
+"""
+
+from __future__ import annotations
+
+import logging
+import textwrap
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from conftest import write_model
+
+import pyserve
+from pyserve import InferRequest, InferResponse, InstanceContext, ModelContext
+from pyserve.model_config import gpu_count
+from pyserve.protocol import data_type_value
+from pyserve.server import ServerThread
+from pyserve.validate_repo import validate_repositories
+
+StartServer = Callable[..., ServerThread]
+MakeRepo = Callable[..., Path]
+
+IDENTITY = """
+backend: "identity"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+"""
+
+
+def identity(extra: str = "", name: str | None = None) -> str:
+    head = f'name: "{name}"\n' if name else ""
+    return head + textwrap.dedent(IDENTITY) + textwrap.dedent(extra)
+
+
+def index(server: ServerThread) -> list[dict[str, Any]]:
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        return list(client.get_model_repository_index())
+    finally:
+        client.close()
+
+
+def entry(server: ServerThread, name: str) -> dict[str, Any]:
+    found = [e for e in index(server) if e["name"] == name]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def version_ready(server: ServerThread, name: str, version: int) -> bool:
+    response = httpx.get(f"http://{server.url}/v2/models/{name}/versions/{version}/ready")
+    assert response.status_code in (200, 400), response.text
+    return response.status_code == 200
+
+
+def ready_versions(server: ServerThread, name: str, candidates: Sequence[int] = range(1, 6)) -> list[int]:
+    return [v for v in candidates if version_ready(server, name, v)]
+
+
+def infer(server: ServerThread, name: str, inputs: dict[str, np.ndarray], outputs: Sequence[str]) -> dict[str, Any]:
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        tensors = []
+        for key, array in inputs.items():
+            tensor = httpclient.InferInput(key, list(array.shape), "FP32")
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        result = client.infer(name, tensors)
+        return {o: result.as_numpy(o) for o in outputs}
+    finally:
+        client.close()
+
+
+def model_config_json(server: ServerThread, name: str) -> dict[str, Any]:
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        return dict(client.get_model_config(name))
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def pyserve_logs(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> pytest.LogCaptureFixture:
+    """caplog for pyserve's loggers, even if ``pyserve.logs.configure`` stopped propagation."""
+    monkeypatch.setattr(logging.getLogger("pyserve"), "propagate", True)
+    return caplog
+
+
+# ---------------------------------------------------------------------------
+# config.pbtxt errors
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "message"),
+    [
+        ('backend: "identity"\nmax_batch_size: many\n', ":2:17:", "Couldn't parse integer"),
+        ('backend: "identity"\ninput [ { name: "x" dims: [ 1 } ]\n', ":2:", 'Expected ","'),
+        ('backend: "identity"\n\nbogus_field: 1\n', ":3:1:", 'no field named "bogus_field"'),
+    ],
+    ids=["bad-value", "syntax", "unknown-field"],
+)
+def test_config_parse_errors_name_file_line_column(
+    start_server: StartServer, make_repo: MakeRepo, text: str, where: str, message: str
+) -> None:
+    repo = make_repo({"broken": text, "ok": identity()})
+    server = start_server(repo)
+    found = entry(server, "broken")
+    assert found["state"] == "UNAVAILABLE"
+    assert f"config.pbtxt{where}" in found["reason"]
+    assert message in found["reason"]
+    assert entry(server, "ok")["state"] == "READY"
+
+    problems = validate_repositories([repo])
+    assert len(problems) == 1
+    assert problems[0].startswith("broken: ")
+    assert f"config.pbtxt{where}" in problems[0] and message in problems[0]
+
+
+def test_name_mismatch(start_server: StartServer, make_repo: MakeRepo) -> None:
+    repo = make_repo({"real": identity(name="other")})
+    server = start_server(repo)
+    found = entry(server, "real")
+    assert found["state"] == "UNAVAILABLE"
+    assert "'other'" in found["reason"] and "'real'" in found["reason"]
+    assert any("does not match the model directory name" in p for p in validate_repositories([repo]))
+
+
+# ---------------------------------------------------------------------------
+# Versions
+
+
+def test_version_policies(start_server: StartServer, tmp_path: Path, pyserve_logs: pytest.LogCaptureFixture) -> None:
+    repo = tmp_path / "repo"
+    write_model(repo, "latest2", identity("version_policy { latest { num_versions: 2 } }"), versions=(1, 2, 3))
+    write_model(repo, "every", identity("version_policy { all { } }"), versions=(1, 2, 3))
+    write_model(repo, "some", identity("version_policy { specific { versions: [ 1, 3, 4 ] } }"), versions=(1, 2, 3))
+    write_model(repo, "default", identity(), versions=(1, 2, 3))
+    write_model(repo, "absent", identity("version_policy { specific { versions: [ 7 ] } }"), versions=(1,))
+    with pyserve_logs.at_level(logging.WARNING, logger="pyserve"):
+        server = start_server(repo)
+
+    assert ready_versions(server, "latest2") == [2, 3]
+    assert ready_versions(server, "every") == [1, 2, 3]
+    assert ready_versions(server, "some") == [1, 3]
+    assert ready_versions(server, "default") == [3]
+    assert ready_versions(server, "absent") == []
+    # A missing specific version does not stop the others, but it is reported.
+    assert any("version 4" in r.getMessage() and "'some'" in r.getMessage() for r in pyserve_logs.records)
+    absent = entry(server, "absent")
+    assert absent["state"] == "UNAVAILABLE" and "version 7" in absent["reason"]
+    assert [e.get("version") for e in index(server) if e["name"] == "latest2"] == ["2", "3"]
+    out = infer(server, "latest2", {"INPUT0": np.ones(2, np.float32)}, ["OUTPUT0"])
+    np.testing.assert_array_equal(out["OUTPUT0"], [1, 1])
+    assert any("version 4" in p for p in validate_repositories([repo]))
+
+
+def test_odd_version_folders_are_ignored(start_server: StartServer, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    model = write_model(repo, "m", identity("version_policy { all { } }"), versions=(1, 2))
+    for odd in ("01", "0", "abc", "3a", ".5"):
+        (model / odd).mkdir()
+    (model / "7").write_text("a file, not a folder")
+    server = start_server(repo)
+    assert [(e["version"], e["state"]) for e in index(server) if e["name"] == "m"] == [("1", "READY"), ("2", "READY")]
+
+
+def test_model_without_version_folder(start_server: StartServer, make_repo: MakeRepo) -> None:
+    repo = make_repo({"empty": identity()}, versions=())
+    server = start_server(repo)
+    found = entry(server, "empty")
+    assert found["state"] == "UNAVAILABLE"
+    assert "no version directory" in found["reason"]
+    assert any("empty: " in p and "no version directory" in p for p in validate_repositories([repo]))
+
+
+def test_duplicate_model_names_across_repositories(start_server: StartServer, tmp_path: Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    write_model(first, "twin", identity())
+    write_model(second, "twin", identity())
+    write_model(second, "single", identity())
+    server = start_server(first, second)
+    found = entry(server, "twin")
+    assert found["state"] == "UNAVAILABLE"
+    assert str(first) in found["reason"] and str(second) in found["reason"]
+    assert entry(server, "single")["state"] == "READY"
+    assert any("twin: " in p and "not unique" in p for p in validate_repositories([first, second]))
+
+
+# ---------------------------------------------------------------------------
+# Platforms and backends
+
+
+def test_platform_maps_to_backend(start_server: StartServer, make_repo: MakeRepo) -> None:
+    onnx = """
+    platform: "onnxruntime_onnx"
+    max_batch_size: 0
+    input [ { name: "x" data_type: TYPE_FP32 dims: [ 2 ] } ]
+    output [ { name: "y" data_type: TYPE_FP32 dims: [ 2 ] } ]
+    """
+    unknown = onnx.replace("onnxruntime_onnx", "no_such_platform")
+    repo = make_repo({"onnx": onnx, "weird": unknown})
+    server = start_server(repo)
+    found = entry(server, "onnx")
+    assert found["state"] == "UNAVAILABLE"
+    assert "backend 'onnxruntime'" in found["reason"]
+    assert "pip install pyserve-backend-onnxruntime" in found["reason"]
+    weird = entry(server, "weird")
+    assert weird["state"] == "UNAVAILABLE" and "no_such_platform" in weird["reason"]
+
+
+ENSEMBLE = """
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+ensemble_scheduling {
+  step [ { model_name: "STEP" model_version: -1
+           input_map { key: "INPUT0" value: "INPUT0" } output_map { key: "OUTPUT0" value: "OUTPUT0" } } ]
+}
+"""
+
+
+def test_ensemble_runs_its_steps_or_names_the_missing_model(start_server: StartServer, make_repo: MakeRepo) -> None:
+    repo = make_repo({"pipeline": ENSEMBLE.replace("STEP", "ident"), "dangling": ENSEMBLE.replace("STEP", "nowhere"),
+                      "ident": identity()})
+    server = start_server(repo)
+    assert entry(server, "pipeline")["state"] == "READY"
+    out = infer(server, "pipeline", {"INPUT0": np.array([3, 4], np.float32)}, ["OUTPUT0"])
+    np.testing.assert_array_equal(out["OUTPUT0"], [3, 4])
+    found = entry(server, "dangling")
+    assert found["state"] == "UNAVAILABLE"
+    assert "nowhere" in found["reason"]
+
+
+# ---------------------------------------------------------------------------
+# Missing config and auto-complete
+
+
+class Filler(pyserve.Backend):
+    """Completes configs with one FP32 input/output pair; records the calls."""
+
+    def __init__(self) -> None:
+        self.auto_completed: list[str] = []
+        self.configs: list[dict[str, str]] = []
+        self._lock = threading.Lock()
+
+    def initialize(self, backend: pyserve.BackendContext) -> None:
+        self.configs.append(dict(backend.config))
+
+    def auto_complete_config(self, model: ModelContext) -> bool:
+        with self._lock:
+            self.auto_completed.append(model.name)
+        config = model.config
+        if config.input or config.output:
+            return False
+        for tensors, name in ((config.input, "IN"), (config.output, "OUT")):
+            tensor = tensors.add()
+            tensor.name = name
+            tensor.data_type = data_type_value("TYPE_FP32")
+            tensor.dims.append(3)
+        return True
+
+    def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
+        return [InferResponse({"OUT": r.inputs["IN"] - 1}) for r in requests]
+
+
+def test_missing_config_in_strict_mode(start_server: StartServer, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "noconf.filler" / "1").mkdir(parents=True)
+    write_model(repo, "ok", identity())
+    filler = Filler()
+    server = start_server(repo, backends={"filler": filler}, auto_complete=False)
+    found = entry(server, "noconf.filler")
+    assert found["state"] == "UNAVAILABLE"
+    assert "config.pbtxt" in found["reason"] and "auto-complete is disabled" in found["reason"]
+    assert filler.auto_completed == []
+    assert entry(server, "ok")["state"] == "READY"
+
+
+def test_missing_config_is_auto_completed_by_the_backend(start_server: StartServer, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "noconf.filler" / "1").mkdir(parents=True)
+    write_model(repo, "partial", 'backend: "filler"\n')
+    filler = Filler()
+    server = start_server(repo, backends={"filler": filler})
+    assert sorted(filler.auto_completed) == ["noconf.filler", "partial"]
+    assert filler.configs[0]["auto-complete-config"] == "true"
+    for name in ("noconf.filler", "partial"):
+        assert entry(server, name)["state"] == "READY"
+        out = infer(server, name, {"IN": np.array([1, 2, 3], np.float32)}, ["OUT"])
+        np.testing.assert_array_equal(out["OUT"], [0, 1, 2])
+        config = model_config_json(server, name)
+        assert config["backend"] == "filler"
+        assert [i["name"] for i in config["input"]] == ["IN"]
+        assert [o["name"] for o in config["output"]] == ["OUT"]
+
+
+def test_strict_model_config_skips_the_auto_complete_hook(start_server: StartServer, make_repo: MakeRepo) -> None:
+    repo = make_repo({"partial": 'backend: "filler"\n'})
+    filler = Filler()
+    server = start_server(repo, backends={"filler": filler}, auto_complete=False)
+    assert filler.auto_completed == []
+    assert filler.configs[0]["auto-complete-config"] == "false"
+    found = entry(server, "partial")
+    assert found["state"] == "UNAVAILABLE"
+    assert "declares no 'input'" in found["reason"]
+
+
+# ---------------------------------------------------------------------------
+# Instance groups, labels, backend config
+
+
+def test_instance_groups_in_config(start_server: StartServer, make_repo: MakeRepo) -> None:
+    groups = """
+    instance_group [ { count: 2 kind: KIND_CPU }, { name: "extra" kind: KIND_CPU } ]
+    """
+    repo = make_repo({"grouped": identity(groups)})
+    server = start_server(repo)
+    config = model_config_json(server, "grouped")
+    summary = [(g["name"], g["count"], g["kind"]) for g in config["instance_group"]]
+    assert summary == [("grouped_0", 2, "KIND_CPU"), ("extra", 1, "KIND_CPU")]
+    out = infer(server, "grouped", {"INPUT0": np.array([5, 6], np.float32)}, ["OUTPUT0"])
+    np.testing.assert_array_equal(out["OUTPUT0"], [5, 6])
+
+
+def test_default_instance_group(start_server: StartServer, make_repo: MakeRepo) -> None:
+    repo = make_repo({"plain": identity()})
+    server = start_server(repo)
+    groups = model_config_json(server, "plain")["instance_group"]
+    assert len(groups) == 1
+    assert groups[0]["name"] == "plain_0" and groups[0]["count"] == 1
+    assert groups[0]["kind"] == ("KIND_GPU" if gpu_count() else "KIND_CPU")
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="this machine has a GPU")
+def test_gpu_instances_without_gpu(start_server: StartServer, make_repo: MakeRepo) -> None:
+    repo = make_repo({"gpu": identity("instance_group [ { kind: KIND_GPU } ]"), "ok": identity()})
+    server = start_server(repo)
+    found = entry(server, "gpu")
+    assert found["state"] == "UNAVAILABLE"
+    assert "KIND_GPU" in found["reason"] and "no GPU is available" in found["reason"]
+    assert entry(server, "ok")["state"] == "READY"
+
+
+def test_missing_label_file(start_server: StartServer, make_repo: MakeRepo) -> None:
+    labelled = identity().replace('dims: [ 2 ] } ]\n', 'dims: [ 2 ] label_filename: "labels.txt" } ]\n', 2)
+    labelled = labelled.replace('dims: [ 2 ] label_filename: "labels.txt" } ]\n', 'dims: [ 2 ] } ]\n', 1)
+    assert labelled.count("label_filename") == 1
+    repo = make_repo({"labelled": labelled})
+    server = start_server(repo)
+    found = entry(server, "labelled")
+    assert found["state"] == "UNAVAILABLE"
+    assert "labels.txt" in found["reason"] and "does not exist" in found["reason"]
+    assert any("labels.txt" in p for p in validate_repositories([repo]))
+
+
+def test_backend_config_reaches_the_backend(start_server: StartServer, make_repo: MakeRepo) -> None:
+    filler = Filler()
+    repo = make_repo({"m": 'backend: "identity"\n'})
+    start_server(repo, backends={"identity": filler}, use_entry_points=False,
+                 backend_config={"identity": {"k": "v"}, "": {"shared": "1"}, "other": {"no": "x"}})
+    assert len(filler.configs) == 1
+    config = filler.configs[0]
+    assert config["k"] == "v" and config["shared"] == "1" and "no" not in config
+    assert config["default-max-batch-size"] == "4"
+
+
+def test_auto_complete_failure(start_server: StartServer, make_repo: MakeRepo) -> None:
+    class Broken(Filler):
+        def auto_complete_config(self, model: ModelContext) -> bool:
+            raise OSError("cannot read the model file")
+
+    repo = make_repo({"partial": 'backend: "broken"\n'})
+    server = start_server(repo, backends={"broken": Broken()})
+    found = entry(server, "partial")
+    assert found["state"] == "UNAVAILABLE"
+    assert "auto-complete" in found["reason"] and "cannot read the model file" in found["reason"]

@@ -1,0 +1,357 @@
+"""The sequence batcher (strategies ``direct`` and ``oldest``) against real servers and clients.
+
+The test backend ``Accumulator`` adds ``INPUT`` to the implicit state ``STATE_IN`` and returns
+the sum as ``OUTPUT`` and as the next state ``STATE_OUT``; it records, per request, the
+instance that ran it and the control tensors (START / READY / END / CORRID) it received.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from pyserve import InferRequest, InferResponse, InstanceContext
+from pyserve.backend import Backend
+from pyserve.server import ServerThread
+
+StartServer = Callable[..., ServerThread]
+MakeRepo = Callable[..., Path]
+
+
+@dataclass(frozen=True)
+class Seen:
+    model: str
+    instance: str
+    correlation_id: int | str
+    value: int
+    controls: dict[str, np.ndarray]
+    at: float
+
+
+class Accumulator(Backend):
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seen: list[Seen] = []
+
+    def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
+        responses = []
+        for r in requests:
+            delay = float(r.parameters.get("delay_ms", 0))
+            if delay:
+                time.sleep(delay / 1000)
+            total = r.inputs["STATE_IN"] + r.inputs["INPUT"]
+            controls = {k: np.array(r.inputs[k]) for k in ("START", "READY", "END", "CORRID") if k in r.inputs}
+            with self.lock:
+                self.seen.append(
+                    Seen(instance.model.name, instance.name, r.correlation_id, int(r.inputs["INPUT"].flat[0]),
+                         controls, time.monotonic())
+                )
+            responses.append(InferResponse({"OUTPUT": total, "STATE_OUT": total}))
+        return responses
+
+    def of(self, model: str) -> list[Seen]:
+        with self.lock:
+            return [s for s in self.seen if s.model == model]
+
+
+def config(
+    strategy: str = "direct { }",
+    max_batch_size: int = 0,
+    instances: int = 1,
+    corrid_type: str = "TYPE_UINT64",
+    idle_us: int = 5_000_000,
+) -> str:
+    return textwrap.dedent(
+        f"""
+        backend: "accum"
+        max_batch_size: {max_batch_size}
+        input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+        output [ {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+        instance_group [ {{ count: {instances} kind: KIND_CPU }} ]
+        sequence_batching {{
+          max_sequence_idle_microseconds: {idle_us}
+          {strategy}
+          control_input [
+            {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }},
+            {{ name: "READY" control [ {{ kind: CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 1 ] }} ] }},
+            {{ name: "END" control [ {{ kind: CONTROL_SEQUENCE_END bool_false_true: [ false, true ] }} ] }},
+            {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: {corrid_type} }} ] }}
+          ]
+          state [ {{ input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+        }}
+        """
+    )
+
+
+STRATEGIES = {
+    "direct": "direct { }",
+    "oldest": "oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 0 }",
+}
+
+
+def serve(start_server: StartServer, make_repo: MakeRepo, models: dict[str, str]) -> tuple[ServerThread, Accumulator]:
+    backend = Accumulator()
+    return start_server(make_repo(models), backends={"accum": backend}), backend
+
+
+class Client:
+    """A sync client that knows whether the model batches."""
+
+    def __init__(self, server: ServerThread, model: str, batching: bool) -> None:
+        self.client = httpclient.InferenceServerClient(server.url)
+        self.model = model
+        self.batching = batching
+
+    def send(self, sequence_id: int | str, value: int, start: bool = False, end: bool = False, **kw: Any) -> int:
+        data = np.array([[value]] if self.batching else [value], dtype=np.int32)
+        inp = httpclient.InferInput("INPUT", list(data.shape), "INT32")
+        inp.set_data_from_numpy(data)
+        result = self.client.infer(
+            self.model, [inp], sequence_id=sequence_id, sequence_start=start, sequence_end=end, **kw
+        )
+        out = result.as_numpy("OUTPUT")
+        assert out.shape == data.shape
+        assert result.as_numpy("STATE_OUT") is None  # implicit state never reaches the client
+        return int(out.flat[0])
+
+    def error(self, sequence_id: int | str, value: int = 1, **kw: Any) -> InferenceServerException:
+        with pytest.raises(InferenceServerException) as info:
+            self.send(sequence_id, value, **kw)
+        return info.value
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# -- state and correlation ids --------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.parametrize(("id_kind", "max_batch_size"), [("uint64", 0), ("uint64", 4), ("string", 4)])
+def test_interleaved_sequences_keep_separate_state(
+    start_server: StartServer, make_repo: MakeRepo, strategy: str, id_kind: str, max_batch_size: int
+) -> None:
+    corrid = "TYPE_STRING" if id_kind == "string" else "TYPE_UINT64"
+    # Two sequences at once need two slots: a non-batching model gets them from 2 instances.
+    model = config(STRATEGIES[strategy], max_batch_size, instances=2 if max_batch_size == 0 else 1, corrid_type=corrid)
+    server, backend = serve(start_server, make_repo, {"m": model})
+    client = Client(server, "m", max_batch_size > 0)
+    a, b = ("seq-a", "seq-b") if id_kind == "string" else (2**63 + 5, 17)
+    try:
+        assert client.send(a, 1, start=True) == 1
+        assert client.send(b, 10, start=True) == 10
+        assert client.send(a, 2) == 3
+        assert client.send(b, 20) == 30
+        assert client.send(b, 30, end=True) == 60
+        assert client.send(a, 3, end=True) == 6
+    finally:
+        client.close()
+    corrids = [s.controls["CORRID"] for s in backend.of("m")]
+    if id_kind == "string":
+        assert all(c.dtype == np.dtype(object) for c in corrids)
+        assert [c.flat[0] for c in corrids[:2]] == [b"seq-a", b"seq-b"]
+    else:
+        assert all(c.dtype == np.uint64 for c in corrids)
+        assert [int(c.flat[0]) for c in corrids[:2]] == [a, b]
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_concurrent_sequences_keep_separate_state(
+    start_server: StartServer, make_repo: MakeRepo, strategy: str
+) -> None:
+    server, _ = serve(start_server, make_repo, {"m": config(STRATEGIES[strategy], 4, instances=2)})
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def sequence(cid: int) -> None:
+        client = Client(server, "m", True)
+        try:
+            values = [cid * 100 + k for k in range(5)]
+            results[cid] = [
+                client.send(cid, v, start=k == 0, end=k == 4) for k, v in enumerate(values)
+            ]
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=sequence, args=(cid,)) for cid in range(1, 7)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    for cid, got in results.items():
+        assert got == list(np.cumsum([cid * 100 + k for k in range(5)])), (cid, got)
+    assert len(results) == 6
+
+
+def test_state_resets_on_start(start_server: StartServer, make_repo: MakeRepo) -> None:
+    server, _ = serve(start_server, make_repo, {"m": config()})
+    client = Client(server, "m", False)
+    try:
+        assert client.send(7, 5, start=True) == 5
+        assert client.send(7, 1) == 6
+        assert client.send(7, 1, end=True) == 7
+        assert client.send(7, 2, start=True) == 2  # a new sequence with the same id
+        assert client.send(7, 3) == 5
+        assert client.send(7, 4, start=True) == 4  # START again mid-sequence restarts it
+        assert client.send(7, 1, start=True, end=True) == 1
+    finally:
+        client.close()
+
+
+def test_control_inputs_have_configured_types_and_values(start_server: StartServer, make_repo: MakeRepo) -> None:
+    server, backend = serve(start_server, make_repo, {"m": config(max_batch_size=2)})
+    client = Client(server, "m", True)
+    try:
+        client.send(42, 1, start=True)
+        client.send(42, 1)
+        client.send(42, 1, end=True)
+        client.send(43, 1, start=True, end=True)
+    finally:
+        client.close()
+    seen = backend.of("m")
+    assert len(seen) == 4
+    for s in seen:
+        assert s.controls["START"].dtype == np.int32
+        assert s.controls["READY"].dtype == np.float32
+        assert s.controls["END"].dtype == np.bool_
+        assert s.controls["CORRID"].dtype == np.uint64
+        assert all(c.shape[0] == 1 for c in s.controls.values())  # one value per batch row
+    flags = [
+        (int(s.controls["START"].flat[0]), float(s.controls["READY"].flat[0]), bool(s.controls["END"].flat[0]),
+         int(s.controls["CORRID"].flat[0]))
+        for s in seen
+    ]
+    assert flags == [(1, 1.0, False, 42), (0, 1.0, False, 42), (0, 1.0, True, 42), (1, 1.0, True, 43)]
+
+
+# -- errors -----------------------------------------------------------------------------------------
+def test_missing_correlation_id_is_rejected(start_server: StartServer, make_repo: MakeRepo) -> None:
+    server, backend = serve(start_server, make_repo, {"m": config()})
+    client = Client(server, "m", False)
+    try:
+        error = client.error(0)
+        assert error.status() == "400"
+        assert "correlation ID" in str(error.message())
+    finally:
+        client.close()
+    assert backend.of("m") == []
+
+
+def test_request_after_end_needs_start(start_server: StartServer, make_repo: MakeRepo) -> None:
+    server, _ = serve(start_server, make_repo, {"m": config()})
+    client = Client(server, "m", False)
+    try:
+        error = client.error(9)  # never started
+        assert error.status() == "400" and "START" in str(error.message())
+        client.send(9, 1, start=True)
+        client.send(9, 1, end=True)
+        error = client.error(9)
+        assert error.status() == "400" and "START" in str(error.message())
+        assert client.send(9, 3, start=True, end=True) == 3
+    finally:
+        client.close()
+
+
+def test_idle_sequence_expires(start_server: StartServer, make_repo: MakeRepo) -> None:
+    server, _ = serve(start_server, make_repo, {"m": config(idle_us=200_000)})
+    client = Client(server, "m", False)
+    try:
+        assert client.send(5, 1, start=True) == 1
+        assert client.send(5, 1) == 2  # within the idle time
+        time.sleep(0.5)
+        error = client.error(5)
+        assert error.status() == "400"
+        message = str(error.message())
+        assert "5" in message and "START" in message, message
+        assert client.send(5, 4, start=True) == 4  # state was released with the sequence
+    finally:
+        client.close()
+
+
+def test_string_id_for_a_numeric_corrid_is_rejected(start_server: StartServer, make_repo: MakeRepo) -> None:
+    server, backend = serve(start_server, make_repo, {"m": config()})
+    client = Client(server, "m", False)
+    try:
+        error = client.error("text-id", start=True)
+        assert error.status() == "400" and "CORRID" in str(error.message())
+        assert client.send(3, 2, start=True, end=True) == 2  # the model still serves
+    finally:
+        client.close()
+    assert [s.correlation_id for s in backend.of("m")] == [3]
+
+
+# -- instances and slots ---------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_a_sequence_stays_on_one_instance(start_server: StartServer, make_repo: MakeRepo, strategy: str) -> None:
+    server, backend = serve(start_server, make_repo, {"m": config(STRATEGIES[strategy], 2, instances=2)})
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def sequence(cid: int) -> None:
+        client = Client(server, "m", True)
+        try:
+            barrier.wait(5)
+            for k in range(4):
+                client.send(cid, 1, start=k == 0, end=k == 3, parameters={"delay_ms": 20})
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=sequence, args=(cid,)) for cid in (11, 12, 13, 14)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    placement: dict[int | str, set[str]] = {}
+    for s in backend.of("m"):
+        placement.setdefault(s.correlation_id, set()).add(s.instance)
+    assert all(len(instances) == 1 for instances in placement.values()), placement
+    assert len(set().union(*placement.values())) == 2, placement
+
+
+def test_extra_sequence_waits_in_the_backlog(start_server: StartServer, make_repo: MakeRepo) -> None:
+    server, backend = serve(start_server, make_repo, {"m": config("direct { }", 1)})
+    first = Client(server, "m", True)
+    waited: dict[str, Any] = {}
+
+    def second_sequence() -> None:
+        client = Client(server, "m", True)
+        try:
+            waited["result"] = client.send(2, 10, start=True)
+            waited["at"] = time.monotonic()
+            waited["end"] = client.send(2, 5, end=True)
+        except BaseException as exc:
+            waited["error"] = exc
+        finally:
+            client.close()
+
+    try:
+        assert first.send(1, 1, start=True) == 1
+        thread = threading.Thread(target=second_sequence)
+        thread.start()
+        time.sleep(0.4)
+        assert "result" not in waited and "error" not in waited  # no slot: it waits
+        assert first.send(1, 2) == 3  # the slot holder keeps going meanwhile
+        ended_at = time.monotonic()
+        assert first.send(1, 3, end=True) == 6
+        thread.join(10)
+    finally:
+        first.close()
+    assert "error" not in waited, waited.get("error")
+    assert waited["result"] == 10 and waited["end"] == 15
+    assert waited["at"] >= ended_at
+    order = [s.correlation_id for s in backend.of("m")]
+    assert order == [1, 1, 1, 2, 2], order
