@@ -28,6 +28,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import cast
 
@@ -160,7 +161,7 @@ async def _run(args: argparse.Namespace) -> Window:
     futures: list[asyncio.Future[None]] = []
     for _ in range(args.concurrency):
         done: asyncio.Future[None] = loop.create_future()
-        await loop.create_connection(lambda d=done: _Connection(request, window, d), args.host, args.port)
+        await loop.create_connection(partial(_Connection, request, window, done), args.host, args.port)
         futures.append(done)
     try:
         await asyncio.wait_for(asyncio.gather(*futures), timeout=window.end - time.perf_counter() + 30.0)

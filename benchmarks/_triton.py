@@ -131,10 +131,8 @@ def find(venv: Path) -> TritonInstall | None:
         site = Path(next(iter(spec.submodule_search_locations))).parent
         if (site / "pytriton" / "tritonserver" / "bin" / "tritonserver").is_file():
             return TritonInstall(site, f"{sys.version_info.major}.{sys.version_info.minor}")
-    site = _site_packages(venv)
-    if site is not None:
-        return TritonInstall(site, _venv_python_version(site))
-    return None
+    found = _site_packages(venv)
+    return None if found is None else TritonInstall(found, _venv_python_version(found))
 
 
 def install(venv: Path, log: Path) -> TritonInstall:

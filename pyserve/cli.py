@@ -1,4 +1,4 @@
-"""The ``pyserve`` command: ``run`` (Triton's flag names), ``validate`` and ``backends``."""
+"""The ``pyserve`` command: ``run`` (Triton's flag names), ``validate``, ``backends`` and ``new-backend``."""
 
 from __future__ import annotations
 
@@ -185,6 +185,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_backends(args: argparse.Namespace) -> int:
     from pyserve.plugins import PluginHost
 
+    if args.check:
+        return _check_backends()
     infos = PluginHost().installed()
     if args.json:
         print(json.dumps([
@@ -201,6 +203,38 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_backends() -> int:
+    """``pyserve backends --check``: exit 1 if any installed backend breaks the contract."""
+    from pyserve.plugin_check import check_installed
+
+    infos, problems = check_installed()
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    failed = {p.backend for p in problems}
+    for info in infos:
+        if info.name not in failed:
+            print(f"ok: backend '{info.name}' ({info.distribution} {info.version})".rstrip())
+    if problems:
+        print(f"{len(problems)} problem(s) in {len(failed)} backend(s)", file=sys.stderr)
+        return 1
+    if not infos:
+        print("no backends installed (pip install pyserve-backend-<name>)")
+    return 0
+
+
+def cmd_new_backend(args: argparse.Namespace) -> int:
+    from pyserve.scaffold import ScaffoldError, create_backend_project
+
+    try:
+        project = create_backend_project(args.name, Path(args.directory), args.style)
+    except (ScaffoldError, OSError) as exc:
+        print(f"pyserve new-backend: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"created {project.path} ({project.distribution}, backend '{project.name}', {project.style} style)")
+    print(f"next: pip install -e {project.path} && pytest {project.path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyserve", description="A Python inference server that speaks Triton's protocol.")
     parser.add_argument("--version", action="version", version=f"pyserve {__version__}")
@@ -210,10 +244,21 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("repository", nargs="+", help="model repository directories")
     backends = sub.add_parser("backends", help="list installed backends")
     backends.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    backends.add_argument("--check", action="store_true",
+                          help="import every backend and check its hooks against the contract (exit 1 on problems)")
+    new_backend = sub.add_parser("new-backend", help="write a ready-to-install backend plugin project")
+    new_backend.add_argument("name", help="the backend name (lowercase letters, digits, underscores)")
+    style = new_backend.add_mutually_exclusive_group()
+    style.add_argument("--class", dest="style", action="store_const", const="class", default="class",
+                       help="a pyserve.Backend subclass (default)")
+    style.add_argument("--hooks", dest="style", action="store_const", const="hooks",
+                       help="@pyserve.hookimpl functions in a module")
+    new_backend.add_argument("--directory", default=".", metavar="DIR",
+                             help="where pyserve-backend-NAME/ is created (default: the current directory)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"run": cmd_run, "validate": cmd_validate, "backends": cmd_backends}
+    handlers = {"run": cmd_run, "validate": cmd_validate, "backends": cmd_backends, "new-backend": cmd_new_backend}
     return handlers[args.command](args)

@@ -7,6 +7,7 @@ never touch models, schedulers or backends directly.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from pyserve.errors import ErrorCode, InferError
@@ -14,6 +15,8 @@ from pyserve.inference import FutureSender, InferRequest, InferResponse
 from pyserve.model_manager import ModelManager
 from pyserve.models import ModelVersion
 from pyserve.protocol.config_json import model_config_to_dict
+
+log = logging.getLogger("pyserve.dataplane")
 
 EXTENSIONS = ("classification", "binary_tensor_data", "parameters", "model_configuration")
 """The protocol extensions this server implements (reported by server metadata)."""
@@ -36,7 +39,7 @@ class DataPlane:
         self.server_version = server_version
         self.live = False
         self.accepting = False
-        self.in_flight = 0
+        self._open: set[InferRequest] = set()
         self._idle: asyncio.Event | None = None
 
     # -- health and metadata -----------------------------------------------------------------
@@ -105,13 +108,18 @@ class DataPlane:
             model.enqueue(request)
         except InferError as exc:
             return exc
-        self.in_flight += 1
+        self._open.add(request)
         return None
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished."""
+        return len(self._open)
 
     def finished(self, request: InferRequest) -> None:
         """A submitted request got its final response (or was abandoned); call on the loop."""
-        self.in_flight -= 1
-        if self.in_flight == 0 and self._idle is not None:
+        self._open.discard(request)
+        if not self._open and self._idle is not None:
             self._idle.set()
 
     async def infer(self, model: ModelVersion, request: InferRequest) -> InferResponse | InferError:
@@ -147,4 +155,15 @@ class DataPlane:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
         except asyncio.TimeoutError:
+            self._abandon()
             return False
+
+    def _abandon(self) -> None:
+        """The exit timeout passed: answer every unfinished request with UNAVAILABLE."""
+        log.warning("exit timeout reached with %d request(s) still in flight; answering them UNAVAILABLE", len(self._open))
+        error = InferError.unavailable("Server is shutting down: the request did not finish within the exit timeout")
+        for request in list(self._open):
+            request.cancel()
+            if not request.final_sent:
+                request.reply(error)
+        self._open.clear()

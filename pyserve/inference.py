@@ -8,8 +8,10 @@ path and (later) decoupled models deliver results from any thread.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -208,6 +210,8 @@ class BackendResponseSender:
     def send(self, response: InferResponse | InferError | BaseException | None = None, final: bool = False) -> None:
         request = self._request
         if request._final_sent:
+            if request._cancelled:
+                return  # the server already answered it (client gone, or shutdown timeout)
             raise InferError(
                 f"a final response was already sent for this request of model '{request.model_name}'",
                 ErrorCode.INTERNAL,
@@ -257,7 +261,11 @@ class FutureSender:
     def send(self, response: InferResponse | InferError | None, final: bool) -> None:
         if response is None:
             response = InferError("model sent no response for the request", ErrorCode.INTERNAL)
-        self._loop.call_soon_threadsafe(_resolve, self._future, response)
+        pending: list[tuple[Any, Any, Any]] | None = getattr(_delivery, "pending", None)
+        if pending is not None:
+            pending.append((self._loop, self._future, response))
+        else:
+            self._loop.call_soon_threadsafe(_resolve, self._future, response)
 
     def is_cancelled(self) -> bool:
         return self._future.cancelled()
@@ -266,3 +274,36 @@ class FutureSender:
 def _resolve(future: Any, response: InferResponse | InferError) -> None:
     if not future.done():
         future.set_result(response)
+
+
+_delivery = threading.local()
+
+
+@contextlib.contextmanager
+def coalesced_delivery() -> Iterator[None]:
+    """Deliver the one-response results sent inside the block with one loop wake-up per loop.
+
+    Used by instance threads around the replies of a batch: N responses cost one
+    ``call_soon_threadsafe`` instead of N.
+    """
+    outer = getattr(_delivery, "pending", None)
+    if outer is not None:  # already coalescing further up this thread
+        yield
+        return
+    pending: list[tuple[Any, Any, Any]] = []
+    _delivery.pending = pending
+    try:
+        yield
+    finally:
+        _delivery.pending = None
+        by_loop: dict[Any, list[tuple[Any, Any]]] = {}
+        for loop, future, response in pending:
+            by_loop.setdefault(loop, []).append((future, response))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_resolve_many, items)
+
+
+def _resolve_many(items: list[tuple[Any, InferResponse | InferError]]) -> None:
+    for future, response in items:
+        if not future.done():
+            future.set_result(response)

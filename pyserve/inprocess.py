@@ -16,7 +16,7 @@ from typing import Any
 
 from pyserve import datatypes
 from pyserve.errors import ErrorCode, InferError
-from pyserve.inference import InferRequest, InferResponse
+from pyserve.inference import InferRequest, InferResponse, ResponseSender
 from pyserve.validation import check_input, check_outputs_requested, finish_inputs
 
 _DONE = object()
@@ -68,6 +68,18 @@ class ServerHandle:
 
     def is_decoupled(self, name: str, version: str | None = None) -> bool:
         return bool(self._dataplane.model(name, version).decoupled)
+
+    def submit(self, request: InferRequest, sender: ResponseSender) -> None:
+        """Send a request without waiting; its responses go to ``sender`` (any thread).
+
+        The building block for callers that need more than ``infer`` / ``stream`` offer
+        (e.g. whether the final flag came with a response, or delivery onto their own loop).
+        ``sender.send(response, final)`` is called from the server's threads: 0..N
+        responses, then exactly one call with ``final=True`` (with or without a response).
+        Errors (unknown model, invalid inputs) arrive the same way, as an ``InferError``
+        with ``final=True``. Safe to call from any thread, the event loop included.
+        """
+        self._submit(request, sender)
 
     def _submit(self, request: InferRequest, sender: Any) -> None:
         version = None if request.model_version in (-1, 0) else str(request.model_version)

@@ -245,6 +245,14 @@ class PluginHost:
             log.debug("loaded backend '%s' from %s", name, info.distribution)
             return loaded
 
+    def import_backend(self, name: str) -> object:
+        """Import backend ``name``'s plugin object without registering it (``backends --check``).
+
+        :raises BackendUnavailable: not installed, installed twice, or failed to import.
+        :raises TypeError: the entry point names a class that is not a ``Backend`` subclass.
+        """
+        return self._import(name)
+
     def loaded_backends(self) -> list[LoadedBackend]:
         """Backends imported so far, in load order."""
         return list(self._loaded.values())

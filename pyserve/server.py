@@ -197,11 +197,9 @@ class Server:
         deadline = loop.time() + timeout
         log.info("Shutting down: waiting up to %.0f s for in-flight requests", timeout)
         drained = await self.dataplane.drain(timeout)
-        if not drained:
-            log.warning("exit timeout reached with %d request(s) still in flight", self.dataplane.in_flight)
         if self._uvicorn is not None and self._serve_task is not None:
             if not drained:  # the exit timeout is spent: do not let uvicorn wait that long again
-                self._uvicorn.config.timeout_graceful_shutdown = 0
+                self._uvicorn.config.timeout_graceful_shutdown = 1
             self._uvicorn.should_exit = True
             with contextlib.suppress(Exception):
                 await self._serve_task

@@ -402,7 +402,29 @@ def test_batches_go_to_whichever_instance_is_free(start_server: StartServer, mak
     assert per_reply == used
 
 
-# -- cancellation (scheduler level: the HTTP frontend does not detect disconnects) ------------------
+# -- cancellation ------------------------------------------------------------------------------------
+def test_client_that_goes_away_is_never_executed(start_server: StartServer, make_repo: MakeRepo) -> None:
+    server, recorder = serve(start_server, make_repo, {"m": config(1, "")})
+
+    async def main() -> None:
+        clients = [aioclient.InferenceServerClient(server.url) for _ in range(3)]
+        try:
+            busy = asyncio.create_task(call(clients[0], "m", "busy", delay_ms=800))
+            victim = asyncio.create_task(call(clients[1], "m", "victim", after=0.15))
+            control = asyncio.create_task(call(clients[2], "m", "control", after=0.3))
+            await asyncio.sleep(0.45)
+            victim.cancel()  # the client gives up while the request waits in the queue
+            await clients[1].close()
+            ok([await busy, await control])
+        finally:
+            for client in clients:
+                await client.close()
+
+    asyncio.run(main())
+    assert recorder.order("m") == ["busy", "control"]
+
+
+# scheduler level: requests cancelled while queued
 class Collect:
     """A response sender that keeps what it is sent."""
 

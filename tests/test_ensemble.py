@@ -268,10 +268,3 @@ def test_only_requested_output_is_returned(start_server: StartServer, make_repo:
     finally:
         client.close()
 
-
-def test_zz_print(start_server: StartServer, make_repo: MakeRepo) -> None:
-    models = {"ident": identity(), "pair": identity(pair=True), "scale": SCALE}
-    models.update({name: text for name, (text, _) in BROKEN.items()})
-    server = start_server(make_repo(models), backends={"scale": Scale()})
-    for e in httpx.post(f"http://{server.url}/v2/repository/index", json={}).json():
-        print(e)

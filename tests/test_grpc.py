@@ -479,18 +479,18 @@ def test_request_id_and_parameters(client: grpcclient.InferenceServerClient) -> 
     assert json.loads(result.as_numpy("PARAMS")[0]) == {}
 
 
-def test_reserved_parameter_refused(client: grpcclient.InferenceServerClient, http: httpx.Client) -> None:
+def test_reserved_parameters_refused(stub: service_pb2_grpc.GRPCInferenceServiceStub, http: httpx.Client) -> None:
+    # tritonclient refuses reserved keys itself, so the raw stub sends them
     data = np.array([1], dtype=np.int32)
-    error = client_error(client.infer, "echo", [grpc_input("IN", data, "INT32")], parameters={"triton_x": 1})
-    assert error.status() == "StatusCode.INVALID_ARGUMENT"
-    body = {"inputs": [{"name": "IN", "datatype": "INT32", "shape": [1], "data": [1]}], "parameters": {"triton_x": 1}}
-    assert error.message() == http.post("/v2/models/echo/infer", json=body).json()["error"]
-    # the stream-only parameter is refused on ModelInfer
-    error = client_error(
-        client.infer, "echo", [grpc_input("IN", data, "INT32")],
-        parameters={"triton_enable_empty_final_response": True},
-    )
-    assert error.status() == "StatusCode.INVALID_ARGUMENT"
+    for key in ("triton_x", "triton_enable_empty_final_response"):  # the latter is for the stream only
+        request = raw_request("echo", {"IN": (data, "INT32")})
+        request.parameters[key].bool_param = True
+        error = rpc_error(stub.ModelInfer, request)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        body = {"inputs": [{"name": "IN", "datatype": "INT32", "shape": [1], "data": [1]}], "parameters": {key: True}}
+        response = http.post("/v2/models/echo/infer", json=body)
+        assert response.status_code == 400
+        assert error.details() == response.json()["error"]
 
 
 def test_requested_outputs(client: grpcclient.InferenceServerClient) -> None:

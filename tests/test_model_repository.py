@@ -202,18 +202,18 @@ def test_duplicate_model_names_across_repositories(start_server: StartServer, tm
 
 def test_platform_maps_to_backend(start_server: StartServer, make_repo: MakeRepo) -> None:
     onnx = """
-    platform: "onnxruntime_onnx"
+    platform: "tensorrt_plan"
     max_batch_size: 0
     input [ { name: "x" data_type: TYPE_FP32 dims: [ 2 ] } ]
     output [ { name: "y" data_type: TYPE_FP32 dims: [ 2 ] } ]
     """
-    unknown = onnx.replace("onnxruntime_onnx", "no_such_platform")
+    unknown = onnx.replace("tensorrt_plan", "no_such_platform")
     repo = make_repo({"onnx": onnx, "weird": unknown})
     server = start_server(repo)
     found = entry(server, "onnx")
     assert found["state"] == "UNAVAILABLE"
-    assert "backend 'onnxruntime'" in found["reason"]
-    assert "pip install pyserve-backend-onnxruntime" in found["reason"]
+    assert "backend 'tensorrt'" in found["reason"]  # no TensorRT backend is installed here
+    assert "pip install pyserve-backend-tensorrt" in found["reason"]
     weird = entry(server, "weird")
     assert weird["state"] == "UNAVAILABLE" and "no_such_platform" in weird["reason"]
 

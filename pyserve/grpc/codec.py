@@ -44,6 +44,29 @@ _CONTENTS_FIELD = {
 }
 """Which typed ``InferTensorContents`` field carries each datatype (FP16/BF16: raw only)."""
 
+_FIELD_DTYPE = {
+    "bool_contents": np.dtype(np.bool_),
+    "int_contents": np.dtype(np.int32),
+    "int64_contents": np.dtype(np.int64),
+    "uint_contents": np.dtype(np.uint32),
+    "uint64_contents": np.dtype(np.uint64),
+    "fp32_contents": np.dtype(np.float32),
+    "fp64_contents": np.dtype(np.float64),
+}
+"""The numpy type of each numeric contents field: the proto's own type, so every value fits."""
+
+
+def model_version(value: str) -> str | None:
+    """A request's ``model_version`` field: None for the latest, else a version number.
+
+    :raises InferError: not a number (NOT_FOUND).
+    """
+    if not value:
+        return None
+    if not value.isdigit():
+        raise InferError.not_found(f"model version '{value}' is not a number")
+    return value
+
 
 def parameter_value(param: Any) -> ParameterValue:
     """The Python value of an ``InferParameter``."""
@@ -182,12 +205,12 @@ def _typed_contents(tensor: Any, dtype: Any, count: int, name: str) -> np.ndarra
         for i, item in enumerate(values):
             out[i] = item
         return out
-    array = np.array(values, dtype=np.float64 if dtype.dtype.kind == "f" else None)
-    if dtype.dtype.kind in "iu" and array.size:
+    array = np.array(values, dtype=_FIELD_DTYPE[field])
+    if array.dtype != dtype.dtype and dtype.dtype.kind in "iu" and array.size:
         info = np.iinfo(dtype.dtype)
         if array.min() < info.min or array.max() > info.max:
             raise InferError.invalid(f"contents of input '{name}' have values out of range for {dtype.name}")
-    return array.astype(dtype.dtype, copy=False) if array.size else np.empty(0, dtype=dtype.dtype)
+    return array.astype(dtype.dtype, copy=False)
 
 
 def encode_infer(response: InferResponse, decoded: DecodedGrpcRequest, model: ModelVersion) -> Any:

@@ -18,7 +18,7 @@ import grpc
 from pyserve import protocol as pb
 from pyserve.dataplane import DataPlane
 from pyserve.errors import ErrorCode, InferError
-from pyserve.grpc.codec import decode_infer, encode_infer
+from pyserve.grpc.codec import decode_infer, encode_infer, model_version
 from pyserve.grpc.stream import StreamSession
 
 log = logging.getLogger("pyserve.grpc")
@@ -38,14 +38,6 @@ GRPC_STATUS: dict[ErrorCode, grpc.StatusCode] = {
 
 async def _abort(context: grpc.aio.ServicerContext, error: InferError) -> None:
     await context.abort(GRPC_STATUS[error.code], error.message)
-
-
-def _version(value: str) -> str | None:
-    if not value:
-        return None
-    if not value.isdigit():
-        raise InferError.not_found(f"model version '{value}' is not a number")
-    return value
 
 
 class InferenceServicer:
@@ -68,7 +60,7 @@ class InferenceServicer:
 
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            version = _version(request.version)
+            version = model_version(request.version)
         except InferError:
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, version))
@@ -79,7 +71,7 @@ class InferenceServicer:
 
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            meta = self.dataplane.model_metadata(request.name, _version(request.version))
+            meta = self.dataplane.model_metadata(request.name, model_version(request.version))
         except InferError as exc:
             await _abort(context, exc)
         response = pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"])
@@ -90,7 +82,7 @@ class InferenceServicer:
 
     async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            model = self.dataplane.model(request.name, _version(request.version))
+            model = self.dataplane.model(request.name, model_version(request.version))
         except InferError as exc:
             await _abort(context, exc)
         response = pb.ModelConfigResponse()
@@ -110,7 +102,7 @@ class InferenceServicer:
     # -- inference -------------------------------------------------------------------------------
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            model = self.dataplane.model(request.model_name, _version(request.model_version))
+            model = self.dataplane.model(request.model_name, model_version(request.model_version))
             if model.decoupled:
                 raise InferError.unsupported(
                     "ModelInfer RPC doesn't support models with decoupled transaction policy; "
@@ -143,9 +135,11 @@ class InferenceServicer:
                 yield item
             await reader
         finally:
+            session.cancel_open()
             if not reader.done():
                 reader.cancel()
-            session.cancel_open()
+            elif not reader.cancelled():
+                reader.exception()  # retrieved: reading ends with an error when the call is aborted
 
     # -- features owned by later work ------------------------------------------------------------
     async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -16,7 +16,7 @@ from typing import Any
 from pyserve import protocol as pb
 from pyserve.dataplane import DataPlane
 from pyserve.errors import InferError
-from pyserve.grpc.codec import decode_infer, encode_infer, error_only_response
+from pyserve.grpc.codec import decode_infer, encode_infer, error_only_response, model_version
 from pyserve.inference import InferRequest, InferResponse
 
 _END = object()
@@ -35,6 +35,8 @@ class _StreamSender:
         self._loop = session.loop
 
     def send(self, response: InferResponse | InferError | None, final: bool) -> None:
+        if self._session.closed:  # the stream ended: drop it (the loop may be gone too)
+            return
         self._loop.call_soon_threadsafe(self._session.deliver, self, response, final)
 
     def is_cancelled(self) -> bool:
@@ -85,7 +87,7 @@ class StreamSession:
 
     def _start(self, message: Any) -> None:
         try:
-            model = self.dataplane.model(message.model_name, message.model_version or None)
+            model = self.dataplane.model(message.model_name, model_version(message.model_version))
             decoded = decode_infer(message, model, stream=True)
         except InferError as exc:
             self._emit_error(exc)

@@ -25,6 +25,7 @@ from pyserve.errors import InferError
 from pyserve.http.body import compress, read_body
 from pyserve.http.codec import HEADER_LENGTH, decode_infer, encode_infer, parse_header_length
 from pyserve.http.errors import error_response, status_error
+from pyserve.http.fast_infer import InferFastPath
 from pyserve.http.generate import SSE_TYPE, GenerateSender, decode_generate, encode_generate, sse_event
 from pyserve.inference import InferResponse
 
@@ -73,8 +74,9 @@ async def _collect(sender: GenerateSender) -> list[InferResponse | InferError]:
     return [item async for item in sender.responses()]
 
 
-def create_app(dataplane: DataPlane, *, max_input_size: int) -> Starlette:
-    """Build the Starlette application serving ``dataplane``.
+def create_app(dataplane: DataPlane, *, max_input_size: int) -> InferFastPath:
+    """Build the ASGI application serving ``dataplane``: the infer fast path in front of
+    the Starlette routes (which keep a regular ``/infer`` route for completeness).
 
     :param max_input_size: the largest request body accepted, compressed or not.
     """
@@ -242,7 +244,8 @@ def create_app(dataplane: DataPlane, *, max_input_size: int) -> Starlette:
             Route(prefix + "/generate", generate, methods=["POST"]),
             Route(prefix + "/generate_stream", generate_stream, methods=["POST"]),
         ]
-    return Starlette(
+    app = Starlette(
         routes=routes,
         exception_handlers={HTTPException: http_error, Exception: internal_error},
     )
+    return InferFastPath(app, dataplane, max_input_size)

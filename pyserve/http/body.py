@@ -17,7 +17,7 @@ DEFAULT_MAX_INPUT_SIZE = 64 * 1024 * 1024
 """Triton's default ``--http-max-input-size`` (64 MiB)."""
 
 
-def _too_large(limit: int) -> InferError:
+def too_large(limit: int) -> InferError:
     return InferError.invalid(
         f"request body is larger than the server's limit of {limit} bytes (--http-max-input-size)"
     )
@@ -35,16 +35,24 @@ async def read_body(request: Request, limit: int) -> bytes:
         except ValueError:
             raise InferError.invalid("Content-Length must be an integer") from None
         if declared > limit:
-            raise _too_large(limit)
+            raise too_large(limit)
     chunks: list[bytes] = []
     received = 0
     async for chunk in request.stream():
         received += len(chunk)
         if received > limit:
-            raise _too_large(limit)
+            raise too_large(limit)
         chunks.append(chunk)
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    encoding = request.headers.get("content-encoding", "").strip().lower()
+    return decode_content(body, request.headers.get("content-encoding", ""), limit)
+
+
+def decode_content(body: bytes, content_encoding: str, limit: int) -> bytes:
+    """Undo ``Content-Encoding`` (gzip, deflate or identity) within the size limit.
+
+    :raises InferError: unknown encoding, corrupt or truncated data, or over the limit.
+    """
+    encoding = content_encoding.strip().lower()
     if encoding in ("", "identity"):
         return body
     if encoding == "gzip":
@@ -61,7 +69,7 @@ def _inflate(data: bytes, wbits: int, limit: int, encoding: str) -> bytes:
     except zlib.error as exc:
         raise InferError.invalid(f"request body is not valid {encoding} data: {exc}") from None
     if len(out) > limit or inflater.unconsumed_tail:
-        raise _too_large(limit)
+        raise too_large(limit)
     if not inflater.eof:
         raise InferError.invalid(f"request body is truncated {encoding} data")
     return out

@@ -115,6 +115,8 @@ class GenerateSender:
         self.closed = False
 
     def send(self, response: InferResponse | InferError | None, final: bool) -> None:
+        if self.closed:  # the client went away: drop it (the loop may be gone too)
+            return
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (response, final))
 
     def is_cancelled(self) -> bool:

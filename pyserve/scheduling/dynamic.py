@@ -217,7 +217,8 @@ class DynamicBatcher:
                 if preferred and not expired:
                     batch = batch[:preferred]
                 elif not (
-                    blocked or size >= self._max_preferred or expired or self.max_delay_ns == 0 or self._stopping
+                    blocked or expired or size >= self._max_preferred
+                    or self.max_delay_ns == 0 or self._stopping
                 ):
                     deadline = oldest + self.max_delay_ns
                     self._wait(deadline if not wake_at else min(deadline, wake_at), now)

@@ -16,7 +16,7 @@ import numpy as np
 from pyserve import datatypes
 from pyserve.backend import InstanceContext
 from pyserve.errors import ErrorCode, InferError
-from pyserve.inference import InferRequest, InferResponse, error_response
+from pyserve.inference import InferRequest, InferResponse, coalesced_delivery, error_response
 from pyserve.model_config import ModelIO
 from pyserve.plugins import LoadedBackend
 
@@ -78,7 +78,8 @@ class InstanceWorker:
             if batch is STOP:
                 return
             try:
-                self.execute_batch(batch)
+                with coalesced_delivery():  # one loop wake-up for the whole batch's replies
+                    self.execute_batch(batch)
             except BaseException:  # never let one batch kill the instance
                 log.exception("model '%s': unexpected failure while delivering a batch", self._model_name)
 

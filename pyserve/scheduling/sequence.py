@@ -154,7 +154,9 @@ class SequenceBatcher:
         self.idle_ns = int(seq.max_sequence_idle_microseconds or 1_000_000) * 1000
         self._controls = _controls(config)
         self._numeric_corrid = next(
-            (c for c in self._controls if c.kind == "CONTROL_SEQUENCE_CORRID" and c.dtype != np.dtype(object)), None
+            (c for c in self._controls
+             if c.kind == "CONTROL_SEQUENCE_CORRID" and c.dtype != np.dtype(object)),
+            None,
         )
         self._states = _states(config, model_dir)
         self._instances = max(instances, 1)

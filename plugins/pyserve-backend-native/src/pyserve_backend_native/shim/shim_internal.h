@@ -1,0 +1,228 @@
+/*
+ * Internals of pyserve's TRITON host shim: object layouts, the callbacks into Python and the
+ * pyshim_* functions the Python host drives through ctypes.
+ *
+ * Threading: backends call the API from any thread (execute threads, their own worker
+ * threads). The shim never holds one of its own locks while calling into Python, so a
+ * Python callback can call back into the shim without deadlocking.
+ */
+#ifndef PYSERVE_SHIM_INTERNAL_H
+#define PYSERVE_SHIM_INTERNAL_H
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "triton_shim.h"
+
+#define EXPORT __attribute__((visibility("default")))
+#define INTERNAL __attribute__((visibility("hidden")))
+
+/* ---- small helpers ------------------------------------------------------------------- */
+INTERNAL char* shim_strdup(const char* s);
+INTERNAL char* shim_strndup(const char* s, size_t n);
+INTERNAL TRITONSERVER_Error* shim_error(TRITONSERVER_Error_Code code, const char* fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+#define SHIM_REQUIRE(cond, what)                                                          \
+  do {                                                                                    \
+    if (!(cond))                                                                          \
+      return shim_error(TRITONSERVER_ERROR_INVALID_ARG, "%s: %s", __func__, what);        \
+  } while (0)
+
+struct TRITONSERVER_Error {
+  TRITONSERVER_Error_Code code;
+  char* message;
+};
+
+struct TRITONSERVER_Message {
+  char* json; /* NUL-terminated copy */
+  size_t size;
+};
+INTERNAL TRITONSERVER_Message* shim_message_new(const char* json);
+
+struct TRITONSERVER_BufferAttributes {
+  TRITONSERVER_MemoryType memory_type;
+  int64_t memory_type_id;
+  size_t byte_size;
+  void* cuda_ipc_handle;
+};
+
+/* A parameter (request, response, BLS request, TRITONSERVER_Parameter). The layout is read
+ * by Python (pyshim_param in _api.py): keep both in step. */
+typedef struct pyshim_param {
+  char* key;
+  int32_t type; /* TRITONSERVER_ParameterType */
+  char* str;    /* STRING */
+  int64_t i;    /* INT */
+  bool b;       /* BOOL */
+  double d;     /* DOUBLE */
+  void* bytes;  /* BYTES (owned copy) */
+  uint64_t size;
+} pyshim_param;
+INTERNAL const void* shim_param_value(const pyshim_param* p);
+INTERNAL void shim_param_clear(pyshim_param* p);
+INTERNAL int shim_params_add(
+    pyshim_param** params, uint32_t* count, const char* key, int32_t type, const char* str,
+    int64_t i, bool b, double d, const void* bytes, uint64_t size);
+
+struct TRITONSERVER_Parameter {
+  pyshim_param p;
+};
+
+/* The description of one output tensor handed to Python (pyshim_output_desc in _api.py). */
+typedef struct pyshim_output_desc {
+  const char* name;
+  int32_t datatype;
+  uint32_t dims_count;
+  const int64_t* shape;
+  void* buffer; /* ownership passes with the description, see callbacks below */
+  uint64_t byte_size;
+} pyshim_output_desc;
+
+/* ---- callbacks into Python ------------------------------------------------------------- */
+enum { PYSHIM_EVENT_RELEASED = 1, PYSHIM_EVENT_DONE = 2 };
+enum {
+  PYSHIM_QUERY_READY = 1,
+  PYSHIM_QUERY_TXN = 2,
+  PYSHIM_QUERY_CONFIG = 3,
+  PYSHIM_QUERY_METADATA = 4,
+  PYSHIM_QUERY_BATCH = 5
+};
+
+typedef struct pyshim_result {
+  int64_t ival;
+  char* sval;
+  int32_t err_code; /* -1: success */
+  char* err_msg;
+} pyshim_result;
+
+typedef struct pyshim_callbacks {
+  /* Log line from a backend. */
+  void (*log)(int32_t level, const char* file, int32_t line, const char* msg);
+  /* A response (or only flags) for the pyserve request 'key'. Ownership of every
+   * outputs[i].buffer passes to Python, which frees it with pyshim_free; the rest of the
+   * arrays is only valid during the call. err_code < 0 means no error. */
+  void (*response)(uint64_t key, uint32_t flags, int32_t has_response, uint32_t output_count,
+                   pyshim_output_desc* outputs, uint32_t param_count, pyshim_param* params,
+                   int32_t err_code, const char* err_msg);
+  /* Request life events: PYSHIM_EVENT_RELEASED (flags = release flags; the input buffers
+   * may be dropped) and PYSHIM_EVENT_DONE (no request, factory or response refers to the
+   * request any more: nothing more can be sent for it). */
+  void (*request_event)(uint64_t key, int32_t event, uint32_t flags);
+  int32_t (*is_cancelled)(uint64_t key);
+  /* BLS: a TRITONSERVER_InferenceRequest was handed to TRITONSERVER_ServerInferAsync.
+   * Returns 0 when Python took it (responses follow through pyshim_ireq_respond). */
+  int32_t (*infer_async)(TRITONSERVER_InferenceRequest* request);
+  /* Model queries for BLS callers (PYSHIM_QUERY_*); the answer goes into 'result'. */
+  int32_t (*server_query)(int32_t op, const char* model, int64_t version, pyshim_result* result);
+} pyshim_callbacks;
+
+INTERNAL extern pyshim_callbacks g_cb;
+INTERNAL extern int g_log_verbose;
+
+/* ---- requests and responses ---------------------------------------------------------- */
+/* Shared by a request, its response factories and its responses. When the last reference
+ * goes, Python learns (PYSHIM_EVENT_DONE) that nothing more can be sent for 'key'. */
+typedef struct pyshim_core {
+  atomic_int refs;
+  uint64_t key;
+} pyshim_core;
+INTERNAL pyshim_core* shim_core_ref(pyshim_core* core);
+INTERNAL void shim_core_unref(pyshim_core* core);
+
+struct TRITONBACKEND_Input {
+  char* name;
+  TRITONSERVER_DataType datatype;
+  int64_t* shape;
+  uint32_t dims_count;
+  uint64_t byte_size;
+  const void* buffer; /* borrowed from Python (a numpy array kept alive until release) */
+  TRITONSERVER_BufferAttributes attributes;
+};
+
+struct TRITONBACKEND_Request {
+  pyshim_core* core;
+  TRITONBACKEND_ModelInstance* instance;
+  char* id;
+  uint64_t correlation_id;
+  char* correlation_id_string; /* non-NULL when the correlation id is a string */
+  uint32_t flags;
+  uint64_t timeout_us;
+  uint32_t input_count;
+  TRITONBACKEND_Input* inputs;
+  uint32_t output_count;
+  char** outputs;
+  uint32_t param_count;
+  pyshim_param* params;
+};
+
+struct TRITONBACKEND_Output {
+  char* name;
+  TRITONSERVER_DataType datatype;
+  int64_t* shape;
+  uint32_t dims_count;
+  void* buffer; /* malloc'd by OutputBuffer; owned by the output until sent */
+  uint64_t byte_size;
+  TRITONSERVER_BufferAttributes attributes;
+};
+
+struct TRITONBACKEND_Response {
+  pyshim_core* core;
+  uint32_t output_count, output_capacity;
+  TRITONBACKEND_Output** outputs;
+  uint32_t param_count;
+  pyshim_param* params;
+};
+
+struct TRITONBACKEND_ResponseFactory {
+  pyshim_core* core;
+};
+
+/* ---- backend / model / instance ------------------------------------------------------- */
+typedef struct pyshim_stats {
+  uint64_t success_count, failure_count;
+  uint64_t compute_input_ns, compute_infer_ns, compute_output_ns;
+  uint64_t execution_count, inference_count;
+  uint64_t batch_compute_input_ns, batch_compute_infer_ns, batch_compute_output_ns;
+} pyshim_stats;
+
+struct TRITONBACKEND_Backend {
+  char* name;
+  TRITONSERVER_Message* config;
+  char* artifacts;
+  void* state;
+  TRITONBACKEND_ExecutionPolicy policy;
+};
+
+struct TRITONBACKEND_Model {
+  char* name;
+  uint64_t version;
+  char* repository;
+  TRITONBACKEND_Backend* backend;
+  char* config_json;
+  bool auto_complete;
+  bool in_initialize; /* ModelSetConfig is only allowed during ModelInitialize */
+  bool config_changed;
+  void* state;
+  atomic_flag stats_lock;
+  pyshim_stats stats;
+};
+
+struct TRITONBACKEND_ModelInstance {
+  char* name;
+  TRITONSERVER_InstanceGroupKind kind;
+  int32_t device_id;
+  TRITONBACKEND_Model* model;
+  void* state;
+};
+
+struct TRITONBACKEND_BackendAttribute {
+  bool parallel_instance_loading;
+};
+
+struct TRITONSERVER_Server {
+  int unused;
+};
+INTERNAL extern TRITONSERVER_Server g_server;
+
+#endif /* PYSERVE_SHIM_INTERNAL_H */

@@ -1,0 +1,107 @@
+"""pyserve's ``onnxruntime`` backend: ONNX models (platform ``onnxruntime_onnx``) on ONNX Runtime.
+
+A module-style plugin: the entry point names this module and the hook functions below carry
+``pyserve.hookimpl``. Importing this module does not import ``onnxruntime``; the framework is
+imported when the first ONNX model loads (``pyserve_backend_initialize``).
+
+What callers may rely on:
+
+* the model file is ``<version>/model.onnx``, or ``<version>/<default_model_filename>``
+  (a file, or a directory holding ``model.onnx``);
+* one ``InferenceSession`` per instance; GPU instances use ``CUDAExecutionProvider`` on the
+  instance's GPU when the installed onnxruntime has it, CPU otherwise (logged once per model);
+* session settings come from the model ``parameters`` (``intra_op_thread_count``,
+  ``inter_op_thread_count``, ``enable_mem_arena``, ``enable_mem_pattern``) and from
+  ``optimization { graph { level } }`` (-1 basic, 1 extended, otherwise all optimizations);
+* auto-complete fills inputs, outputs, ``max_batch_size`` (the backend config
+  ``default-max-batch-size``) and enables ``dynamic_batching``, as Triton's backend does;
+* a config that disagrees with the model (names, datatypes, dims) or an unreadable model file
+  makes the model UNAVAILABLE with a message naming the tensor and both sides;
+* a batch of requests runs as one ``session.run`` over inputs gathered without copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pyserve import (
+    BackendContext,
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+    hookimpl,
+)
+
+from pyserve_backend_onnxruntime.runtime import OnnxInstance, OnnxModel, auto_complete, initialize_runtime
+
+__all__ = [
+    "OnnxInstance",
+    "OnnxModel",
+    "pyserve_backend_initialize",
+    "pyserve_execute",
+    "pyserve_instance_create",
+    "pyserve_model_auto_complete",
+    "pyserve_model_create",
+]
+
+
+@hookimpl
+def pyserve_backend_initialize(backend: BackendContext) -> None:
+    """Import onnxruntime and record its version and execution providers in ``backend.state``.
+
+    :raises ImportError: onnxruntime is not installed (every ONNX model becomes UNAVAILABLE
+        with an install hint).
+    """
+    backend.state = initialize_runtime()
+
+
+@hookimpl
+def pyserve_model_auto_complete(model: ModelContext) -> bool:
+    """Fill in inputs, outputs, ``max_batch_size`` and dynamic batching from the ONNX file.
+
+    :returns: True when the config was changed.
+    :raises ValueError: the model file is missing or is not a loadable ONNX model.
+    """
+    return auto_complete(model)
+
+
+@hookimpl
+def pyserve_model_create(model: ModelContext) -> OnnxModel:
+    """Locate the model file and read the session settings; becomes ``model.state``.
+
+    :raises ValueError: missing model file, a bad parameter value, or an unsupported datatype.
+    """
+    return OnnxModel.from_context(model)
+
+
+@hookimpl
+def pyserve_instance_create(instance: InstanceContext) -> OnnxInstance:
+    """Create the instance's session and check the config against the model's inputs/outputs.
+
+    :raises ValueError: the file is not a valid ONNX model, or the config disagrees with it.
+    """
+    state: OnnxModel = instance.model.state
+    return state.create_instance(instance)
+
+
+@hookimpl
+def pyserve_instance_finalize(instance: InstanceContext) -> None:
+    """Drop the instance's session (ONNX Runtime frees its memory with it)."""
+    state: OnnxInstance | None = instance.state
+    if state is not None:
+        state.close()
+
+
+@hookimpl
+def pyserve_execute(
+    instance: InstanceContext, requests: Sequence[InferRequest]
+) -> list[InferResponse | InferError]:
+    """Run the gathered requests as one batch: gather inputs, one ``session.run``, split outputs.
+
+    :returns: one response per request, in order; when the run fails every request gets the
+        same error (``INVALID_ARG`` when onnxruntime rejects the inputs).
+    """
+    state: OnnxInstance = instance.state
+    return state.execute(requests)

@@ -1,0 +1,292 @@
+"""The onnxruntime backend served by a real server: results equal a direct ONNX Runtime call."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import pyserve_backend_onnxruntime
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from pyserve.model_config import gpu_count
+from pyserve.server import ServerThread
+
+import ort_models
+from ort_support import BatchRecorder, write_model
+
+BACKENDS = {"onnxruntime": pyserve_backend_onnxruntime}
+
+MLP_CONFIG = """
+platform: "onnxruntime_onnx"
+max_batch_size: 16
+input [ { name: "x", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "y", data_type: TYPE_FP32, dims: [ 3 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 20000 }
+"""
+
+CONV_CONFIG = """
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [ { name: "image", data_type: TYPE_FP32, dims: [ 1, 8, 8 ] } ]
+output [
+  { name: "logits", data_type: TYPE_FP32, dims: [ 2 ] },
+  { name: "features", data_type: TYPE_FP32, dims: [ 4 ] }
+]
+"""
+
+
+def _broken(config: str, old: str, new: str) -> str:
+    assert old in config
+    return config.replace(old, new)
+
+
+@pytest.fixture(scope="module")
+def recorder() -> BatchRecorder:
+    return BatchRecorder()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, module_server: Any, recorder: BatchRecorder) -> ServerThread:
+    repo = tmp_path_factory.mktemp("ort_repo")
+    mlp, conv = ort_models.mlp(), ort_models.convnet()
+    write_model(repo, "mlp", MLP_CONFIG, {"1/model.onnx": mlp})
+    write_model(repo, "conv", CONV_CONFIG, {"1/model.onnx": conv})
+    write_model(repo, "mlp_auto", None, {"1/model.onnx": mlp})  # no config.pbtxt at all
+    write_model(repo, "conv_auto", 'platform: "onnxruntime_onnx"\n', {"1/model.onnx": conv})
+    write_model(repo, "mlp_fixed", None, {"1/model.onnx": ort_models.mlp(batch=2)})  # cannot batch
+    write_model(
+        repo,
+        "mlp_tuned",
+        MLP_CONFIG
+        + 'default_model_filename: "graph"\noptimization { graph { level: 1 } }\n'
+        + 'parameters [ { key: "intra_op_thread_count", value: { string_value: "1" } },'
+        + ' { key: "inter_op_thread_count", value: { string_value: "1" } } ]\n',
+        {"1/graph/model.onnx": mlp},
+    )
+    write_model(
+        repo,
+        "strings",
+        'platform: "onnxruntime_onnx"\nmax_batch_size: 4\n'
+        'input [ { name: "text", data_type: TYPE_STRING, dims: [ 2 ] } ]\n'
+        'output [ { name: "echo", data_type: TYPE_STRING, dims: [ 2 ] } ]\n',
+        {"1/model.onnx": ort_models.strings()},
+    )
+    write_model(repo, "bad_name", _broken(MLP_CONFIG, 'name: "x"', 'name: "input"'), {"1/model.onnx": mlp})
+    write_model(repo, "bad_type", _broken(MLP_CONFIG, "TYPE_FP32, dims: [ 4 ]", "TYPE_INT32, dims: [ 4 ]"), {"1/model.onnx": mlp})
+    write_model(repo, "bad_dims", _broken(MLP_CONFIG, "dims: [ 3 ]", "dims: [ 5 ]"), {"1/model.onnx": mlp})
+    write_model(repo, "bad_output", _broken(MLP_CONFIG, 'name: "y"', 'name: "z"'), {"1/model.onnx": mlp})
+    write_model(repo, "corrupt", MLP_CONFIG, {"1/model.onnx": b"this is not an onnx model"})
+    write_model(repo, "corrupt_auto", None, {"1/model.onnx": b"\x08\x07garbage"})
+    write_model(repo, "missing", MLP_CONFIG)
+    write_model(
+        repo,
+        "bad_param",
+        MLP_CONFIG + 'parameters [ { key: "intra_op_thread_count", value: { string_value: "many" } } ]\n',
+        {"1/model.onnx": mlp},
+    )
+    return module_server(repo, backends=BACKENDS, server_plugins=(recorder,))
+
+
+def direct(model: bytes, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def http_infer(url: str, model: str, inputs: dict[str, np.ndarray], datatype: str = "FP32") -> httpclient.InferResult:
+    client = httpclient.InferenceServerClient(url)
+    tensors = []
+    for name, array in inputs.items():
+        tensor = httpclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return client.infer(model, tensors)
+
+
+def grpc_infer(url: str, model: str, inputs: dict[str, np.ndarray], datatype: str = "FP32") -> grpcclient.InferResult:
+    client = grpcclient.InferenceServerClient(url)
+    tensors = []
+    for name, array in inputs.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return client.infer(model, tensors)
+
+
+def repository_index(server: ServerThread) -> dict[str, dict[str, str]]:
+    client = httpclient.InferenceServerClient(server.url)
+    return {entry["name"]: entry for entry in client.get_model_repository_index()}
+
+
+# --------------------------------------------------------------------------- packaging
+
+
+def test_plugin_import_does_not_import_onnxruntime() -> None:
+    code = (
+        "import sys, pyserve_backend_onnxruntime\n"
+        "heavy = [m for m in ('onnxruntime', 'onnx', 'torch', 'tensorflow') if m in sys.modules]\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_entry_points_declare_backend_and_platform() -> None:
+    backends = {ep.name: ep.value for ep in metadata.entry_points(group="pyserve.backends")}
+    platforms = {ep.name: ep.value for ep in metadata.entry_points(group="pyserve.platforms")}
+    if "onnxruntime" not in backends:
+        pytest.skip("pyserve-backend-onnxruntime is not installed (pip install -e)")
+    assert backends["onnxruntime"] == "pyserve_backend_onnxruntime"
+    assert platforms["onnxruntime_onnx"] == "onnxruntime"
+
+
+# --------------------------------------------------------------------------- inference
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_mlp_matches_onnxruntime(server: ServerThread, protocol: str) -> None:
+    x = np.random.default_rng(3).standard_normal((5, 4)).astype(np.float32)
+    if protocol == "http":
+        got = http_infer(server.url, "mlp", {"x": x}).as_numpy("y")
+    else:
+        got = grpc_infer(server.grpc_url, "mlp", {"x": x}).as_numpy("y")
+    np.testing.assert_allclose(got, direct(ort_models.mlp(), {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_convnet_two_outputs_match_onnxruntime(server: ServerThread, protocol: str) -> None:
+    image = np.random.default_rng(4).standard_normal((3, 1, 8, 8)).astype(np.float32)
+    infer = http_infer if protocol == "http" else grpc_infer
+    url = server.url if protocol == "http" else server.grpc_url
+    result = infer(url, "conv", {"image": image})
+    logits, features = direct(ort_models.convnet(), {"image": image})
+    np.testing.assert_allclose(result.as_numpy("logits"), logits, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result.as_numpy("features"), features, rtol=1e-5, atol=1e-6)
+
+
+def test_requested_output_only(server: ServerThread) -> None:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    image = np.ones((1, 1, 8, 8), dtype=np.float32)
+    tensor = grpcclient.InferInput("image", [1, 1, 8, 8], "FP32")
+    tensor.set_data_from_numpy(image)
+    result = client.infer("conv", [tensor], outputs=[grpcclient.InferRequestedOutput("features")])
+    assert result.as_numpy("logits") is None
+    np.testing.assert_allclose(result.as_numpy("features"), direct(ort_models.convnet(), {"image": image})[1], rtol=1e-5)
+
+
+def test_strings_round_trip(server: ServerThread) -> None:
+    text = np.array([[b"hello", "wörld".encode()], [b"", b"x"]], dtype=object)
+    result = http_infer(server.url, "strings", {"text": text}, "BYTES")
+    assert result.as_numpy("echo").tolist() == text.tolist()
+
+
+def test_session_options_and_directory_model_file(server: ServerThread) -> None:
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    got = grpc_infer(server.grpc_url, "mlp_tuned", {"x": x}).as_numpy("y")
+    np.testing.assert_allclose(got, direct(ort_models.mlp(), {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def test_dynamic_batching_gives_the_rows_of_single_calls(server: ServerThread, recorder: BatchRecorder) -> None:
+    rows = np.random.default_rng(5).standard_normal((16, 1, 4)).astype(np.float32)
+    expected = [direct(ort_models.mlp(), {"x": row})[0] for row in rows]
+    before = len(recorder.sizes.get("mlp", []))
+
+    def call(row: np.ndarray) -> np.ndarray:
+        return grpc_infer(server.grpc_url, "mlp", {"x": row}).as_numpy("y")
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(call, rows))
+    for got, want in zip(results, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    sizes = recorder.sizes["mlp"][before:]
+    assert sum(sizes) == 16
+    assert max(sizes) > 1, f"the dynamic batcher never joined requests: {sizes}"
+
+
+# --------------------------------------------------------------------------- auto-complete
+
+
+def test_auto_complete_without_config(server: ServerThread) -> None:
+    config = httpclient.InferenceServerClient(server.url).get_model_config("mlp_auto")
+    assert config["platform"] == "onnxruntime_onnx"
+    assert config["backend"] == "onnxruntime"
+    assert config["max_batch_size"] == 4  # the backend config default-max-batch-size
+    assert "dynamic_batching" in config
+    assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"]] == [("x", "TYPE_FP32", [4])]
+    assert [(t["name"], t["data_type"], t["dims"]) for t in config["output"]] == [("y", "TYPE_FP32", [3])]
+    x = np.ones((2, 4), dtype=np.float32)
+    np.testing.assert_allclose(
+        http_infer(server.url, "mlp_auto", {"x": x}).as_numpy("y"), direct(ort_models.mlp(), {"x": x})[0], rtol=1e-5
+    )
+
+
+def test_auto_complete_from_platform_only(server: ServerThread) -> None:
+    config = httpclient.InferenceServerClient(server.url).get_model_config("conv_auto")
+    assert [(t["name"], t["dims"]) for t in config["input"]] == [("image", [1, 8, 8])]
+    assert [(t["name"], t["dims"]) for t in config["output"]] == [("logits", [2]), ("features", [4])]
+    image = np.zeros((1, 1, 8, 8), dtype=np.float32)
+    result = grpc_infer(server.grpc_url, "conv_auto", {"image": image})
+    np.testing.assert_allclose(result.as_numpy("logits"), direct(ort_models.convnet(), {"image": image})[0], rtol=1e-5)
+
+
+def test_auto_complete_fixed_batch_dimension_is_not_batching(server: ServerThread) -> None:
+    config = httpclient.InferenceServerClient(server.url).get_model_config("mlp_fixed")
+    assert config["max_batch_size"] == 0
+    assert "dynamic_batching" not in config
+    assert config["input"][0]["dims"] == [2, 4]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("model", "fragments"),
+    [
+        ("bad_name", ["'input'", "not an input of the ONNX model", "x"]),
+        ("bad_type", ["input 'x'", "TYPE_INT32", "TYPE_FP32"]),
+        ("bad_dims", ["output 'y'", "[-1, 5]", "[-1, 3]"]),
+        ("bad_output", ["output 'z'", "model outputs: y"]),
+        ("corrupt", ["cannot load ONNX model", "model.onnx"]),
+        ("corrupt_auto", ["auto-complete", "cannot load ONNX model"]),
+        ("missing", ["model file", "not found"]),
+        ("bad_param", ["intra_op_thread_count", "'many'"]),
+    ],
+)
+def test_bad_models_are_unavailable_with_a_reason(server: ServerThread, model: str, fragments: list[str]) -> None:
+    entry = repository_index(server)[model]
+    assert entry["state"] == "UNAVAILABLE"
+    for fragment in fragments:
+        assert fragment in entry["reason"], entry["reason"]
+
+
+def test_wrong_request_shape_is_invalid_argument(server: ServerThread) -> None:
+    with pytest.raises(Exception, match="unexpected shape|shape"):
+        http_infer(server.url, "mlp", {"x": np.ones((1, 5), dtype=np.float32)})
+
+
+def test_good_models_are_ready(server: ServerThread) -> None:
+    index = repository_index(server)
+    for name in ("mlp", "conv", "mlp_auto", "conv_auto", "mlp_fixed", "mlp_tuned", "strings"):
+        assert index[name]["state"] == "READY", json.dumps(index[name])
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.skipif(gpu_count() == 0 or "CUDAExecutionProvider" not in ort.get_available_providers(),
+                    reason="needs a GPU and onnxruntime-gpu")
+def test_gpu_instance_uses_cuda_provider(tmp_path: Path, module_server: Any) -> None:
+    repo = tmp_path / "gpu_repo"
+    write_model(repo, "mlp_gpu", MLP_CONFIG + "instance_group [ { kind: KIND_GPU, gpus: [ 0 ] } ]\n",
+                {"1/model.onnx": ort_models.mlp()})
+    gpu_server = module_server(repo, backends=BACKENDS)
+    x = np.random.default_rng(6).standard_normal((3, 4)).astype(np.float32)
+    got = grpc_infer(gpu_server.grpc_url, "mlp_gpu", {"x": x}).as_numpy("y")
+    np.testing.assert_allclose(got, direct(ort_models.mlp(), {"x": x})[0], rtol=1e-4, atol=1e-5)

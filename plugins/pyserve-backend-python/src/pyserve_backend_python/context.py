@@ -1,0 +1,71 @@
+"""Which server (and model) the Python code running now belongs to.
+
+Triton's ``pb_utils`` functions (BLS ``exec``, metrics) take no server argument: the stub
+process has exactly one server. In-process, the backend sets a context variable around every
+call into a model (``auto_complete_config``, ``initialize``, ``execute``, ``finalize``, and
+coroutines on the instance's event loop), holding the calling model's ``ModelContext``; BLS
+uses ``ModelContext.server`` from it. Threads the model starts itself do not inherit context
+variables, so for them the server of the most recently entered model is used — correct as long
+as one process runs one server, which is the Triton situation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from pyserve import ModelContext
+
+_current: contextvars.ContextVar[ModelContext | None] = contextvars.ContextVar(
+    "pyserve_python_model", default=None
+)
+_lock = threading.Lock()
+_last_server: Any = None
+
+
+@contextlib.contextmanager
+def calling(model: ModelContext) -> Iterator[None]:
+    """Mark ``model`` as the caller for the code run inside the ``with`` block."""
+    remember(model)
+    token = _current.set(model)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def remember(model: ModelContext) -> None:
+    """Record the model's server as the fallback for threads without a context."""
+    global _last_server
+    if model.server is not None:
+        with _lock:
+            _last_server = model.server
+
+
+def set_current(model: ModelContext) -> None:
+    """Set the caller for the rest of this thread's context (event-loop threads)."""
+    remember(model)
+    _current.set(model)
+
+
+def current_model() -> ModelContext | None:
+    """The model whose code is running now, if known."""
+    return _current.get()
+
+
+def current_server() -> Any:
+    """The ``pyserve.inprocess.ServerHandle`` to send BLS requests to.
+
+    :raises RuntimeError: no server is known (code running outside a served model).
+    """
+    model = _current.get()
+    server = model.server if model is not None else None
+    if server is None:
+        server = _last_server
+    if server is None:
+        raise RuntimeError("no running pyserve server is known to this thread; BLS requests can "
+                           "only be made by a model the server runs")
+    return server

@@ -1,0 +1,115 @@
+"""Importing a model's ``model.py`` as its own module.
+
+Each model version gets a fresh module with a unique name (``_pyserve_python_model_<n>_<name>``),
+so two models whose files are both called model.py never share globals. While the file runs
+(and while ``initialize`` runs, see ``model_path_scope``), the version directory and the model
+directory are at the front of ``sys.path``, as Triton's stub puts them, so the model can
+import helper modules that sit next to it. Helper modules imported from the model directory
+are then taken out of ``sys.modules`` again, so another model's ``utils.py`` does not resolve
+to this one's; the model keeps its references to them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import re
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+from pyserve import ModelContext
+
+DEFAULT_MODEL_FILENAME = "model.py"
+MODEL_CLASS = "TritonPythonModel"
+
+_counter = itertools.count(1)
+_import_lock = threading.RLock()
+
+
+class PythonModelError(Exception):
+    """A model.py could not be loaded or its ``TritonPythonModel`` failed; the message holds
+    the Python traceback."""
+
+
+def model_file(model: ModelContext) -> Path:
+    """The Python file of a model version (``default_model_filename``, else model.py)."""
+    return model.version_path / (model.config.default_model_filename or DEFAULT_MODEL_FILENAME)
+
+
+@contextlib.contextmanager
+def model_path_scope(model: ModelContext) -> Iterator[None]:
+    """Put the model's version and model directories on ``sys.path`` for the block, then
+    forget the helper modules imported from them (see the module docstring)."""
+    entries = [str(model.version_path), str(model.path)]
+    before = set(sys.modules)
+    for entry in reversed(entries):
+        sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        for entry in entries:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(entry)
+        root = model.path.resolve()
+        for name in set(sys.modules) - before:
+            module = sys.modules.get(name)
+            origin = getattr(module, "__file__", None)
+            if origin and _is_within(Path(origin), root) and not name.startswith("_pyserve_python_model_"):
+                sys.modules.pop(name, None)
+
+
+def _is_within(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root)
+    except (ValueError, OSError):
+        return False
+    return True
+
+
+def load_module(model: ModelContext) -> ModuleType:
+    """Import the model version's file as a new module.
+
+    :raises PythonModelError: the file is missing, fails to import (the message has the
+        traceback), or defines no ``TritonPythonModel`` class.
+    """
+    path = model_file(model)
+    if not path.is_file():
+        raise PythonModelError(f"model '{model.name}' version {model.version}: file '{path}' not found")
+    safe = re.sub(r"\W", "_", model.name)
+    module_name = f"_pyserve_python_model_{next(_counter)}_{safe}_{model.version}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise PythonModelError(f"model '{model.name}': cannot import '{path}'")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses, pickle and typing look modules up by name
+    try:
+        with _import_lock, model_path_scope(model):
+            spec.loader.exec_module(module)
+    except BaseException as exc:
+        sys.modules.pop(module_name, None)
+        if not isinstance(exc, Exception):
+            raise
+        raise PythonModelError(
+            f"failed to load '{path.name}' of model '{model.name}' version {model.version}:\n"
+            + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+        ) from None
+    if not isinstance(getattr(module, MODEL_CLASS, None), type):
+        sys.modules.pop(module_name, None)
+        raise PythonModelError(f"'{path.name}' of model '{model.name}' defines no class '{MODEL_CLASS}'")
+    return module
+
+
+def unload_module(module: ModuleType) -> None:
+    """Forget a model module (model finalize)."""
+    if sys.modules.get(module.__name__) is module:
+        del sys.modules[module.__name__]
+
+
+def format_failure(what: str, exc: BaseException) -> str:
+    """``what`` plus the formatted traceback of ``exc`` (for UNAVAILABLE reasons)."""
+    return f"{what}:\n" + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()

@@ -1,0 +1,226 @@
+"""``pb_utils.MetricFamily`` / ``Metric``: custom metrics of Python models, for Prometheus.
+
+Every family lives in ``REGISTRY``, a module-level ``prometheus_client.CollectorRegistry``
+that the server's metrics endpoint can render next to its own metrics (e.g.
+``prometheus_client.generate_latest(REGISTRY)``), and that tests read with
+``REGISTRY.get_sample_value(name, labels)``. Families are exported under exactly the name the
+model gave (as Triton does: no ``_total`` suffix on counter samples; note that
+``generate_latest`` still writes ``_total`` in a counter's HELP/TYPE lines).
+
+A family belongs to the models that created it: when the last of them is unloaded, the family
+and its values are dropped, so a reloaded model starts from zero, as a new Triton stub would.
+Creating a family whose name exists returns the same underlying family (same kind required);
+asking it for a ``Metric`` with labels that exist returns the same values.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric as _PromMetric
+
+from pyserve_backend_python import context
+from pyserve_backend_python.errors import TritonModelException
+
+REGISTRY = CollectorRegistry(auto_describe=False)
+"""Where every Python-model metric family is collected (see the module docstring)."""
+
+_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_KIND_NAMES = {0: "counter", 1: "gauge", 2: "histogram"}
+
+
+class _Values:
+    """The current values of one metric (one label set)."""
+
+    __slots__ = ("bucket_counts", "buckets", "count", "lock", "sum", "value")
+
+    def __init__(self, buckets: Sequence[float] | None) -> None:
+        self.lock = threading.Lock()
+        self.value = 0.0
+        self.buckets = list(buckets) if buckets is not None else []
+        self.bucket_counts = [0] * len(self.buckets)
+        self.sum = 0.0
+        self.count = 0
+
+
+class _Family:
+    __slots__ = ("description", "kind", "metrics", "name", "owners")
+
+    def __init__(self, name: str, description: str, kind: int) -> None:
+        self.name = name
+        self.description = description
+        self.kind = kind
+        self.metrics: dict[tuple[tuple[str, str], ...], _Values] = {}
+        self.owners: set[tuple[str, int]] = set()
+
+
+class _Collector:
+    """Turns the families into prometheus_client metrics on each scrape."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.families: dict[str, _Family] = {}
+
+    def collect(self) -> Iterator[_PromMetric]:
+        with self.lock:
+            families = list(self.families.values())
+        for family in families:
+            metric = _PromMetric(family.name, family.description, _KIND_NAMES[family.kind])
+            for labels_key, values in list(family.metrics.items()):
+                labels = dict(labels_key)
+                with values.lock:
+                    if family.kind == MetricFamily.HISTOGRAM:
+                        cumulative = 0
+                        for bound, count in zip(values.buckets, values.bucket_counts):
+                            cumulative += count
+                            metric.add_sample(f"{family.name}_bucket", {**labels, "le": _le(bound)}, cumulative)
+                        metric.add_sample(f"{family.name}_bucket", {**labels, "le": "+Inf"}, values.count)
+                        metric.add_sample(f"{family.name}_sum", labels, values.sum)
+                        metric.add_sample(f"{family.name}_count", labels, values.count)
+                    else:
+                        metric.add_sample(family.name, labels, values.value)
+            yield metric
+
+    def release(self, owner: tuple[str, int]) -> None:
+        with self.lock:
+            for name, family in list(self.families.items()):
+                if owner in family.owners:
+                    family.owners.discard(owner)
+                    if not family.owners:
+                        del self.families[name]
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
+
+
+_COLLECTOR = _Collector()
+REGISTRY.register(_COLLECTOR)  # type: ignore[arg-type]
+
+
+def release_model(name: str, version: int) -> None:
+    """Drop the families only the given model version owns (called at model finalize)."""
+    _COLLECTOR.release((name, version))
+
+
+class MetricFamily:
+    """A named group of metrics of one kind (Triton's ``pb_utils.MetricFamily``).
+
+    :param name: the Prometheus metric name.
+    :param description: the HELP text.
+    :param kind: ``MetricFamily.COUNTER``, ``GAUGE`` or ``HISTOGRAM``.
+    :raises TritonModelException: an invalid name or kind, or a name already used by a family
+        of another kind.
+    """
+
+    COUNTER = 0
+    GAUGE = 1
+    HISTOGRAM = 2
+
+    def __init__(self, name: str, description: str, kind: int) -> None:
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise TritonModelException(f"invalid metric family name {name!r}")
+        if kind not in _KIND_NAMES:
+            raise TritonModelException(f"metric family '{name}': unknown kind {kind!r}")
+        model = context.current_model()
+        with _COLLECTOR.lock:
+            family = _COLLECTOR.families.get(name)
+            if family is None:
+                family = _COLLECTOR.families[name] = _Family(name, str(description), int(kind))
+            elif family.kind != kind:
+                raise TritonModelException(
+                    f"a metric family named '{name}' already exists with kind "
+                    f"{_KIND_NAMES[family.kind]}, not {_KIND_NAMES[kind]}"
+                )
+            if model is not None:
+                family.owners.add((model.name, model.version))
+        self._family = family
+
+    def Metric(self, labels: Mapping[str, str] | None = None, buckets: Sequence[float] | None = None) -> Metric:  # noqa: N802
+        """The metric of this family with the given labels (created at zero if new).
+
+        :param buckets: histogram bucket upper bounds (required for, and only for, histograms).
+        :raises TritonModelException: invalid labels or buckets.
+        """
+        return Metric(self, labels, buckets)
+
+
+class Metric:
+    """One metric (a family plus a label set). Created through ``MetricFamily.Metric``.
+
+    Thread-safe: calls from any thread are atomic.
+    """
+
+    def __init__(self, family: MetricFamily, labels: Mapping[str, str] | None, buckets: Sequence[float] | None) -> None:
+        shared = family._family
+        labels = dict(labels or {})
+        for key, value in labels.items():
+            if not isinstance(key, str) or not _LABEL.match(key) or key == "le":
+                raise TritonModelException(f"metric '{shared.name}': invalid label name {key!r}")
+            if not isinstance(value, str):
+                raise TritonModelException(f"metric '{shared.name}': label '{key}' must have a str value")
+        if shared.kind == MetricFamily.HISTOGRAM:
+            if buckets is None:
+                raise TritonModelException(f"histogram metric '{shared.name}' needs buckets")
+            bounds = [float(b) for b in buckets]
+            if bounds != sorted(set(bounds)):
+                raise TritonModelException(f"histogram metric '{shared.name}': buckets must be increasing")
+        elif buckets is not None:
+            raise TritonModelException(f"metric '{shared.name}': buckets are only for histograms")
+        key = tuple(sorted(labels.items()))
+        with _COLLECTOR.lock:
+            values = shared.metrics.get(key)
+            if values is None:
+                values = shared.metrics[key] = _Values(bounds if shared.kind == MetricFamily.HISTOGRAM else None)
+        self._family = shared
+        self._values = values
+
+    def _require(self, operation: str, *kinds: int) -> None:
+        if self._family.kind not in kinds:
+            raise TritonModelException(
+                f"{operation}() is not supported by {_KIND_NAMES[self._family.kind]} metric '{self._family.name}'"
+            )
+
+    def increment(self, value: float) -> None:
+        """Add ``value`` (counters: must not be negative; gauges: any sign)."""
+        self._require("increment", MetricFamily.COUNTER, MetricFamily.GAUGE)
+        if self._family.kind == MetricFamily.COUNTER and value < 0:
+            raise TritonModelException(f"counter metric '{self._family.name}' cannot be incremented by a negative value")
+        with self._values.lock:
+            self._values.value += float(value)
+
+    def set(self, value: float) -> None:
+        """Set a gauge to ``value``."""
+        self._require("set", MetricFamily.GAUGE)
+        with self._values.lock:
+            self._values.value = float(value)
+
+    def observe(self, value: float) -> None:
+        """Record one observation in a histogram."""
+        self._require("observe", MetricFamily.HISTOGRAM)
+        values = self._values
+        with values.lock:
+            index = bisect.bisect_left(values.buckets, float(value))
+            if index < len(values.buckets):
+                values.bucket_counts[index] += 1
+            values.sum += float(value)
+            values.count += 1
+
+    def value(self) -> float:
+        """The current value of a counter or gauge."""
+        self._require("value", MetricFamily.COUNTER, MetricFamily.GAUGE)
+        with self._values.lock:
+            return self._values.value
+
+    def _snapshot(self) -> dict[str, Any]:
+        """Histogram state for tests and debugging (pyserve extension)."""
+        with self._values.lock:
+            return {"buckets": list(self._values.buckets), "counts": list(self._values.bucket_counts),
+                    "sum": self._values.sum, "count": self._values.count}

@@ -1,0 +1,245 @@
+"""``InferenceRequest`` (both what ``execute`` receives and the BLS request a model builds),
+with ``PreferredMemory`` and ``InferenceTrace``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Iterable, Mapping
+from typing import Any
+
+from pyserve import InferRequest
+
+from pyserve_backend_python.constants import (
+    TRITONSERVER_MEMORY_CPU,
+    TRITONSERVER_REQUEST_RELEASE_ALL,
+    TRITONSERVER_REQUEST_RELEASE_RESCHEDULE,
+)
+from pyserve_backend_python.errors import TritonModelException
+from pyserve_backend_python.response import (
+    InferenceResponse,
+    InferenceResponseSender,
+    ResponseIterator,
+    parse_parameters,
+)
+from pyserve_backend_python.tensor import Tensor
+
+
+class PreferredMemory:
+    """Where a BLS caller would like output tensors (informational: pyserve answers in host memory).
+
+    :param preferred_memory_type: ``TRITONSERVER_MEMORY_CPU`` or ``TRITONSERVER_MEMORY_GPU``.
+    :param preferred_device_id: the device id for GPU memory.
+    """
+
+    __slots__ = ("preferred_device_id", "preferred_memory_type")
+
+    def __init__(self, preferred_memory_type: int = TRITONSERVER_MEMORY_CPU, preferred_device_id: int = 0) -> None:
+        self.preferred_memory_type = int(preferred_memory_type)
+        self.preferred_device_id = int(preferred_device_id)
+
+
+class InferenceTrace:
+    """The trace a request belongs to. pyserve does not trace Python models yet, so
+    ``get_context()`` returns None (Triton returns the OpenTelemetry context when tracing)."""
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context: str | None = None) -> None:
+        self._context = context
+
+    def get_context(self) -> str | None:
+        """The OpenTelemetry context as a JSON string, or None when not traced."""
+        return self._context
+
+
+class InferenceRequest:
+    """A request as a Python model sees it (Triton's ``pb_utils.InferenceRequest``).
+
+    Two ways to get one:
+
+    * ``execute(requests)`` receives them (wrapping the server's requests). ``inputs()``
+      are the request tensors (shared, not copied), ``get_response_sender()`` answers them.
+    * A model builds one to call another model (BLS):
+      ``InferenceRequest(model_name=..., inputs=[Tensor...], requested_output_names=[...])``,
+      then ``exec()`` (blocking; returns an ``InferenceResponse`` whose ``has_error()`` tells
+      failure, nothing is raised for inference errors), ``exec(decoupled=True)`` (a
+      ``ResponseIterator``), or ``await async_exec(...)``. ``timeout`` is in microseconds.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        inputs: Iterable[Tensor],
+        requested_output_names: Iterable[str],
+        request_id: str = "",
+        correlation_id: int | str = 0,
+        model_version: int = -1,
+        flags: int = 0,
+        timeout: int = 0,
+        preferred_memory: PreferredMemory | None = None,
+        trace: InferenceTrace | None = None,
+        parameters: Mapping[str, Any] | str | None = None,
+    ) -> None:
+        tensors = list(inputs)
+        for tensor in tensors:
+            if not isinstance(tensor, Tensor):
+                raise TritonModelException(
+                    f"InferenceRequest inputs must be pb_utils.Tensor objects, got {type(tensor).__name__}"
+                )
+        if not isinstance(correlation_id, (int, str)):
+            raise TritonModelException("correlation_id must be an int or a str")
+        self._model_name = str(model_name)
+        self._model_version = int(model_version)
+        self._inputs = tensors
+        self._requested_output_names = [str(name) for name in requested_output_names]
+        self._request_id = str(request_id)
+        self._correlation_id = correlation_id
+        self._flags = int(flags)
+        self._timeout = int(timeout)
+        self._preferred_memory = preferred_memory or PreferredMemory()
+        self._trace = trace or InferenceTrace()
+        self._parameters = parse_parameters(parameters, "request")
+        self._server_request: InferRequest | None = None
+        self._sender: InferenceResponseSender | None = None
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+
+    @classmethod
+    def _from_server(cls, request: InferRequest) -> InferenceRequest:
+        """Wrap a request the server hands to ``execute`` (no copies)."""
+        self = cls.__new__(cls)
+        self._model_name = request.model_name
+        self._model_version = int(request.model_version)
+        self._inputs = [Tensor._wrap(name, array) for name, array in request.inputs.items()]
+        self._requested_output_names = list(request.requested_outputs)
+        self._request_id = request.id
+        self._correlation_id = request.correlation_id
+        self._flags = int(request.flags)
+        self._timeout = int(request.timeout_us)
+        self._preferred_memory = PreferredMemory()
+        self._trace = InferenceTrace()
+        self._parameters = request.parameters
+        self._server_request = request
+        self._sender = None
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+        return self
+
+    # -- accessors -------------------------------------------------------------------------------
+    def inputs(self) -> list[Tensor]:
+        """The input tensors."""
+        return self._inputs
+
+    def requested_output_names(self) -> list[str]:
+        """The outputs to produce (for served requests: all outputs when the client named none)."""
+        return self._requested_output_names
+
+    def request_id(self) -> str:
+        """The client's request id (``""`` when none)."""
+        return self._request_id
+
+    def correlation_id(self) -> int | str:
+        """The sequence id (0 when not in a sequence)."""
+        return self._correlation_id
+
+    def flags(self) -> int:
+        """``TRITONSERVER_REQUEST_FLAG_SEQUENCE_START`` / ``_END`` bits."""
+        return self._flags
+
+    def set_flags(self, flags: int) -> None:
+        """Set the request flags (BLS requests)."""
+        self._flags = int(flags)
+
+    def timeout(self) -> int:
+        """The request timeout in microseconds (0 = none)."""
+        return self._timeout
+
+    def parameters(self) -> str:
+        """The request parameters as a JSON object string."""
+        return json.dumps(self._parameters)
+
+    def trace(self) -> InferenceTrace:
+        """The request's trace."""
+        return self._trace
+
+    def model_name(self) -> str:
+        """The model the request is for."""
+        return self._model_name
+
+    def model_version(self) -> int:
+        """The model version (-1 = the latest, for BLS requests)."""
+        return self._model_version
+
+    def preferred_memory(self) -> PreferredMemory:
+        """Where the caller prefers outputs (BLS requests)."""
+        return self._preferred_memory
+
+    def is_cancelled(self) -> bool:
+        """Whether the client cancelled the request."""
+        return self._server_request is not None and self._server_request.is_cancelled()
+
+    def get_response_sender(self) -> InferenceResponseSender:
+        """The sender for this request's responses (one object per request).
+
+        :raises TritonModelException: on a BLS request the model built itself.
+        """
+        if self._server_request is None:
+            raise TritonModelException("only requests passed to execute() have a response sender")
+        if self._sender is None:
+            self._sender = InferenceResponseSender(self._server_request)
+        return self._sender
+
+    def set_release_flags(self, flags: int) -> None:
+        """``TRITONSERVER_REQUEST_RELEASE_ALL`` or ``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``.
+
+        :raises TritonModelException: rescheduling, which pyserve does not support yet, or an
+            unknown flag.
+        """
+        if flags == TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+            raise TritonModelException(
+                "TRITONSERVER_REQUEST_RELEASE_RESCHEDULE (iterative sequences) is not supported by pyserve yet"
+            )
+        if flags != TRITONSERVER_REQUEST_RELEASE_ALL:
+            raise TritonModelException(f"unknown release flags {flags}")
+        self._release_flags = flags
+
+    def release_flags(self) -> int:
+        """The release flags set by the model."""
+        return self._release_flags
+
+    # -- BLS --------------------------------------------------------------------------------------
+    def exec(self, decoupled: bool = False) -> InferenceResponse | ResponseIterator:
+        """Run this request on the named model and wait (blocking).
+
+        :returns: the ``InferenceResponse`` (errors as ``has_error()``), or with
+            ``decoupled=True`` a ``ResponseIterator`` over all responses.
+        """
+        from pyserve_backend_python import bls
+
+        return bls.exec_request(self, decoupled)
+
+    def async_exec(self, decoupled: bool = False) -> Awaitable[InferenceResponse | ResponseIterator]:
+        """Like ``exec``, as an awaitable for ``async def execute`` (any running event loop)."""
+        from pyserve_backend_python import bls
+
+        return bls.async_exec_request(self, decoupled)
+
+    def _to_server(self) -> InferRequest:
+        """The server request for a BLS call (input arrays by reference)."""
+        inputs: dict[str, Any] = {}
+        for tensor in self._inputs:
+            if tensor.name() in inputs:
+                raise TritonModelException(f"input '{tensor.name()}' is given more than once")
+            inputs[tensor.name()] = tensor.as_numpy()
+        return InferRequest(
+            self._model_name,
+            self._model_version,
+            inputs,
+            tuple(self._requested_output_names),
+            id=self._request_id,
+            parameters=dict(self._parameters),
+            flags=self._flags,
+            correlation_id=self._correlation_id,
+            timeout_us=self._timeout,
+        )
+
+    def __repr__(self) -> str:
+        return f"InferenceRequest(model_name={self._model_name!r}, inputs={[t.name() for t in self._inputs]})"

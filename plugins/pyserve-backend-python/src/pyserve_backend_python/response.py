@@ -1,0 +1,221 @@
+"""``InferenceResponse``, ``InferenceResponseSender`` and ``ResponseIterator``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pyserve import InferError, InferRequest, InferResponse
+from pyserve.inference import BackendResponseSender
+
+from pyserve_backend_python.constants import TRITONSERVER_RESPONSE_COMPLETE_FINAL
+from pyserve_backend_python.errors import TritonError, TritonModelException, as_triton_error
+from pyserve_backend_python.tensor import Tensor
+
+
+def parse_parameters(parameters: Mapping[str, Any] | str | None, what: str) -> dict[str, Any]:
+    """Parameters given as a dict or a JSON object string, checked for KServe value types.
+
+    :raises TritonModelException: not a JSON object, or a value that is not bool/int/float/str.
+    """
+    if parameters is None or parameters == "":
+        return {}
+    if isinstance(parameters, str):
+        try:
+            parameters = json.loads(parameters)
+        except json.JSONDecodeError as exc:
+            raise TritonModelException(f"{what} parameters are not valid JSON: {exc}") from None
+    if not isinstance(parameters, Mapping):
+        raise TritonModelException(f"{what} parameters must be a dict or a JSON object string")
+    checked: dict[str, Any] = {}
+    for key, value in parameters.items():
+        if not isinstance(key, str) or not isinstance(value, (bool, int, float, str)):
+            raise TritonModelException(
+                f"{what} parameter {key!r}: keys must be str and values bool, int, float or str"
+            )
+        checked[key] = value
+    return checked
+
+
+class InferenceResponse:
+    """One response of a Python model, or one received through BLS.
+
+    Callers may rely on ``output_tensors()`` returning the tensors in the order given,
+    ``has_error()`` / ``error()`` reporting the ``TritonError`` (None when there is none),
+    and ``parameters()`` returning the response parameters as a JSON object string.
+    """
+
+    __slots__ = ("_error", "_output_tensors", "_parameters")
+
+    def __init__(
+        self,
+        output_tensors: Iterable[Tensor] | None = None,
+        error: TritonError | str | None = None,
+        parameters: Mapping[str, Any] | str | None = None,
+    ) -> None:
+        tensors = list(output_tensors) if output_tensors is not None else []
+        for tensor in tensors:
+            if not isinstance(tensor, Tensor):
+                raise TritonModelException(
+                    f"InferenceResponse output_tensors must be pb_utils.Tensor objects, got {type(tensor).__name__}"
+                )
+        self._output_tensors = tensors
+        self._error = as_triton_error(error) if error is not None else None
+        self._parameters = parse_parameters(parameters, "response")
+
+    def output_tensors(self) -> list[Tensor]:
+        """The output tensors."""
+        return self._output_tensors
+
+    def has_error(self) -> bool:
+        """Whether the response carries an error."""
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        """The error, or None."""
+        return self._error
+
+    def parameters(self) -> str:
+        """The response parameters as a JSON object string."""
+        return json.dumps(self._parameters)
+
+    def __repr__(self) -> str:
+        if self._error is not None:
+            return f"InferenceResponse(error={self._error!r})"
+        return f"InferenceResponse(output_tensors={self._output_tensors!r})"
+
+    # -- conversions ---------------------------------------------------------------------------
+    def to_server(self) -> InferResponse | InferError:
+        """The server's response (or error) for this response."""
+        if self._error is not None:
+            return self._error.to_infer_error()
+        outputs = {tensor.name(): tensor.as_numpy() for tensor in self._output_tensors}
+        return InferResponse(outputs, self._parameters or None)
+
+    @classmethod
+    def from_server(cls, result: InferResponse | InferError) -> InferenceResponse:
+        """The model-side view of what another model answered (BLS)."""
+        if isinstance(result, InferError):
+            return cls(error=TritonError.from_infer_error(result))
+        if result.error is not None:
+            return cls(error=TritonError.from_infer_error(result.error))
+        response = cls()
+        response._output_tensors = [Tensor._wrap(name, _as_array(value)) for name, value in result.outputs.items()]
+        response._parameters = dict(result.parameters)
+        return response
+
+
+def _as_array(value: Any) -> Any:
+    import numpy as np
+
+    return value if isinstance(value, np.ndarray) else np.asarray(value)
+
+
+class InferenceResponseSender:
+    """Sends the responses of one request (Triton's ``InferenceResponseSender``).
+
+    Callers may use it from any thread, also after ``execute`` returned. Every request must
+    end with exactly one ``send(..., flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL)`` (with or
+    without a response); a send after that raises ``TritonModelException``.
+    """
+
+    __slots__ = ("_request", "_sender")
+
+    def __init__(self, request: InferRequest) -> None:
+        self._request = request
+        self._sender: BackendResponseSender = request.response_sender()
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        """Send a response; ``flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL`` ends the request.
+
+        :raises TritonModelException: the request already ended, ``response`` is not an
+            ``InferenceResponse``, or it is None without the final flag.
+        """
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if response is None and not final:
+            raise TritonModelException(
+                "a response is required unless flags include TRITONSERVER_RESPONSE_COMPLETE_FINAL"
+            )
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TritonModelException(
+                f"send() expects a pb_utils.InferenceResponse, got {type(response).__name__}"
+            )
+        try:
+            self._sender.send(response.to_server() if response is not None else None, final)
+        except InferError as exc:
+            raise TritonModelException(
+                f"Unable to send response. Response sender has been closed: {exc.message}"
+            ) from None
+
+    def is_cancelled(self) -> bool:
+        """Whether the client cancelled the request (or went away)."""
+        return self._sender.is_cancelled()
+
+    @property
+    def final_sent(self) -> bool:
+        """Whether the final response went out (pyserve extension)."""
+        return self._request.final_sent
+
+
+_END = object()
+
+
+class ResponseIterator:
+    """The responses of a decoupled BLS request, in arrival order (Triton's ``ResponseIterator``).
+
+    Iterate it (``for r in it``, or ``async for r in it`` on an event loop) to receive every
+    response; the last one carries the final flag, and when the called model ended the request
+    without a response, that last one is an empty ``InferenceResponse`` (no output tensors), as
+    in Triton. ``cancel()`` asks the called model to stop.
+    """
+
+    def __init__(self, request: InferRequest) -> None:
+        self._request = request
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._done = False
+        self.cancelled = False
+
+    # -- fed by the BLS sender (server threads) ------------------------------------------------
+    def put(self, response: InferenceResponse | None, final: bool) -> None:
+        if response is not None:
+            self._queue.put(response)
+        elif final:
+            self._queue.put(InferenceResponse())
+        if final:
+            self._queue.put(_END)
+
+    # -- the model's side ------------------------------------------------------------------------
+    def __iter__(self) -> ResponseIterator:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        if self._done:
+            raise StopIteration
+        item = self._queue.get()
+        if item is _END:
+            self._done = True
+            raise StopIteration
+        return item
+
+    def __aiter__(self) -> ResponseIterator:
+        return self
+
+    async def __anext__(self) -> InferenceResponse:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = self._queue.get_nowait()
+        except queue.Empty:
+            item = await asyncio.to_thread(self._queue.get)
+        if item is _END:
+            self._done = True
+            raise StopAsyncIteration
+        return item
+
+    def cancel(self) -> None:
+        """Cancel the request; the called model sees ``is_cancelled()`` become True."""
+        self.cancelled = True
+        self._request.cancel()

@@ -1,0 +1,239 @@
+"""``pb_utils.Tensor`` and the datatype helpers Triton's Python backend offers.
+
+Tensors live in host memory as numpy arrays; creating one from a numpy array, handing an
+input to ``as_numpy`` and exchanging through DLPack never copy, except that a read-only
+array (request inputs may be read-only views of received bytes) is copied once before it is
+exported through DLPack, since DLPack's legacy protocol cannot mark memory read-only.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from pyserve import datatypes
+
+from pyserve_backend_python.errors import TritonModelException
+
+_DLPACK_CPU = 1  # kDLCPU
+
+TRITON_STRING_TO_NUMPY: dict[str, Any] = {
+    "TYPE_BOOL": bool,
+    "TYPE_UINT8": np.uint8,
+    "TYPE_UINT16": np.uint16,
+    "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_INT8": np.int8,
+    "TYPE_INT16": np.int16,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_FP16": np.float16,
+    "TYPE_FP32": np.float32,
+    "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_,
+    "TYPE_BF16": ml_dtypes.bfloat16,  # pyserve extension: Triton has no numpy BF16
+}
+"""Config ``data_type`` name → numpy type, as Triton's ``TRITON_STRING_TO_NUMPY``."""
+
+_TRITON_NUMBER: dict[str, int] = {
+    "BOOL": 1, "UINT8": 2, "UINT16": 3, "UINT32": 4, "UINT64": 5, "INT8": 6, "INT16": 7,
+    "INT32": 8, "INT64": 9, "FP16": 10, "FP32": 11, "FP64": 12, "BYTES": 13, "BF16": 14,
+}
+_NUMBER_TO_NAME = {number: name for name, number in _TRITON_NUMBER.items()}
+
+
+def triton_string_to_numpy(triton_type_string: str) -> Any:
+    """The numpy type of a config ``data_type`` name (``"TYPE_FP32"`` → ``np.float32``).
+
+    :raises KeyError: an unknown name.
+    """
+    return TRITON_STRING_TO_NUMPY[triton_type_string]
+
+
+def triton_to_numpy_type(data_type: int) -> Any:
+    """The numpy type of a ``TRITONSERVER_DataType`` number, or None if it has none."""
+    name = _NUMBER_TO_NAME.get(int(data_type))
+    if name is None:
+        return None
+    if name == "BYTES":
+        return np.object_
+    if name == "BOOL":
+        return bool
+    return datatypes.BY_NAME[name].dtype.type
+
+
+def numpy_to_triton_type(data_type: Any) -> int | None:
+    """The ``TRITONSERVER_DataType`` number of a numpy dtype (object/bytes → BYTES), or None."""
+    try:
+        dtype = np.dtype(data_type)
+    except TypeError:
+        return None
+    found = datatypes.from_numpy(dtype)
+    return _TRITON_NUMBER[found.name] if found is not None else None
+
+
+def serialize_byte_tensor(input_tensor: np.ndarray) -> np.ndarray:
+    """Pack a BYTES tensor as Triton does: each element as a 4-byte little-endian length and
+    its bytes, in C order. Returns a 0-d object array holding the packed ``bytes`` (or an
+    empty object array for an empty tensor).
+
+    :raises TritonModelException: the array is neither an object nor a bytes array.
+    """
+    if input_tensor.size == 0:
+        return np.empty([0], dtype=np.object_)
+    if input_tensor.dtype != np.object_ and input_tensor.dtype.kind != "S":
+        raise TritonModelException("cannot serialize bytes tensor: invalid datatype")
+    parts: list[bytes] = []
+    for item in np.asarray(input_tensor).reshape(-1, order="C"):
+        element = item if isinstance(item, bytes) else str(item).encode("utf-8")
+        parts.append(struct.pack("<I", len(element)))
+        parts.append(element)
+    return np.asarray(b"".join(parts), dtype=np.object_)
+
+
+def deserialize_bytes_tensor(encoded_tensor: bytes) -> np.ndarray:
+    """Unpack length-prefixed elements (see ``serialize_byte_tensor``) into a 1-D object array."""
+    data = bytes(encoded_tensor)
+    items: list[bytes] = []
+    offset = 0
+    while offset < len(data):
+        (length,) = struct.unpack_from("<I", data, offset)
+        offset += 4
+        items.append(data[offset:offset + length])
+        offset += length
+    array = np.empty(len(items), dtype=np.object_)
+    array[:] = items
+    return array
+
+
+def _as_object_bytes(array: np.ndarray) -> np.ndarray:
+    """A str/bytes array of fixed width as an object array of ``bytes``."""
+    out = np.empty(array.shape, dtype=np.object_)
+    flat = out.reshape(-1)
+    for index, item in enumerate(array.reshape(-1)):
+        flat[index] = item.encode("utf-8") if isinstance(item, str) else bytes(item)
+    return out
+
+
+class _Capsule:
+    """Gives a bare DLPack capsule the ``__dlpack__`` protocol numpy's importer expects."""
+
+    def __init__(self, capsule: Any) -> None:
+        self._capsule = capsule
+
+    def __dlpack__(self, stream: Any = None) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (_DLPACK_CPU, 0)
+
+
+class Tensor:
+    """A named tensor in host memory (Triton's ``pb_utils.Tensor``).
+
+    Callers may rely on: ``Tensor(name, array)`` keeping the array without a copy
+    (fixed-width str/bytes arrays become object arrays of ``bytes``, as Triton's BYTES
+    tensors are); ``as_numpy()`` returning that array; ``is_cpu()`` always being True here;
+    and DLPack export/import working with numpy and PyTorch (CPU tensors; GPU tensors are
+    copied to the host on import). BF16 tensors are ``ml_dtypes.bfloat16`` numpy arrays.
+    """
+
+    __slots__ = ("_array", "_name")
+
+    def __init__(self, name: str, tensor: Any) -> None:
+        if not isinstance(name, str):
+            raise TritonModelException(f"tensor name must be a str, got {type(name).__name__}")
+        array = tensor if isinstance(tensor, np.ndarray) else np.asarray(tensor)
+        if array.dtype.kind in "SU":
+            array = _as_object_bytes(array)
+        if datatypes.from_numpy(array.dtype) is None:
+            raise TritonModelException(f"tensor '{name}': unsupported numpy dtype {array.dtype}")
+        self._name = name
+        self._array = array
+
+    @classmethod
+    def _wrap(cls, name: str, array: np.ndarray) -> Tensor:
+        """A tensor around an array the server already validated (no checks)."""
+        tensor = cls.__new__(cls)
+        tensor._name = name
+        tensor._array = array
+        return tensor
+
+    def name(self) -> str:
+        """The tensor's name."""
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        """The tensor as a numpy array (the array itself, not a copy)."""
+        return self._array
+
+    def shape(self) -> list[int]:
+        """The tensor's dims."""
+        return [int(d) for d in self._array.shape]
+
+    def triton_dtype(self) -> int:
+        """The ``TRITONSERVER_DataType`` number (e.g. 11 for FP32, 13 for BYTES)."""
+        number = numpy_to_triton_type(self._array.dtype)
+        assert number is not None
+        return number
+
+    def is_cpu(self) -> bool:
+        """Whether the tensor is in host memory (always, in pyserve)."""
+        return True
+
+    def to_dlpack(self) -> Any:
+        """A DLPack capsule of the tensor (host memory; not for BYTES tensors)."""
+        return self.__dlpack__()
+
+    def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
+        if self._array.dtype == np.object_:
+            raise TritonModelException(f"tensor '{self._name}': BYTES tensors cannot be exported through DLPack")
+        if not self._array.flags.writeable or not self._array.flags.c_contiguous:
+            self._array = np.ascontiguousarray(self._array).copy()
+        try:
+            return self._array.__dlpack__(stream=stream, **kwargs)
+        except TypeError:  # an older numpy without the versioned protocol keywords
+            return self._array.__dlpack__(stream=stream)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (_DLPACK_CPU, 0)
+
+    @staticmethod
+    def from_dlpack(name: str, dlpack: Any) -> Tensor:
+        """A tensor sharing memory with a DLPack producer (an object with ``__dlpack__``,
+        e.g. a numpy array or a torch tensor, or a DLPack capsule).
+
+        :raises TritonModelException: the producer cannot be imported (unsupported dtype,
+            non-contiguous data).
+        """
+        if not hasattr(dlpack, "__dlpack__"):
+            dlpack = _Capsule(dlpack)
+        elif hasattr(dlpack, "__dlpack_device__") and dlpack.__dlpack_device__()[0] != _DLPACK_CPU:
+            to_host = getattr(dlpack, "cpu", None)  # torch tensors; other frameworks: copy first
+            if to_host is None:
+                raise TritonModelException(f"tensor '{name}': only host (CPU) DLPack tensors are supported")
+            dlpack = to_host()
+        array = _import_torch_bf16(dlpack)
+        if array is None:
+            try:
+                array = np.from_dlpack(dlpack)
+            except (BufferError, TypeError, ValueError, RuntimeError) as exc:
+                raise TritonModelException(f"tensor '{name}': cannot import DLPack data: {exc}") from exc
+        if not array.flags.c_contiguous:
+            raise TritonModelException(f"tensor '{name}': DLPack tensors must be C-contiguous")
+        return Tensor(name, array)
+
+    def __repr__(self) -> str:
+        return f"Tensor({self._name!r}, shape={self.shape()}, dtype={self._array.dtype})"
+
+
+def _import_torch_bf16(obj: Any) -> np.ndarray | None:
+    """numpy cannot import bfloat16 through DLPack; a torch bfloat16 tensor is viewed as int16."""
+    dtype = getattr(obj, "dtype", None)
+    if type(obj).__module__.startswith("torch") and str(dtype) == "torch.bfloat16":
+        import torch
+
+        return np.from_dlpack(obj.contiguous().view(torch.int16)).view(ml_dtypes.bfloat16)
+    return None

@@ -1,0 +1,44 @@
+"""Helpers for the python backend tests: model repositories and servers (imported by conftest)."""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+from pathlib import Path
+
+import pyserve_backend_python
+
+from pyserve.plugins import PluginHost
+from pyserve.server import Server, ServerOptions, ServerThread
+
+MODELS = Path(__file__).resolve().parent / "models"
+
+
+def copy_models(repo: Path, names: list[str] | None = None) -> Path:
+    """Copy models from ``models/`` into ``repo`` (all of them by default)."""
+    repo.mkdir(parents=True, exist_ok=True)
+    for source in sorted(MODELS.iterdir()):
+        if source.is_dir() and (names is None or source.name in names):
+            shutil.copytree(source, repo / source.name, ignore=shutil.ignore_patterns("__pycache__"))
+    return repo
+
+
+def write_python_model(repo: Path, name: str, config: str | None, model_py: str, version: int = 1) -> Path:
+    """Write ``repo/name`` with a config.pbtxt (unless None) and ``<version>/model.py``."""
+    model_dir = repo / name
+    (model_dir / str(version)).mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (model_dir / "config.pbtxt").write_text(textwrap.dedent(config))
+    (model_dir / str(version) / "model.py").write_text(textwrap.dedent(model_py))
+    return model_dir
+
+
+def start(repo: Path, **options: object) -> ServerThread:
+    """A server with the python backend on free loopback ports (HTTP and gRPC)."""
+    host = PluginHost(extra_backends={"python": pyserve_backend_python}, use_entry_points=False)
+    settings = ServerOptions(
+        model_repositories=[repo], host="127.0.0.1", http_port=0, grpc_port=0, **options  # type: ignore[arg-type]
+    )
+    thread = ServerThread(Server(settings, host))
+    thread.start()
+    return thread

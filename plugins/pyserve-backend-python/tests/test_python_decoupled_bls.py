@@ -1,0 +1,129 @@
+"""Decoupled Python models over gRPC streams, and BLS calls between models."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from pyserve.server import ServerThread
+
+
+def _input(name: str, array: np.ndarray, datatype: str, module: Any = grpcclient) -> Any:
+    item = module.InferInput(name, list(array.shape), datatype)
+    item.set_data_from_numpy(array)
+    return item
+
+
+@pytest.fixture
+def stream(python_server: ServerThread) -> Iterator[tuple[grpcclient.InferenceServerClient, queue.Queue[Any]]]:
+    results: queue.Queue[Any] = queue.Queue()
+    client = grpcclient.InferenceServerClient(python_server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put(error if error is not None else result))
+    yield client, results
+    client.stop_stream()
+    client.close()
+
+
+def _collect(results: queue.Queue[Any], request_id: str, timeout: float = 10.0) -> list[Any]:
+    """Responses of one request until its final flag (final-only empty responses dropped)."""
+    got = []
+    deadline = time.monotonic() + timeout
+    while True:
+        item = results.get(timeout=max(deadline - time.monotonic(), 0.01))
+        if isinstance(item, Exception):
+            raise item
+        response = item.get_response()
+        assert response.id == request_id
+        if response.outputs:
+            got.append(item)
+        if response.parameters["triton_final_response"].bool_param:
+            return got
+
+
+def test_decoupled_model_streams_one_response_per_element(stream: Any) -> None:
+    client, results = stream
+    values = np.array([4, 5, 6, 7], dtype=np.int32)
+    client.async_stream_infer("repeat_py", [_input("IN", values, "INT32")], request_id="r1",
+                              enable_empty_final_response=True)
+    responses = _collect(results, "r1")
+    assert [int(r.as_numpy("OUT")[0]) for r in responses] == [4, 5, 6, 7]
+    assert [int(r.as_numpy("IDX")[0]) for r in responses] == [0, 1, 2, 3]
+
+
+def test_decoupled_model_with_zero_responses(stream: Any) -> None:
+    client, results = stream
+    client.async_stream_infer("repeat_py", [_input("IN", np.zeros(0, dtype=np.int32), "INT32")],
+                              request_id="empty", enable_empty_final_response=True)
+    assert _collect(results, "empty") == []
+
+
+def test_decoupled_async_execute_overlaps_requests(stream: Any) -> None:
+    client, results = stream
+    started = time.monotonic()
+    for i in range(3):
+        client.async_stream_infer("countdown_async", [_input("N", np.array([5], dtype=np.int32), "INT32")],
+                                  request_id=f"c{i}", enable_empty_final_response=True)
+    by_id: dict[str, list[int]] = {}
+    finals = 0
+    while finals < 3:
+        item = results.get(timeout=10)
+        assert not isinstance(item, Exception), item
+        response = item.get_response()
+        if response.outputs:
+            by_id.setdefault(response.id, []).append(int(item.as_numpy("LEFT")[0]))
+        finals += response.parameters["triton_final_response"].bool_param
+    assert by_id == {f"c{i}": [5, 4, 3, 2, 1] for i in range(3)}
+    assert time.monotonic() - started < 0.3 * 3  # 3 x 100 ms sequentially; overlapping is ~100 ms
+
+
+def test_decoupled_async_execute_raising_ends_the_request_with_an_error(stream: Any) -> None:
+    client, results = stream
+    client.async_stream_infer("countdown_async", [_input("N", np.array([-1], dtype=np.int32), "INT32")],
+                              request_id="neg")
+    item = results.get(timeout=10)
+    assert isinstance(item, InferenceServerException)
+    assert "N must not be negative" in str(item)
+    assert "countdown_async" in str(item)
+
+
+def test_decoupled_model_is_refused_over_http(python_server: ServerThread) -> None:
+    client = httpclient.InferenceServerClient(python_server.url)
+    with pytest.raises(InferenceServerException, match="decoupled"):
+        client.infer("repeat_py", [_input("IN", np.array([1], dtype=np.int32), "INT32", httpclient)])
+
+
+@pytest.mark.parametrize("model", ["bls_sync", "bls_async"])
+def test_bls_calls_add_sub(python_server: ServerThread, model: str) -> None:
+    a = np.array([1, 2, 3, 4], dtype=np.float32)
+    b = np.array([10, 20, 30, 40], dtype=np.float32)
+    inputs = [_input("INPUT0", a, "FP32", httpclient), _input("INPUT1", b, "FP32", httpclient)]
+    result = httpclient.InferenceServerClient(python_server.url).infer(model, inputs)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), b - a if model == "bls_async" else a - b)
+
+
+def test_bls_error_comes_back_as_a_response_error(python_server: ServerThread) -> None:
+    a = np.zeros(4, dtype=np.float32)
+    inputs = [_input("INPUT0", a, "FP32"), _input("INPUT1", a, "FP32"),
+              _input("MODEL_NAME", np.array([b"no_such_model"], dtype=np.object_), "BYTES")]
+    with grpcclient.InferenceServerClient(python_server.grpc_url) as client:
+        with pytest.raises(InferenceServerException, match="BLS failed: .*no_such_model"):
+            client.infer("bls_sync", inputs)
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_bls_reads_every_response_of_a_decoupled_model(python_server: ServerThread, use_async: bool) -> None:
+    values = np.array([3, 4, 5], dtype=np.int32)
+    inputs = [_input("IN", values, "INT32"), _input("ASYNC", np.array([use_async]), "BOOL")]
+    with grpcclient.InferenceServerClient(python_server.grpc_url) as client:
+        result = client.infer("bls_decoupled", inputs)
+    assert int(result.as_numpy("SUM")[0]) == 12
+    assert int(result.as_numpy("COUNT")[0]) == 3

@@ -1,0 +1,196 @@
+"""Python models that fail: at import, in initialize, in execute, with malformed results."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from pyserve.server import ServerThread
+
+from python_backend_helpers import start, write_python_model
+
+CONFIG = """
+    backend: "python"
+    max_batch_size: 0
+    input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] } ]
+    output [ { name: "OUT" data_type: TYPE_INT32 dims: [ -1 ] } ]
+"""
+
+HEADER = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+def ok(request):
+    values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+    return pb_utils.InferenceResponse([pb_utils.Tensor("OUT", values)])
+"""
+
+MODELS = {
+    "import_error": CONFIG, "no_class": CONFIG, "init_error": CONFIG, "exec_error": CONFIG,
+    "wrong_length": CONFIG, "not_a_list": CONFIG, "per_request_error": CONFIG, "sender_and_none": CONFIG,
+    "unanswered_none": CONFIG, "process_mode": CONFIG + 'parameters { key: "execution_mode" value { string_value: "process" } }',
+}
+
+SOURCES = {
+    "import_error": "import numpy\nimport not_a_module_pyserve_test  # noqa\n",
+    "no_class": HEADER + "class SomethingElse:\n    pass\n",
+    "init_error": HEADER + """
+class TritonPythonModel:
+    def initialize(self, args):
+        raise ValueError("bad weights file for " + args["model_name"])
+    def execute(self, requests):
+        return [ok(r) for r in requests]
+""",
+    "exec_error": HEADER + """
+class TritonPythonModel:
+    def execute(self, requests):
+        raise pb_utils.TritonModelException("execute exploded")
+""",
+    "wrong_length": HEADER + """
+class TritonPythonModel:
+    def execute(self, requests):
+        return [ok(r) for r in requests] * 2
+""",
+    "not_a_list": HEADER + """
+class TritonPythonModel:
+    def execute(self, requests):
+        return ok(requests[0])
+""",
+    "per_request_error": HEADER + """
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            if (values < 0).any():
+                error = pb_utils.TritonError("negative input", pb_utils.TritonError.INVALID_ARG)
+                responses.append(pb_utils.InferenceResponse(error=error))
+            else:
+                responses.append(ok(request))
+        return responses
+""",
+    "sender_and_none": HEADER + """
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            request.get_response_sender().send(ok(request), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            out.append(None)
+        return out
+""",
+    "unanswered_none": HEADER + """
+class TritonPythonModel:
+    def execute(self, requests):
+        return [None for _ in requests]
+""",
+    "process_mode": HEADER + """
+class TritonPythonModel:
+    def execute(self, requests):
+        return [ok(r) for r in requests]
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def broken_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    repo = Path(tmp_path_factory.mktemp("broken"))
+    for name, config in MODELS.items():
+        write_python_model(repo, name, config, SOURCES[name])
+    thread = start(repo)
+    yield thread
+    thread.stop()
+
+
+def _reasons(server: ServerThread) -> dict[str, tuple[str, str]]:
+    index = httpx.post(f"http://{server.url}/v2/repository/index", json={}).json()
+    return {entry["name"]: (entry["state"], entry.get("reason", "")) for entry in index}
+
+
+def _infer(server: ServerThread, model: str, values: list[int]) -> np.ndarray:
+    item = httpclient.InferInput("IN", [len(values)], "INT32")
+    item.set_data_from_numpy(np.array(values, dtype=np.int32))
+    return httpclient.InferenceServerClient(server.url).infer(model, [item]).as_numpy("OUT")
+
+
+def test_import_error_makes_the_model_unavailable_with_the_traceback(broken_server: ServerThread) -> None:
+    state, reason = _reasons(broken_server)["import_error"]
+    assert state == "UNAVAILABLE"
+    assert "ModuleNotFoundError" in reason and "not_a_module_pyserve_test" in reason
+    assert "Traceback (most recent call last)" in reason and "model.py" in reason
+
+
+def test_model_file_without_the_class_is_unavailable(broken_server: ServerThread) -> None:
+    state, reason = _reasons(broken_server)["no_class"]
+    assert state == "UNAVAILABLE" and "TritonPythonModel" in reason
+
+
+def test_initialize_raising_makes_the_model_unavailable(broken_server: ServerThread) -> None:
+    state, reason = _reasons(broken_server)["init_error"]
+    assert state == "UNAVAILABLE"
+    assert "initialize() failed" in reason
+    assert "ValueError: bad weights file for init_error" in reason and "Traceback" in reason
+
+
+def test_unsupported_execution_mode_is_reported(broken_server: ServerThread) -> None:
+    state, reason = _reasons(broken_server)["process_mode"]
+    assert state == "UNAVAILABLE" and "execution_mode 'process' is not supported" in reason
+
+
+def test_execute_raising_fails_the_request_and_names_the_model(broken_server: ServerThread) -> None:
+    with pytest.raises(InferenceServerException, match="exec_error.*execute exploded") as caught:
+        _infer(broken_server, "exec_error", [1])
+    assert caught.value.status() == "500"
+    with grpcclient.InferenceServerClient(broken_server.grpc_url) as client:
+        item = grpcclient.InferInput("IN", [1], "INT32")
+        item.set_data_from_numpy(np.array([1], dtype=np.int32))
+        with pytest.raises(InferenceServerException, match="execute exploded"):
+            client.infer("exec_error", [item])
+    assert _reasons(broken_server)["exec_error"][0] == "READY"  # the instance keeps serving
+
+
+def test_wrong_length_list_fails_the_batch_with_a_clear_error(broken_server: ServerThread) -> None:
+    with pytest.raises(InferenceServerException, match=r"returned 2 response\(s\) for 1 request\(s\)"):
+        _infer(broken_server, "wrong_length", [1])
+    with pytest.raises(InferenceServerException, match="must return a list"):
+        _infer(broken_server, "not_a_list", [1])
+
+
+def test_triton_error_fails_only_its_request(broken_server: ServerThread) -> None:
+    np.testing.assert_array_equal(_infer(broken_server, "per_request_error", [1, 2]), [1, 2])
+    with pytest.raises(InferenceServerException, match="negative input") as caught:
+        _infer(broken_server, "per_request_error", [-1])
+    assert caught.value.status() == "400"  # INVALID_ARG
+
+
+def test_none_entries_are_fine_only_for_requests_answered_through_the_sender(broken_server: ServerThread) -> None:
+    np.testing.assert_array_equal(_infer(broken_server, "sender_and_none", [3]), [3])
+    with pytest.raises(InferenceServerException, match="returned None for a request"):
+        _infer(broken_server, "unanswered_none", [3])
+
+
+def test_two_models_named_model_py_do_not_share_module_state(tmp_path: Path) -> None:
+    source = HEADER + """
+COUNT = []
+
+class TritonPythonModel:
+    def execute(self, requests):
+        COUNT.append(1)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([len(COUNT)], dtype=np.int32))])
+                for _ in requests]
+"""
+    for name in ("first", "second"):
+        write_python_model(tmp_path, name, CONFIG, source)
+    server = start(tmp_path)
+    try:
+        assert _infer(server, "first", [0]).tolist() == [1]
+        assert _infer(server, "first", [0]).tolist() == [2]
+        assert _infer(server, "second", [0]).tolist() == [1]
+    finally:
+        server.stop()

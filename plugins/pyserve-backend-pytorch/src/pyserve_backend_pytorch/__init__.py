@@ -1,0 +1,99 @@
+"""pyserve's ``pytorch`` backend: TorchScript models (platforms ``pytorch_libtorch``, ``libtorch``).
+
+A module-style plugin: the entry point names this module and the hook functions below carry
+``pyserve.hookimpl``. Importing this module does not import ``torch``; the framework is
+imported when the first PyTorch model loads (``pyserve_backend_initialize``).
+
+What callers may rely on:
+
+* the model file is ``<version>/model.pt`` (TorchScript, ``torch.jit.load``) or
+  ``<version>/<default_model_filename>``; a name ending in ``.pt2`` is loaded as a
+  ``torch.export`` program, which parameter ``torch_compile`` can compile;
+* every instance loads its own copy on its device: ``cuda:<gpu>`` for KIND_GPU instances,
+  the CPU otherwise;
+* Triton's naming conventions: config inputs named like forward's arguments are passed by
+  keyword, inputs named ``<name>__<index>`` by position; outputs named ``<name>__<index>``
+  pick that element of forward's result, other outputs are taken in config order (or by key
+  when forward returns a dict);
+* forward runs under ``torch.inference_mode`` (parameter ``INFERENCE_MODE``), on tensors that
+  share memory with the received arrays (DLPack, no copy for contiguous CPU arrays);
+* a missing or corrupt file, names that match no forward argument, or outputs whose
+  datatype or dims disagree with the config (checked by a probe run on zeros) make the model
+  UNAVAILABLE with a message naming the tensor and both sides;
+* a batch of requests runs as one forward over inputs gathered without copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pyserve import (
+    BackendContext,
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+    hookimpl,
+)
+
+from pyserve_backend_pytorch.runtime import TorchInstance, TorchModel, initialize_runtime
+
+__all__ = [
+    "TorchInstance",
+    "TorchModel",
+    "pyserve_backend_initialize",
+    "pyserve_execute",
+    "pyserve_instance_create",
+    "pyserve_instance_finalize",
+    "pyserve_model_create",
+]
+
+
+@hookimpl
+def pyserve_backend_initialize(backend: BackendContext) -> None:
+    """Import torch and record its version and CUDA device count in ``backend.state``.
+
+    :raises ImportError: torch is not installed.
+    """
+    backend.state = initialize_runtime()
+
+
+@hookimpl
+def pyserve_model_create(model: ModelContext) -> TorchModel:
+    """Locate the model file and read the parameters; becomes ``model.state``.
+
+    :raises ValueError: missing model file, bad parameter value, unsupported datatype.
+    """
+    return TorchModel.from_context(model)
+
+
+@hookimpl
+def pyserve_instance_create(instance: InstanceContext) -> TorchInstance:
+    """Load the module on the instance's device, bind the config's names and probe it.
+
+    :raises ValueError: the file cannot be loaded, or the config disagrees with the model.
+    """
+    state: TorchModel = instance.model.state
+    return state.create_instance(instance)
+
+
+@hookimpl
+def pyserve_instance_finalize(instance: InstanceContext) -> None:
+    """Drop the instance's module."""
+    state: TorchInstance | None = instance.state
+    if state is not None:
+        state.close()
+
+
+@hookimpl
+def pyserve_execute(
+    instance: InstanceContext, requests: Sequence[InferRequest]
+) -> list[InferResponse | InferError]:
+    """Run the gathered requests as one forward and split the outputs back per request.
+
+    :returns: one response per request, in order; when forward fails every request gets the
+        same error naming the model.
+    """
+    state: TorchInstance = instance.state
+    return state.execute(requests)

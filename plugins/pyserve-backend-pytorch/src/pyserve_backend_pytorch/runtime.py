@@ -1,0 +1,545 @@
+"""The pytorch backend's model and instance state: loading, Triton's naming rules, execution.
+
+Nothing here imports ``torch`` at module level; the functions that need it import it, and
+they run inside the backend's hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ml_dtypes
+import numpy as np
+from pyserve import (
+    ErrorCode,
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+    gather_inputs,
+    split_outputs,
+)
+from pyserve.datatypes import from_config_name
+from pyserve.protocol import data_type_name
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("pyserve.backend.pytorch")
+
+DEFAULT_FILENAME = "model.pt"
+"""TorchScript file inside the version directory, unless ``default_model_filename`` says otherwise."""
+
+EXPORTED_SUFFIX = ".pt2"
+"""A model file with this suffix is a ``torch.export`` program (``torch.export.save``)."""
+
+INDEX_NAME = re.compile(r"^(?P<base>.+)__(?P<index>\d+)$")
+"""Triton's ``<name>__<index>`` convention for positional inputs and outputs."""
+
+TORCH_TO_CONFIG: dict[str, str] = {
+    "bool": "TYPE_BOOL",
+    "uint8": "TYPE_UINT8",
+    "uint16": "TYPE_UINT16",
+    "uint32": "TYPE_UINT32",
+    "uint64": "TYPE_UINT64",
+    "int8": "TYPE_INT8",
+    "int16": "TYPE_INT16",
+    "int32": "TYPE_INT32",
+    "int64": "TYPE_INT64",
+    "float16": "TYPE_FP16",
+    "float32": "TYPE_FP32",
+    "float64": "TYPE_FP64",
+    "bfloat16": "TYPE_BF16",
+}
+"""torch dtype names (``str(dtype)`` without ``torch.``) → ModelConfig datatype names."""
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What ``pyserve_backend_initialize`` stores as ``backend.state``."""
+
+    version: str
+    cuda_devices: int
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise ImportError(f"the pytorch backend needs PyTorch: pip install torch ({exc})") from exc
+    return torch
+
+
+def initialize_runtime() -> RuntimeInfo:
+    """Import torch once and log its version and CUDA devices.
+
+    :raises ImportError: torch is not installed.
+    """
+    torch = _import_torch()
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    info = RuntimeInfo(str(torch.__version__), devices)
+    log.info("torch %s, CUDA devices: %d", info.version, info.cuda_devices)
+    return info
+
+
+def config_type_of(dtype: Any) -> str:
+    """The ModelConfig datatype name of a torch dtype (its torch name when there is none)."""
+    name = str(dtype).removeprefix("torch.")
+    return TORCH_TO_CONFIG.get(name, name)
+
+
+# --------------------------------------------------------------------------- tensors in and out
+
+
+def to_torch(array: np.ndarray, device: Any) -> Any:
+    """A torch tensor over a numpy array, through DLPack.
+
+    No copy for a C-contiguous array on a CPU device (read-only arrays included); the result
+    is moved to ``device`` otherwise. BF16 arrays travel as int16 bits.
+    """
+    torch = _import_torch()
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    if array.dtype == ml_dtypes.bfloat16:
+        tensor = torch.from_dlpack(array.view(np.int16)).view(torch.bfloat16)
+    else:
+        tensor = torch.from_dlpack(array)
+    if device.type != "cpu":
+        tensor = tensor.to(device)
+    return tensor
+
+
+def to_numpy(tensor: Any) -> np.ndarray:
+    """A numpy array for a result tensor: a view for CPU tensors, one device→host copy otherwise."""
+    torch = _import_torch()
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class ConfigTensor:
+    """One config input or output as the backend uses it.
+
+    :ivar dims: the non-batch shape the model sees (``reshape`` when the config has one).
+    :ivar client_dims: the config ``dims`` (outputs are reshaped back to them).
+    """
+
+    name: str
+    config_type: str
+    dims: tuple[int, ...]
+    client_dims: tuple[int, ...]
+    optional: bool = False
+
+    @property
+    def reshaped(self) -> bool:
+        return self.dims != self.client_dims
+
+
+def _config_tensor(tensor: Any, kind: str) -> ConfigTensor:
+    config_type = data_type_name(tensor.data_type)
+    if config_type == "TYPE_STRING":
+        raise ValueError(f"{kind} '{tensor.name}': TYPE_STRING is not supported by the pytorch backend")
+    dims = tensor.reshape.shape if tensor.HasField("reshape") else tensor.dims
+    return ConfigTensor(
+        tensor.name,
+        config_type,
+        tuple(int(d) for d in dims),
+        tuple(int(d) for d in tensor.dims),
+        bool(getattr(tensor, "optional", False)),
+    )
+
+
+def _bool_parameter(parameters: Mapping[str, str], key: str, default: bool) -> bool:
+    raw = parameters.get(key)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"model parameter '{key}' must be 'true' or 'false' (got {raw!r})")
+    return value in ("true", "1", "yes")
+
+
+def _indexed(names: Sequence[str]) -> dict[str, int] | None:
+    """``{name: index}`` when every name follows ``<name>__<index>``, else None."""
+    indices = {}
+    for name in names:
+        match = INDEX_NAME.match(name)
+        if match is None:
+            return None
+        indices[name] = int(match["index"])
+    return indices
+
+
+def model_file(model: ModelContext) -> Path:
+    """The model file of a version: ``default_model_filename`` or model.pt.
+
+    :raises ValueError: the file does not exist.
+    """
+    path = model.version_path / (model.default_model_filename or DEFAULT_FILENAME)
+    if not path.is_file():
+        raise ValueError(f"model file '{path}' not found for PyTorch model '{model.name}' version {model.version}")
+    return path
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass
+class LoadedModule:
+    """A loaded module and the names of its forward arguments (without ``self``).
+
+    :ivar required: how many leading arguments have no default value.
+    """
+
+    module: Any
+    arg_names: tuple[str, ...]
+    required: int
+    exported: bool
+
+
+def load_module(path: Path, device: Any) -> LoadedModule:
+    """Load a TorchScript file (``torch.jit.load``) or a ``.pt2`` ``torch.export`` program on ``device``.
+
+    :raises ValueError: the file is not a loadable model; the message names the file.
+    """
+    torch = _import_torch()
+    try:
+        if path.suffix == EXPORTED_SUFFIX:
+            from torch.export.graph_signature import InputKind
+
+            program = torch.export.load(str(path))
+            names = tuple(
+                spec.arg.name for spec in program.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT
+            )
+            module = program.module().to(device)
+            return LoadedModule(module, names, len(names), exported=True)
+        with warnings.catch_warnings():
+            # torch marks TorchScript deprecated; it is still the format Triton's backend serves.
+            warnings.filterwarnings("ignore", message=r".*torch\.jit\.load.*deprecated", category=DeprecationWarning)
+            module = torch.jit.load(str(path), map_location=device)
+    except Exception as exc:
+        raise ValueError(f"cannot load PyTorch model '{path}': {type(exc).__name__}: {exc}") from None
+    module.eval()
+    arguments = list(module.forward.schema.arguments)[1:]
+    required = sum(1 for a in arguments if a.default_value is None and not a.kwarg_only)
+    return LoadedModule(module, tuple(a.name for a in arguments), required, exported=False)
+
+
+# --------------------------------------------------------------------------- model state
+
+
+@dataclass
+class TorchModel:
+    """What ``pyserve_model_create`` stores as ``model.state``: file, settings and naming.
+
+    Parameters read from the config (all optional):
+
+    * ``INFERENCE_MODE`` (Triton's name, default true): ``torch.inference_mode`` around
+      forward; false uses ``torch.no_grad``;
+    * ``torch_compile`` (default false): ``torch.compile`` the module (``.pt2`` programs only:
+      torch cannot compile TorchScript), with ``torch_compile_backend`` (default inductor)
+      and ``torch_compile_mode``;
+    * ``probe_run`` (default true): at load, run forward once on zeros shaped from the config
+      and check the outputs' datatypes and dims against it.
+    """
+
+    name: str
+    path: Path
+    max_batch_size: int
+    inputs: tuple[ConfigTensor, ...]
+    outputs: tuple[ConfigTensor, ...]
+    inference_mode: bool = True
+    compile: bool = False
+    compile_backend: str = "inductor"
+    compile_mode: str | None = None
+    probe_run: bool = True
+    _announced: set[str] = field(default_factory=set, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def from_context(cls, model: ModelContext) -> TorchModel:
+        """Read the normalized config and parameters of a model version.
+
+        :raises ValueError: a missing model file, a bad parameter value, an unsupported datatype.
+        """
+        config = model.config
+        params = model.parameters
+        return cls(
+            name=model.name,
+            path=model_file(model),
+            max_batch_size=int(config.max_batch_size),
+            inputs=tuple(_config_tensor(t, "input") for t in config.input),
+            outputs=tuple(_config_tensor(t, "output") for t in config.output),
+            inference_mode=_bool_parameter(params, "INFERENCE_MODE", True),
+            compile=_bool_parameter(params, "torch_compile", False),
+            compile_backend=params.get("torch_compile_backend", "").strip() or "inductor",
+            compile_mode=params.get("torch_compile_mode", "").strip() or None,
+            probe_run=_bool_parameter(params, "probe_run", True),
+        )
+
+    @property
+    def batching(self) -> bool:
+        return self.max_batch_size > 0
+
+    def device_for(self, instance: InstanceContext) -> Any:
+        """``cuda:<id>`` for KIND_GPU instances, the CPU otherwise.
+
+        :raises ValueError: a GPU instance but this torch build sees no such CUDA device.
+        """
+        torch = _import_torch()
+        if instance.kind != "GPU":
+            return torch.device("cpu")
+        if not torch.cuda.is_available() or instance.device_id >= torch.cuda.device_count():
+            raise ValueError(
+                f"instance '{instance.name}' is KIND_GPU on GPU {instance.device_id}, but torch "
+                f"{torch.__version__} sees {torch.cuda.device_count() if torch.cuda.is_available() else 0} "
+                "CUDA device(s)"
+            )
+        return torch.device("cuda", instance.device_id)
+
+    def create_instance(self, instance: InstanceContext) -> TorchInstance:
+        """Load the module on the instance's device, map the config's names, probe it.
+
+        :raises ValueError: unloadable file, names that match no forward argument, or a probe
+            run whose outputs disagree with the config (naming the tensor and both sides).
+        """
+        device = self.device_for(instance)
+        loaded = load_module(self.path, device)
+        call = self._input_binding(loaded)
+        module = loaded.module
+        if self.compile:
+            module = self._compiled(loaded)
+        result = TorchInstance(self, module, device, call, self._output_indices())
+        if self.probe_run:
+            result.probe()
+        with self._lock:
+            first = f"{device}" not in self._announced
+            self._announced.add(f"{device}")
+        if first:
+            log.info("model '%s': %s instances run on %s", self.name, instance.kind, device)
+        return result
+
+    def _compiled(self, loaded: LoadedModule) -> Any:
+        torch = _import_torch()
+        if not loaded.exported:
+            raise ValueError(
+                f"parameter 'torch_compile' is set, but '{self.path.name}' is TorchScript, which "
+                "torch.compile cannot compile; serve a torch.export program ('.pt2') instead"
+            )
+        try:
+            return torch.compile(loaded.module, backend=self.compile_backend, mode=self.compile_mode, dynamic=True)
+        except Exception as exc:
+            raise ValueError(f"torch.compile failed for '{self.path.name}': {type(exc).__name__}: {exc}") from None
+
+    def _input_binding(self, loaded: LoadedModule) -> InputBinding:
+        """How config inputs become forward arguments: by argument name or by ``__<index>``."""
+        names = [t.name for t in self.inputs]
+        signature = f"forward({', '.join(loaded.arg_names)})"
+        if all(name in loaded.arg_names for name in names):
+            missing = [a for a in loaded.arg_names[: loaded.required] if a not in names]
+            if missing:
+                raise ValueError(
+                    f"forward argument '{missing[0]}' of {signature} has no input in the config "
+                    f"(config inputs: {', '.join(names)})"
+                )
+            if loaded.exported:  # a torch.export module takes its user inputs positionally
+                return InputBinding(keywords=(), positions=tuple(a for a in loaded.arg_names if a in names))
+            return InputBinding(keywords=tuple(names), positions=())
+        indices = _indexed(names)
+        if indices is None:
+            stray = next(n for n in names if n not in loaded.arg_names and INDEX_NAME.match(n) is None)
+            raise ValueError(
+                f"input '{stray}' of the config matches no argument of {signature} and does not "
+                "follow the '<name>__<index>' convention"
+            )
+        order = sorted(indices.values())
+        if order != list(range(len(order))):
+            raise ValueError(
+                f"the config's inputs {names} must be numbered 0..{len(order) - 1} by their "
+                "'__<index>' suffixes, each once"
+            )
+        if not loaded.required <= len(order) <= len(loaded.arg_names):
+            raise ValueError(
+                f"the config has {len(order)} input(s) but {signature} takes "
+                f"{loaded.required}..{len(loaded.arg_names)}"
+            )
+        by_index = {index: name for name, index in indices.items()}
+        return InputBinding(keywords=(), positions=tuple(by_index[i] for i in range(len(order))))
+
+    def _output_indices(self) -> dict[str, int]:
+        """Output name → position in forward's result (``__<index>`` names, else config order)."""
+        names = [t.name for t in self.outputs]
+        indexed = _indexed(names)
+        return indexed if indexed is not None else {name: i for i, name in enumerate(names)}
+
+    def probe_inputs(self) -> dict[str, np.ndarray]:
+        """Zeros shaped from the config (batch 1, variable dims 1), one array per required input."""
+        arrays = {}
+        for tensor in self.inputs:
+            if tensor.optional:
+                continue
+            shape = ((1,) if self.batching else ()) + tuple(d if d > 0 else 1 for d in tensor.dims)
+            dtype = from_config_name(tensor.config_type)
+            assert dtype is not None
+            arrays[tensor.name] = np.zeros(shape, dtype=dtype.dtype)
+        return arrays
+
+
+@dataclass(frozen=True)
+class InputBinding:
+    """Config input names passed by keyword, or by position (``positions[i]`` is argument i)."""
+
+    keywords: tuple[str, ...]
+    positions: tuple[str, ...]
+
+
+# --------------------------------------------------------------------------- execution
+
+
+class TorchInstance:
+    """One instance: a module on a device, and how it runs a batch.
+
+    Thread-safety: ``execute`` runs on the instance's own thread only.
+    """
+
+    def __init__(
+        self, model: TorchModel, module: Any, device: Any, binding: InputBinding, output_indices: dict[str, int]
+    ) -> None:
+        self.model = model
+        self.module: torch.nn.Module | None = module
+        self.device = device
+        self.binding = binding
+        self.output_indices = output_indices
+
+    def close(self) -> None:
+        """Drop the module (and the CUDA cache of its device)."""
+        self.module = None
+        if self.device.type == "cuda":
+            _import_torch().cuda.empty_cache()
+
+    def forward(self, inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """Run forward on host arrays; output name → result tensor (on the instance's device).
+
+        :raises InferError: forward's result lacks a configured output.
+        """
+        torch = _import_torch()
+        device = self.device
+        context = torch.inference_mode() if self.model.inference_mode else torch.no_grad()
+        with context:
+            if self.binding.positions:
+                args = [to_torch(inputs[name], device) for name in self.binding.positions if name in inputs]
+                result = self.module(*args)  # type: ignore[misc]
+            else:
+                kwargs = {name: to_torch(inputs[name], device) for name in self.binding.keywords if name in inputs}
+                result = self.module(**kwargs)  # type: ignore[misc]
+        return self._outputs(result)
+
+    def _outputs(self, result: Any) -> dict[str, Any]:
+        torch = _import_torch()
+        if isinstance(result, torch.Tensor):
+            result = (result,)
+        if isinstance(result, Mapping):
+            missing = [t.name for t in self.model.outputs if t.name not in result]
+            if missing:
+                raise InferError(
+                    f"forward of model '{self.model.name}' returned a dict without output '{missing[0]}' "
+                    f"(keys: {', '.join(map(str, result))})"
+                )
+            return {t.name: result[t.name] for t in self.model.outputs}
+        if not isinstance(result, (tuple, list)):
+            raise InferError(
+                f"forward of model '{self.model.name}' returned {type(result).__name__}; expected a "
+                "tensor, a tuple or list of tensors, or a dict of tensors"
+            )
+        outputs = {}
+        for name, index in self.output_indices.items():
+            if index >= len(result):
+                raise InferError(
+                    f"output '{name}' is result {index} of forward, but model '{self.model.name}' "
+                    f"returned {len(result)} value(s)"
+                )
+            outputs[name] = result[index]
+        return outputs
+
+    def probe(self) -> None:
+        """Run forward once on zeros and compare the outputs with the config.
+
+        :raises ValueError: forward fails, or an output's datatype or dims disagree.
+        """
+        model = self.model
+        inputs = model.probe_inputs()
+        try:
+            outputs = self.forward(inputs)
+        except Exception as exc:
+            shapes = ", ".join(f"{n}: {list(a.shape)} {model_input_type(model, n)}" for n, a in inputs.items())
+            raise ValueError(
+                f"a probe run of forward on zeros shaped from the config ({shapes}) failed: "
+                f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''} "
+                "(the config's inputs disagree with the model; set parameter 'probe_run' to 'false' to skip)"
+            ) from None
+        for tensor in model.outputs:
+            value = outputs[tensor.name]
+            actual_type = config_type_of(value.dtype)
+            if actual_type != tensor.config_type:
+                raise ValueError(
+                    f"output '{tensor.name}': the config declares data_type {tensor.config_type}, but "
+                    f"the model produces {actual_type}"
+                )
+            shape = tuple(value.shape[1:] if model.batching else value.shape)
+            if len(shape) != len(tensor.dims) or any(d != -1 and d != s for d, s in zip(tensor.dims, shape)):
+                raise ValueError(
+                    f"output '{tensor.name}': the config declares dims {list(tensor.dims)}, but the "
+                    f"model produces {list(shape)}" + (" after the batch dimension" if model.batching else "")
+                )
+
+    def execute(self, requests: Sequence[InferRequest]) -> list[InferResponse | InferError]:
+        """One response (or error) per request, in order; the batch runs as one forward."""
+        model = self.model
+        if not model.batching and len(requests) > 1:
+            return [self.execute([r])[0] for r in requests]
+        try:
+            present = requests[0].inputs
+            names = [t.name for t in model.inputs if t.name in present]
+            inputs = gather_inputs(requests, names) if model.batching else {n: present[n] for n in names}
+            tensors = self.forward(inputs)
+            rows = sum(r.batch_size for r in requests)
+            outputs = {}
+            for tensor in model.outputs:
+                if not any(tensor.name in r.requested_outputs for r in requests):
+                    continue
+                array = to_numpy(tensors[tensor.name])
+                if tensor.reshaped:
+                    array = array.reshape(((rows,) if model.batching else ()) + tensor.client_dims)
+                outputs[tensor.name] = array
+            if not model.batching:
+                return [InferResponse(outputs)]
+            return list(split_outputs(requests, outputs))
+        except InferError as exc:
+            return [exc] * len(requests)
+        except Exception as exc:
+            error = InferError(
+                f"PyTorch execute failure for model '{model.name}': {type(exc).__name__}: "
+                f"{str(exc).strip()}",
+                ErrorCode.INTERNAL,
+            )
+            return [error] * len(requests)
+
+
+def model_input_type(model: TorchModel, name: str) -> str:
+    """The config datatype of an input, for messages."""
+    return next((t.config_type for t in model.inputs if t.name == name), "?")

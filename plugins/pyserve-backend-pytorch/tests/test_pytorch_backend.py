@@ -1,0 +1,270 @@
+"""The pytorch backend served by a real server: results equal calling the module directly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyserve_backend_pytorch
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from pyserve.server import ServerThread
+
+import pt_models
+from pt_support import BatchRecorder, write_model
+
+BACKENDS = {"pytorch": pyserve_backend_pytorch}
+
+MLP_CONFIG = """
+platform: "pytorch_libtorch"
+max_batch_size: 16
+input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 3 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 20000 }
+"""
+
+CONV_CONFIG = """
+platform: "libtorch"
+max_batch_size: 8
+input [ { name: "image", data_type: TYPE_FP32, dims: [ 1, 8, 8 ] } ]
+output [
+  { name: "logits__0", data_type: TYPE_FP32, dims: [ 2 ] },
+  { name: "features__1", data_type: TYPE_FP32, dims: [ 4 ] }
+]
+"""
+
+TWO_CONFIG = """
+backend: "pytorch"
+max_batch_size: 4
+input [
+  { name: "y", data_type: TYPE_FP32, dims: [ 3 ] },
+  { name: "x", data_type: TYPE_FP32, dims: [ 3 ] }
+]
+output [
+  { name: "count", data_type: TYPE_INT64, dims: [ 1 ] },
+  { name: "sum", data_type: TYPE_FP32, dims: [ 3 ] }
+]
+"""
+
+EXPORTED_CONFIG = """
+backend: "pytorch"
+max_batch_size: 8
+default_model_filename: "model.pt2"
+input [ { name: "x", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 3 ] } ]
+parameters [
+  { key: "torch_compile", value: { string_value: "true" } },
+  { key: "torch_compile_backend", value: { string_value: "eager" } }
+]
+"""
+
+
+def _broken(config: str, old: str, new: str) -> str:
+    assert old in config
+    return config.replace(old, new)
+
+
+@pytest.fixture(scope="module")
+def modules() -> dict[str, torch.nn.Module]:
+    return {
+        "mlp": pt_models.seeded(pt_models.MLP(), 0),
+        "conv": pt_models.seeded(pt_models.ConvNet(), 1),
+        "two": pt_models.TwoInputs().eval(),
+    }
+
+
+@pytest.fixture(scope="module")
+def recorder() -> BatchRecorder:
+    return BatchRecorder()
+
+
+@pytest.fixture(scope="module")
+def server(
+    tmp_path_factory: pytest.TempPathFactory, module_server: Any, modules: dict[str, torch.nn.Module], recorder: BatchRecorder
+) -> ServerThread:
+    files = tmp_path_factory.mktemp("pt_files")
+    pt_models.save_traced(modules["mlp"], torch.zeros(2, 4), files / "mlp.pt")
+    pt_models.save_scripted(modules["conv"], files / "conv.pt")
+    pt_models.save_scripted(modules["two"], files / "two.pt")
+    pt_models.save_exported(modules["mlp"], torch.zeros(2, 4), files / "mlp.pt2")
+    mlp, conv, two = ((files / f"{n}.pt").read_bytes() for n in ("mlp", "conv", "two"))
+    repo = tmp_path_factory.mktemp("pt_repo")
+    write_model(repo, "mlp", MLP_CONFIG, {"1/model.pt": mlp})
+    write_model(repo, "conv", CONV_CONFIG, {"1/model.pt": conv})
+    write_model(repo, "two", TWO_CONFIG, {"1/model.pt": two})
+    write_model(repo, "exported", EXPORTED_CONFIG, {"1/model.pt2": (files / "mlp.pt2").read_bytes()})
+    write_model(repo, "bad_name", _broken(CONV_CONFIG, 'name: "image"', 'name: "picture"'), {"1/model.pt": conv})
+    write_model(repo, "bad_index", _broken(MLP_CONFIG, "INPUT__0", "INPUT__1"), {"1/model.pt": mlp})
+    write_model(repo, "bad_dims", _broken(MLP_CONFIG, "dims: [ 3 ]", "dims: [ 5 ]"), {"1/model.pt": mlp})
+    write_model(repo, "bad_type", _broken(MLP_CONFIG, "TYPE_FP32, dims: [ 3 ]", "TYPE_FP64, dims: [ 3 ]"), {"1/model.pt": mlp})
+    write_model(repo, "bad_input_dims", _broken(MLP_CONFIG, "dims: [ 4 ]", "dims: [ 6 ]"), {"1/model.pt": mlp})
+    write_model(repo, "bad_missing_arg", _broken(TWO_CONFIG, '{ name: "y", data_type: TYPE_FP32, dims: [ 3 ] },', ""),
+                {"1/model.pt": two})
+    write_model(repo, "corrupt", MLP_CONFIG, {"1/model.pt": b"PK\x03\x04 not a torchscript archive"})
+    write_model(repo, "missing", MLP_CONFIG)
+    write_model(repo, "compile_script", _broken(EXPORTED_CONFIG, 'default_model_filename: "model.pt2"\n', ""),
+                {"1/model.pt": mlp})
+    return module_server(repo, backends=BACKENDS, server_plugins=(recorder,))
+
+
+def infer(server: ServerThread, protocol: str, model: str, inputs: dict[str, np.ndarray],
+          outputs: list[str] | None = None) -> Any:
+    module = httpclient if protocol == "http" else grpcclient
+    client = module.InferenceServerClient(server.url if protocol == "http" else server.grpc_url)
+    tensors = []
+    for name, array in inputs.items():
+        tensor = module.InferInput(name, list(array.shape), "FP32")
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    requested = [module.InferRequestedOutput(n) for n in outputs] if outputs else None
+    return client.infer(model, tensors, outputs=requested)
+
+
+def call(module: torch.nn.Module, *arrays: np.ndarray) -> Any:
+    with torch.inference_mode():
+        return module(*(torch.from_numpy(a) for a in arrays))
+
+
+def repository_index(server: ServerThread) -> dict[str, dict[str, str]]:
+    client = httpclient.InferenceServerClient(server.url)
+    return {entry["name"]: entry for entry in client.get_model_repository_index()}
+
+
+# --------------------------------------------------------------------------- packaging
+
+
+def test_plugin_import_does_not_import_torch() -> None:
+    code = (
+        "import sys, pyserve_backend_pytorch\n"
+        "print([m for m in ('torch', 'onnxruntime', 'tensorflow') if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_entry_points_declare_backend_and_platforms() -> None:
+    backends = {ep.name: ep.value for ep in metadata.entry_points(group="pyserve.backends")}
+    platforms = {ep.name: ep.value for ep in metadata.entry_points(group="pyserve.platforms")}
+    if "pytorch" not in backends:
+        pytest.skip("pyserve-backend-pytorch is not installed (pip install -e)")
+    assert backends["pytorch"] == "pyserve_backend_pytorch"
+    assert platforms["pytorch_libtorch"] == platforms["libtorch"] == "pytorch"
+
+
+def test_inputs_share_memory_with_contiguous_arrays() -> None:
+    from pyserve_backend_pytorch.runtime import to_numpy, to_torch
+
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    array.flags.writeable = False  # the server hands backends read-only views
+    tensor = to_torch(array, torch.device("cpu"))
+    assert tensor.data_ptr() == array.ctypes.data
+    back = to_numpy(tensor)
+    assert back.ctypes.data == array.ctypes.data
+
+
+# --------------------------------------------------------------------------- inference
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_mlp_index_names_match_torch(server: ServerThread, modules: dict[str, Any], protocol: str) -> None:
+    x = np.random.default_rng(3).standard_normal((5, 4)).astype(np.float32)
+    got = infer(server, protocol, "mlp", {"INPUT__0": x}).as_numpy("OUTPUT__0")
+    np.testing.assert_allclose(got, call(modules["mlp"], x).numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_convnet_named_input_indexed_outputs(server: ServerThread, modules: dict[str, Any], protocol: str) -> None:
+    image = np.random.default_rng(4).standard_normal((3, 1, 8, 8)).astype(np.float32)
+    result = infer(server, protocol, "conv", {"image": image})
+    logits, features = call(modules["conv"], image)
+    np.testing.assert_allclose(result.as_numpy("logits__0"), logits.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result.as_numpy("features__1"), features.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_keyword_inputs_in_any_order_and_dict_outputs(server: ServerThread) -> None:
+    x = np.array([[1.0, -2.0, 3.0]], dtype=np.float32)
+    y = np.array([[10.0, 20.0, 30.0]], dtype=np.float32)
+    result = infer(server, "grpc", "two", {"y": y, "x": x})
+    np.testing.assert_allclose(result.as_numpy("sum"), x * 2 + y)
+    assert result.as_numpy("count").tolist() == [[2]]
+    assert result.as_numpy("count").dtype == np.int64
+
+
+def test_requested_output_only(server: ServerThread, modules: dict[str, Any]) -> None:
+    image = np.ones((1, 1, 8, 8), dtype=np.float32)
+    result = infer(server, "http", "conv", {"image": image}, outputs=["features__1"])
+    assert result.as_numpy("logits__0") is None
+    np.testing.assert_allclose(result.as_numpy("features__1"), call(modules["conv"], image)[1].numpy(), rtol=1e-5)
+
+
+def test_exported_program_with_torch_compile(server: ServerThread, modules: dict[str, Any]) -> None:
+    x = np.random.default_rng(7).standard_normal((3, 4)).astype(np.float32)
+    got = infer(server, "grpc", "exported", {"x": x}).as_numpy("OUTPUT__0")
+    np.testing.assert_allclose(got, call(modules["mlp"], x).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_dynamic_batching_gives_the_rows_of_single_calls(
+    server: ServerThread, modules: dict[str, Any], recorder: BatchRecorder
+) -> None:
+    rows = np.random.default_rng(5).standard_normal((16, 1, 4)).astype(np.float32)
+    expected = [call(modules["mlp"], row).numpy() for row in rows]
+    before = len(recorder.sizes.get("mlp", []))
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda row: infer(server, "grpc", "mlp", {"INPUT__0": row}).as_numpy("OUTPUT__0"), rows))
+    for got, want in zip(results, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    sizes = recorder.sizes["mlp"][before:]
+    assert sum(sizes) == 16
+    assert max(sizes) > 1, f"the dynamic batcher never joined requests: {sizes}"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("model", "fragments"),
+    [
+        ("bad_name", ["input 'picture'", "forward(image)", "'<name>__<index>'"]),
+        ("bad_index", ["INPUT__1", "numbered 0..0"]),
+        ("bad_dims", ["output 'OUTPUT__0'", "dims [5]", "[3]"]),
+        ("bad_type", ["output 'OUTPUT__0'", "TYPE_FP64", "TYPE_FP32"]),
+        ("bad_input_dims", ["probe run", "INPUT__0: [1, 6]"]),
+        ("bad_missing_arg", ["forward argument 'y'", "forward(x, y)"]),
+        ("corrupt", ["cannot load PyTorch model", "model.pt"]),
+        ("missing", ["model file", "not found"]),
+        ("compile_script", ["torch_compile", "TorchScript"]),
+    ],
+)
+def test_bad_models_are_unavailable_with_a_reason(server: ServerThread, model: str, fragments: list[str]) -> None:
+    entry = repository_index(server)[model]
+    assert entry["state"] == "UNAVAILABLE"
+    for fragment in fragments:
+        assert fragment in entry["reason"], entry["reason"]
+
+
+def test_good_models_are_ready(server: ServerThread) -> None:
+    index = repository_index(server)
+    for name in ("mlp", "conv", "two", "exported"):
+        assert index[name]["state"] == "READY", index[name]
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
+def test_gpu_instance_runs_on_cuda(tmp_path: Path, module_server: Any, modules: dict[str, Any]) -> None:
+    pt_models.save_traced(modules["mlp"], torch.zeros(2, 4), tmp_path / "mlp.pt")
+    repo = tmp_path / "gpu_repo"
+    write_model(repo, "mlp_gpu", MLP_CONFIG + "instance_group [ { kind: KIND_GPU, gpus: [ 0 ] } ]\n",
+                {"1/model.pt": (tmp_path / "mlp.pt").read_bytes()})
+    gpu_server = module_server(repo, backends=BACKENDS)
+    x = np.random.default_rng(6).standard_normal((3, 4)).astype(np.float32)
+    got = infer(gpu_server, "grpc", "mlp_gpu", {"INPUT__0": x}).as_numpy("OUTPUT__0")
+    np.testing.assert_allclose(got, call(modules["mlp"], x).numpy(), rtol=1e-4, atol=1e-5)
