@@ -2,7 +2,15 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-PACKAGES := -e hookspecs -e . $(addprefix -e ,$(wildcard plugins/pyserve-backend-*)) -e examples/pyserve-backend-string-processor
+# Framework plugins pull in torch / onnxruntime / tensorflow (GBs): only `make test` installs
+# them. `make run` (install) gets the light plugins: every other plugins/pyserve-backend-*.
+FRAMEWORK_PLUGINS := plugins/pyserve-backend-onnxruntime plugins/pyserve-backend-pytorch plugins/pyserve-backend-tensorflow
+LIGHT_PLUGINS := $(filter-out $(FRAMEWORK_PLUGINS),$(wildcard plugins/pyserve-backend-*))
+PACKAGES := -e hookspecs -e . $(addprefix -e ,$(LIGHT_PLUGINS)) -e examples/pyserve-backend-string-processor
+# torch is pinned and installed first, on its own: an unpinned resolve would fetch a CUDA build.
+TORCH_VERSION ?= 2.13.0
+FRAMEWORK_PACKAGES := -e 'plugins/pyserve-backend-onnxruntime[cpu]' -e plugins/pyserve-backend-pytorch \
+	-e 'plugins/pyserve-backend-tensorflow[cpu]' 'onnx>=1.15'
 PYPROJECTS := pyproject.toml hookspecs/pyproject.toml $(wildcard plugins/*/pyproject.toml) $(wildcard examples/*/pyproject.toml)
 
 .PHONY: run test install install-test proto clean
@@ -25,7 +33,11 @@ $(VENV)/.installed: $(BIN)/python $(PYPROJECTS)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/python -m pip install --quiet $(PACKAGES) -e '.[test]'
+	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install --quiet $(PACKAGES) $(FRAMEWORK_PACKAGES) -e '.[test]'
+	# Triton's own compiled Python backend, hosted by pyserve-backend-native's tests. --no-deps:
+	# its requirements would replace the server's numpy.
+	$(BIN)/python -m pip install --quiet --no-deps nvidia-pytriton==0.7.0
 	touch $@
 
 proto:  ## regenerate pyserve/protocol/descriptors.binpb from the .proto files

@@ -8,6 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pyserve import __version__, logs
 
@@ -29,6 +30,22 @@ def _port(value: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port must be between 0 and 65535, got {port}")
     return port
+
+
+def _poll_secs(value: str) -> float:
+    secs = float(value)
+    if not secs > 0:
+        raise argparse.ArgumentTypeError(f"--repository-poll-secs must be greater than 0, got {value}")
+    return secs
+
+
+def _load_model_problem(mode: str, names: Sequence[str]) -> str | None:
+    """Why the ``--load-model`` values cannot be used with ``--model-control-mode``, or None."""
+    if names and mode != "explicit":
+        return "--load-model can only be used with --model-control-mode=explicit"
+    if "*" in names and len(names) > 1:
+        return "--load-model=* must be the only --load-model argument"
+    return None
 
 
 def _backend_setting(item: str) -> tuple[str, str, str]:
@@ -96,8 +113,71 @@ def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                      metavar="BACKEND,KEY=VALUE",
                      help="a setting passed to a backend (repeatable)")
     run.add_argument("--model-load-thread-count", type=int, default=4, metavar="N")
+    run.add_argument("--model-control-mode", default="none", choices=["none", "poll", "explicit"],
+                     help="none: load all, no changes; poll: load all, reload on repository changes; "
+                          "explicit: load --load-model names, then only through the load/unload API")
+    run.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                     help="a model to load at startup in explicit mode (repeatable; '*' alone = all)")
+    run.add_argument("--repository-poll-secs", type=_poll_secs, default=15.0, metavar="SECS",
+                     help="seconds between repository scans in poll mode (default 15)")
+    run.add_argument("--backend-directory", default="/opt/tritonserver/backends", metavar="PATH",
+                     help="where native backends live: <dir>/<backend>/libtriton_<backend>.so "
+                          "(default /opt/tritonserver/backends)")
     run.add_argument("--http-max-input-size", type=int, default=64 * 1024 * 1024, metavar="BYTES",
                      help="largest request body accepted (default 64 MiB)")
+    _add_operations(run)
+
+
+def _add_operations(run: argparse.ArgumentParser) -> None:
+    """Logging, tracing, response cache, endpoint restriction and limits flags."""
+    ops = run.add_argument_group("logging, tracing, cache and security")
+    ops.add_argument("--log-info", type=_bool, default=True, metavar="BOOL", help="log info lines (default true)")
+    ops.add_argument("--log-warning", type=_bool, default=True, metavar="BOOL", help="log warnings (default true)")
+    ops.add_argument("--log-error", type=_bool, default=True, metavar="BOOL", help="log errors (default true)")
+    ops.add_argument("--log-format", default="default", choices=["default", "ISO8601", "json"],
+                     help="log line format (default: Triton's default)")
+    ops.add_argument("--log-file", default=None, metavar="PATH", help="write the log here instead of stderr")
+    ops.add_argument("--trace-config", action="append", default=[], metavar="[MODE,]KEY=VALUE",
+                     help="trace setting (repeatable), e.g. level=TIMESTAMPS, rate=100, triton,file=PATH, "
+                          "mode=opentelemetry, opentelemetry,url=http://host:4318/v1/traces")
+    ops.add_argument("--cache-config", action="append", default=[], type=_backend_setting,
+                     metavar="CACHE,KEY=VALUE",
+                     help="response cache (repeatable): local,size=BYTES or redis,host=H / redis,port=P")
+    ops.add_argument("--http-restricted-api", action="append", default=[], metavar="APIS:KEY=VALUE",
+                     help="require header KEY: VALUE for the listed HTTP API categories (repeatable)")
+    ops.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="APIS:KEY=VALUE",
+                     help="require metadata triton-grpc-protocol-KEY: VALUE for the listed gRPC categories")
+    ops.add_argument("--max-tensor-elements", type=int, default=0, metavar="N",
+                     help="refuse input tensors declaring more than N elements (default 0: no limit)")
+
+
+def _operations_options(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Parse the operations flags and configure logging.
+
+    :returns: ``ServerOptions`` and ``GrpcOptions`` keyword arguments.
+    :raises ValueError: a malformed flag value (the message names it).
+    """
+    from pyserve.cache import parse_cache_config
+    from pyserve.restricted import parse_restrictions
+    from pyserve.tracing import parse_trace_config
+
+    if args.log_verbose < 0:
+        raise ValueError("--log-verbose must be >= 0")
+    if args.max_tensor_elements < 0:
+        raise ValueError("--max-tensor-elements must be >= 0")
+    try:
+        logs.configure(args.log_verbose, info=args.log_info, warning=args.log_warning, error=args.log_error,
+                       log_format=args.log_format, log_file=args.log_file)
+    except OSError as exc:
+        raise ValueError(f"--log-file '{args.log_file}': {exc.strerror or exc}") from None
+    server = {
+        "trace_config": parse_trace_config(args.trace_config),
+        "cache_config": parse_cache_config(args.cache_config),
+        "http_restricted_api": parse_restrictions(args.http_restricted_api),
+        "max_tensor_elements": args.max_tensor_elements,
+    }
+    grpc = {"restrictions": parse_restrictions(args.grpc_restricted_protocol, grpc=True)}
+    return server, grpc
 
 
 def _repositories(paths: Sequence[str]) -> list[Path]:
@@ -115,7 +195,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from pyserve.grpc.server import GrpcOptions
     from pyserve.server import Server, ServerOptions, StartupError
 
-    logs.configure(args.log_verbose)
+    try:
+        operations, grpc_operations = _operations_options(args)
+    except ValueError as exc:
+        print(f"pyserve: {exc}", file=sys.stderr)
+        return 2
     repositories = _repositories(args.model_repository)
     for repo in repositories:
         if not repo.is_dir():
@@ -124,6 +208,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     fixed_ports = [p for p in (args.http_port, args.grpc_port, args.metrics_port) if p]  # 0 = any free port
     if len(set(fixed_ports)) < len(fixed_ports):
         print("pyserve: --http-port, --grpc-port and --metrics-port must differ", file=sys.stderr)
+        return 2
+    load_problem = _load_model_problem(args.model_control_mode, args.load_model)
+    if load_problem:
+        print(f"pyserve: {load_problem}", file=sys.stderr)
         return 2
     options = ServerOptions(
         model_repositories=repositories,
@@ -143,6 +231,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             http2_max_pings_without_data=args.grpc_http2_max_pings_without_data,
             http2_min_recv_ping_interval_without_data_ms=args.grpc_http2_min_recv_ping_interval_without_data,
             http2_max_ping_strikes=args.grpc_http2_max_ping_strikes,
+            **grpc_operations,
         ),
         server_id=args.server_id,
         exit_timeout_secs=args.exit_timeout_secs,
@@ -151,6 +240,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         backend_config=_backend_config(args.backend_config),
         http_max_input_size=args.http_max_input_size,
         model_load_thread_count=args.model_load_thread_count,
+        model_control_mode=args.model_control_mode,
+        load_models=args.load_model,
+        repository_poll_secs=args.repository_poll_secs,
+        backend_directory=args.backend_directory,
+        **operations,
     )
     try:
         import uvloop
@@ -255,10 +349,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="@pyserve.hookimpl functions in a module")
     new_backend.add_argument("--directory", default=".", metavar="DIR",
                              help="where pyserve-backend-NAME/ is created (default: the current directory)")
+    from pyserve.bench import add_bench_parser  # standard library only: keeps --help fast
+
+    add_bench_parser(sub)
     return parser
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pyserve.bench import cmd_bench as run_bench
+
+    return run_bench(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"run": cmd_run, "validate": cmd_validate, "backends": cmd_backends, "new-backend": cmd_new_backend}
+    handlers = {"run": cmd_run, "validate": cmd_validate, "backends": cmd_backends, "new-backend": cmd_new_backend,
+                "bench": cmd_bench}
     return handlers[args.command](args)

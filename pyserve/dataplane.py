@@ -15,10 +15,17 @@ from pyserve.inference import FutureSender, InferRequest, InferResponse
 from pyserve.model_manager import ModelManager
 from pyserve.models import ModelVersion
 from pyserve.protocol.config_json import model_config_to_dict
+from pyserve.cache import ResponseCache, cache_enabled
+from pyserve.shared_memory import SharedMemoryManager, cuda_available
+from pyserve.tracing import TraceManager
 
 log = logging.getLogger("pyserve.dataplane")
 
-EXTENSIONS = ("classification", "binary_tensor_data", "parameters", "model_configuration")
+EXTENSIONS = (
+    "classification", "binary_tensor_data", "parameters", "model_configuration",
+    "model_repository", "model_repository(unload_dependents)",
+    "system_shared_memory", "trace", "logging",
+)
 """The protocol extensions this server implements (reported by server metadata)."""
 
 
@@ -41,6 +48,14 @@ class DataPlane:
         self.accepting = False
         self._open: set[InferRequest] = set()
         self._idle: asyncio.Event | None = None
+        self.shared_memory = SharedMemoryManager()
+        """The shared-memory regions clients registered with this server."""
+        self.tracing = TraceManager()
+        """Trace settings and export; the server replaces it with one built from ``--trace-config``."""
+        self.cache: ResponseCache | None = None
+        """The response cache (``--cache-config``), or None."""
+        self.extensions = list(EXTENSIONS) + (["cuda_shared_memory"] if cuda_available() else [])
+        """What server metadata reports: ``EXTENSIONS``, plus CUDA shared memory when usable."""
 
     # -- health and metadata -----------------------------------------------------------------
     def is_ready(self) -> bool:
@@ -48,7 +63,7 @@ class DataPlane:
         return self.live and self.accepting and self.models.all_ready()
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": self.server_name, "version": self.server_version, "extensions": list(EXTENSIONS)}
+        return {"name": self.server_name, "version": self.server_version, "extensions": list(self.extensions)}
 
     def model(self, name: str, version: str | None = None) -> ModelVersion:
         """The version serving ``name`` (latest READY when ``version`` is None).
@@ -94,6 +109,21 @@ class DataPlane:
     def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
         return self.models.index(ready_only)
 
+    async def load_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:
+        """Load or reload a model (explicit mode), off the event loop; returns once READY.
+
+        :param parameters: ``config`` and ``file:<path>`` load parameters.
+        :raises InferError: with Triton's messages and codes.
+        """
+        await self.models.load_model_async(name, parameters)
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        """Unload a model (explicit mode), off the event loop; returns once it is unloaded.
+
+        :raises InferError: with Triton's messages and codes.
+        """
+        await self.models.unload_model_async(name, unload_dependents)
+
     # -- inference -------------------------------------------------------------------------------
     def submit(self, model: ModelVersion, request: InferRequest) -> InferError | None:
         """Schedule a request whose sender is attached; ``finished`` must follow its final response.
@@ -102,8 +132,15 @@ class DataPlane:
         """
         if not self.accepting:
             return InferError("Server is shutting down; no new requests are accepted", ErrorCode.UNAVAILABLE)
+        model = model.serving()  # a version replaced by a reload hands its requests on
         if not model.ready:
             return InferError.unavailable(f"model '{model.name}' version {model.version} is not ready")
+        if self.tracing.active:  # the only cost of tracing while it is off
+            self.tracing.begin(request)
+        cache = self.cache
+        if cache is not None and cache_enabled(model) and cache.serve(request):
+            self._open.add(request)  # answered from the cache: the scheduler is skipped
+            return None
         try:
             model.enqueue(request)
         except InferError as exc:

@@ -89,6 +89,7 @@ class InferRequest:
     :ivar timeout_us: the queue timeout the client asked for (0 = model default).
     :ivar batch_size: size of the leading batch dimension (1 for non-batching models).
     :ivar arrival_ns: ``time.monotonic_ns()`` when the frontend created the request.
+    :ivar trace: the request's ``pyserve.tracing.RequestTrace`` when it is sampled, else None.
     """
 
     __slots__ = (
@@ -109,6 +110,8 @@ class InferRequest:
         "priority",
         "requested_outputs",
         "timeout_us",
+        "trace",
+        "trace_parent",
     )
 
     def __init__(
@@ -143,6 +146,8 @@ class InferRequest:
         self._cancelled = False
         self._final_sent = False
         self.finish: Callable[[InferRequest, InferResponse], InferResponse | InferError] | None = None
+        self.trace: Any = None  # pyserve.tracing.RequestTrace when this request is traced
+        self.trace_parent: str | None = None  # the client's W3C traceparent (set only while tracing)
 
     def __repr__(self) -> str:
         return f"InferRequest(model={self.model_name!r}, id={self.id!r}, inputs={list(self.inputs)})"

@@ -332,6 +332,13 @@ def validate(config: Any, model_dir: Path) -> list[str]:
                     f"field 'dynamic_batching.preferred_batch_size': {size} must be between 1 "
                     f"and max_batch_size ({config.max_batch_size})"
                 )
+    if config.response_cache.enable:
+        if config.model_transaction_policy.decoupled:
+            problems.append("field 'response_cache': the response cache is not supported for decoupled models")
+        if config.HasField("sequence_batching"):
+            problems.append(
+                "field 'response_cache': the response cache is not supported with the sequence batcher"
+            )
     return problems
 
 

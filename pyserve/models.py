@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pyserve.backend import InstanceContext, ModelContext
@@ -34,6 +35,9 @@ class ModelVersion:
     """One version of a model and everything that serves it.
 
     ``enqueue`` is the hot path: it is called on the event loop for every request.
+
+    :ivar successor: set when a reload replaced this version while requests may still hold
+        it: ``serving`` then hands those requests to the version that replaced it.
     """
 
     name: str
@@ -47,10 +51,20 @@ class ModelVersion:
     instances: list[InstanceContext] = field(default_factory=list)
     workers: list[InstanceWorker] = field(default_factory=list)
     scheduler: Scheduler | None = None
+    successor: ModelVersion | None = None
 
     @property
     def ready(self) -> bool:
         return self.state is ModelState.READY
+
+    def serving(self) -> ModelVersion:
+        """The version that takes this version's requests now: itself while it is READY, else
+        the version that replaced it in a reload (when one did, with the same inputs and
+        outputs), so that a request resolved just before the swap is still served."""
+        version = self
+        while version.successor is not None and version.state is not ModelState.READY:
+            version = version.successor
+        return version
 
     @property
     def decoupled(self) -> bool:
@@ -67,13 +81,21 @@ class ModelVersion:
 
 @dataclass(eq=False)
 class ModelRecord:
-    """All versions of one model name, plus a model-level reason when none could load."""
+    """All versions of one model name, plus a model-level reason when none could load.
+
+    :ivar fingerprint: what the model directory looked like when it was last loaded (poll mode
+        reloads the model when it changes); None for a model loaded from an override.
+    :ivar override_dir: the private directory holding the files of a load with file
+        overrides; removed when the versions loaded from it are unloaded.
+    """
 
     name: str
     source: ModelSource
     versions: dict[int, ModelVersion] = field(default_factory=dict)
     state: ModelState = ModelState.LOADING
     reason: str = ""
+    fingerprint: Any = None
+    override_dir: Path | None = None
 
     def fail(self, reason: str) -> None:
         self.state = ModelState.UNAVAILABLE

@@ -66,7 +66,9 @@ def hookspecs() -> dict[str, inspect.Signature]:
     return specs
 
 
-def check_installed(host: PluginHost | None = None, names: Iterable[str] | None = None) -> tuple[list[BackendInfo], list[Problem]]:
+def check_installed(
+    host: PluginHost | None = None, names: Iterable[str] | None = None
+) -> tuple[list[BackendInfo], list[Problem]]:
     """Import and check every installed backend (or only ``names``).
 
     :returns: the backends checked and every problem found (empty when all are fine).
@@ -109,12 +111,18 @@ def check_plugin(name: str, plugin: object, distribution: str = "<registered>") 
             continue
         implemented.add(attr)
         if attr not in _lifecycle_hooks():
-            problem(attr, "a server-plugin hook: it is never called for a backend "
-                          "(register a pyserve.plugins entry point for it)")
+            problem(
+                attr,
+                "a server-plugin hook: it is never called for a backend "
+                "(register a pyserve.plugins entry point for it)",
+            )
         extra = [p for p in _required_arguments(value) if p not in specs[attr].parameters]
         if extra:
-            problem(attr, f"wrong signature: argument(s) {', '.join(repr(a) for a in extra)} not in the "
-                          f"hookspec {attr}{_plain(specs[attr])}")
+            problem(
+                attr,
+                f"wrong signature: argument(s) {', '.join(repr(a) for a in extra)} not in the "
+                f"hookspec {attr}{_plain(specs[attr])}",
+            )
     for hook in REQUIRED_HOOKS:
         if hook not in implemented and not any(p.hook == hook for p in found):
             problem(hook, "required hook missing: every backend must implement it")
@@ -155,8 +163,16 @@ def _required_arguments(func: Any) -> list[str]:
         signature = inspect.signature(func)
     except (TypeError, ValueError):
         return []
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return [p.name for p in signature.parameters.values() if p.kind in kinds and p.default is inspect.Parameter.empty]
+    kinds = (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
+    return [
+        p.name
+        for p in signature.parameters.values()
+        if p.kind in kinds and p.default is inspect.Parameter.empty
+    ]
 
 
 def _plain(signature: inspect.Signature) -> str:

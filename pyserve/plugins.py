@@ -17,8 +17,9 @@ import importlib.metadata as metadata
 import inspect
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pluggy
@@ -73,18 +74,18 @@ class BackendInfo:
 
 
 class BackendHooks:
-    """Typed facade over the hook callers scoped to one backend.
+    """Typed facade over the hook callers of one backend's own plugin manager.
 
-    Every call reaches only the owning backend plus the server plugins. Rebuilt by the
-    host whenever another backend is registered, so the scoping stays exact.
+    Each backend has a plugin manager of its own holding that backend and the server
+    plugins, so every call reaches the owning backend (plus server-plugin wrappers and
+    observers) and nothing else, whichever backends are loaded later or concurrently.
     """
 
     __slots__ = tuple(name.removeprefix("pyserve_") for name in LIFECYCLE_HOOKS)
 
-    def __init__(self, pm: pluggy.PluginManager, others: Iterable[object]) -> None:
-        others = list(others)
+    def __init__(self, pm: pluggy.PluginManager) -> None:
         for hook_name in LIFECYCLE_HOOKS:
-            setattr(self, hook_name.removeprefix("pyserve_"), pm.subset_hook_caller(hook_name, others))
+            setattr(self, hook_name.removeprefix("pyserve_"), getattr(pm.hook, hook_name))
 
     backend_initialize: Any
     backend_finalize: Any
@@ -103,6 +104,7 @@ class LoadedBackend:
     info: BackendInfo
     plugin: object
     hooks: BackendHooks
+    manager: pluggy.PluginManager
     initialized: bool = False
     init_error: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -135,15 +137,14 @@ class PluginHost:
         server_plugins: Iterable[object] = (),
         use_entry_points: bool = True,
     ) -> None:
-        self.pm = pluggy.PluginManager(PROJECT_NAME)
-        for module in SPEC_MODULES:
-            self.pm.add_hookspecs(module)
+        self.pm = self._new_manager()  # the server plugins only; each backend gets its own
         self._lock = threading.RLock()
         self._loaded: dict[str, LoadedBackend] = {}
         self._entry_points: dict[str, list[metadata.EntryPoint]] = {}
         self._extra: dict[str, object] = dict(extra_backends or {})
         self._platforms: dict[str, str] = dict(TRITON_PLATFORMS)
         self.server_plugins: list[object] = []
+        self._server_plugin_names: list[str | None] = []
         if use_entry_points:
             self._read_entry_points()
         for plugin in server_plugins:
@@ -180,7 +181,9 @@ class PluginHost:
                 self.pm.unregister(plugin)
                 raise
             self.server_plugins.append(plugin)
-            self._rebuild_hooks()
+            self._server_plugin_names.append(name)
+            for loaded in self._loaded.values():
+                loaded.manager.register(plugin, name=name)
 
     def platform_backend(self, platform: str) -> str | None:
         """The backend name that serves a config ``platform``, if any."""
@@ -221,29 +224,77 @@ class PluginHost:
             loaded = self._loaded.get(name)
             if loaded is not None:
                 return loaded
-            plugin = self._import(name)
-            info = self._info(name)
-            if self.pm.is_registered(plugin):
-                other = self.pm.get_name(plugin)
+            return self._register(name, self._import(name), self._info(name))
+
+    def resolve(
+        self,
+        name: str,
+        *,
+        runtime: str = "",
+        model_path: Path | None = None,
+        version_paths: Sequence[Path] = (),
+        backend_directory: str | None = None,
+    ) -> LoadedBackend:
+        """The backend serving a model: an installed Python backend, else a server plugin's.
+
+        A Python backend named ``name`` wins unless the config's ``runtime`` names a shared
+        library (``*.so``). Otherwise the ``pyserve_resolve_backend`` hook of the server plugins
+        is asked (e.g. for a native ``libtriton_<name>.so``); each key it returns is registered
+        once, so every model resolving to the same library shares one backend.
+
+        :raises BackendUnavailable: nothing serves the backend, or the resolver failed.
+        """
+        native_runtime = runtime.endswith(".so")
+        if not native_runtime and self.is_installed(name):
+            return self.backend(name)
+        try:
+            found = self.server_hook("pyserve_resolve_backend")(
+                name=name, runtime=runtime, model_path=model_path, version_paths=list(version_paths),
+                backend_directory=backend_directory,
+            )
+        except Exception as exc:
+            raise BackendUnavailable(str(exc)) from exc
+        if found is None:
+            if native_runtime:
+                raise BackendUnavailable(
+                    f"backend '{name}': runtime '{runtime}' names a native backend library, but no "
+                    "installed server plugin hosts native backends (pip install pyserve-backend-native)"
+                )
+            return self.backend(name)  # raises the usual "not installed" error
+        key, plugin = found
+        loaded = self._loaded.get(key)
+        if loaded is not None:
+            return loaded
+        with self._lock:
+            loaded = self._loaded.get(key)
+            if loaded is not None:
+                return loaded
+            return self._register(key, plugin, _resolved_info(name, key, plugin))
+
+    def _register(self, key: str, plugin: object, info: BackendInfo) -> LoadedBackend:
+        """Register a backend's plugin under ``key`` (call with ``self._lock`` held)."""
+        name = info.name
+        for other_key, other in self._loaded.items():
+            if other.plugin is plugin:
                 raise BackendUnavailable(
                     f"backend '{name}' from {info.distribution} is the same plugin object as "
-                    f"'{other}'; each backend needs its own module or Backend instance"
+                    f"'backend:{other_key}'; each backend needs its own module or Backend instance"
                 )
-            try:
-                self.pm.register(plugin, name=f"backend:{name}")
-                self.pm.check_pending()
-            except pluggy.PluginValidationError as exc:
-                if self.pm.is_registered(plugin):
-                    self.pm.unregister(plugin)
-                raise BackendUnavailable(
-                    f"backend '{name}' from {info.distribution} does not follow the pyserve "
-                    f"plugin contract: {exc}"
-                ) from exc
-            loaded = LoadedBackend(info, plugin, BackendHooks(self.pm, ()))
-            self._loaded[name] = loaded
-            self._rebuild_hooks()
-            log.debug("loaded backend '%s' from %s", name, info.distribution)
-            return loaded
+        manager = self._new_manager()
+        try:
+            for server_plugin, server_name in zip(self.server_plugins, self._server_plugin_names):
+                manager.register(server_plugin, name=server_name)
+            manager.register(plugin, name=f"backend:{key}")
+            manager.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise BackendUnavailable(
+                f"backend '{name}' from {info.distribution} does not follow the pyserve "
+                f"plugin contract: {exc}"
+            ) from exc
+        loaded = LoadedBackend(info, plugin, BackendHooks(manager), manager)
+        self._loaded[key] = loaded
+        log.debug("loaded backend '%s' from %s", name, info.distribution)
+        return loaded
 
     def import_backend(self, name: str) -> object:
         """Import backend ``name``'s plugin object without registering it (``backends --check``).
@@ -278,14 +329,27 @@ class PluginHost:
                 f"({ep.value}): {type(exc).__name__}: {exc}"
             ) from exc
 
-    def _rebuild_hooks(self) -> None:
-        backends = [b.plugin for b in self._loaded.values()]
-        for loaded in self._loaded.values():
-            loaded.hooks = BackendHooks(self.pm, [p for p in backends if p is not loaded.plugin])
+    @staticmethod
+    def _new_manager() -> pluggy.PluginManager:
+        manager = pluggy.PluginManager(PROJECT_NAME)
+        for module in SPEC_MODULES:
+            manager.add_hookspecs(module)
+        return manager
 
     def server_hook(self, name: str) -> Any:
-        """A hook caller reaching the server plugins only (observer hooks)."""
-        return self.pm.subset_hook_caller(name, [b.plugin for b in self._loaded.values()])
+        """A hook caller reaching the server plugins only (observer and resolver hooks)."""
+        return getattr(self.pm.hook, name)
+
+
+def _resolved_info(name: str, key: str, plugin: object) -> BackendInfo:
+    """What is known about a backend a server plugin supplied (``key`` is its source)."""
+    package = type(plugin).__module__.split(".")[0]
+    distribution, version = package.replace("_", "-"), ""
+    try:
+        version = metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        distribution = package
+    return BackendInfo(name, distribution, version, (), key)
 
 
 def _dist_label(ep: metadata.EntryPoint) -> str:

@@ -7,12 +7,22 @@ are ignored, as Triton does).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from pyserve.errors import ModelConfigError
 
 CONFIG_FILENAME = "config.pbtxt"
+WARMUP_DIRNAME = "warmup"
+"""The folder of a model directory that holds ``input_data_file`` warmup data."""
+
+_UNTRACKED_DIRS = frozenset({"__pycache__"})
+"""Folders a backend may write into a model directory; changes there never trigger a reload."""
+
+Fingerprint = tuple[tuple[str, int, int], ...]
+"""What a model directory looks like: ``(relative path, mtime_ns, size)`` per file, and
+``(relative path/, 0, 0)`` per folder."""
 
 
 @dataclass(frozen=True)
@@ -86,3 +96,54 @@ def select_versions(policy: object, available: list[int]) -> tuple[list[int], li
         return [v for v in wanted if v in available], problems
     num = int(policy.latest.num_versions) if which == "latest" else 1  # type: ignore[attr-defined]
     return available[-max(num, 1):] if available else [], []
+
+
+def fingerprint(model_dir: Path) -> Fingerprint:
+    """Every file of a model directory with its modification time and size, sorted.
+
+    Poll mode compares fingerprints to notice edited configs, label files, model files and
+    added or removed version folders. Hidden names (editor swap files) and ``__pycache__``
+    are left out, and folder times are not used, so that a backend writing caches next to
+    its model does not cause a reload. An unreadable directory gives an empty fingerprint.
+    """
+    entries: list[tuple[str, int, int]] = []
+    for root, dirs, files in os.walk(model_dir, onerror=lambda _: None):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _UNTRACKED_DIRS)
+        base = Path(root).relative_to(model_dir)
+        for name in dirs:
+            entries.append(((base / name).as_posix() + "/", 0, 0))
+        for name in files:
+            if name.startswith("."):
+                continue
+            try:
+                info = (Path(root) / name).stat()
+            except OSError:  # removed while walking: the next poll sees the result
+                continue
+            entries.append(((base / name).as_posix(), info.st_mtime_ns, info.st_size))
+    return tuple(sorted(entries))
+
+
+def contained_path(base: Path, relative: str) -> Path:
+    """``base / relative``, refusing any path that could leave ``base``.
+
+    Used for the ``file:<path>`` overrides of a load request and for warmup data files.
+
+    :raises ValueError: ``relative`` is empty, absolute, contains ``..`` or a backslash or a
+        NUL, or resolves (through a symbolic link) outside ``base``.
+    """
+    if not relative or "\x00" in relative or "\\" in relative:
+        raise ValueError(f"invalid path '{relative}'")
+    pure = PurePosixPath(relative)
+    if pure.is_absolute() or relative.startswith("/"):
+        raise ValueError(f"path '{relative}' is absolute; it must be relative to the model directory")
+    if ".." in pure.parts:
+        raise ValueError(f"path '{relative}' contains '..'; it must stay inside the model directory")
+    parts = [part for part in pure.parts if part != "."]
+    if not parts:
+        raise ValueError(f"path '{relative}' names the model directory itself, not a file in it")
+    target = base.joinpath(*parts)
+    root = base.resolve()
+    resolved = target.resolve()
+    if resolved != root and root not in resolved.parents:
+        raise ValueError(f"path '{relative}' leads outside the model directory (through a symbolic link)")
+    return target

@@ -125,7 +125,9 @@ def _files(p: BackendProject) -> dict[str, str]:
         "package": p.package,
         "model": p.model,
         "entry_point": entry_point,
-        "style_words": "a `pyserve.Backend` subclass" if p.style == "class" else "`@pyserve.hookimpl` functions",
+        "style_words": "a `pyserve.Backend` subclass"
+        if p.style == "class"
+        else "`@pyserve.hookimpl` functions",
         "plugin_import": "ScaleBackend" if p.style == "class" else "",
     }
     return {
@@ -139,7 +141,7 @@ def _files(p: BackendProject) -> dict[str, str]:
     }
 
 
-_PYPROJECT = '''\
+_PYPROJECT = """\
 [build-system]
 requires = ["setuptools>=77"]
 build-backend = "setuptools.build_meta"
@@ -170,10 +172,14 @@ where = ["src"]
 
 [tool.pytest.ini_options]
 testpaths = ["tests"]
-filterwarnings = ["error", "ignore::DeprecationWarning:tritonclient.*", "ignore::DeprecationWarning:geventhttpclient.*"]
-'''
+filterwarnings = [
+    "error",
+    "ignore::DeprecationWarning:tritonclient.*",
+    "ignore::DeprecationWarning:geventhttpclient.*",
+]
+"""
 
-_README = '''\
+_README = """\
 # {distribution}
 
 A pyserve backend named `{name}`, written as {style_words}. It multiplies
@@ -190,9 +196,9 @@ pytest                                            # pyserve.testing's conformanc
 
 A model uses it with `backend: "{name}"` in its `config.pbtxt`; see
 `model_repository/{model}/config.pbtxt`.
-'''
+"""
 
-_CONFIG = '''\
+_CONFIG = """\
 # Multiplies INPUT0 by the parameter "scale"; requests are batched together (up to 8 rows).
 name: "{model}"
 backend: "{name}"
@@ -226,7 +232,7 @@ instance_group [
     kind: KIND_CPU
   }}
 ]
-'''
+"""
 
 _SHARED_HELPERS = '''
 
@@ -259,7 +265,8 @@ def _scale_parameter(model: ModelContext) -> float:
     return scale
 '''
 
-_CLASS_BACKEND = '''\
+_CLASS_BACKEND = (
+    '''\
 """Backend ``{name}``: ``OUTPUT0 = INPUT0 * scale`` (a ``pyserve.Backend`` subclass).
 
 The entry point ``pyserve.backends: {name} = "{entry_point}"`` names the class; the server
@@ -301,9 +308,12 @@ class ScaleBackend(Backend):
     ) -> list[InferResponse | InferError]:
         """One response per request, in order; a request with NaN/inf gets an error alone."""
         return _scale_all(requests, instance.model.state)
-''' + _SHARED_HELPERS
+'''
+    + _SHARED_HELPERS
+)
 
-_HOOKS_BACKEND = '''\
+_HOOKS_BACKEND = (
+    '''\
 """Backend ``{name}``: ``OUTPUT0 = INPUT0 * scale`` (``@pyserve.hookimpl`` functions).
 
 The entry point ``pyserve.backends: {name} = "{entry_point}"`` names this module; pyserve
@@ -340,10 +350,14 @@ def pyserve_model_create(model: ModelContext) -> float:
 
 
 @hookimpl
-def pyserve_execute(instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse | InferError]:
+def pyserve_execute(
+    instance: InstanceContext, requests: Sequence[InferRequest]
+) -> list[InferResponse | InferError]:
     """One response per request, in order; a request with NaN/inf gets an error alone."""
     return _scale_all(requests, instance.model.state)
-''' + _SHARED_HELPERS
+'''
+    + _SHARED_HELPERS
+)
 
 _TESTS = '''\
 """Tests of backend ``{name}`` against real servers (fixtures from ``pyserve.testing``)."""

@@ -31,6 +31,10 @@ from pyserve.http.body import DEFAULT_MAX_INPUT_SIZE
 from pyserve.inprocess import ServerHandle
 from pyserve.model_manager import ModelManager
 from pyserve.plugins import PluginHost
+from pyserve import validation
+from pyserve.cache import create_cache
+from pyserve.restricted import Restriction
+from pyserve.tracing import TraceConfig, TraceManager
 
 log = logging.getLogger("pyserve.server")
 
@@ -54,6 +58,14 @@ class ServerOptions:
     backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     http_max_input_size: int = DEFAULT_MAX_INPUT_SIZE
     model_load_thread_count: int = 4
+    model_control_mode: str = "none"
+    load_models: list[str] = field(default_factory=list)
+    repository_poll_secs: float = 15.0
+    backend_directory: str = "/opt/tritonserver/backends"
+    cache_config: tuple[str, Mapping[str, str]] | None = None  # --cache-config: (cache, settings)
+    trace_config: TraceConfig | None = None  # --trace-config
+    http_restricted_api: Mapping[str, Restriction] = field(default_factory=dict)  # category → header
+    max_tensor_elements: int = 0  # elements per input tensor; 0 = no limit
 
 
 class _NoSignalUvicorn(uvicorn.Server):
@@ -103,8 +115,19 @@ class Server:
             auto_complete=options.auto_complete,
             backend_config=options.backend_config,
             load_threads=options.model_load_thread_count,
+            control_mode=options.model_control_mode,
+            startup_models=options.load_models,
+            poll_secs=options.repository_poll_secs,
+            backend_directory=options.backend_directory,
         )
         self.dataplane = DataPlane(self.models, options.server_id, __version__)
+        self.dataplane.tracing = TraceManager(options.trace_config)
+        if options.cache_config is not None:
+            try:
+                self.dataplane.cache = create_cache(*options.cache_config)
+            except ValueError as exc:
+                raise StartupError(f"--cache-config: {exc}") from None
+        self._saved_element_limit: int | None = None
         self.http_port: int | None = None
         self.grpc_port: int | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -120,13 +143,18 @@ class Server:
         """
         loop = asyncio.get_running_loop()
         self.models.server_handle = ServerHandle(self.dataplane, loop)
+        self.models.loop = loop
         await loop.run_in_executor(None, self.models.load_all)
         self._log_model_table()
         if self.options.exit_on_error and not self.models.all_ready():
             await loop.run_in_executor(None, self.models.unload_all)
             raise StartupError("failed to load all models (--exit-on-error)")
+        if self.options.max_tensor_elements:  # process-wide: validation has no per-server state
+            self._saved_element_limit = validation.LIMITS.max_tensor_elements
+            validation.LIMITS.max_tensor_elements = self.options.max_tensor_elements
         self.dataplane.live = True
         self.dataplane.accepting = True
+        self.models.start_polling()
         if self.options.allow_http:
             await self._start_http()
         if self.options.allow_grpc:
@@ -144,7 +172,11 @@ class Server:
         log.info("Started GRPCInferenceService at %s:%d", settings.host, self.grpc_port)
 
     async def _start_http(self) -> None:
-        app = create_app(self.dataplane, max_input_size=self.options.http_max_input_size)
+        app = create_app(
+            self.dataplane,
+            max_input_size=self.options.http_max_input_size,
+            restrictions=self.options.http_restricted_api,
+        )
         config = uvicorn.Config(
             app,
             host=self.options.host,
@@ -172,6 +204,7 @@ class Server:
         rows = [
             [e["name"], e.get("version", "-"), e["state"] + (f": {e['reason']}" if e.get("reason") else "")]
             for e in self.models.index()
+            if "state" in e  # models on disk that were not loaded (explicit mode) have no state
         ]
         log.info("\n%s", logs.table(["Model", "Version", "Status"], rows))
         backends = [[b.info.name, b.info.distribution, b.info.version] for b in self.plugins.loaded_backends()]
@@ -208,6 +241,9 @@ class Server:
         self.dataplane.live = False
         remaining = max(deadline - loop.time(), 0.0)
         await loop.run_in_executor(None, self.models.unload_all, remaining)
+        await loop.run_in_executor(None, self.dataplane.tracing.shutdown)  # write pending traces
+        if self._saved_element_limit is not None:
+            validation.LIMITS.max_tensor_elements = self._saved_element_limit
         log.info("Server stopped")
 
     async def run(self) -> None:

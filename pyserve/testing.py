@@ -82,6 +82,11 @@ Override ``conformance_repository`` to build the repository at test time (it rec
 temporary directory), ``generate_inputs`` to choose the inputs, ``expected_responses`` /
 ``expected_outputs`` to check values, and ``bad_inputs`` for a request the *backend* (not the
 server's validation) must reject.
+
+The checks share one server per class (class-scoped fixtures ``pyserve_conformance_server``,
+``pyserve_conformance_model``, ``pyserve_conformance_repository``,
+``pyserve_conformance_probe``); ``test_clean_shutdown`` and ``test_reload`` start their own.
+Requests go over gRPC (``ModelStreamInfer`` for decoupled models) unless a check says HTTP.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -264,7 +270,10 @@ def _random_array(rng: Any, datatype: str, shape: tuple[int, ...]) -> np.ndarray
     from tritonclient.utils import triton_to_np_dtype
 
     if datatype == "BYTES":
-        flat = [bytes(rng.integers(0, 256, int(rng.integers(0, 9)), dtype=np.uint8)) for _ in range(int(np.prod(shape)))]
+        flat = [
+            bytes(rng.integers(0, 256, int(rng.integers(0, 9)), dtype=np.uint8))
+            for _ in range(int(np.prod(shape)))
+        ]
         values = np.empty(len(flat), dtype=object)
         values[:] = flat
         return values.reshape(shape)
@@ -417,11 +426,11 @@ class BackendConformance:
     def conformance_repository(self, tmp_path: Path) -> Path:
         """The repository to serve; ``tmp_path`` is a fresh directory for this class."""
         if self.repository is None:
-            raise pytest.UsageError(f"{type(self).__name__}: set 'repository' or override conformance_repository()")
+            raise pytest.UsageError(
+                f"{type(self).__name__}: set 'repository' or override conformance_repository()"
+            )
         path = Path(self.repository)
         if not path.is_absolute():
-            import sys
-
             module = sys.modules[type(self).__module__]
             path = Path(module.__file__ or ".").resolve().parent / path
         return path
@@ -434,7 +443,9 @@ class BackendConformance:
         """The outputs a non-decoupled model must give for ``inputs``; ``None``: not checked."""
         return None
 
-    def expected_responses(self, inputs: Mapping[str, np.ndarray]) -> Sequence[Mapping[str, np.ndarray]] | None:
+    def expected_responses(
+        self, inputs: Mapping[str, np.ndarray]
+    ) -> Sequence[Mapping[str, np.ndarray]] | None:
         """Every response for ``inputs``, in order (default: ``[expected_outputs(inputs)]``)."""
         outputs = self.expected_outputs(inputs)
         return None if outputs is None else [outputs]
@@ -453,8 +464,14 @@ class BackendConformance:
 
     # -- talking to the model ---------------------------------------------------------------
     def _infer_all(
-        self, server: ServerThread, model: _Model, requests: Sequence[Mapping[str, np.ndarray]], *,
-        protocol: str = "grpc", ids: Sequence[str] | None = None, concurrent: bool = True,
+        self,
+        server: ServerThread,
+        model: _Model,
+        requests: Sequence[Mapping[str, np.ndarray]],
+        *,
+        protocol: str = "grpc",
+        ids: Sequence[str] | None = None,
+        concurrent: bool = True,
     ) -> list[list[_Reply]]:
         """Every reply of every request (one list per request, in request order)."""
         ids = list(ids) if ids is not None else [f"req-{i}" for i in range(len(requests))]
@@ -465,17 +482,26 @@ class BackendConformance:
         if protocol == "http":
             return [[_http_infer(server.url, self.model, model, r, i)] for r, i in zip(requests, ids)]
         if concurrent:
-            return [[reply] for reply in _grpc_infer_concurrent(server.grpc_url, self.model, model, requests, ids)]
-        return [[reply] for r, i in zip(requests, ids) for reply in _grpc_infer_concurrent(server.grpc_url, self.model, model, [r], [i])]
+            return [
+                [reply] for reply in _grpc_infer_concurrent(server.grpc_url, self.model, model, requests, ids)
+            ]
+        return [
+            [reply]
+            for r, i in zip(requests, ids)
+            for reply in _grpc_infer_concurrent(server.grpc_url, self.model, model, [r], [i])
+        ]
 
-    def _check_replies(self, model: _Model, inputs: Mapping[str, np.ndarray], replies: list[_Reply], what: str) -> None:
+    def _check_replies(
+        self, model: _Model, inputs: Mapping[str, np.ndarray], replies: list[_Reply], what: str
+    ) -> None:
         assert replies, f"{what}: no response"
         for reply in replies:
             assert reply.error is None, f"{what}: the request failed: {reply.error}"
             for name, array in reply.outputs.items():
                 assert name in model.output_types, f"{what}: undeclared output '{name}'"
                 assert array.ndim == model.output_ranks[name], (
-                    f"{what}: output '{name}' has rank {array.ndim}, the metadata declares {model.output_ranks[name]}"
+                    f"{what}: output '{name}' has rank {array.ndim}, "
+                    f"the metadata declares {model.output_ranks[name]}"
                 )
         if not model.decoupled:
             assert len(replies) == 1, f"{what}: {len(replies)} responses to a non-decoupled request"
@@ -483,10 +509,16 @@ class BackendConformance:
             assert not missing, f"{what}: outputs {sorted(missing)} were not returned"
         expected = self.expected_responses(inputs)
         if expected is not None:
-            assert len(replies) == len(expected), f"{what}: {len(replies)} responses, expected {len(expected)}"
+            assert len(replies) == len(expected), (
+                f"{what}: {len(replies)} responses, expected {len(expected)}"
+            )
             for index, (reply, want) in enumerate(zip(replies, expected)):
                 got = {n: _normalize(a, model.output_types[n]) for n, a in reply.outputs.items()}
-                _assert_equal(got, {n: _normalize(a, model.output_types[n]) for n, a in want.items()}, f"{what}, response {index}")
+                _assert_equal(
+                    got,
+                    {n: _normalize(a, model.output_types[n]) for n, a in want.items()},
+                    f"{what}, response {index}",
+                )
 
     # -- the checks --------------------------------------------------------------------------
     def test_model_is_ready_and_declared(self, pyserve_conformance_model: _Model) -> None:
@@ -505,8 +537,13 @@ class BackendConformance:
             )
 
     @pytest.mark.parametrize("protocol", ["http", "grpc"])
-    def test_round_trip(self, pyserve_conformance_server: ServerThread, pyserve_conformance_model: _Model,
-                        pyserve_datatype: str, protocol: str) -> None:
+    def test_round_trip(
+        self,
+        pyserve_conformance_server: ServerThread,
+        pyserve_conformance_model: _Model,
+        pyserve_datatype: str,
+        protocol: str,
+    ) -> None:
         model = pyserve_conformance_model
         if pyserve_datatype != "*" and pyserve_datatype not in model.datatypes:
             pytest.fail(f"model '{self.model}' declares no {pyserve_datatype} tensor")
@@ -521,11 +558,17 @@ class BackendConformance:
                 if pyserve_datatype in ("*", datatype):
                     _check_datatype(array, datatype, f"output '{name}'")
 
-    def test_batched_equals_unbatched(self, pyserve_conformance_server: ServerThread, pyserve_conformance_model: _Model) -> None:
+    def test_batched_equals_unbatched(
+        self, pyserve_conformance_server: ServerThread, pyserve_conformance_model: _Model
+    ) -> None:
         model = pyserve_conformance_model
         if model.max_batch_size <= 0 or not model.dynamic_batching:
-            pytest.skip("the model does not use the dynamic batcher (max_batch_size > 0 and dynamic_batching)")
-        requests = [self.generate_inputs(model.metadata, seed=100 + i, batched=True) for i in range(self.concurrency)]
+            pytest.skip(
+                "the model does not use the dynamic batcher (max_batch_size > 0 and dynamic_batching)"
+            )
+        requests = [
+            self.generate_inputs(model.metadata, seed=100 + i, batched=True) for i in range(self.concurrency)
+        ]
         alone = self._infer_all(pyserve_conformance_server, model, requests, concurrent=False)
         together = self._infer_all(pyserve_conformance_server, model, requests, concurrent=True)
         for index, (inputs, one, many) in enumerate(zip(requests, alone, together)):
@@ -535,10 +578,15 @@ class BackendConformance:
                 assert a.error is None, f"request {index} failed when batched: {a.error}"
                 _assert_equal(a.outputs, b.outputs, f"request {index} batched vs alone")
 
-    def test_error_isolation(self, pyserve_conformance_server: ServerThread, pyserve_conformance_model: _Model) -> None:
+    def test_error_isolation(
+        self, pyserve_conformance_server: ServerThread, pyserve_conformance_model: _Model
+    ) -> None:
         model = pyserve_conformance_model
         batched = model.max_batch_size > 0
-        good = [self.generate_inputs(model.metadata, seed=200 + i, batched=batched) for i in range(self.concurrency)]
+        good = [
+            self.generate_inputs(model.metadata, seed=200 + i, batched=batched)
+            for i in range(self.concurrency)
+        ]
         bad = self.bad_inputs(self.generate_inputs(model.metadata, seed=299, batched=batched))
         alone = self._infer_all(pyserve_conformance_server, model, good, concurrent=False)
         if model.decoupled:
@@ -548,7 +596,9 @@ class BackendConformance:
 
             def send_bad() -> None:
                 try:
-                    outcome.append(_stream(pyserve_conformance_server.grpc_url, self.model, model, [bad], ["bad"])[0])
+                    outcome.append(
+                        _stream(pyserve_conformance_server.grpc_url, self.model, model, [bad], ["bad"])[0]
+                    )
                 except BaseException as exc:  # re-raised on the test's thread
                     outcome.append(exc)
 
@@ -567,17 +617,24 @@ class BackendConformance:
             bad_replies = together.pop(middle)
         assert any(r.error is not None for r in bad_replies), "the bad request did not fail"
         for index, (one, many) in enumerate(zip(alone, together)):
-            assert len(many) == len(one), f"good request {index}: {len(many)} responses next to a bad one, {len(one)} alone"
+            assert len(many) == len(one), (
+                f"good request {index}: {len(many)} responses next to a bad one, {len(one)} alone"
+            )
             for a, b in zip(many, one):
                 assert a.error is None, f"good request {index} failed next to a bad one: {a.error}"
                 _assert_equal(a.outputs, b.outputs, f"good request {index} next to a bad one")
 
-    def test_decoupled_response_order(self, pyserve_conformance_server: ServerThread, pyserve_conformance_model: _Model) -> None:
+    def test_decoupled_response_order(
+        self, pyserve_conformance_server: ServerThread, pyserve_conformance_model: _Model
+    ) -> None:
         model = pyserve_conformance_model
         if not model.decoupled:
             pytest.skip("the model is not decoupled")
         batched = model.max_batch_size > 0
-        requests = [self.generate_inputs(model.metadata, seed=300 + i, batched=batched) for i in range(self.concurrency)]
+        requests = [
+            self.generate_inputs(model.metadata, seed=300 + i, batched=batched)
+            for i in range(self.concurrency)
+        ]
         alone = self._infer_all(pyserve_conformance_server, model, requests, concurrent=False)
         together = self._infer_all(pyserve_conformance_server, model, requests, concurrent=True)
         for index, (inputs, one, many) in enumerate(zip(requests, alone, together)):
@@ -588,8 +645,12 @@ class BackendConformance:
             for position, (a, b) in enumerate(zip(many, one)):
                 _assert_equal(a.outputs, b.outputs, f"decoupled request {index}, response {position}")
 
-    def test_dlpack_inputs(self, pyserve_conformance_server: ServerThread, pyserve_conformance_model: _Model,
-                           pyserve_conformance_probe: DLPackProbe) -> None:
+    def test_dlpack_inputs(
+        self,
+        pyserve_conformance_server: ServerThread,
+        pyserve_conformance_model: _Model,
+        pyserve_conformance_probe: DLPackProbe,
+    ) -> None:
         model = pyserve_conformance_model
         inputs = self.generate_inputs(model.metadata, seed=400, batched=model.max_batch_size > 0)
         exportable = [n for n, a in inputs.items() if a.dtype.kind in _DLPACK_KINDS]
@@ -599,11 +660,17 @@ class BackendConformance:
         [replies] = self._infer_all(pyserve_conformance_server, model, [inputs], ids=ids)
         assert all(r.error is None for r in replies), [r.error for r in replies]
         assert not pyserve_conformance_probe.failures, "\n".join(pyserve_conformance_probe.failures)
-        seen = {label.split("/", 1)[1] for label in pyserve_conformance_probe.checked if label.startswith(ids[0])}
+        seen = {
+            label.split("/", 1)[1] for label in pyserve_conformance_probe.checked if label.startswith(ids[0])
+        }
         assert seen >= set(exportable), f"the backend never saw inputs {sorted(set(exportable) - seen)}"
 
-    def test_clean_shutdown(self, pyserve_conformance_repository: Path, pyserve_conformance_model: _Model,
-                            request: pytest.FixtureRequest) -> None:
+    def test_clean_shutdown(
+        self,
+        pyserve_conformance_repository: Path,
+        pyserve_conformance_model: _Model,
+        request: pytest.FixtureRequest,
+    ) -> None:
         model = pyserve_conformance_model
         batched = model.max_batch_size > 0
         requests = [self.generate_inputs(model.metadata, seed=500 + i, batched=batched) for i in range(4)]
@@ -626,11 +693,19 @@ class BackendConformance:
             if (not leaked_threads and not leaked_fds) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        assert not leaked_threads, f"threads left after the server stopped: {[t.name for t in leaked_threads]}"
-        assert not leaked_fds, f"file descriptors left open after the server stopped: {_describe_fds(leaked_fds)}"
+        assert not leaked_threads, (
+            f"threads left after the server stopped: {[t.name for t in leaked_threads]}"
+        )
+        assert not leaked_fds, (
+            f"file descriptors left open after the server stopped: {_describe_fds(leaked_fds)}"
+        )
 
-    def test_reload(self, pyserve_conformance_repository: Path, pyserve_conformance_model: _Model,
-                    request: pytest.FixtureRequest) -> None:
+    def test_reload(
+        self,
+        pyserve_conformance_repository: Path,
+        pyserve_conformance_model: _Model,
+        request: pytest.FixtureRequest,
+    ) -> None:
         model = pyserve_conformance_model
         inputs = self.generate_inputs(model.metadata, seed=600, batched=model.max_batch_size > 0)
         kwargs = self._server_kwargs()
@@ -642,6 +717,7 @@ class BackendConformance:
                 answers.append(replies)
         for a, b in zip(*answers):
             _assert_equal(a.outputs, b.outputs, "answers before and after the reload")
+
 
 # -- the conformance fixtures (class-scoped; requested by BackendConformance's checks) ----------------
 
@@ -662,7 +738,9 @@ def pyserve_conformance_probe() -> DLPackProbe:
 
 
 @pytest.fixture(scope="class")
-def pyserve_conformance_repository(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def pyserve_conformance_repository(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
     """The repository of the conformance class (``conformance_repository()``)."""
     cls = _conformance_class(request)
     return cls().conformance_repository(tmp_path_factory.mktemp(cls.__name__))
@@ -670,16 +748,22 @@ def pyserve_conformance_repository(request: pytest.FixtureRequest, tmp_path_fact
 
 @pytest.fixture(scope="class")
 def pyserve_conformance_server(
-    request: pytest.FixtureRequest, pyserve_conformance_repository: Path, pyserve_conformance_probe: DLPackProbe
+    request: pytest.FixtureRequest,
+    pyserve_conformance_repository: Path,
+    pyserve_conformance_probe: DLPackProbe,
 ) -> Iterator[ServerThread]:
     """One server shared by the class's checks, with the DLPack probe."""
     cls = _conformance_class(request)
-    with serve(pyserve_conformance_repository, **cls._server_kwargs(), server_plugins=[pyserve_conformance_probe]) as server:
+    with serve(
+        pyserve_conformance_repository, **cls._server_kwargs(), server_plugins=[pyserve_conformance_probe]
+    ) as server:
         yield server
 
 
 @pytest.fixture(scope="class")
-def pyserve_conformance_model(request: pytest.FixtureRequest, pyserve_conformance_server: ServerThread) -> _Model:
+def pyserve_conformance_model(
+    request: pytest.FixtureRequest, pyserve_conformance_server: ServerThread
+) -> _Model:
     """Metadata and config of the model under test, read from the running server."""
     import tritonclient.http as httpclient
 
@@ -696,7 +780,11 @@ def pyserve_conformance_model(request: pytest.FixtureRequest, pyserve_conformanc
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Parametrize the round trip of a ``BackendConformance`` class over its ``datatypes``."""
     cls = metafunc.cls
-    if cls is not None and issubclass(cls, BackendConformance) and "pyserve_datatype" in metafunc.fixturenames:
+    if (
+        cls is not None
+        and issubclass(cls, BackendConformance)
+        and "pyserve_datatype" in metafunc.fixturenames
+    ):
         metafunc.parametrize("pyserve_datatype", list(cls.datatypes) or ["*"])
 
 
@@ -736,14 +824,18 @@ def _outputs(result: Any, model: _Model) -> dict[str, np.ndarray]:
     return outputs
 
 
-def _http_infer(url: str, model_name: str, model: _Model, inputs: Mapping[str, np.ndarray], request_id: str) -> _Reply:
+def _http_infer(
+    url: str, model_name: str, model: _Model, inputs: Mapping[str, np.ndarray], request_id: str
+) -> _Reply:
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
 
     client = httpclient.InferenceServerClient(url, network_timeout=TIMEOUT_S)
     try:
         outputs = [httpclient.InferRequestedOutput(n, binary_data=True) for n in model.output_types]
-        result = client.infer(model_name, _client_inputs(httpclient, model, inputs), outputs=outputs, request_id=request_id)
+        result = client.infer(
+            model_name, _client_inputs(httpclient, model, inputs), outputs=outputs, request_id=request_id
+        )
         return _Reply(_outputs(result, model))
     except InferenceServerException as exc:
         return _Reply(error=str(exc))
@@ -771,7 +863,9 @@ def _grpc_infer_concurrent(
         replies: dict[int, _Reply] = {}
         for _ in requests:
             index, result, error = results.get(timeout=TIMEOUT_S + 5)
-            replies[index] = _Reply(error=str(error)) if error is not None else _Reply(_outputs(result, model))
+            replies[index] = (
+                _Reply(error=str(error)) if error is not None else _Reply(_outputs(result, model))
+            )
         return [replies[i] for i in range(len(requests))]
     finally:
         client.close()
@@ -794,14 +888,18 @@ def _stream(
     try:
         for inputs, request_id in zip(requests, ids):
             client.async_stream_infer(
-                model_name, _client_inputs(grpcclient, model, inputs), request_id=request_id,
+                model_name,
+                _client_inputs(grpcclient, model, inputs),
+                request_id=request_id,
                 enable_empty_final_response=True,
             )
         while len(finished) < len(ids):
             try:
                 result, error = results.get(timeout=TIMEOUT_S)
             except queue.Empty:
-                raise AssertionError(f"requests {sorted(set(ids) - finished)} got no final response in {TIMEOUT_S} s") from None
+                raise AssertionError(
+                    f"requests {sorted(set(ids) - finished)} got no final response in {TIMEOUT_S} s"
+                ) from None
             if error is not None:
                 # A stream error carries no request id (tritonclient drops it), so it can only
                 # be attributed on a stream of one request; there it ends the request.

@@ -27,6 +27,19 @@ RESERVED_PARAMETERS = frozenset(
 _LENGTH = struct.Struct("<I")
 
 
+class Limits:
+    """Process-wide request limits (``pyserve run --max-tensor-elements``)."""
+
+    __slots__ = ("max_tensor_elements",)
+
+    def __init__(self) -> None:
+        self.max_tensor_elements = 0
+        """The most elements one input tensor may declare; 0 = no limit."""
+
+
+LIMITS = Limits()
+
+
 def _fmt(shape: Sequence[int]) -> str:
     return "[" + ",".join(str(int(d)) for d in shape) + "]"
 
@@ -73,6 +86,12 @@ def check_input(
         raise InferError.invalid(
             f"unexpected shape for input '{name}' for model '{model_name}'. "
             f"Expected {_fmt(expected)}, got {_fmt(shape)}"
+        )
+    limit = LIMITS.max_tensor_elements
+    if limit and element_count(shape) > limit:
+        raise InferError.invalid(
+            f"input '{name}' for model '{model_name}' has shape {_fmt(shape)} of {element_count(shape)} "
+            f"elements, more than the server's limit of {limit} elements per tensor"
         )
     return spec, tuple(shape)
 

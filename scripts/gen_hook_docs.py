@@ -70,7 +70,7 @@ def _prose(doc: str) -> str:
             continue
         label = _LABEL.match(line)
         if label:  # "When:" / "Thread:" start a paragraph of their own
-            out.extend(["", f"**{label.group(1)}:**{_inline(line[label.end():])}"])
+            out.extend(["", f"**{label.group(1)}:**{_inline(line[label.end() :])}"])
         else:
             out.append(_inline(line))
         i += 1
@@ -102,7 +102,11 @@ def _signature(name: str, func: Callable[..., Any]) -> str:
     params = []
     for param in signature.parameters.values():
         annotation = param.annotation
-        params.append(param.name if annotation is inspect.Parameter.empty else f"{param.name}: {_annotation(annotation)}")
+        params.append(
+            param.name
+            if annotation is inspect.Parameter.empty
+            else f"{param.name}: {_annotation(annotation)}"
+        )
     result = signature.return_annotation
     returns = "" if result is inspect.Signature.empty else f" -> {_annotation(result)}"
     return f"def {name}({', '.join(params)}){returns}"
@@ -116,7 +120,9 @@ def _options(func: Callable[..., Any], project: str) -> list[str]:
     opts = getattr(func, f"{project}_spec", {}) or {}
     notes = []
     if opts.get("firstresult"):
-        notes.append("`firstresult`: the call stops at the first implementation returning a value other than `None`")
+        notes.append(
+            "`firstresult`: the call stops at the first implementation returning a value other than `None`"
+        )
     if opts.get("historic"):
         notes.append("`historic`: plugins registered later are called with the past calls too")
     return notes
@@ -176,8 +182,12 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write docs/hooks.md from the hookspec docstrings.")
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale instead of writing it")
-    parser.add_argument("--output", type=Path, default=PAGE, help="the page to write or check (default docs/hooks.md)")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if the page is stale instead of writing it"
+    )
+    parser.add_argument(
+        "--output", type=Path, default=PAGE, help="the page to write or check (default docs/hooks.md)"
+    )
     args = parser.parse_args(argv)
     try:
         page = render()

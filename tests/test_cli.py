@@ -19,7 +19,7 @@ import pytest
 import tritonclient.http as httpclient
 from conftest import EXAMPLE_REPOSITORY, REPO_ROOT, write_model
 
-EXAMPLE_MODELS = ("classifier", "identity_bytes", "identity_fp32", "sentiment", "simple")
+EXAMPLE_MODELS = ("add_sub", "classifier", "identity_bytes", "identity_fp32", "sentiment", "simple", "square")
 STARTED = re.compile(r"Started HTTPService at (\S+):(\d+)")
 EXIT_TIMEOUT = 10
 

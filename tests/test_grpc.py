@@ -362,15 +362,8 @@ def test_health_check(server: ServerThread) -> None:
 def test_unavailable_extensions_say_so(client: grpcclient.InferenceServerClient) -> None:
     calls: list[tuple[Any, tuple[Any, ...]]] = [
         (client.get_inference_statistics, ()),
-        (client.get_system_shared_memory_status, ()),
-        (client.register_system_shared_memory, ("r", "/k", 8)),
-        (client.unregister_system_shared_memory, ()),
-        (client.get_cuda_shared_memory_status, ()),
-        (client.unregister_cuda_shared_memory, ()),
-        (client.get_trace_settings, ()),
-        (client.update_trace_settings, (None, {"trace_rate": "1"})),
-        (client.get_log_settings, ()),
-        (client.update_log_settings, ({"log_info": True},)),
+        # shared memory, trace and log settings: tests/test_shared_memory.py, test_trace.py,
+        # test_logging_settings.py
     ]
     for call, args in calls:
         error = client_error(call, *args)

@@ -8,8 +8,8 @@ import sys
 import types
 from pathlib import Path
 
-import pytest
 import pyserve_hookspecs
+import pytest
 from pyserve_hookspecs import PROJECT_NAME, SPEC_MODULES, hookspec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +52,9 @@ def test_every_hookspec_is_documented_on_the_page(name: str) -> None:
         assert label in section, f"{name}: the page section lacks {label}"
 
 
-def test_an_undocumented_hookspec_fails_the_generator(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_an_undocumented_hookspec_fails_the_generator(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     module = types.ModuleType("undocumented_specs")
 
     @hookspec

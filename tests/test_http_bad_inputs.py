@@ -334,9 +334,9 @@ CASES: list[Case] = [
          "parameter keys starting with 'triton_' are reserved: 'triton_foo'"),
     Case("non-scalar-parameter", "parameter p: [1, 2]", body(A, B, parameters={"p": [1, 2]}), 400,
          "parameter 'p' must be a string, number or boolean, not list"),
-    Case("shared-memory-input", "an input with shared_memory_region",
-         body(tensor("FP32", [1], shared_memory_region="r", shared_memory_byte_size=4)), 501,
-         "input 'IN': shared memory inputs are not supported by this server yet", model="f32"),
+    Case("shared-memory-input", "an input naming an unregistered shared memory region",
+         body(tensor("FP32", [1], shared_memory_region="r", shared_memory_byte_size=4)), 400,
+         "input 'IN': Unable to find shared memory region: 'r'", model="f32"),
     # -- encodings and size limits
     Case("unsupported-content-encoding", "Content-Encoding: br", GOOD, 501,
          "unsupported Content-Encoding 'br'; use gzip, deflate or identity", headers={"Content-Encoding": "br"}),

@@ -18,6 +18,7 @@ from pyserve.errors import InferError
 from pyserve.inference import InferRequest, InferResponse, ParameterValue
 from pyserve.models import ModelVersion
 from pyserve.protocol import ModelInferResponse
+from pyserve.shared_memory import SharedMemoryManager, ShmTarget, write_output
 from pyserve.validation import (
     check_input,
     check_outputs_requested,
@@ -96,23 +97,33 @@ def set_parameter(target: Any, value: ParameterValue) -> None:
 
 
 class DecodedGrpcRequest:
-    """A decoded ``ModelInferRequest``: the request plus per-output classification counts."""
+    """A decoded ``ModelInferRequest``: the request plus per-output classification counts and
+    shared-memory targets."""
 
-    __slots__ = ("classification", "request")
+    __slots__ = ("classification", "request", "shm_outputs")
 
-    def __init__(self, request: InferRequest, classification: dict[str, int]) -> None:
+    def __init__(
+        self,
+        request: InferRequest,
+        classification: dict[str, int],
+        shm_outputs: dict[str, ShmTarget] | None = None,
+    ) -> None:
         self.request = request
         self.classification = classification
+        self.shm_outputs = shm_outputs
 
 
 STREAM_PARAMETERS = frozenset({"triton_enable_empty_final_response"})
 """Request parameters only ``ModelStreamInfer`` understands."""
 
 
-def decode_infer(message: Any, model: ModelVersion, *, stream: bool = False) -> DecodedGrpcRequest:
+def decode_infer(
+    message: Any, model: ModelVersion, *, stream: bool = False, shm: SharedMemoryManager | None = None
+) -> DecodedGrpcRequest:
     """Decode and validate a ``ModelInferRequest`` for ``model``.
 
     :param stream: the request came on ``ModelStreamInfer`` (stream-only parameters allowed).
+    :param shm: the server's shared-memory regions (tensors naming a region need it).
 
     :raises InferError: malformed or not matching the config (INVALID_ARG).
     """
@@ -120,29 +131,39 @@ def decode_infer(message: Any, model: ModelVersion, *, stream: bool = False) -> 
     assert io is not None
     name = model.name
     raw = message.raw_input_contents
-    if raw and len(raw) != len(message.inputs):
+    in_shm = sum(1 for t in message.inputs if "shared_memory_region" in t.parameters) if shm is not None else 0
+    if raw and len(raw) != len(message.inputs) - in_shm:
+        which = "one per input not in shared memory" if in_shm else "one per input"
         raise InferError.invalid(
-            f"expected {len(message.inputs)} raw_input_contents (one per input) but got {len(raw)} "
+            f"expected {len(message.inputs) - in_shm} raw_input_contents ({which}) but got {len(raw)} "
             f"for model '{name}'"
         )
+    raw_index = 0
     if not message.inputs:
         raise InferError.invalid(f"the request for model '{name}' has no inputs")
     inputs: dict[str, np.ndarray] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    for index, tensor in enumerate(message.inputs):
+    for tensor in message.inputs:
         spec, shape = check_input(name, io, tensor.name, tensor.datatype, list(tensor.shape))
         if spec.name in inputs:
             raise InferError.invalid(f"input '{spec.name}' is given more than once for model '{name}'")
-        if "shared_memory_region" in tensor.parameters:
-            raise InferError.unsupported(f"input '{spec.name}': shared memory inputs are not supported by this server yet")
         count = element_count(shape)
         dtype = spec.datatype
-        if raw:
+        if "shared_memory_region" in tensor.parameters:
+            what = f"input '{spec.name}'"
+            if shm is None:
+                raise InferError.unsupported(f"{what}: shared memory is not enabled on this endpoint")
+            if tensor.HasField("contents"):
+                raise InferError.invalid(f"{what}: contents must be empty when 'shared_memory_region' is used")
+            data = shm.input_bytes(parameters_dict(tensor.parameters), what)
+            array = _shm_input_array(data, spec, shape, what)
+        elif raw:
             if tensor.HasField("contents"):
                 raise InferError.invalid(
                     f"input '{spec.name}': contents must be empty when raw_input_contents is used"
                 )
-            data = raw[index]
+            data = raw[raw_index]
+            raw_index += 1
             if dtype.is_bytes:
                 array = decode_bytes_elements(data, count, spec.name)
             else:
@@ -162,18 +183,24 @@ def decode_infer(message: Any, model: ModelVersion, *, stream: bool = False) -> 
     requested = [o.name for o in message.outputs]
     names = check_outputs_requested(name, io, requested)
     classification: dict[str, int] = {}
+    shm_outputs: dict[str, ShmTarget] | None = None
     for output in message.outputs:
         params = output.parameters
-        if "shared_memory_region" in params:
-            raise InferError.unsupported(
-                f"output '{output.name}': shared memory outputs are not supported by this server yet"
-            )
         if "classification" in params:
             k = parameter_value(params["classification"])
             if not isinstance(k, int) or isinstance(k, bool) or k < 0:
                 raise InferError.invalid(f"output '{output.name}': 'classification' must be a non-negative integer")
             if k:
                 classification[output.name] = k
+        if "shared_memory_region" in params:
+            what = f"output '{output.name}'"
+            if output.name in classification:
+                raise InferError.invalid(f"{what}: classification cannot be combined with shared memory")
+            if shm is None:
+                raise InferError.unsupported(f"{what}: shared memory is not enabled on this endpoint")
+            if shm_outputs is None:
+                shm_outputs = {}
+            shm_outputs[output.name] = shm.output_target(parameters_dict(params), what)
     request = InferRequest(
         name,
         model.version,
@@ -187,7 +214,13 @@ def decode_infer(message: Any, model: ModelVersion, *, stream: bool = False) -> 
         timeout_us=options.timeout_us,
         batch_size=batch,
     )
-    return DecodedGrpcRequest(request, classification)
+    return DecodedGrpcRequest(request, classification, shm_outputs)
+
+
+def _shm_input_array(data: Any, spec: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
+    from pyserve.http.codec import shm_input_array  # one implementation for both frontends
+
+    return shm_input_array(data, spec, shape, what)
 
 
 def _typed_contents(tensor: Any, dtype: Any, count: int, name: str) -> np.ndarray:
@@ -232,12 +265,27 @@ def encode_infer(response: InferResponse, decoded: DecodedGrpcRequest, model: Mo
             datatype = "BYTES"
         out = message.outputs.add(name=name, datatype=datatype)
         out.shape.extend(array.shape)
+        target = decoded.shm_outputs.get(name) if decoded.shm_outputs else None
+        if target is not None:
+            wire = encode_bytes_elements(array) if datatype == "BYTES" else _byte_view(array)
+            write_output(target, wire, name)
+            for key, value in target.parameters().items():
+                set_parameter(out.parameters[key], value)
+            raw.append(b"")  # keeps raw_output_contents index-aligned with outputs
+            continue
         if datatype == "BYTES":
             raw.append(encode_bytes_elements(array))
         else:
             contiguous = np.ascontiguousarray(array)
             raw.append(contiguous.tobytes())
     return message
+
+
+def _byte_view(array: np.ndarray) -> memoryview:
+    contiguous = np.ascontiguousarray(array)
+    if contiguous.dtype.byteorder == ">":
+        contiguous = contiguous.astype(contiguous.dtype.newbyteorder("<"))
+    return memoryview(contiguous.reshape(-1).view(np.uint8))
 
 
 def error_only_response(request: InferRequest, model: ModelVersion) -> Any:

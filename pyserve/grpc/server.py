@@ -7,7 +7,8 @@ generated modules can be imported in the same process without a conflict.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -15,6 +16,7 @@ import grpc
 from pyserve import protocol as pb
 from pyserve.dataplane import DataPlane
 from pyserve.grpc.servicer import HealthServicer, InferenceServicer
+from pyserve.restricted import Restriction, grpc_interceptor
 
 MAX_MESSAGE_BYTES = 2**31 - 1
 """Default cap on gRPC message size: what protobuf itself can hold (as Triton allows)."""
@@ -34,6 +36,7 @@ class GrpcOptions:
     http2_max_pings_without_data: int = 2
     http2_min_recv_ping_interval_without_data_ms: int = 300_000
     http2_max_ping_strikes: int = 2
+    restrictions: Mapping[str, Restriction] = field(default_factory=dict)  # --grpc-restricted-protocol
 
 
 def _handlers(service: Any, servicer: object) -> grpc.GenericRpcHandler:
@@ -74,7 +77,8 @@ def create_server(dataplane: DataPlane, options: GrpcOptions) -> tuple[grpc.aio.
         ("grpc.http2.min_recv_ping_interval_without_data_ms", options.http2_min_recv_ping_interval_without_data_ms),
         ("grpc.http2.max_ping_strikes", options.http2_max_ping_strikes),
     ]
-    server = grpc.aio.server(options=channel_options)
+    interceptors = [grpc_interceptor(options.restrictions)] if options.restrictions else None
+    server = grpc.aio.server(options=channel_options, interceptors=interceptors)
     servicer = InferenceServicer(dataplane, compress_infer=options.infer_compression != "none")
     server.add_generic_rpc_handlers((
         _handlers(pb.SERVICE_DESCRIPTOR, servicer),

@@ -1,7 +1,7 @@
 """``inference.GRPCInferenceService`` on grpc.aio: decode → data plane → encode.
 
 Every RPC of Triton's service is served; the ones whose feature has not landed yet
-(statistics, shared memory, trace and log settings, model load/unload) answer with a status
+(statistics) answer with a status
 and a message saying so. Errors carry the same texts as HTTP, mapped to the gRPC status codes
 Triton uses.
 """
@@ -18,6 +18,7 @@ import grpc
 from pyserve import protocol as pb
 from pyserve.dataplane import DataPlane
 from pyserve.errors import ErrorCode, InferError
+from pyserve.grpc import extensions
 from pyserve.grpc.codec import decode_infer, encode_infer, model_version
 from pyserve.grpc.stream import StreamSession
 
@@ -38,6 +39,24 @@ GRPC_STATUS: dict[ErrorCode, grpc.StatusCode] = {
 
 async def _abort(context: grpc.aio.ServicerContext, error: InferError) -> None:
     await context.abort(GRPC_STATUS[error.code], error.message)
+
+
+def _trace_parent(context: grpc.aio.ServicerContext) -> str | None:
+    """The W3C ``traceparent`` metadata of a call, if the client sent one."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent":
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return None
+
+
+def _repository_parameters(parameters: Any) -> dict[str, Any]:
+    """A ``map<string, ModelRepositoryParameter>`` as plain values (``bytes_param`` → bytes)."""
+    values: dict[str, Any] = {}
+    for key, parameter in parameters.items():
+        which = parameter.WhichOneof("parameter_choice")
+        if which is not None:
+            values[key] = getattr(parameter, which)
+    return values
 
 
 class InferenceServicer:
@@ -95,7 +114,8 @@ class InferenceServicer:
         response = pb.RepositoryIndexResponse()
         for entry in self.dataplane.repository_index(request.ready):
             response.models.add(
-                name=entry["name"], version=entry.get("version", ""), state=entry["state"], reason=entry.get("reason", "")
+                name=entry["name"], version=entry.get("version", ""), state=entry.get("state", ""),
+                reason=entry.get("reason", ""),
             )
         return response
 
@@ -108,7 +128,9 @@ class InferenceServicer:
                     "ModelInfer RPC doesn't support models with decoupled transaction policy; "
                     "use ModelStreamInfer"
                 )
-            decoded = decode_infer(request, model)
+            decoded = decode_infer(request, model, shm=self.dataplane.shared_memory)
+            if self.dataplane.tracing.active:
+                decoded.request.trace_parent = _trace_parent(context)
             result = await self.dataplane.infer(model, decoded.request)
             if isinstance(result, InferError):
                 raise result
@@ -126,7 +148,10 @@ class InferenceServicer:
             key == "triton_grpc_error" and str(value).lower() == "true"
             for key, value in (context.invocation_metadata() or ())
         )
-        session = StreamSession(self.dataplane, error_closes=error_closes)
+        session = StreamSession(
+            self.dataplane, error_closes=error_closes,
+            trace_parent=_trace_parent(context) if self.dataplane.tracing.active else None,
+        )
         reader = asyncio.ensure_future(session.read(request_iterator))
         try:
             async for item in session.responses():
@@ -146,22 +171,57 @@ class InferenceServicer:
         await _abort(context, InferError.unsupported("the statistics extension is not available on this server yet"))
 
     async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _abort(context, InferError.unavailable("explicit model load / unload is not allowed if polling is enabled"))
+        try:
+            if request.repository_name:
+                raise InferError.unsupported("'repository_name' specification is not supported")
+            await self.dataplane.load_model(request.model_name, _repository_parameters(request.parameters))
+        except InferError as exc:
+            await _abort(context, exc)
+        return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _abort(context, InferError.unavailable("explicit model load / unload is not allowed if polling is enabled"))
+        try:
+            if request.repository_name:
+                raise InferError.unsupported("'repository_name' specification is not supported")
+            parameters = _repository_parameters(request.parameters)
+            dependents = parameters.get("unload_dependents", False)
+            if not isinstance(dependents, bool):
+                raise InferError.invalid("'unload_dependents' must be a bool_param")
+            await self.dataplane.unload_model(request.model_name, dependents)
+        except InferError as exc:
+            await _abort(context, exc)
+        return pb.RepositoryModelUnloadResponse()
 
-    async def _shared_memory(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _abort(context, InferError.unsupported("shared memory is not supported by this server yet"))
+    # -- shared memory, trace and log settings (pyserve.grpc.extensions) -------------------------
+    async def _extension(self, call: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return call(self.dataplane, request)
+        except InferError as exc:
+            await _abort(context, exc)
 
-    SystemSharedMemoryStatus = SystemSharedMemoryRegister = SystemSharedMemoryUnregister = _shared_memory
-    CudaSharedMemoryStatus = CudaSharedMemoryRegister = CudaSharedMemoryUnregister = _shared_memory
+    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._extension(extensions.system_shm_status, request, context)
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._extension(extensions.system_shm_register, request, context)
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._extension(extensions.system_shm_unregister, request, context)
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._extension(extensions.cuda_shm_status, request, context)
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._extension(extensions.cuda_shm_register, request, context)
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._extension(extensions.cuda_shm_unregister, request, context)
 
     async def TraceSetting(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _abort(context, InferError.unsupported("the trace extension is not available on this server yet"))
+        return await self._extension(extensions.trace_setting, request, context)
 
     async def LogSettings(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _abort(context, InferError.unsupported("the logging extension is not available on this server yet"))
+        return await self._extension(lambda _, message: extensions.log_settings(message), request, context)
 
 
 class HealthServicer:

@@ -65,11 +65,13 @@ class StreamSession:
 
     :param dataplane: the server's data plane.
     :param error_closes: end the stream with a status on the first error.
+    :param trace_parent: the W3C ``traceparent`` the stream was opened with (tracing).
     """
 
-    def __init__(self, dataplane: DataPlane, error_closes: bool = False) -> None:
+    def __init__(self, dataplane: DataPlane, error_closes: bool = False, trace_parent: str | None = None) -> None:
         self.dataplane = dataplane
         self.error_closes = error_closes
+        self.trace_parent = trace_parent
         self.loop = asyncio.get_running_loop()
         self.closed = False
         self._out: asyncio.Queue[Any] = asyncio.Queue()
@@ -88,7 +90,7 @@ class StreamSession:
     def _start(self, message: Any) -> None:
         try:
             model = self.dataplane.model(message.model_name, model_version(message.model_version))
-            decoded = decode_infer(message, model, stream=True)
+            decoded = decode_infer(message, model, stream=True, shm=self.dataplane.shared_memory)
         except InferError as exc:
             self._emit_error(exc)
             return
@@ -98,6 +100,7 @@ class StreamSession:
         if param is not None and param.WhichOneof("parameter_choice") == "bool_param":
             empty_final = param.bool_param
         request.attach_sender(_StreamSender(self, decoded, model, empty_final))
+        request.trace_parent = self.trace_parent
         error = self.dataplane.submit(model, request)
         if error is not None:
             self._emit_error(error)

@@ -25,9 +25,11 @@ from pyserve.errors import InferError
 from pyserve.http.body import compress, read_body
 from pyserve.http.codec import HEADER_LENGTH, decode_infer, encode_infer, parse_header_length
 from pyserve.http.errors import error_response, status_error
+from pyserve.http.extensions import extension_routes
 from pyserve.http.fast_infer import InferFastPath
 from pyserve.http.generate import SSE_TYPE, GenerateSender, decode_generate, encode_generate, sse_event
 from pyserve.inference import InferResponse
+from pyserve.restricted import RestrictedHttp, Restrictions
 
 T = TypeVar("T")
 
@@ -74,11 +76,15 @@ async def _collect(sender: GenerateSender) -> list[InferResponse | InferError]:
     return [item async for item in sender.responses()]
 
 
-def create_app(dataplane: DataPlane, *, max_input_size: int) -> InferFastPath:
+def create_app(
+    dataplane: DataPlane, *, max_input_size: int, restrictions: Restrictions | None = None
+) -> InferFastPath | RestrictedHttp:
     """Build the ASGI application serving ``dataplane``: the infer fast path in front of
     the Starlette routes (which keep a regular ``/infer`` route for completeness).
 
     :param max_input_size: the largest request body accepted, compressed or not.
+    :param restrictions: ``--http-restricted-api`` rules; when given, a 403 check sits in
+        front of everything.
     """
 
     async def live(request: Request) -> Response:
@@ -137,7 +143,9 @@ def create_app(dataplane: DataPlane, *, max_input_size: int) -> InferFastPath:
                 )
             body = await read_body(request, max_input_size)
             header_length = parse_header_length(request.headers.get(HEADER_LENGTH), len(body))
-            decoded = decode_infer(body, header_length, model)
+            decoded = decode_infer(body, header_length, model, dataplane.shared_memory)
+            if dataplane.tracing.active:
+                decoded.request.trace_parent = request.headers.get("traceparent")
             result = await _unless_disconnected(request, dataplane.infer(model, decoded.request))
             if result is None:
                 return status_error(400, "client disconnected")
@@ -215,8 +223,46 @@ def create_app(dataplane: DataPlane, *, max_input_size: int) -> InferFastPath:
 
         return StreamingResponse(events(), media_type=SSE_TYPE)
 
-    async def repository_control(request: Request) -> Response:
-        return status_error(503, "explicit model load / unload is not allowed if polling is enabled")
+    async def control_parameters(request: Request) -> dict[str, Any]:
+        """The ``parameters`` object of a load/unload body (empty body = no parameters).
+
+        :raises InferError: the body is not a JSON object or ``parameters`` is not one.
+        """
+        body = await read_body(request, max_input_size)
+        if not body.strip():
+            return {}
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise InferError.invalid(f"failed to parse the request JSON buffer: {exc}") from None
+        if not isinstance(payload, dict):
+            raise InferError.invalid("the request body must be a JSON object")
+        parameters = payload.get("parameters", {})
+        if not isinstance(parameters, dict):
+            raise InferError.invalid("'parameters' must be a JSON object")
+        return parameters
+
+    async def repository_load(request: Request) -> Response:
+        try:
+            parameters = await control_parameters(request)
+            await dataplane.load_model(request.path_params["model_name"], parameters)
+        except InferError as exc:
+            return error_response(exc)
+        return Response(b"", 200, media_type="application/json")
+
+    async def repository_unload(request: Request) -> Response:
+        try:
+            parameters = await control_parameters(request)
+            dependents = parameters.get("unload_dependents", False)
+            if not isinstance(dependents, bool):
+                raise InferError.invalid("'unload_dependents' must be a boolean")
+            await dataplane.unload_model(request.path_params["model_name"], dependents)
+        except InferError as exc:
+            return error_response(exc)
+        return Response(b"", 200, media_type="application/json")
+
+    async def repository_named(request: Request) -> Response:
+        return status_error(501, "'repository_name' specification is not supported")
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -232,8 +278,10 @@ def create_app(dataplane: DataPlane, *, max_input_size: int) -> InferFastPath:
         Route("/v2/health/ready", ready, methods=["GET"]),
         Route("/v2", server_metadata, methods=["GET"]),
         Route("/v2/repository/index", repository_index, methods=["POST"]),
-        Route("/v2/repository/models/{model_name}/load", repository_control, methods=["POST"]),
-        Route("/v2/repository/models/{model_name}/unload", repository_control, methods=["POST"]),
+        Route("/v2/repository/models/{model_name}/load", repository_load, methods=["POST"]),
+        Route("/v2/repository/models/{model_name}/unload", repository_unload, methods=["POST"]),
+        Route("/v2/repository/{repository_name}/models/{model_name}/load", repository_named, methods=["POST"]),
+        Route("/v2/repository/{repository_name}/models/{model_name}/unload", repository_named, methods=["POST"]),
     ]
     for prefix in (_MODEL, _VERSIONED):
         routes += [
@@ -244,8 +292,10 @@ def create_app(dataplane: DataPlane, *, max_input_size: int) -> InferFastPath:
             Route(prefix + "/generate", generate, methods=["POST"]),
             Route(prefix + "/generate_stream", generate_stream, methods=["POST"]),
         ]
+    routes += extension_routes(dataplane, max_input_size)  # shared memory, trace, logging
     app = Starlette(
         routes=routes,
         exception_handlers={HTTPException: http_error, Exception: internal_error},
     )
-    return InferFastPath(app, dataplane, max_input_size)
+    fast = InferFastPath(app, dataplane, max_input_size)
+    return RestrictedHttp(fast, restrictions) if restrictions else fast

@@ -19,6 +19,7 @@ from pyserve.errors import InferError
 from pyserve.inference import InferRequest, InferResponse
 from pyserve.model_config import ModelIO, TensorSpec
 from pyserve.models import ModelVersion
+from pyserve.shared_memory import SharedMemoryManager, ShmTarget, write_output
 from pyserve.validation import (
     check_input,
     check_outputs_requested,
@@ -40,6 +41,7 @@ class OutputOptions:
 
     binary: bool
     classification: int = 0
+    shm: ShmTarget | None = None
 
 
 @dataclass(slots=True)
@@ -74,9 +76,12 @@ def _load_json(data: bytes | memoryview) -> Any:
         raise InferError.invalid(f"failed to parse the request JSON buffer: {exc}") from None
 
 
-def decode_infer(body: bytes, header_length: int | None, model: ModelVersion) -> DecodedRequest:
+def decode_infer(
+    body: bytes, header_length: int | None, model: ModelVersion, shm: SharedMemoryManager | None = None
+) -> DecodedRequest:
     """Decode and validate an ``/infer`` body for ``model``.
 
+    :param shm: the server's shared-memory regions (tensors naming a region need it).
     :raises InferError: anything malformed or not matching the model config (INVALID_ARG).
     """
     assert model.io is not None
@@ -91,10 +96,12 @@ def decode_infer(body: bytes, header_length: int | None, model: ModelVersion) ->
         binary = view[header_length:]
     if not isinstance(header, dict):
         raise InferError.invalid("the request body must be a JSON object")
-    return _decode_header(header, binary, model)
+    return _decode_header(header, binary, model, shm)
 
 
-def _decode_header(header: dict[str, Any], binary: memoryview, model: ModelVersion) -> DecodedRequest:
+def _decode_header(
+    header: dict[str, Any], binary: memoryview, model: ModelVersion, shm: SharedMemoryManager | None = None
+) -> DecodedRequest:
     io = model.io
     assert io is not None
     name = model.name
@@ -120,7 +127,7 @@ def _decode_header(header: dict[str, Any], binary: memoryview, model: ModelVersi
         spec, shape = check_input(name, io, entry.get("name"), entry.get("datatype"), entry.get("shape"))
         if spec.name in inputs:
             raise InferError.invalid(f"input '{spec.name}' is given more than once for model '{name}'")
-        array, offset = _decode_input(entry, spec, shape, binary, offset, name)
+        array, offset = _decode_input(entry, spec, shape, binary, offset, name, shm)
         inputs[spec.name] = array
         shapes[spec.name] = shape
     if offset != len(binary):
@@ -128,7 +135,7 @@ def _decode_header(header: dict[str, Any], binary: memoryview, model: ModelVersi
             f"the request carries {len(binary) - offset} byte(s) of binary data that no input claims"
         )
     batch = finish_inputs(name, io, inputs, shapes)
-    outputs = _decode_outputs(header.get("outputs"), io, name, binary_default)
+    outputs = _decode_outputs(header.get("outputs"), io, name, binary_default, shm)
     request = InferRequest(
         name,
         model.version,
@@ -152,6 +159,7 @@ def _decode_input(
     binary: memoryview,
     offset: int,
     model: str,
+    shm: SharedMemoryManager | None = None,
 ) -> tuple[np.ndarray, int]:
     params = entry.get("parameters") or {}
     if not isinstance(params, dict):
@@ -159,9 +167,15 @@ def _decode_input(
     has_data = "data" in entry
     size = params.get("binary_data_size")
     if "shared_memory_region" in params:
-        raise InferError.unsupported(
-            f"input '{spec.name}': shared memory inputs are not supported by this server yet"
-        )
+        if has_data or size is not None:
+            raise InferError.invalid(
+                f"input '{spec.name}' must have exactly one of 'data', parameter 'binary_data_size' or "
+                "parameter 'shared_memory_region'"
+            )
+        if shm is None:
+            raise InferError.unsupported(f"input '{spec.name}': shared memory is not enabled on this endpoint")
+        what = f"input '{spec.name}'"
+        return shm_input_array(shm.input_bytes(params, what), spec, shape, what), offset
     if (size is not None) == has_data:
         raise InferError.invalid(
             f"input '{spec.name}' must have exactly one of 'data' or parameter 'binary_data_size'"
@@ -192,6 +206,28 @@ def _decode_input(
             array = np.frombuffer(chunk, dtype=dtype.dtype, count=count)
         return array.reshape(shape), end
     return _json_to_array(entry["data"], spec, shape, count, model), offset
+
+
+def shm_input_array(
+    data: memoryview | bytes, spec: TensorSpec, shape: tuple[int, ...], what: str
+) -> np.ndarray:
+    """An input read from shared memory: a read-only view on the region (BYTES are split).
+
+    :raises InferError: ``shared_memory_byte_size`` does not match the tensor's shape.
+    """
+    count = element_count(shape)
+    dtype = spec.datatype
+    if dtype.is_bytes:
+        return decode_bytes_elements(data, count, spec.name).reshape(shape)
+    expected = count * dtype.itemsize
+    if len(data) != expected:
+        raise InferError.invalid(
+            f"{what} has shape {list(shape)} of {dtype.name}, which needs {expected} byte(s), but "
+            f"'shared_memory_byte_size' is {len(data)}"
+        )
+    array = np.frombuffer(data, dtype=dtype.dtype, count=count)
+    array.flags.writeable = False
+    return array.reshape(shape)
 
 
 def _json_to_array(data: Any, spec: TensorSpec, shape: tuple[int, ...], count: int, model: str) -> np.ndarray:
@@ -299,7 +335,9 @@ def _decode_raw_binary(body: bytes, model: ModelVersion) -> DecodedRequest:
     return DecodedRequest(InferRequest(model.name, model.version, inputs, tuple(outputs)), outputs)
 
 
-def _decode_outputs(raw: Any, io: ModelIO, model: str, binary_default: bool) -> dict[str, OutputOptions]:
+def _decode_outputs(
+    raw: Any, io: ModelIO, model: str, binary_default: bool, shm: SharedMemoryManager | None = None
+) -> dict[str, OutputOptions]:
     if raw is None:
         return {n: OutputOptions(binary=binary_default) for n in io.outputs}
     if not isinstance(raw, list):
@@ -323,11 +361,15 @@ def _decode_outputs(raw: Any, io: ModelIO, model: str, binary_default: bool) -> 
             raise InferError.invalid(
                 f"output '{entry['name']}': 'classification' must be a non-negative integer"
             )
+        target = None
         if "shared_memory_region" in params:
-            raise InferError.unsupported(
-                f"output '{entry['name']}': shared memory outputs are not supported by this server yet"
-            )
-        outputs[entry["name"]] = OutputOptions(binary=binary, classification=k)
+            what = f"output '{entry['name']}'"
+            if k:
+                raise InferError.invalid(f"{what}: classification cannot be combined with shared memory")
+            if shm is None:
+                raise InferError.unsupported(f"{what}: shared memory is not enabled on this endpoint")
+            target = shm.output_target(params, what)
+        outputs[entry["name"]] = OutputOptions(binary=binary, classification=k, shm=target)
     if not outputs:
         return {n: OutputOptions(binary=binary_default) for n in io.outputs}
     return outputs
@@ -351,7 +393,10 @@ def encode_infer(
             array = classify(array, opts.classification, labels, io.batching, name)
             datatype = "BYTES"
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
-        if opts.binary:
+        if opts.shm is not None:
+            write_output(opts.shm, _to_wire_bytes(array, datatype), name)
+            entry["parameters"] = opts.shm.parameters()
+        elif opts.binary:
             blob = _to_wire_bytes(array, datatype)
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)

@@ -81,7 +81,10 @@ class InferFastPath:
             header_length = parse_header_length(
                 raw_length.decode("latin-1") if raw_length is not None else None, len(body)
             )
-            decoded = decode_infer(body, header_length, model)
+            decoded = decode_infer(body, header_length, model, self.dataplane.shared_memory)
+            if self.dataplane.tracing.active:
+                parent = headers.get(b"traceparent")
+                decoded.request.trace_parent = parent.decode("latin-1") if parent is not None else None
             result = await self._run(model, decoded.request, receive)
             if result is None:
                 return
@@ -162,5 +165,6 @@ class InferFastPath:
 
 
 async def _send(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    headers = [*headers, (b"content-length", str(len(body)).encode("latin-1"))]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -19,6 +19,7 @@ from pyserve.errors import ErrorCode, InferError
 from pyserve.inference import InferRequest, InferResponse, coalesced_delivery, error_response
 from pyserve.model_config import ModelIO
 from pyserve.plugins import LoadedBackend
+from pyserve.tracing import TRACING, mark_batch
 
 log = logging.getLogger("pyserve.execute")
 
@@ -95,6 +96,10 @@ class InstanceWorker:
             return
         for request in live:
             request.finish = self._finish_response
+        tracing = TRACING.on
+        if tracing:
+            mark_batch(live, "COMPUTE_START")
+            mark_batch(live, "COMPUTE_INPUT_END")
         try:
             results = self._backend.hooks.execute(instance=self.instance, requests=live)
         except Exception as exc:
@@ -105,6 +110,8 @@ class InstanceWorker:
                 if not request.final_sent:
                     request.reply(error)
             return
+        if tracing:
+            mark_batch(live, "COMPUTE_OUTPUT_START")
         if results is None:
             self._check_senders(live)
             return

@@ -1,5 +1,8 @@
 """Hooks for server-wide plugins (entry-point group ``pyserve.plugins``).
 
+Besides observing models, a server plugin may supply backends that are not Python entry
+points (``pyserve_resolve_backend``), e.g. native Triton backend libraries.
+
 A server plugin is registered in every model's scoped hook caller, so it can implement
 ``pyserve_execute`` as a pluggy wrapper (``@hookimpl(wrapper=True)``) to observe or time
 every execute of every model, whatever backend owns it. It must not return a result of its
@@ -8,6 +11,7 @@ own from ``pyserve_execute`` (only wrappers are allowed there for server plugins
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pyserve_hookspecs._markers import hookspec
@@ -39,4 +43,37 @@ def pyserve_model_unloaded(model: ModelContext) -> None:
     :param model: the context of the version that was unloaded.
     :returns: nothing.
     :raises Exception: logged with the plugin and model names.
+    """
+
+
+@hookspec(firstresult=True)
+def pyserve_resolve_backend(
+    name: str,
+    runtime: str,
+    model_path: Path,
+    version_paths: list[Path],
+    backend_directory: str | None,
+) -> tuple[str, object] | None:
+    """Supply the backend of a model that no installed Python backend serves.
+
+    When: while a model loads, if no ``pyserve.backends`` entry point (or registered backend)
+    has the config's ``backend`` name, or if the config's ``runtime`` names a shared library
+    (``*.so``, which always selects a native library). Called once per model load; the first
+    plugin returning a result wins (firstresult).
+    Thread: a model-loading thread; may run concurrently for different models.
+
+    :param name: the config's ``backend`` name.
+    :param runtime: the config's ``runtime`` (``""`` when unset).
+    :param model_path: the model directory.
+    :param version_paths: the version directories being loaded, in load order.
+    :param backend_directory: ``--backend-directory`` (Triton's default
+        ``/opt/tritonserver/backends``), or None.
+    :returns: ``None`` if this plugin does not serve the model; otherwise ``(key, plugin)``:
+        ``key`` names the backend uniquely in this server (e.g. ``"native:<library path>"``:
+        models resolving to the same key share one backend, initialized once) and ``plugin``
+        implements the lifecycle hooks of ``pyserve_hookspecs.lifecycle``. When the key is
+        already registered the server keeps the registered plugin and drops the new one, so
+        creating it must have no side effects.
+    :raises Exception: the model becomes UNAVAILABLE with the exception text as its reason (e.g.
+        a library that exists but cannot be loaded, naming its path and what is missing).
     """

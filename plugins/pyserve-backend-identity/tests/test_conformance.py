@@ -15,8 +15,20 @@ import numpy as np
 from pyserve.testing import BackendConformance
 
 DATATYPES = (
-    "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-    "FP16", "FP32", "FP64", "BF16", "BYTES",
+    "BOOL",
+    "UINT8",
+    "UINT16",
+    "UINT32",
+    "UINT64",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "FP16",
+    "FP32",
+    "FP64",
+    "BF16",
+    "BYTES",
 )
 
 
@@ -24,7 +36,8 @@ def _config(name: str) -> str:
     def tensors(kind: str, prefix: str) -> str:
         data_type = {"BYTES": "TYPE_STRING"}
         entries = ",\n  ".join(
-            f'{{ name: "{prefix}_{d}" data_type: {data_type.get(d, "TYPE_" + d)} dims: [ -1 ] }}' for d in DATATYPES
+            f'{{ name: "{prefix}_{d}" data_type: {data_type.get(d, "TYPE_" + d)} dims: [ -1 ] }}'
+            for d in DATATYPES
         )
         return f"{kind} [\n  {entries}\n]\n"
 

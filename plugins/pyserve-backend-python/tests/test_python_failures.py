@@ -35,7 +35,8 @@ def ok(request):
 MODELS = {
     "import_error": CONFIG, "no_class": CONFIG, "init_error": CONFIG, "exec_error": CONFIG,
     "wrong_length": CONFIG, "not_a_list": CONFIG, "per_request_error": CONFIG, "sender_and_none": CONFIG,
-    "unanswered_none": CONFIG, "process_mode": CONFIG + 'parameters { key: "execution_mode" value { string_value: "process" } }',
+    "unanswered_none": CONFIG, "auto_complete_conflict": CONFIG.replace("max_batch_size: 0", "max_batch_size: 8"),
+    "process_mode": CONFIG + 'parameters { key: "execution_mode" value { string_value: "process" } }',
 }
 
 SOURCES = {
@@ -90,6 +91,15 @@ class TritonPythonModel:
     def execute(self, requests):
         return [None for _ in requests]
 """,
+    "auto_complete_conflict": HEADER + """
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        config.set_max_batch_size(2)
+        return config
+    def execute(self, requests):
+        return [ok(r) for r in requests]
+""",
     "process_mode": HEADER + """
 class TritonPythonModel:
     def execute(self, requests):
@@ -136,6 +146,12 @@ def test_initialize_raising_makes_the_model_unavailable(broken_server: ServerThr
     assert state == "UNAVAILABLE"
     assert "initialize() failed" in reason
     assert "ValueError: bad weights file for init_error" in reason and "Traceback" in reason
+
+
+def test_auto_complete_contradicting_the_config_is_reported(broken_server: ServerThread) -> None:
+    state, reason = _reasons(broken_server)["auto_complete_conflict"]
+    assert state == "UNAVAILABLE"
+    assert "configuration specified max_batch_size 8" in reason and "auto_complete_conflict" in reason
 
 
 def test_unsupported_execution_mode_is_reported(broken_server: ServerThread) -> None:

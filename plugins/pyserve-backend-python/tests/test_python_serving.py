@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -53,15 +52,14 @@ def test_add_sub_http_and_grpc(python_server: ServerThread, model: str, dtype: A
 
 def test_add_sub_dynamic_batching_answers_each_request(python_server: ServerThread) -> None:
     http = httpclient.InferenceServerClient(python_server.url, concurrency=8)
-
-    def one(i: int) -> tuple[int, np.ndarray]:
+    types = {"INPUT0": "FP32", "INPUT1": "FP32"}
+    pending = []
+    for i in range(16):
         a = np.full((1, 4), i, dtype=np.float32)
-        result = http.infer("add_sub", http_inputs({"INPUT0": a, "INPUT1": a}, {"INPUT0": "FP32", "INPUT1": "FP32"}))
-        return i, result.as_numpy("OUTPUT0")
-
-    with ThreadPoolExecutor(8) as pool:
-        for i, out in pool.map(one, range(16)):
-            np.testing.assert_array_equal(out, np.full((1, 4), 2 * i, dtype=np.float32))
+        pending.append((i, http.async_infer("add_sub", http_inputs({"INPUT0": a, "INPUT1": a}, types))))
+    for i, request in pending:
+        np.testing.assert_array_equal(request.get_result().as_numpy("OUTPUT0"), np.full((1, 4), 2 * i, dtype=np.float32))
+    http.close()
 
 
 def test_auto_complete_config_is_served(python_server: ServerThread) -> None:
@@ -144,3 +142,34 @@ def test_stateful_model_under_the_sequence_batcher(python_server: ServerThread) 
         result = grpc.infer("accumulate", grpc_inputs({"IN": np.array([[4]], dtype=np.int32)}, {"IN": "INT32"}),
                             sequence_id=22, sequence_end=True)
         assert int(result.as_numpy("TOTAL")[0, 0]) == 105
+
+
+TORCH_MODEL = """
+import torch
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            values = torch.from_dlpack(pb_utils.get_input_tensor_by_name(request, "IN"))
+            out = pb_utils.Tensor.from_dlpack("OUT", torch.cumsum(values, dim=0))
+            responses.append(pb_utils.InferenceResponse([out]))
+        return responses
+"""
+
+
+def test_torch_model_through_dlpack(serve: Any) -> None:
+    pytest.importorskip("torch")
+    config = """
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ]
+        output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+    """
+    server = serve({"torch_cumsum": (config, TORCH_MODEL)})
+    values = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    result = httpclient.InferenceServerClient(server.url).infer(
+        "torch_cumsum", http_inputs({"IN": values}, {"IN": "FP32"}))
+    np.testing.assert_array_equal(result.as_numpy("OUT"), [1.0, 3.0, 6.0])

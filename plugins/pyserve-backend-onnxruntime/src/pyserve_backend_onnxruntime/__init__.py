@@ -42,6 +42,7 @@ __all__ = [
     "pyserve_backend_initialize",
     "pyserve_execute",
     "pyserve_instance_create",
+    "pyserve_instance_finalize",
     "pyserve_model_auto_complete",
     "pyserve_model_create",
 ]

@@ -77,6 +77,7 @@ def pyserve_model_auto_complete(model: ModelContext) -> bool | None:
     """
     module = loader.load_module(model)
     _preloaded[model] = module  # reused by pyserve_model_create
+    weakref.finalize(model, loader.unload_module, module)  # if the version fails before create
     complete = getattr(getattr(module, loader.MODEL_CLASS), "auto_complete_config", None)
     if complete is None:
         return None

@@ -95,8 +95,7 @@ def load_module(model: ModelContext) -> ModuleType:
         if not isinstance(exc, Exception):
             raise
         raise PythonModelError(
-            f"failed to load '{path.name}' of model '{model.name}' version {model.version}:\n"
-            + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+            format_failure(f"failed to load '{path.name}' of model '{model.name}' version {model.version}", exc)
         ) from None
     if not isinstance(getattr(module, MODEL_CLASS, None), type):
         sys.modules.pop(module_name, None)
@@ -110,6 +109,15 @@ def unload_module(module: ModuleType) -> None:
         del sys.modules[module.__name__]
 
 
+_OWN_DIR = str(Path(__file__).resolve().parent)
+
+
 def format_failure(what: str, exc: BaseException) -> str:
-    """``what`` plus the formatted traceback of ``exc`` (for UNAVAILABLE reasons)."""
-    return f"{what}:\n" + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+    """``what`` plus the traceback of ``exc`` (for UNAVAILABLE reasons), without the frames of
+    this backend and of importlib, so that it shows the model's own code."""
+    frames = [
+        frame for frame in traceback.extract_tb(exc.__traceback__)
+        if not frame.filename.startswith(_OWN_DIR) and not frame.filename.startswith("<frozen importlib")
+    ]
+    text = "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(type(exc), exc))
+    return f"{what}:\nTraceback (most recent call last):\n{text}".rstrip()

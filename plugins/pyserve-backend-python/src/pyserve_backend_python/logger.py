@@ -33,6 +33,10 @@ class Logger:
     """Static logging methods (``pb_utils.Logger.log_info("...")``); also usable on an instance."""
 
     LogLevel = LogLevel
+    INFO = LogLevel.INFO
+    WARNING = LogLevel.WARNING
+    ERROR = LogLevel.ERROR
+    VERBOSE = LogLevel.VERBOSE
 
     @staticmethod
     def log(message: str, level: LogLevel = LogLevel.INFO) -> None:

@@ -166,6 +166,7 @@ class Metric:
                 raise TritonModelException(f"metric '{shared.name}': invalid label name {key!r}")
             if not isinstance(value, str):
                 raise TritonModelException(f"metric '{shared.name}': label '{key}' must have a str value")
+        bounds: list[float] | None = None
         if shared.kind == MetricFamily.HISTOGRAM:
             if buckets is None:
                 raise TritonModelException(f"histogram metric '{shared.name}' needs buckets")
@@ -178,7 +179,7 @@ class Metric:
         with _COLLECTOR.lock:
             values = shared.metrics.get(key)
             if values is None:
-                values = shared.metrics[key] = _Values(bounds if shared.kind == MetricFamily.HISTOGRAM else None)
+                values = shared.metrics[key] = _Values(bounds)
         self._family = shared
         self._values = values
 

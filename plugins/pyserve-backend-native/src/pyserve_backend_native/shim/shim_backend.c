@@ -650,7 +650,7 @@ EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelSetConfig(
 
 EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelServer(TRITONBACKEND_Model* model, TRITONSERVER_Server** server) {
   SHIM_REQUIRE(model != NULL && server != NULL, "null argument");
-  *server = &g_server;
+  *server = model->server != NULL ? model->server : &g_server;
   return NULL;
 }
 
@@ -878,10 +878,17 @@ EXPORT void pyshim_backend_delete(TRITONBACKEND_Backend* b) {
   free(b);
 }
 
+EXPORT TRITONSERVER_Server* pyshim_server_new(uint64_t key) {
+  TRITONSERVER_Server* s = calloc(1, sizeof(*s));
+  s->key = key;
+  return s;
+}
+
 EXPORT TRITONBACKEND_Model* pyshim_model_new(
-    TRITONBACKEND_Backend* backend, const char* name, uint64_t version, const char* repository,
-    const char* config_json, bool auto_complete) {
+    TRITONBACKEND_Backend* backend, TRITONSERVER_Server* server, const char* name, uint64_t version,
+    const char* repository, const char* config_json, bool auto_complete) {
   TRITONBACKEND_Model* m = calloc(1, sizeof(*m));
+  m->server = server;
   m->name = shim_strdup(name);
   m->version = version;
   m->repository = shim_strdup(repository);

@@ -112,9 +112,10 @@ typedef struct pyshim_callbacks {
   int32_t (*is_cancelled)(uint64_t key);
   /* BLS: a TRITONSERVER_InferenceRequest was handed to TRITONSERVER_ServerInferAsync.
    * Returns 0 when Python took it (responses follow through pyshim_ireq_respond). */
-  int32_t (*infer_async)(TRITONSERVER_InferenceRequest* request);
+  int32_t (*infer_async)(uint64_t server, TRITONSERVER_InferenceRequest* request);
   /* Model queries for BLS callers (PYSHIM_QUERY_*); the answer goes into 'result'. */
-  int32_t (*server_query)(int32_t op, const char* model, int64_t version, pyshim_result* result);
+  int32_t (*server_query)(uint64_t server, int32_t op, const char* model, int64_t version,
+                          pyshim_result* result);
 } pyshim_callbacks;
 
 INTERNAL extern pyshim_callbacks g_cb;
@@ -204,6 +205,7 @@ struct TRITONBACKEND_Model {
   bool in_initialize; /* ModelSetConfig is only allowed during ModelInitialize */
   bool config_changed;
   void* state;
+  TRITONSERVER_Server* server;
   atomic_flag stats_lock;
   pyshim_stats stats;
 };
@@ -220,8 +222,9 @@ struct TRITONBACKEND_BackendAttribute {
   bool parallel_instance_loading;
 };
 
+/* One per pyserve server; 'key' tells Python which server a BLS call goes to. */
 struct TRITONSERVER_Server {
-  int unused;
+  uint64_t key;
 };
 INTERNAL extern TRITONSERVER_Server g_server;
 

@@ -241,6 +241,11 @@ TRITONSERVER_Error* TRITONSERVER_InferenceResponseOutput(
     TRITONSERVER_DataType* datatype, const int64_t** shape, uint64_t* dim_count,
     const void** base, size_t* byte_size, TRITONSERVER_MemoryType* memory_type,
     int64_t* memory_type_id, void** userp);
+TRITONSERVER_Error* TRITONSERVER_ServerModelIsReady(
+    TRITONSERVER_Server* server, const char* model_name, const int64_t model_version, bool* ready);
+TRITONSERVER_Error* TRITONSERVER_ServerModelTransactionProperties(
+    TRITONSERVER_Server* server, const char* model_name, const int64_t model_version,
+    uint32_t* txn_flags, void** voidp);
 TRITONSERVER_Error* TRITONSERVER_ServerInferAsync(
     TRITONSERVER_Server* server, TRITONSERVER_InferenceRequest* request,
     TRITONSERVER_InferenceTrace* trace);
@@ -253,6 +258,9 @@ TRITONSERVER_Error* TRITONBACKEND_ModelName(TRITONBACKEND_Model* model, const ch
 TRITONSERVER_Error* TRITONBACKEND_ModelVersion(TRITONBACKEND_Model* model, uint64_t* version);
 TRITONSERVER_Error* TRITONBACKEND_ModelConfig(
     TRITONBACKEND_Model* model, const uint32_t config_version, TRITONSERVER_Message** model_config);
+TRITONSERVER_Error* TRITONBACKEND_ModelAutoCompleteConfig(TRITONBACKEND_Model* model, bool* auto_complete_config);
+TRITONSERVER_Error* TRITONBACKEND_ModelSetConfig(
+    TRITONBACKEND_Model* model, const uint32_t config_version, TRITONSERVER_Message* model_config);
 TRITONSERVER_Error* TRITONBACKEND_ModelServer(TRITONBACKEND_Model* model, TRITONSERVER_Server** server);
 TRITONSERVER_Error* TRITONBACKEND_ModelState(TRITONBACKEND_Model* model, void** state);
 TRITONSERVER_Error* TRITONBACKEND_ModelSetState(TRITONBACKEND_Model* model, void* state);

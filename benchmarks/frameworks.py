@@ -1,0 +1,305 @@
+"""Per-request server overhead of the framework backends (onnxruntime, pytorch, tensorflow).
+
+overhead = (latency of a request through pyserve) − (latency of calling the framework directly)
+
+The same small model (a 4 → 8 → 3 MLP, FP32) is served by each backend from one temporary
+repository, by one ``pyserve run`` process; the client (tritonclient, this process) sends
+requests one after another and the table shows medians:
+
+* batch 1 over gRPC and over HTTP (binary tensor data): a model without dynamic batching;
+* concurrency 16: 16 client threads, each sending batch-1 requests in a closed loop to a model
+  with ``dynamic_batching``; the overhead column compares the median latency with one direct
+  call on a batch of 16 (what the batcher can at best turn 16 requests into).
+
+The latency through pyserve includes the client library's own work (tritonclient encodes and
+decodes every request), so the numbers are an upper bound on what the server adds. The target
+is < 300 µs at batch 1 over gRPC. The script prints a markdown table and always exits 0.
+
+Run: ``.venv/bin/python benchmarks/frameworks.py [--requests 1000] [--backends onnxruntime,pytorch]``
+(needs ``make install-test``: the three framework plugins, torch, onnx, tensorflow-cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD_MODELS = ROOT / "examples" / "mixed_repository" / "build_models.py"
+TARGET_GRPC_US = 300.0
+BACKENDS = ("onnxruntime", "pytorch", "tensorflow")
+FILES = {"onnxruntime": "model.onnx", "pytorch": "model.pt", "tensorflow": "model.savedmodel"}
+PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "pytorch": "pytorch_libtorch", "tensorflow": "tensorflow_savedmodel"}
+NAMES = {"onnxruntime": ("x", "y"), "pytorch": ("INPUT__0", "OUTPUT__0"), "tensorflow": ("x", "y")}
+
+
+def _load_builders() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("mixed_build_models", BUILD_MODELS)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------- models
+
+
+def build_torch_mlp(path: Path, weights: dict[str, np.ndarray]) -> None:
+    import torch
+
+    class MLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = torch.nn.Linear(4, 8)
+            self.second = torch.nn.Linear(8, 3)
+            with torch.no_grad():
+                self.first.weight.copy_(torch.from_numpy(weights["w1"].T.copy()))
+                self.first.bias.copy_(torch.from_numpy(weights["b1"]))
+                self.second.weight.copy_(torch.from_numpy(weights["w2"].T.copy()))
+                self.second.bias.copy_(torch.from_numpy(weights["b2"]))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(torch.relu(self.first(x)))
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.trace(MLP().eval(), torch.zeros(2, 4)).save(str(path))
+
+
+def write_repository(repo: Path, backends: tuple[str, ...]) -> dict[str, Path]:
+    """Two models per backend: ``<backend>`` and ``<backend>_batched``; returns backend → model file."""
+    builders = _load_builders()
+    files: dict[str, Path] = {}
+    for backend in backends:
+        source = repo / "_files" / backend / FILES[backend]
+        if backend == "onnxruntime":
+            builders.build_onnx(source)
+        elif backend == "pytorch":
+            build_torch_mlp(source, builders.mlp_weights())
+        else:
+            builders.build_savedmodel(source)
+        files[backend] = source
+        inp, out = NAMES[backend]
+        for name, batching in ((backend, ""), (f"{backend}_batched", "dynamic_batching { max_queue_delay_microseconds: 100 }\n")):
+            version = repo / name / "1"
+            version.mkdir(parents=True)
+            target = version / FILES[backend]
+            target.symlink_to(source, target_is_directory=source.is_dir())
+            (repo / name / "config.pbtxt").write_text(
+                f'platform: "{PLATFORMS[backend]}"\nmax_batch_size: 16\n'
+                f'input [ {{ name: "{inp}", data_type: TYPE_FP32, dims: [ 4 ] }} ]\n'
+                f'output [ {{ name: "{out}", data_type: TYPE_FP32, dims: [ 3 ] }} ]\n'
+                "instance_group [ { kind: KIND_CPU, count: 1 } ]\n" + batching
+            )
+    return files
+
+
+def direct_caller(backend: str, path: Path) -> Callable[[np.ndarray], np.ndarray]:
+    """The framework called the way the backend calls it, on a host array."""
+    if backend == "onnxruntime":
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return lambda x: session.run(["y"], {"x": x})[0]
+    if backend == "pytorch":
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            module = torch.jit.load(str(path)).eval()
+
+        def call_torch(x: np.ndarray) -> np.ndarray:
+            with torch.inference_mode():
+                return module(torch.from_dlpack(x)).numpy()
+
+        return call_torch
+    import tensorflow as tf
+
+    function = tf.saved_model.load(str(path)).signatures["serving_default"]
+    return lambda x: function(x=tf.convert_to_tensor(x))["y"].numpy()
+
+
+# --------------------------------------------------------------------------- server and clients
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def pyserve(repo: Path) -> Iterator[tuple[str, str]]:
+    http_port, grpc_port, metrics_port = _free_port(), _free_port(), _free_port()
+    command = [
+        sys.executable, "-m", "pyserve", "run", "--model-repository", str(repo), "--host", "127.0.0.1",
+        "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"pyserve did not become ready: {process.stderr.read() if process.stderr else ''}")
+            time.sleep(0.2)
+        yield f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def client_caller(protocol: str, url: str, model: str, inp: str, out: str) -> Callable[[np.ndarray], np.ndarray]:
+    if protocol == "grpc":
+        import tritonclient.grpc as client_module
+    else:
+        import tritonclient.http as client_module  # type: ignore[no-redef]
+    client = client_module.InferenceServerClient(url)
+    outputs = [client_module.InferRequestedOutput(out)]
+
+    def call(x: np.ndarray) -> np.ndarray:
+        tensor = client_module.InferInput(inp, list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        return client.infer(model, [tensor], outputs=outputs).as_numpy(out)
+
+    return call
+
+
+def median_us(call: Callable[[np.ndarray], Any], x: np.ndarray, requests: int) -> float:
+    for _ in range(max(requests // 10, 20)):
+        call(x)
+    samples = []
+    for _ in range(requests):
+        start = time.perf_counter_ns()
+        call(x)
+        samples.append(time.perf_counter_ns() - start)
+    return statistics.median(samples) / 1000.0
+
+
+def concurrent_median_us(make_call: Callable[[], Callable[[np.ndarray], Any]], x: np.ndarray, requests: int,
+                         concurrency: int) -> tuple[float, float]:
+    """(median latency µs, throughput req/s) of ``concurrency`` closed-loop clients."""
+    calls = [make_call() for _ in range(concurrency)]
+    for call in calls:
+        call(x)
+    samples: list[int] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(concurrency + 1)
+
+    def worker(call: Callable[[np.ndarray], Any]) -> None:
+        mine = []
+        barrier.wait()
+        for _ in range(requests):
+            start = time.perf_counter_ns()
+            call(x)
+            mine.append(time.perf_counter_ns() - start)
+        with lock:
+            samples.extend(mine)
+
+    threads = [threading.Thread(target=worker, args=(c,)) for c in calls]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    begin = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - begin
+    return statistics.median(samples) / 1000.0, len(samples) / elapsed
+
+
+# --------------------------------------------------------------------------- main
+
+
+@dataclass
+class Row:
+    backend: str
+    direct_1: float
+    grpc_1: float
+    http_1: float
+    direct_16: float
+    c16_latency: float
+    c16_throughput: float
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=1000, help="timed requests per batch-1 cell")
+    parser.add_argument("--concurrent-requests", type=int, default=150, help="requests per client at concurrency 16")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    args = parser.parse_args()
+    backends = tuple(b for b in args.backends.split(",") if b)
+    x1 = np.random.default_rng(0).standard_normal((1, 4)).astype(np.float32)
+    x16 = np.random.default_rng(1).standard_normal((16, 4)).astype(np.float32)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="pyserve-frameworks-") as tmp:
+        repo = Path(tmp)
+        files = write_repository(repo, backends)
+        directs = {b: direct_caller(b, files[b]) for b in backends}
+        with pyserve(repo) as (http_url, grpc_url):
+            for backend in backends:
+                inp, out = NAMES[backend]
+                direct = directs[backend]
+                grpc_call = client_caller("grpc", grpc_url, backend, inp, out)
+                np.testing.assert_allclose(grpc_call(x1), direct(x1), rtol=1e-4, atol=1e-5)
+                c16 = concurrent_median_us(
+                    lambda: client_caller("grpc", grpc_url, f"{backend}_batched", inp, out),
+                    x1, args.concurrent_requests, args.concurrency,
+                )
+                rows.append(Row(
+                    backend,
+                    direct_1=median_us(direct, x1, args.requests),
+                    grpc_1=median_us(grpc_call, x1, args.requests),
+                    http_1=median_us(client_caller("http", http_url, backend, inp, out), x1, args.requests),
+                    direct_16=median_us(direct, x16, args.requests),
+                    c16_latency=c16[0],
+                    c16_throughput=c16[1],
+                ))
+    print(f"\nmedian latencies in µs; {os.cpu_count()} CPU(s); client and server on this machine\n")
+    print("| backend | direct b1 | gRPC b1 | gRPC overhead | HTTP b1 | HTTP overhead "
+          "| direct b16 | c16 gRPC latency | c16 overhead vs direct b16 | c16 req/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r.backend} | {r.direct_1:.0f} | {r.grpc_1:.0f} | {r.grpc_1 - r.direct_1:.0f} | {r.http_1:.0f} "
+            f"| {r.http_1 - r.direct_1:.0f} | {r.direct_16:.0f} | {r.c16_latency:.0f} "
+            f"| {r.c16_latency - r.direct_16:.0f} | {r.c16_throughput:.0f} |"
+        )
+    print()
+    for r in rows:
+        overhead = r.grpc_1 - r.direct_1
+        verdict = "meets" if overhead < TARGET_GRPC_US else "misses"
+        print(f"{r.backend}: gRPC batch-1 overhead {overhead:.0f} µs {verdict} the < {TARGET_GRPC_US:.0f} µs target")
+
+
+if __name__ == "__main__":
+    main()

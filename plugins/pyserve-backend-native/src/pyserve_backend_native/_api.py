@@ -1,0 +1,722 @@
+"""The Python side of the TRITON API: ctypes bindings of the shim, and the callbacks it makes.
+
+The shim calls Python for what needs the server: delivering a response to the pyserve request
+(one call per ``TRITONBACKEND_ResponseSend``, with all outputs), request life events, log
+lines, cancellation checks and BLS (``TRITONSERVER_ServerInferAsync`` and model queries).
+Callbacks may come from any thread (ctypes takes the GIL); the shim holds none of its locks
+while calling, so a callback may call the shim again.
+
+Output buffers are malloc'd by the shim (``TRITONBACKEND_OutputBuffer``); at send their
+ownership passes to Python, and each becomes the memory of the response's numpy array
+(``_CBuffer`` frees it when the array is collected): outputs cross without a copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import json
+import logging
+import struct
+import threading
+from collections.abc import Mapping
+from ctypes import (
+    CFUNCTYPE,
+    POINTER,
+    Structure,
+    c_bool,
+    c_char_p,
+    c_double,
+    c_int32,
+    c_int64,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
+from typing import Any
+
+import numpy as np
+from pyserve import datatypes
+from pyserve.errors import ErrorCode, InferError
+from pyserve.inference import InferRequest, InferResponse
+
+from pyserve_backend_native import loader
+
+log = logging.getLogger("pyserve.native")
+
+# -- constants (TRITONSERVER_*) ------------------------------------------------------------
+TYPE_CODES: dict[str, int] = {
+    "BOOL": 1, "UINT8": 2, "UINT16": 3, "UINT32": 4, "UINT64": 5, "INT8": 6, "INT16": 7,
+    "INT32": 8, "INT64": 9, "FP16": 10, "FP32": 11, "FP64": 12, "BYTES": 13, "BF16": 14,
+}
+CODE_TYPES: dict[int, datatypes.DataType] = {
+    code: dt for name, code in TYPE_CODES.items() if (dt := datatypes.from_name(name)) is not None
+}
+PARAM_STRING, PARAM_INT, PARAM_BOOL, PARAM_DOUBLE, PARAM_BYTES = range(5)
+KIND_CODES = {"AUTO": 0, "CPU": 1, "GPU": 2, "MODEL": 3}
+RESPONSE_FINAL = 1
+RELEASE_ALL, RELEASE_RESCHEDULE = 1, 2
+EVENT_RELEASED, EVENT_DONE = 1, 2
+QUERY_READY, QUERY_TXN, QUERY_CONFIG, QUERY_METADATA, QUERY_BATCH = 1, 2, 3, 4, 5
+
+
+# -- structures shared with the shim (keep in step with shim_internal.h) -------------------------
+class OutputDesc(Structure):
+    _fields_ = [
+        ("name", c_char_p),
+        ("datatype", c_int32),
+        ("dims_count", c_uint32),
+        ("shape", POINTER(c_int64)),
+        ("buffer", c_void_p),
+        ("byte_size", c_uint64),
+    ]
+
+
+class Param(Structure):
+    _fields_ = [
+        ("key", c_char_p),
+        ("type", c_int32),
+        ("str", c_char_p),
+        ("i", c_int64),
+        ("b", c_bool),
+        ("d", c_double),
+        ("bytes", c_void_p),
+        ("size", c_uint64),
+    ]
+
+
+class Result(Structure):
+    _fields_ = [("ival", c_int64), ("sval", c_void_p), ("err_code", c_int32), ("err_msg", c_void_p)]
+
+
+class Stats(Structure):
+    _fields_ = [
+        (name, c_uint64)
+        for name in (
+            "success_count", "failure_count", "compute_input_ns", "compute_infer_ns",
+            "compute_output_ns", "execution_count", "inference_count", "batch_compute_input_ns",
+            "batch_compute_infer_ns", "batch_compute_output_ns",
+        )
+    ]
+
+
+LOG_FN = CFUNCTYPE(None, c_int32, c_char_p, c_int32, c_char_p)
+RESPONSE_FN = CFUNCTYPE(
+    None, c_uint64, c_uint32, c_int32, c_uint32, POINTER(OutputDesc), c_uint32, POINTER(Param), c_int32, c_char_p
+)
+EVENT_FN = CFUNCTYPE(None, c_uint64, c_int32, c_uint32)
+CANCELLED_FN = CFUNCTYPE(c_int32, c_uint64)
+INFER_FN = CFUNCTYPE(c_int32, c_uint64, c_void_p)
+QUERY_FN = CFUNCTYPE(c_int32, c_uint64, c_int32, c_char_p, c_int64, POINTER(Result))
+
+
+class Callbacks(Structure):
+    _fields_ = [
+        ("log", LOG_FN),
+        ("response", RESPONSE_FN),
+        ("request_event", EVENT_FN),
+        ("is_cancelled", CANCELLED_FN),
+        ("infer_async", INFER_FN),
+        ("server_query", QUERY_FN),
+    ]
+
+
+_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    "pyshim_set_callbacks": (None, [POINTER(Callbacks)]),
+    "pyshim_set_log_verbose": (None, [ctypes.c_int]),
+    "pyshim_free": (None, [c_void_p]),
+    "pyshim_api_version": (None, [POINTER(c_uint32)]),
+    "pyshim_take_error": (c_int32, [c_void_p, POINTER(c_void_p)]),
+    "pyshim_metrics_text": (c_void_p, []),
+    "pyshim_result_set": (None, [POINTER(Result), c_int64, c_char_p]),
+    "pyshim_result_error": (None, [POINTER(Result), c_int32, c_char_p]),
+    "pyshim_backend_new": (c_void_p, [c_char_p, c_char_p, c_char_p]),
+    "pyshim_backend_delete": (None, [c_void_p]),
+    "pyshim_backend_attribute_new": (c_void_p, []),
+    "pyshim_server_new": (c_void_p, [c_uint64]),
+    "pyshim_model_new": (c_void_p, [c_void_p, c_void_p, c_char_p, c_uint64, c_char_p, c_char_p, c_bool]),
+    "pyshim_model_set_initializing": (None, [c_void_p, c_bool]),
+    "pyshim_model_config": (c_char_p, [c_void_p, POINTER(c_bool)]),
+    "pyshim_model_set_config": (None, [c_void_p, c_char_p]),
+    "pyshim_model_stats": (None, [c_void_p, POINTER(Stats)]),
+    "pyshim_model_delete": (None, [c_void_p]),
+    "pyshim_instance_new": (c_void_p, [c_void_p, c_char_p, c_int32, c_int32]),
+    "pyshim_instance_delete": (None, [c_void_p]),
+    "pyshim_request_new": (
+        c_void_p, [c_uint64, c_void_p, c_char_p, c_uint64, c_char_p, c_uint32, c_uint64, c_uint32, c_uint32],
+    ),
+    "pyshim_request_set_input": (
+        None, [c_void_p, c_uint32, c_char_p, c_int32, POINTER(c_int64), c_uint32, c_void_p, c_uint64],
+    ),
+    "pyshim_request_set_output": (None, [c_void_p, c_uint32, c_char_p]),
+    "pyshim_request_add_param": (None, [c_void_p, c_char_p, c_int32, c_char_p, c_int64, c_bool, c_double]),
+    "pyshim_request_delete": (None, [c_void_p]),
+    "pyshim_ireq_info": (
+        None,
+        [c_void_p, POINTER(c_char_p), POINTER(c_int64), POINTER(c_char_p), POINTER(c_uint32), POINTER(c_uint64),
+         POINTER(c_char_p), POINTER(c_uint64), POINTER(c_uint64), POINTER(c_uint32), POINTER(c_uint32),
+         POINTER(c_uint32)],
+    ),
+    "pyshim_ireq_input": (
+        None,
+        [c_void_p, c_uint32, POINTER(c_char_p), POINTER(c_int32), POINTER(POINTER(c_int64)), POINTER(c_uint32),
+         POINTER(c_uint32)],
+    ),
+    "pyshim_ireq_input_buffer": (None, [c_void_p, c_uint32, c_uint32, POINTER(c_void_p), POINTER(c_uint64)]),
+    "pyshim_ireq_output": (c_char_p, [c_void_p, c_uint32]),
+    "pyshim_ireq_params": (POINTER(Param), [c_void_p]),
+    "pyshim_ireq_is_cancelled": (c_int32, [c_void_p]),
+    "pyshim_ireq_respond": (
+        None,
+        [c_void_p, c_uint32, c_int32, c_int64, c_int32, c_char_p, c_uint32, POINTER(OutputDesc), c_uint32,
+         POINTER(Param)],
+    ),
+}
+
+
+class _Lib:
+    """The shim with typed pyshim_* functions; created once per process."""
+
+    def __init__(self) -> None:
+        self.cdll = loader.shim()
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            function = getattr(self.cdll, name)
+            function.restype = restype
+            function.argtypes = argtypes
+            setattr(self, name, function)
+
+    def __getattr__(self, name: str) -> Any:  # typed above; for the type checker only
+        raise AttributeError(name)
+
+
+_lib: _Lib | None = None
+_lib_lock = threading.Lock()
+_callbacks: Callbacks | None = None  # kept alive: the shim holds the function pointers
+
+
+def lib() -> Any:
+    """The shim, loaded and wired to this module's callbacks.
+
+    :raises loader.BackendLoadError: the shim cannot be built or loaded.
+    """
+    global _lib, _callbacks
+    if _lib is not None:
+        return _lib
+    with _lib_lock:
+        if _lib is None:
+            shim = _Lib()
+            _callbacks = Callbacks(
+                LOG_FN(_on_log), RESPONSE_FN(_on_response), EVENT_FN(_on_event),
+                CANCELLED_FN(_on_is_cancelled), INFER_FN(_on_infer_async), QUERY_FN(_on_server_query),
+            )
+            shim.pyshim_set_callbacks(ctypes.byref(_callbacks))
+            shim.pyshim_set_log_verbose(1 if log.isEnabledFor(logging.DEBUG) else 0)
+            _lib = shim
+    return _lib
+
+
+def take_error(error: int | None) -> InferError | None:
+    """Turn a ``TRITONSERVER_Error*`` the caller owns into an ``InferError`` and delete it."""
+    if not error:
+        return None
+    message = c_void_p()
+    code = lib().pyshim_take_error(error, ctypes.byref(message))
+    text = ctypes.string_at(message.value).decode("utf-8", "replace") if message.value else ""
+    lib().pyshim_free(message)
+    try:
+        error_code = ErrorCode(code)
+    except ValueError:
+        error_code = ErrorCode.UNKNOWN
+    return InferError(text, error_code)
+
+
+def metrics_text() -> str:
+    """The backends' custom metrics (TRITONSERVER_Metric*) in Prometheus text format."""
+    pointer = lib().pyshim_metrics_text()
+    try:
+        return ctypes.string_at(pointer).decode("utf-8", "replace")
+    finally:
+        lib().pyshim_free(pointer)
+
+
+# -- tensors ---------------------------------------------------------------------------------
+class _CBuffer:
+    """Owns one malloc'd buffer from the shim; numpy arrays made from it keep it alive."""
+
+    __slots__ = ("__array_interface__", "_pointer")
+
+    def __init__(self, pointer: int, size: int) -> None:
+        self._pointer = pointer
+        self.__array_interface__ = {"data": (pointer, False), "shape": (size,), "typestr": "|u1", "version": 3}
+
+    def __del__(self) -> None:
+        if self._pointer and _lib is not None:
+            _lib.pyshim_free(self._pointer)
+            self._pointer = 0
+
+
+def serialize_bytes(array: np.ndarray) -> bytes:
+    """Triton's BYTES layout: each element as a 4-byte little-endian length, then the bytes."""
+    parts = []
+    for item in array.reshape(-1):
+        data = item.encode("utf-8") if isinstance(item, str) else bytes(item)
+        parts.append(struct.pack("<I", len(data)))
+        parts.append(data)
+    return b"".join(parts)
+
+
+def deserialize_bytes(data: bytes, shape: tuple[int, ...]) -> np.ndarray:
+    """The inverse of ``serialize_bytes``.
+
+    :raises ValueError: the data does not hold ``prod(shape)`` well-formed elements.
+    """
+    count = int(np.prod(shape)) if shape else 1
+    items: list[bytes] = []
+    offset = 0
+    for _ in range(count):
+        if offset + 4 > len(data):
+            raise ValueError(f"BYTES data ends after {len(items)} of {count} elements")
+        (size,) = struct.unpack_from("<I", data, offset)
+        offset += 4
+        if offset + size > len(data):
+            raise ValueError(f"BYTES element {len(items)} is cut short")
+        items.append(data[offset:offset + size])
+        offset += size
+    out = np.empty(count, dtype=object)
+    out[:] = items
+    return out.reshape(shape)
+
+
+def tensor_from_output(desc: OutputDesc) -> tuple[str, np.ndarray]:
+    """Wrap one sent output as a numpy array, taking ownership of its buffer.
+
+    :raises ValueError: unknown datatype, or a buffer smaller than the shape needs.
+    """
+    name = (desc.name or b"").decode("utf-8", "replace")
+    pointer = desc.buffer or 0
+    size = int(desc.byte_size)
+    owner = _CBuffer(pointer, size) if pointer else None
+    shape = tuple(int(desc.shape[i]) for i in range(desc.dims_count))
+    dtype = CODE_TYPES.get(desc.datatype)
+    if dtype is None:
+        raise ValueError(f"output '{name}' has unknown datatype {desc.datatype}")
+    if dtype.is_bytes:
+        data = ctypes.string_at(pointer, size) if pointer and size else b""
+        return name, deserialize_bytes(data, shape)
+    count = int(np.prod(shape)) if shape else 1
+    needed = count * dtype.itemsize
+    if needed == 0:
+        return name, np.empty(shape, dtype=dtype.dtype)
+    if owner is None or size < needed:
+        raise ValueError(
+            f"output '{name}' needs {needed} bytes for shape {list(shape)} of {dtype.name}, "
+            f"but the backend provided {size if owner else 0}"
+        )
+    raw = np.asarray(owner)
+    return name, raw[:needed].view(dtype.dtype).reshape(shape)
+
+
+def read_params(params: Any, count: int) -> dict[str, bool | int | float | str]:
+    out: dict[str, bool | int | float | str] = {}
+    for i in range(count):
+        p = params[i]
+        key = (p.key or b"").decode("utf-8", "replace")
+        if p.type == PARAM_STRING:
+            out[key] = (p.str or b"").decode("utf-8", "replace")
+        elif p.type == PARAM_INT:
+            out[key] = int(p.i)
+        elif p.type == PARAM_BOOL:
+            out[key] = bool(p.b)
+        elif p.type == PARAM_DOUBLE:
+            out[key] = float(p.d)
+    return out
+
+
+# -- pending requests ------------------------------------------------------------------------
+class Pending:
+    """A pyserve request while a backend holds it (from execute to its last response).
+
+    :ivar keep: the input arrays whose memory the backend reads; dropped at release.
+    :ivar final: the final response went out.
+    :ivar released: the backend released the request.
+    :ivar done: no request, factory or response refers to it any more.
+    :ivar abandoned: the execute failed, pyserve answers the request itself.
+    """
+
+    __slots__ = ("abandoned", "decoupled", "done", "final", "keep", "key", "model_name", "released", "request")
+
+    def __init__(self, key: int, request: InferRequest, decoupled: bool) -> None:
+        self.key = key
+        self.request = request
+        self.decoupled = decoupled
+        self.model_name = request.model_name
+        self.keep: list[Any] | None = []
+        self.final = False
+        self.released = False
+        self.done = False
+        self.abandoned = False
+
+
+PENDING: dict[int, Pending] = {}
+CHANGED = threading.Condition()
+"""Notified whenever a pending request gets its final response or is done."""
+_keys = itertools.count(1)
+
+
+def new_key() -> int:
+    return next(_keys)
+
+
+def _finish(pending: Pending) -> None:
+    if pending.final and pending.done:
+        PENDING.pop(pending.key, None)
+
+
+def _deliver(pending: Pending, result: InferResponse | InferError | None, final: bool) -> None:
+    if pending.final:
+        log.error("model '%s': the backend sent a response after the final one; dropped", pending.model_name)
+        return
+    if final:
+        pending.final = True
+    try:
+        pending.request.response_sender().send(result, final=final)
+    except Exception:
+        log.exception("model '%s': delivering a response failed", pending.model_name)
+    if final:
+        with CHANGED:
+            _finish(pending)
+            CHANGED.notify_all()
+
+
+def _on_response(
+    key: int, flags: int, has_response: int, output_count: int, outputs: Any, param_count: int,
+    params: Any, err_code: int, err_msg: bytes | None,
+) -> None:
+    arrays: dict[str, np.ndarray] = {}
+    problem: str | None = None
+    for i in range(output_count):  # take ownership of every buffer first, whatever happens
+        try:
+            name, array = tensor_from_output(outputs[i])
+            arrays[name] = array
+        except Exception as exc:
+            problem = problem or str(exc)
+    pending = PENDING.get(key)
+    if pending is None:
+        return
+    try:
+        result: InferResponse | InferError | None
+        if err_code >= 0:
+            try:
+                code = ErrorCode(err_code)
+            except ValueError:
+                code = ErrorCode.UNKNOWN
+            result = InferError((err_msg or b"").decode("utf-8", "replace"), code)
+        elif not has_response:
+            result = None
+        elif problem is not None:
+            result = InferError(f"model '{pending.model_name}': {problem}", ErrorCode.INTERNAL)
+        else:
+            result = InferResponse(arrays, read_params(params, param_count))
+        _deliver(pending, result, bool(flags & RESPONSE_FINAL))
+    except BaseException:
+        log.exception("model '%s': handling a response failed", pending.model_name)
+
+
+def _on_event(key: int, event: int, flags: int) -> None:
+    pending = PENDING.get(key)
+    if pending is None:
+        return
+    try:
+        if event == EVENT_RELEASED:
+            pending.released = True
+            pending.keep = None
+            if flags & RELEASE_RESCHEDULE:
+                log.error(
+                    "model '%s': TRITONSERVER_REQUEST_RELEASE_RESCHEDULE is not supported by pyserve; "
+                    "the request is treated as released", pending.model_name,
+                )
+            return
+        if event != EVENT_DONE:
+            return
+        if not pending.final and not pending.abandoned:
+            # Nothing can be sent any more. A decoupled request just ends; any other one
+            # would otherwise wait forever for its response.
+            if pending.decoupled:
+                _deliver(pending, None, True)
+            else:
+                _deliver(pending, InferError(
+                    f"model '{pending.model_name}': the backend released the request without "
+                    "sending a response", ErrorCode.INTERNAL,
+                ), True)
+        with CHANGED:
+            pending.done = True
+            if pending.abandoned:
+                pending.final = True
+            _finish(pending)
+            CHANGED.notify_all()
+    except BaseException:
+        log.exception("model '%s': handling a request event failed", pending.model_name)
+
+
+def _on_is_cancelled(key: int) -> int:
+    pending = PENDING.get(key)
+    try:
+        return int(pending is not None and pending.request.is_cancelled())
+    except BaseException:
+        return 0
+
+
+_LEVELS = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging.DEBUG}
+
+
+def _on_log(level: int, filename: bytes | None, line: int, message: bytes | None) -> None:
+    try:
+        where = (filename or b"").decode("utf-8", "replace").rsplit("/", 1)[-1]
+        text = (message or b"").decode("utf-8", "replace")
+        log.log(_LEVELS.get(level, logging.INFO), "%s:%d] %s", where, line, text)
+    except BaseException:
+        pass
+
+
+# -- BLS ---------------------------------------------------------------------------------------
+SERVERS: dict[int, Any] = {}
+"""Server key (TRITONSERVER_Server of a model) → ``pyserve.inprocess.ServerHandle``."""
+_server_lock = threading.Lock()
+_server_pointers: dict[int, tuple[Any, int]] = {}
+
+
+def server_pointer(handle: Any) -> int | None:
+    """The ``TRITONSERVER_Server*`` standing for a pyserve server (one per server handle)."""
+    if handle is None:
+        return None
+    with _server_lock:
+        entry = _server_pointers.get(id(handle))
+        if entry is None or entry[0] is not handle:
+            key = new_key()
+            SERVERS[key] = handle
+            entry = (handle, lib().pyshim_server_new(key))
+            _server_pointers[id(handle)] = entry
+        return entry[1]
+
+
+def _decode(value: bytes | None) -> str:
+    return (value or b"").decode("utf-8", "replace")
+
+
+def _array_from_buffers(request: int, index: int, buffers: int, datatype: int, shape: tuple[int, ...]) -> np.ndarray:
+    dt = CODE_TYPES.get(datatype)
+    if dt is None:
+        raise InferError.invalid(f"input {index} has unknown datatype {datatype}")
+    chunks: list[tuple[int, int]] = []
+    for j in range(buffers):
+        base, size = c_void_p(), c_uint64()
+        lib().pyshim_ireq_input_buffer(request, index, j, ctypes.byref(base), ctypes.byref(size))
+        chunks.append((base.value or 0, int(size.value)))
+    if dt.is_bytes:
+        data = b"".join(ctypes.string_at(b, s) for b, s in chunks if s)
+        return deserialize_bytes(data, shape)
+    if len(chunks) == 1 and chunks[0][0]:
+        # Borrowed, not copied: the backend keeps the data alive until the request is released,
+        # which happens after its final response.
+        base, size = chunks[0]
+        array = np.frombuffer((ctypes.c_char * size).from_address(base), dtype=dt.dtype)
+    else:
+        array = np.frombuffer(b"".join(ctypes.string_at(b, s) for b, s in chunks if s), dtype=dt.dtype)
+    array = array.reshape(shape)
+    array.flags.writeable = False
+    return array
+
+
+def _bls_request(request: int) -> InferRequest:
+    model, rid, corr_str = c_char_p(), c_char_p(), c_char_p()
+    version, flags, corr, priority, timeout = c_int64(), c_uint32(), c_uint64(), c_uint64(), c_uint64()
+    n_in, n_out, n_params = c_uint32(), c_uint32(), c_uint32()
+    lib().pyshim_ireq_info(
+        request, ctypes.byref(model), ctypes.byref(version), ctypes.byref(rid), ctypes.byref(flags),
+        ctypes.byref(corr), ctypes.byref(corr_str), ctypes.byref(priority), ctypes.byref(timeout),
+        ctypes.byref(n_in), ctypes.byref(n_out), ctypes.byref(n_params),
+    )
+    inputs: dict[str, np.ndarray] = {}
+    for i in range(n_in.value):
+        name, datatype, shape_ptr = c_char_p(), c_int32(), POINTER(c_int64)()
+        dims, buffers = c_uint32(), c_uint32()
+        lib().pyshim_ireq_input(
+            request, i, ctypes.byref(name), ctypes.byref(datatype), ctypes.byref(shape_ptr),
+            ctypes.byref(dims), ctypes.byref(buffers),
+        )
+        shape = tuple(int(shape_ptr[d]) for d in range(dims.value))
+        inputs[_decode(name.value)] = _array_from_buffers(request, i, buffers.value, datatype.value, shape)
+    outputs = tuple(_decode(lib().pyshim_ireq_output(request, i)) for i in range(n_out.value))
+    params = read_params(lib().pyshim_ireq_params(request), n_params.value) if n_params.value else {}
+    correlation: int | str = _decode(corr_str.value) if corr_str.value is not None else int(corr.value)
+    return InferRequest(
+        _decode(model.value), int(version.value), inputs, outputs, id=_decode(rid.value), parameters=params,
+        flags=int(flags.value), correlation_id=correlation, priority=int(priority.value),
+        timeout_us=int(timeout.value),
+    )
+
+
+def output_descs(outputs: Mapping[str, Any]) -> tuple[Any, list[Any]]:
+    """C descriptions of arrays (and what keeps their memory alive during the call)."""
+    keep: list[Any] = []
+    descs = (OutputDesc * max(len(outputs), 1))()
+    for i, (name, value) in enumerate(outputs.items()):
+        array = value if isinstance(value, np.ndarray) else np.asarray(value)
+        dt = datatypes.from_numpy(array.dtype)
+        if dt is None:
+            raise InferError(f"output '{name}' has unsupported dtype {array.dtype}", ErrorCode.INTERNAL)
+        if dt.is_bytes:
+            data = np.frombuffer(serialize_bytes(array), dtype=np.uint8)
+        else:
+            data = np.ascontiguousarray(array, dtype=dt.dtype)
+        shape = (c_int64 * max(array.ndim, 1))(*array.shape)
+        name_bytes = name.encode()
+        keep += [data, shape, name_bytes]
+        descs[i].name = name_bytes
+        descs[i].datatype = TYPE_CODES[dt.name]
+        descs[i].dims_count = array.ndim
+        descs[i].shape = ctypes.cast(shape, POINTER(c_int64))
+        descs[i].buffer = data.ctypes.data if data.nbytes else None
+        descs[i].byte_size = data.nbytes
+    return descs, keep
+
+
+def param_array(parameters: Mapping[str, Any]) -> tuple[Any, list[Any]]:
+    keep: list[Any] = []
+    array = (Param * max(len(parameters), 1))()
+    for i, (key, value) in enumerate(parameters.items()):
+        key_bytes = key.encode()
+        keep.append(key_bytes)
+        array[i].key = key_bytes
+        if isinstance(value, bool):
+            array[i].type, array[i].b = PARAM_BOOL, value
+        elif isinstance(value, int):
+            array[i].type, array[i].i = PARAM_INT, value
+        elif isinstance(value, float):
+            array[i].type, array[i].d = PARAM_DOUBLE, value
+        else:
+            text = str(value).encode()
+            keep.append(text)
+            array[i].type, array[i].str = PARAM_STRING, text
+    return array, keep
+
+
+class _BlsSender:
+    """Answers a backend's TRITONSERVER_InferenceRequest from pyserve's responses."""
+
+    __slots__ = ("_done", "_lock", "_origin", "_request")
+
+    def __init__(self, request: int, origin: InferRequest | None) -> None:
+        self._request = request
+        self._origin = origin  # its model_version is the serving version once submitted
+        self._lock = threading.Lock()
+        self._done = False
+
+    @property
+    def _version(self) -> int:
+        return max(self._origin.model_version, 0) if self._origin is not None else 0
+
+    def send(self, response: InferResponse | InferError | None, final: bool) -> None:
+        with self._lock:
+            if self._done:
+                return
+            flags = RESPONSE_FINAL if final else 0
+            if isinstance(response, InferResponse) and response.error is not None:
+                response = response.error
+            try:
+                if isinstance(response, InferError):
+                    lib().pyshim_ireq_respond(
+                        self._request, flags, 1, self._version, int(response.code), response.message.encode(),
+                        0, None, 0, None,
+                    )
+                elif isinstance(response, InferResponse):
+                    descs, keep = output_descs(response.outputs)
+                    params, keep_params = param_array(response.parameters)
+                    lib().pyshim_ireq_respond(
+                        self._request, flags, 1, self._version, -1, None, len(response.outputs), descs,
+                        len(response.parameters), params,
+                    )
+                    del keep, keep_params
+                else:
+                    lib().pyshim_ireq_respond(self._request, flags, 0, self._version, -1, None, 0, None, 0, None)
+            except InferError as exc:
+                lib().pyshim_ireq_respond(
+                    self._request, flags, 1, self._version, int(exc.code), exc.message.encode(), 0, None, 0, None,
+                )
+            if final:
+                self._done = True  # the backend released (and may have freed) the request
+
+    def is_cancelled(self) -> bool:
+        with self._lock:
+            return not self._done and bool(lib().pyshim_ireq_is_cancelled(self._request))
+
+
+def _on_infer_async(server: int, request: int) -> int:
+    handle = SERVERS.get(server)
+    try:
+        if handle is None:
+            raise InferError.unavailable("the server that owns this model is not running")
+        infer_request = _bls_request(request)
+    except BaseException as exc:
+        error = exc if isinstance(exc, InferError) else InferError(f"{type(exc).__name__}: {exc}", ErrorCode.INTERNAL)
+        try:
+            _BlsSender(request, None).send(error, True)
+        except BaseException:
+            log.exception("BLS: answering a malformed request failed")
+        return 0
+    try:
+        handle.submit(infer_request, _BlsSender(request, infer_request))
+    except BaseException:
+        log.exception("BLS: submitting a request for model '%s' failed", infer_request.model_name)
+        return 1
+    return 0
+
+
+def _model_metadata(config: Any, name: str, version: str | None) -> dict[str, Any]:
+    from pyserve.protocol import data_type_name
+
+    def tensors(items: Any) -> list[dict[str, Any]]:
+        out = []
+        for t in items:
+            dt = datatypes.from_config_name(data_type_name(t.data_type))
+            dims = list(t.dims)
+            if config.max_batch_size > 0:
+                dims = [-1, *dims]
+            out.append({"name": t.name, "datatype": dt.name if dt else "", "shape": dims})
+        return out
+
+    return {
+        "name": name, "versions": [version] if version else [], "platform": config.platform or config.backend,
+        "inputs": tensors(config.input), "outputs": tensors(config.output),
+    }
+
+
+def _on_server_query(server: int, op: int, model: bytes | None, version: int, result: Any) -> int:
+    from pyserve.protocol.config_json import model_config_to_dict
+
+    name = _decode(model)
+    ver = str(version) if version > 0 else None
+    handle = SERVERS.get(server)
+    try:
+        if handle is None:
+            raise InferError.unavailable("the server that owns this model is not running")
+        if op == QUERY_READY:
+            lib().pyshim_result_set(result, int(handle.model_ready(name, ver)), None)
+        elif op == QUERY_TXN:
+            lib().pyshim_result_set(result, 2 if handle.is_decoupled(name, ver) else 1, None)
+        elif op == QUERY_BATCH:
+            config = handle.model_config(name, ver)
+            lib().pyshim_result_set(result, 2 if config.max_batch_size > 0 else 1, None)
+        elif op == QUERY_CONFIG:
+            text = json.dumps(model_config_to_dict(handle.model_config(name, ver)))
+            lib().pyshim_result_set(result, 0, text.encode())
+        elif op == QUERY_METADATA:
+            text = json.dumps(_model_metadata(handle.model_config(name, ver), name, ver))
+            lib().pyshim_result_set(result, 0, text.encode())
+        else:
+            raise InferError.unsupported(f"unknown server query {op}")
+    except InferError as exc:
+        lib().pyshim_result_error(result, int(exc.code), exc.message.encode())
+    except BaseException as exc:
+        lib().pyshim_result_error(result, int(ErrorCode.INTERNAL), f"{type(exc).__name__}: {exc}".encode())
+    return 0

@@ -1,0 +1,296 @@
+"""Native Triton backends (C test backends built by the tests) served end to end."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import queue
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from conftest import StartServer, install_backend, write_model
+from pyserve_backend_native import metrics_text
+
+IDENTITY = """
+    name: "{name}"
+    backend: "c_identity"
+    max_batch_size: 8
+    dynamic_batching {{ max_queue_delay_microseconds: 50000 }}
+    input [ {{ name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] }},
+            {{ name: "INPUT1", data_type: TYPE_STRING, dims: [ -1 ] }} ]
+    output [ {{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] }},
+             {{ name: "OUTPUT1", data_type: TYPE_STRING, dims: [ -1 ] }} ]
+"""
+
+
+def index(url: str) -> dict[str, dict[str, Any]]:
+    with httpclient.InferenceServerClient(url) as client:
+        return {entry["name"]: entry for entry in client.get_model_repository_index()}
+
+
+def infer_identity(client: httpclient.InferenceServerClient, model: str, values: list[float]) -> Any:
+    x = np.array([values], dtype=np.float32)
+    s = np.array([[b"a" * (i + 1) for i in range(len(values))]], dtype=object)
+    inputs = [httpclient.InferInput("INPUT0", list(x.shape), "FP32"), httpclient.InferInput("INPUT1", list(s.shape), "BYTES")]
+    inputs[0].set_data_from_numpy(x)
+    inputs[1].set_data_from_numpy(s)
+    return client.infer(model, inputs)
+
+
+# -- step 1: identity ----------------------------------------------------------------------
+def test_identity_from_each_search_location(
+    tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer
+) -> None:
+    repo = tmp_path / "repo"
+    backends = tmp_path / "backends"
+    lib = backend_libraries["identity"]
+    # <repo>/<model>/<version>/, <repo>/<model>/, <backend-directory>/<backend>/
+    install_backend(write_model(repo, "in_version", IDENTITY.format(name="in_version")) / "1", lib)
+    install_backend(write_model(repo, "in_model", IDENTITY.format(name="in_model")), lib)
+    write_model(repo, "in_backend_dir", IDENTITY.format(name="in_backend_dir"))
+    install_backend(backends / "c_identity", lib)
+    server = start_server(repo, backend_directory=str(backends))
+    with httpclient.InferenceServerClient(server.url) as client:
+        for model in ("in_version", "in_model", "in_backend_dir"):
+            assert client.is_model_ready(model)
+            result = infer_identity(client, model, [1.0, 2.5, -3.0])
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), [[1.0, 2.5, -3.0]])
+            assert result.as_numpy("OUTPUT1").tolist() == [[b"a", b"aa", b"aaa"]]
+    loaded = {b.info.source: b for b in server.server.plugins.loaded_backends()}
+    # three copies of the library → three backends; each initialized once
+    assert sum(1 for k in loaded if k.startswith("native:")) == 3
+
+
+def test_identity_over_grpc_and_dynamic_batching(
+    tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer
+) -> None:
+    repo = tmp_path / "repo"
+    install_backend(write_model(repo, "ident", IDENTITY.format(name="ident")), backend_libraries["identity"])
+    server = start_server(repo)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        x = np.arange(4, dtype=np.float32).reshape(1, 4)
+        s = np.array([[b"x", b"", b"zz", b"\xff"]], dtype=object)
+        inputs = [grpcclient.InferInput("INPUT0", [1, 4], "FP32"), grpcclient.InferInput("INPUT1", [1, 4], "BYTES")]
+        inputs[0].set_data_from_numpy(x)
+        inputs[1].set_data_from_numpy(s)
+        result = client.infer("ident", inputs)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), x)
+        assert result.as_numpy("OUTPUT1").tolist() == s.tolist()
+    with httpclient.InferenceServerClient(server.url, concurrency=8) as client:
+        def one(i: int) -> Any:
+            return infer_identity(client, "ident", [float(i)] * 3)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, range(16)))
+    for i, result in enumerate(results):
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), [[float(i)] * 3])
+    batched = [r.get_response()["parameters"]["batch_requests"] for r in results]
+    assert max(batched) > 1, batched  # the dynamic batcher handed several requests to one execute
+    stats = server.server.models.get("ident").context.state.statistics()
+    assert stats["success_count"] == 17
+    assert stats["execution_count"] < 17
+
+
+def test_auto_complete_through_model_set_config(
+    tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer
+) -> None:
+    repo = tmp_path / "repo"
+    model = write_model(repo, "completed", """
+        backend: "c_identity"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+    """)
+    install_backend(model, backend_libraries["identity"])
+    server = start_server(repo)
+    with httpclient.InferenceServerClient(server.url) as client:
+        config = client.get_model_config("completed")
+        assert [o["name"] for o in config["output"]] == ["OUTPUT0"]
+        x = np.array([1.0, 2.0], dtype=np.float32)
+        inp = httpclient.InferInput("INPUT0", [2], "FP32")
+        inp.set_data_from_numpy(x)
+        np.testing.assert_array_equal(client.infer("completed", [inp]).as_numpy("OUTPUT0"), x)
+
+
+# -- step 2: errors --------------------------------------------------------------------------
+ERRORS = """
+    backend: "c_errors"
+    max_batch_size: 0
+    input [ { name: "INPUT0", data_type: TYPE_INT32, dims: [ -1 ] } ]
+    output [ { name: "OUTPUT0", data_type: TYPE_INT32, dims: [ -1 ] } ]
+"""
+
+
+def _int_input(values: list[int]) -> httpclient.InferInput:
+    inp = httpclient.InferInput("INPUT0", [len(values)], "INT32")
+    inp.set_data_from_numpy(np.array(values, dtype=np.int32))
+    return inp
+
+
+def test_per_request_and_execute_errors(
+    tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer
+) -> None:
+    repo = tmp_path / "repo"
+    install_backend(write_model(repo, "errs", ERRORS), backend_libraries["errors"])
+    server = start_server(repo)
+    with httpclient.InferenceServerClient(server.url) as client:
+        np.testing.assert_array_equal(client.infer("errs", [_int_input([3, 4])]).as_numpy("OUTPUT0"), [6, 8])
+        with pytest.raises(Exception, match="negative input -1 is not allowed") as bad:
+            client.infer("errs", [_int_input([-1])])
+        assert "400" in str(bad.value) or "Bad Request" in str(bad.value) or bad.value.status() in ("400", 400)
+        with pytest.raises(Exception, match="the batch was rejected on purpose"):
+            client.infer("errs", [_int_input([1])], request_id="fail-batch")
+        with pytest.raises(Exception, match="released the request without sending a response"):
+            client.infer("errs", [_int_input([0])])
+        # the instance keeps serving
+        np.testing.assert_array_equal(client.infer("errs", [_int_input([5])]).as_numpy("OUTPUT0"), [10])
+
+
+def test_model_initialize_failure_and_bad_libraries(
+    tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer
+) -> None:
+    repo = tmp_path / "repo"
+
+    def config(backend: str) -> str:
+        return ERRORS.replace('"c_errors"', f'"c_{backend}"')
+
+    libs = {}
+    for name in ("initfail", "missing", "newapi"):
+        libs[name] = install_backend(write_model(repo, f"m_{name}", config(name)), backend_libraries[name])
+    write_model(repo, "m_absent", config("absent"))
+    write_model(repo, "m_runtime", config("errors") + '\nruntime: "libtriton_nothere.so"\n')
+    install_backend(write_model(repo, "ok", ERRORS), backend_libraries["errors"])
+    server = start_server(repo)
+    entries = index(server.url)
+    assert entries["ok"]["state"] == "READY"
+    assert "refuses to load on purpose" in entries["m_initfail"]["reason"]
+    assert "TRITONBACKEND_ModelInitialize" in entries["m_initfail"]["reason"]
+    missing = entries["m_missing"]["reason"]
+    assert str(libs["missing"].resolve()) in missing and "TRITONSERVER_NoSuchFunction" in missing
+    newapi = entries["m_newapi"]["reason"]
+    assert str(libs["newapi"].resolve()) in newapi and "API version does not support" in newapi
+    assert "backend 'c_absent' is not installed" in entries["m_absent"]["reason"]
+    assert "libtriton_nothere.so" in entries["m_runtime"]["reason"] and "not found" in entries["m_runtime"]["reason"]
+
+
+# -- step 3: decoupled ----------------------------------------------------------------------
+DECOUPLED = """
+    backend: "c_decoupled"
+    max_batch_size: 0
+    model_transaction_policy { decoupled: true }
+    input [ { name: "INPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
+    output [ { name: "OUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+"""
+
+
+def test_decoupled_responses_from_a_backend_thread(
+    tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer
+) -> None:
+    repo = tmp_path / "repo"
+    install_backend(write_model(repo, "dec", DECOUPLED), backend_libraries["decoupled"])
+    server = start_server(repo)
+    received: queue.Queue[Any] = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: received.put((result, error)))
+        for n in (3, 0, 2):
+            inp = grpcclient.InferInput("INPUT0", [1], "INT32")
+            inp.set_data_from_numpy(np.array([n], dtype=np.int32))
+            client.async_stream_infer("dec", [inp], request_id=f"r{n}", enable_empty_final_response=True)
+        finals = 0
+        values: dict[str, list[int]] = {"r3": [], "r0": [], "r2": []}
+        while finals < 3:
+            result, error = received.get(timeout=30)
+            assert error is None, error
+            response = result.get_response()
+            if response.parameters["triton_final_response"].bool_param:
+                finals += 1
+                continue
+            values[response.id].append(int(result.as_numpy("OUT")[0]))
+        client.stop_stream()
+    assert values == {"r3": [0, 1, 2], "r0": [], "r2": [0, 1]}
+
+
+# -- step 4: sequence batcher -------------------------------------------------------------
+STATEFUL = """
+    backend: "c_stateful"
+    max_batch_size: 2
+    sequence_batching {
+      max_sequence_idle_microseconds: 5000000
+      control_input [
+        { name: "START", control [ { kind: CONTROL_SEQUENCE_START, int32_false_true: [ 0, 1 ] } ] },
+        { name: "CORRID", control [ { kind: CONTROL_SEQUENCE_CORRID, data_type: TYPE_UINT64 } ] }
+      ]
+    }
+    input [ { name: "INPUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+    output [ { name: "OUTPUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+"""
+
+
+def test_stateful_sequences(tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer) -> None:
+    repo = tmp_path / "repo"
+    install_backend(write_model(repo, "acc", STATEFUL), backend_libraries["stateful"])
+    server = start_server(repo)
+
+    def step(client: httpclient.InferenceServerClient, seq: int, value: int, start: bool, end: bool) -> int:
+        inp = httpclient.InferInput("INPUT", [1, 1], "INT32")
+        inp.set_data_from_numpy(np.array([[value]], dtype=np.int32))
+        result = client.infer("acc", [inp], sequence_id=seq, sequence_start=start, sequence_end=end)
+        return int(result.as_numpy("OUTPUT")[0][0])
+
+    with httpclient.InferenceServerClient(server.url) as client:
+        assert step(client, 11, 1, True, False) == 1
+        assert step(client, 22, 100, True, False) == 100
+        assert step(client, 11, 2, False, False) == 3
+        assert step(client, 22, 5, False, True) == 105
+        assert step(client, 11, 3, False, True) == 6
+        assert step(client, 11, 7, True, True) == 7  # a new sequence starts from zero
+
+
+# -- step 5: BLS ------------------------------------------------------------------------------
+BLS = """
+    backend: "c_bls"
+    max_batch_size: 0
+    input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+    output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+"""
+
+
+def test_bls_through_server_infer_async(
+    tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer
+) -> None:
+    repo = tmp_path / "repo"
+    install_backend(write_model(repo, "caller", BLS), backend_libraries["bls"])
+    ident = """
+        backend: "c_identity"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+    """
+    install_backend(write_model(repo, "ident", ident), backend_libraries["identity"])
+    server = start_server(repo)
+    with httpclient.InferenceServerClient(server.url) as client:
+        for values in ([1.0, 2.0, 3.5], [-1.0]):
+            inp = httpclient.InferInput("INPUT0", [len(values)], "FP32")
+            inp.set_data_from_numpy(np.array(values, dtype=np.float32))
+            result = client.infer("caller", [inp])
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.array(values, dtype=np.float32) * 2)
+    text = metrics_text()
+    assert 'bls_calls_total{model="caller"} 2' in text
+
+
+def test_backend_config_reaches_the_backend(
+    tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    repo = tmp_path / "repo"
+    install_backend(write_model(repo, "ident", IDENTITY.format(name="ident")), backend_libraries["identity"])
+    with caplog.at_level("INFO", logger="pyserve.native"):
+        start_server(repo, backend_config={"c_identity": {"answer": "42"}}, backend_directory="/nonexistent")
+    lines = [r.getMessage() for r in caplog.records if "identity backend 'c_identity' config" in r.getMessage()]
+    assert lines, [r.getMessage() for r in caplog.records]
+    config = json.loads(lines[0].split(" config ", 1)[1])
+    assert config["cmdline"]["answer"] == "42"
+    assert config["cmdline"]["backend-directory"] == "/nonexistent"
+    assert config["cmdline"]["default-max-batch-size"] == "4"

@@ -1,0 +1,109 @@
+"""pyserve's ``tensorflow`` backend: SavedModels and frozen GraphDefs on TensorFlow 2.
+
+A module-style plugin: the entry point names this module and the hook functions below carry
+``pyserve.hookimpl``. Importing this module does not import ``tensorflow``; the framework is
+imported when the first TensorFlow model loads (``pyserve_backend_initialize``), which also
+turns on GPU memory growth so that TensorFlow does not reserve whole GPUs.
+
+What callers may rely on:
+
+* platform ``tensorflow_savedmodel``: ``<version>/model.savedmodel/`` (or
+  ``default_model_filename``), served through its ``serving_default`` signature or the one
+  named by model parameter ``signature_name``; config names are the signature's input and
+  output keys, and auto-complete fills inputs, outputs, ``max_batch_size`` and dynamic
+  batching from the signature;
+* platform ``tensorflow_graphdef``: ``<version>/model.graphdef`` (a frozen ``GraphDef``), with
+  inputs and outputs declared in config.pbtxt by graph tensor name (``x`` means ``x:0``);
+* one loaded copy per instance, placed on ``/GPU:<id>`` for KIND_GPU instances, ``/CPU:0``
+  otherwise; host arrays enter TensorFlow through DLPack where numpy can export them;
+* a missing or corrupt model, a missing signature, or a config that disagrees with the model
+  (names, datatypes, dims) makes the model UNAVAILABLE with a message naming the tensor and
+  both sides;
+* a batch of requests runs as one call over inputs gathered without copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pyserve import (
+    BackendContext,
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+    hookimpl,
+)
+
+from pyserve_backend_tensorflow.runtime import TensorFlowInstance, TensorFlowModel, auto_complete, initialize_runtime
+
+__all__ = [
+    "TensorFlowInstance",
+    "TensorFlowModel",
+    "pyserve_backend_initialize",
+    "pyserve_execute",
+    "pyserve_instance_create",
+    "pyserve_instance_finalize",
+    "pyserve_model_auto_complete",
+    "pyserve_model_create",
+]
+
+
+@hookimpl
+def pyserve_backend_initialize(backend: BackendContext) -> None:
+    """Import TensorFlow, enable GPU memory growth, record the version in ``backend.state``.
+
+    :raises ImportError: TensorFlow is not installed.
+    """
+    backend.state = initialize_runtime()
+
+
+@hookimpl
+def pyserve_model_auto_complete(model: ModelContext) -> bool:
+    """Fill in inputs, outputs, ``max_batch_size`` and dynamic batching from the SavedModel signature.
+
+    :returns: True when the config was changed.
+    :raises ValueError: unloadable SavedModel, missing signature, GraphDef without declared I/O.
+    """
+    return auto_complete(model)
+
+
+@hookimpl
+def pyserve_model_create(model: ModelContext) -> TensorFlowModel:
+    """Locate the model and read the config; becomes ``model.state``.
+
+    :raises ValueError: the SavedModel directory or GraphDef file is missing.
+    """
+    return TensorFlowModel.from_context(model)
+
+
+@hookimpl
+def pyserve_instance_create(instance: InstanceContext) -> TensorFlowInstance:
+    """Load the model on the instance's device and check the config against it.
+
+    :raises ValueError: unloadable model, missing signature, or a config that disagrees with it.
+    """
+    state: TensorFlowModel = instance.model.state
+    return state.create_instance(instance)
+
+
+@hookimpl
+def pyserve_instance_finalize(instance: InstanceContext) -> None:
+    """Drop the instance's loaded model."""
+    state: TensorFlowInstance | None = instance.state
+    if state is not None:
+        state.close()
+
+
+@hookimpl
+def pyserve_execute(
+    instance: InstanceContext, requests: Sequence[InferRequest]
+) -> list[InferResponse | InferError]:
+    """Run the gathered requests as one call and split the outputs back per request.
+
+    :returns: one response per request, in order; when the call fails every request gets the
+        same error (``INVALID_ARG`` when TensorFlow rejects the inputs).
+    """
+    state: TensorFlowInstance = instance.state
+    return state.execute(requests)

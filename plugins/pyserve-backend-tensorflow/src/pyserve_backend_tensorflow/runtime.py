@@ -1,0 +1,572 @@
+"""The tensorflow backend's model and instance state: SavedModel signatures, GraphDefs, execution.
+
+Nothing here imports ``tensorflow`` at module level; the functions that need it import it,
+and they run inside the backend's hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pyserve import (
+    ErrorCode,
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+    gather_inputs,
+    split_outputs,
+)
+from pyserve.protocol import data_type_name, data_type_value
+
+log = logging.getLogger("pyserve.backend.tensorflow")
+
+SAVEDMODEL_PLATFORM = "tensorflow_savedmodel"
+GRAPHDEF_PLATFORM = "tensorflow_graphdef"
+DEFAULT_FILENAMES = {SAVEDMODEL_PLATFORM: "model.savedmodel", GRAPHDEF_PLATFORM: "model.graphdef"}
+DEFAULT_SIGNATURE = "serving_default"
+SIGNATURE_PARAMETER = "signature_name"
+"""Model parameter: the SavedModel signature to serve (default ``serving_default``)."""
+
+TF_TO_CONFIG: dict[str, str] = {
+    "bool": "TYPE_BOOL",
+    "uint8": "TYPE_UINT8",
+    "uint16": "TYPE_UINT16",
+    "uint32": "TYPE_UINT32",
+    "uint64": "TYPE_UINT64",
+    "int8": "TYPE_INT8",
+    "int16": "TYPE_INT16",
+    "int32": "TYPE_INT32",
+    "int64": "TYPE_INT64",
+    "float16": "TYPE_FP16",
+    "float32": "TYPE_FP32",
+    "float64": "TYPE_FP64",
+    "string": "TYPE_STRING",
+    "bfloat16": "TYPE_BF16",
+}
+"""TensorFlow dtype names → ModelConfig datatype names."""
+
+_DLPACK_KINDS = frozenset("iuf")  # numpy kinds TensorFlow imports through DLPack
+TF_ALIGNMENT = 64
+"""Bytes of alignment TensorFlow's CPU kernels require of a tensor buffer (EIGEN_MAX_ALIGN_BYTES)."""
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What ``pyserve_backend_initialize`` stores as ``backend.state``."""
+
+    version: str
+    gpus: int
+
+
+def _import_tf() -> Any:
+    try:
+        import tensorflow
+    except ImportError as exc:
+        raise ImportError(
+            "the tensorflow backend needs TensorFlow: pip install 'pyserve-backend-tensorflow[cpu]' "
+            f"(or [gpu]) ({exc})"
+        ) from exc
+    return tensorflow
+
+
+def initialize_runtime() -> RuntimeInfo:
+    """Import TensorFlow and turn on memory growth for every GPU, so that it does not take them whole.
+
+    :raises ImportError: TensorFlow is not installed.
+    """
+    tf = _import_tf()
+    gpus = tf.config.list_physical_devices("GPU")
+    for gpu in gpus:
+        try:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except RuntimeError as exc:  # the GPUs were initialized before this backend loaded
+            log.warning("tensorflow: cannot enable memory growth on %s: %s", gpu.name, exc)
+    info = RuntimeInfo(str(tf.__version__), len(gpus))
+    log.info("tensorflow %s, GPUs: %d (memory growth on)", info.version, info.gpus)
+    return info
+
+
+def config_type_of(dtype: Any) -> str:
+    """The ModelConfig datatype name of a TensorFlow dtype (its TF name when there is none)."""
+    return TF_TO_CONFIG.get(dtype.name, dtype.name)
+
+
+# --------------------------------------------------------------------------- model files and signatures
+
+
+def model_path(model: ModelContext) -> Path:
+    """The SavedModel directory or GraphDef file of a model version.
+
+    :raises ValueError: it does not exist (or a SavedModel directory lacks saved_model.pb).
+    """
+    platform = model.config.platform or SAVEDMODEL_PLATFORM
+    path = model.version_path / (model.default_model_filename or DEFAULT_FILENAMES[platform])
+    if platform == GRAPHDEF_PLATFORM:
+        if not path.is_file():
+            raise ValueError(f"GraphDef file '{path}' not found for model '{model.name}' version {model.version}")
+    elif not (path / "saved_model.pb").is_file():
+        raise ValueError(
+            f"SavedModel directory '{path}' (with saved_model.pb) not found for model '{model.name}' "
+            f"version {model.version}"
+        )
+    return path
+
+
+@dataclass(frozen=True)
+class ModelTensor:
+    """An input or output as the model declares it (``-1`` for unknown dims; ``None`` rank unknown)."""
+
+    name: str
+    config_type: str
+    shape: tuple[int, ...] | None
+
+
+def _model_tensor(name: str, spec: Any) -> ModelTensor:
+    shape = None if spec.shape.rank is None else tuple(-1 if d is None else int(d) for d in spec.shape.as_list())
+    return ModelTensor(name, config_type_of(spec.dtype), shape)
+
+
+def load_savedmodel(path: Path, device: str = "/CPU:0") -> Any:
+    """``tf.saved_model.load`` under ``device``.
+
+    :raises ValueError: the directory is not a loadable SavedModel.
+    """
+    tf = _import_tf()
+    try:
+        with tf.device(device):
+            return tf.saved_model.load(str(path))
+    except Exception as exc:
+        raise ValueError(f"cannot load TensorFlow SavedModel '{path}': {type(exc).__name__}: {exc}") from None
+
+
+def signature(loaded: Any, name: str, path: Path) -> Any:
+    """The concrete function of a signature.
+
+    :raises ValueError: the SavedModel has no such signature (the message lists those it has).
+    """
+    signatures = loaded.signatures
+    if name not in signatures:
+        raise ValueError(
+            f"SavedModel '{path}' has no signature '{name}' (signatures: {', '.join(signatures) or 'none'}); "
+            f"set model parameter '{SIGNATURE_PARAMETER}'"
+        )
+    return signatures[name]
+
+
+def signature_tensors(function: Any) -> tuple[list[ModelTensor], list[ModelTensor]]:
+    """A signature's inputs and outputs (sorted by name, as SavedModel signatures store them)."""
+    _, keyword_specs = function.structured_input_signature
+    outputs = function.structured_outputs
+    return (
+        [_model_tensor(n, s) for n, s in sorted(keyword_specs.items())],
+        [_model_tensor(n, s) for n, s in sorted(outputs.items())],
+    )
+
+
+# --------------------------------------------------------------------------- auto-complete
+
+
+def _incomplete(tensor: Any) -> bool:
+    return tensor.data_type == 0 or (not tensor.dims and not tensor.HasField("reshape"))
+
+
+def _default_max_batch_size(model: ModelContext) -> int:
+    raw = model.backend.config.get("default-max-batch-size", "4")
+    try:
+        return max(int(raw), 0)
+    except ValueError:
+        raise ValueError(f"backend config 'default-max-batch-size' must be an integer (got {raw!r})") from None
+
+
+def _fill(collection: Any, tensors: Sequence[ModelTensor], batching: bool) -> bool:
+    declared = {t.name: t for t in collection}
+    if not declared:
+        for found in tensors:
+            _set_tensor(collection.add(), found, batching, name=True)
+        return bool(tensors)
+    changed = False
+    by_name = {t.name: t for t in tensors}
+    for name, tensor in declared.items():
+        found = by_name.get(name)
+        if found is not None and _incomplete(tensor):
+            _set_tensor(tensor, found, batching, name=False)
+            changed = True
+    return changed
+
+
+def _set_tensor(tensor: Any, found: ModelTensor, batching: bool, *, name: bool) -> None:
+    if found.shape is None:
+        raise ValueError(f"tensor '{found.name}' has an unknown rank; declare its dims in config.pbtxt")
+    if name:
+        tensor.name = found.name
+    if tensor.data_type == 0 and found.config_type in TF_TO_CONFIG.values():
+        tensor.data_type = data_type_value(found.config_type)
+    if not tensor.dims and not tensor.HasField("reshape"):
+        dims = found.shape[1:] if batching else found.shape
+        if dims:
+            tensor.dims.extend(dims)
+        else:
+            tensor.dims.append(1)
+            tensor.reshape.SetInParent()
+
+
+def auto_complete(model: ModelContext) -> bool:
+    """Complete ``model.config`` from a SavedModel signature, like the onnxruntime backend does.
+
+    Adds the signature's inputs (outputs) when the config declares none, fills a declared
+    tensor's missing datatype or dims and, when ``max_batch_size`` is 0 and every signature
+    tensor has an unknown first dimension (and no declared tensor spells it out), sets
+    ``max_batch_size`` to ``default-max-batch-size`` and enables ``dynamic_batching`` when that is
+    above 1 and no scheduler is configured. GraphDefs cannot be completed.
+
+    :returns: True when the config was changed.
+    :raises ValueError: a GraphDef without inputs or outputs in the config, or a SavedModel
+        that cannot be loaded or lacks the signature.
+    """
+    config = model.config
+    tensors = (*config.input, *config.output)
+    if config.input and config.output and config.max_batch_size > 0 and not any(map(_incomplete, tensors)):
+        return False
+    if config.platform == GRAPHDEF_PLATFORM:
+        if config.input and config.output:
+            return False
+        raise ValueError("a TensorFlow GraphDef model needs its inputs and outputs declared in config.pbtxt")
+    path = model_path(model)
+    name = model.parameters.get(SIGNATURE_PARAMETER, "").strip() or DEFAULT_SIGNATURE
+    inputs, outputs = signature_tensors(signature(load_savedmodel(path), name, path))
+    changed = False
+    every = (*inputs, *outputs)
+    if config.max_batch_size == 0 and all(t.shape and t.shape[0] == -1 for t in every):
+        by_name = {t.name: t for t in every}
+        spelled_out = any(
+            t.name in by_name and not _incomplete(t) and len(t.dims) == len(by_name[t.name].shape or ())
+            for t in tensors
+        )
+        default = _default_max_batch_size(model)
+        if default > 0 and not spelled_out:
+            config.max_batch_size = default
+            changed = True
+            if default > 1 and config.WhichOneof("scheduling_choice") is None:
+                config.dynamic_batching.SetInParent()
+    batching = config.max_batch_size > 0
+    changed |= _fill(config.input, inputs, batching)
+    changed |= _fill(config.output, outputs, batching)
+    return changed
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class ConfigTensor:
+    """One config input or output as the backend uses it.
+
+    :ivar dims: the non-batch shape the model sees (``reshape`` when the config has one).
+    :ivar client_dims: the config ``dims`` (outputs are reshaped back to them).
+    """
+
+    name: str
+    config_type: str
+    dims: tuple[int, ...]
+    client_dims: tuple[int, ...]
+
+    @property
+    def reshaped(self) -> bool:
+        return self.dims != self.client_dims
+
+
+def _config_tensor(tensor: Any) -> ConfigTensor:
+    dims = tensor.reshape.shape if tensor.HasField("reshape") else tensor.dims
+    return ConfigTensor(
+        tensor.name, data_type_name(tensor.data_type), tuple(int(d) for d in dims), tuple(int(d) for d in tensor.dims)
+    )
+
+
+def _graph_tensor_name(name: str) -> str:
+    """A config name as a graph tensor name: ``x`` → ``x:0``; ``x:1`` stays."""
+    return name if ":" in name else f"{name}:0"
+
+
+# --------------------------------------------------------------------------- model state
+
+
+@dataclass
+class TensorFlowModel:
+    """What ``pyserve_model_create`` stores as ``model.state``.
+
+    Thread-safety: ``create_instance`` may be called from loading threads; the rest is read-only.
+    """
+
+    name: str
+    platform: str
+    path: Path
+    max_batch_size: int
+    inputs: tuple[ConfigTensor, ...]
+    outputs: tuple[ConfigTensor, ...]
+    signature_name: str = DEFAULT_SIGNATURE
+    _announced: set[str] = field(default_factory=set, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def from_context(cls, model: ModelContext) -> TensorFlowModel:
+        """Read the normalized config and parameters of a model version.
+
+        :raises ValueError: the model file or directory is missing.
+        """
+        config = model.config
+        return cls(
+            name=model.name,
+            platform=config.platform or SAVEDMODEL_PLATFORM,
+            path=model_path(model),
+            max_batch_size=int(config.max_batch_size),
+            inputs=tuple(_config_tensor(t) for t in config.input),
+            outputs=tuple(_config_tensor(t) for t in config.output),
+            signature_name=model.parameters.get(SIGNATURE_PARAMETER, "").strip() or DEFAULT_SIGNATURE,
+        )
+
+    @property
+    def batching(self) -> bool:
+        return self.max_batch_size > 0
+
+    def device_for(self, instance: InstanceContext) -> str:
+        """``/GPU:<id>`` for KIND_GPU instances, ``/CPU:0`` otherwise.
+
+        :raises ValueError: a GPU instance but TensorFlow sees no such GPU.
+        """
+        if instance.kind != "GPU":
+            return "/CPU:0"
+        gpus = _import_tf().config.list_physical_devices("GPU")
+        if instance.device_id >= len(gpus):
+            raise ValueError(
+                f"instance '{instance.name}' is KIND_GPU on GPU {instance.device_id}, but TensorFlow sees "
+                f"{len(gpus)} GPU(s) (install tensorflow[and-cuda])"
+            )
+        return f"/GPU:{instance.device_id}"
+
+    def create_instance(self, instance: InstanceContext) -> TensorFlowInstance:
+        """Load the model for one instance and check the config against it.
+
+        :raises ValueError: unloadable model, missing signature, or a config that disagrees
+            with the model (naming the tensor and both sides).
+        """
+        device = self.device_for(instance)
+        if self.platform == GRAPHDEF_PLATFORM:
+            run = self._graphdef_runner(device)
+        else:
+            run = self._savedmodel_runner(device)
+        with self._lock:
+            first = device not in self._announced
+            self._announced.add(device)
+        if first:
+            log.info("model '%s': %s instances run on %s", self.name, instance.kind, device)
+        return TensorFlowInstance(self, device, run)
+
+    # -- SavedModel --------------------------------------------------------------------------
+    def _savedmodel_runner(self, device: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        loaded = load_savedmodel(self.path, device)
+        function = signature(loaded, self.signature_name, self.path)
+        inputs, outputs = signature_tensors(function)
+        self._check(inputs, outputs, f"signature '{self.signature_name}'")
+        return _SignatureRunner(loaded, function)
+
+    # -- GraphDef ----------------------------------------------------------------------------
+    def _graphdef_runner(self, device: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        tf = _import_tf()
+        graph_def = tf.compat.v1.GraphDef()
+        try:
+            graph_def.ParseFromString(self.path.read_bytes())
+        except Exception as exc:
+            raise ValueError(f"cannot load TensorFlow GraphDef '{self.path}': {type(exc).__name__}: {exc}") from None
+
+        def import_graph() -> None:
+            tf.compat.v1.import_graph_def(graph_def, name="")
+
+        try:
+            with tf.device(device):
+                wrapped = tf.compat.v1.wrap_function(import_graph, [])
+        except Exception as exc:
+            raise ValueError(f"cannot import TensorFlow GraphDef '{self.path}': {type(exc).__name__}: {exc}") from None
+        graph = wrapped.graph
+        found: dict[str, Any] = {}
+        for kind, tensors in (("input", self.inputs), ("output", self.outputs)):
+            for tensor in tensors:
+                try:
+                    found[tensor.name] = graph.get_tensor_by_name(_graph_tensor_name(tensor.name))
+                except (KeyError, ValueError):
+                    placeholders = [op.name for op in graph.get_operations() if op.type == "Placeholder"]
+                    raise ValueError(
+                        f"{kind} '{tensor.name}' of the config is not a tensor of GraphDef '{self.path.name}' "
+                        f"(placeholders: {', '.join(placeholders) or 'none'})"
+                    ) from None
+        self._check(
+            [ModelTensor(t.name, config_type_of(found[t.name].dtype), _shape(found[t.name])) for t in self.inputs],
+            [ModelTensor(t.name, config_type_of(found[t.name].dtype), _shape(found[t.name])) for t in self.outputs],
+            f"GraphDef '{self.path.name}'",
+        )
+        pruned = wrapped.prune(
+            feeds=[found[t.name] for t in self.inputs], fetches=[found[t.name] for t in self.outputs]
+        )
+        input_names = [t.name for t in self.inputs]
+        output_names = [t.name for t in self.outputs]
+
+        def run(feeds: dict[str, Any]) -> dict[str, Any]:
+            return dict(zip(output_names, pruned(*(feeds[n] for n in input_names))))
+
+        return run
+
+    # -- checks ------------------------------------------------------------------------------
+    def _check(self, inputs: Sequence[ModelTensor], outputs: Sequence[ModelTensor], source: str) -> None:
+        """Compare the config with the model's tensors.
+
+        :raises ValueError: naming the tensor, what the config says and what the model says.
+        """
+        model_inputs = {t.name: t for t in inputs}
+        model_outputs = {t.name: t for t in outputs}
+        for kind, declared, found in (("input", self.inputs, model_inputs), ("output", self.outputs, model_outputs)):
+            for tensor in declared:
+                match = found.get(tensor.name)
+                if match is None:
+                    raise ValueError(
+                        f"{kind} '{tensor.name}' of the config is not an {kind} of {source} "
+                        f"({kind}s: {', '.join(found) or 'none'})"
+                    )
+                self._compare(kind, tensor, match)
+        declared = {t.name for t in self.inputs}
+        for name, tensor in model_inputs.items():
+            if name not in declared:
+                raise ValueError(f"input '{name}' of {source} ({tensor.config_type}) is not declared in the config")
+
+    def _compare(self, kind: str, tensor: ConfigTensor, found: ModelTensor) -> None:
+        if tensor.config_type != found.config_type:
+            raise ValueError(
+                f"{kind} '{tensor.name}': the config declares data_type {tensor.config_type}, but the "
+                f"model has {found.config_type}"
+            )
+        if found.shape is None:
+            return
+        shape = ((-1,) if self.batching else ()) + tensor.dims
+        if self.batching and (not found.shape or found.shape[0] != -1):
+            raise ValueError(
+                f"{kind} '{tensor.name}': max_batch_size {self.max_batch_size} needs an unknown first "
+                f"dimension, but the model's shape is {list(found.shape)}"
+            )
+        if len(shape) != len(found.shape) or any(a != b and -1 not in (a, b) for a, b in zip(shape, found.shape)):
+            detail = f" (batch dimension + dims {list(tensor.dims)})" if self.batching else ""
+            raise ValueError(
+                f"{kind} '{tensor.name}': the config's shape {list(shape)}{detail} does not match the "
+                f"model's shape {list(found.shape)}"
+            )
+
+
+class _SignatureRunner:
+    """Calls a signature by keyword; holds the SavedModel object its variables belong to."""
+
+    def __init__(self, loaded: Any, function: Any) -> None:
+        self.loaded = loaded
+        self.function = function
+
+    def __call__(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        return dict(self.function(**feeds))
+
+
+def _shape(tensor: Any) -> tuple[int, ...] | None:
+    if tensor.shape.rank is None:
+        return None
+    return tuple(-1 if d is None else int(d) for d in tensor.shape.as_list())
+
+
+# --------------------------------------------------------------------------- execution
+
+
+def to_tf(array: np.ndarray) -> Any:
+    """A TensorFlow tensor for a host array.
+
+    Shared through DLPack when numpy can export it and TensorFlow's kernels can use it:
+    writable, C-contiguous, numeric and 64-byte aligned (TensorFlow aborts the process on an
+    unaligned buffer). Otherwise a copy: read-only views, offsets into a received message,
+    strings, bool, BF16.
+    """
+    tf = _import_tf()
+    if (
+        array.dtype.kind in _DLPACK_KINDS
+        and array.flags.c_contiguous
+        and array.flags.writeable
+        and array.ctypes.data % TF_ALIGNMENT == 0
+    ):
+        try:
+            return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+        except Exception:  # an unsupported dtype or layout: fall back to a copy
+            pass
+    return tf.convert_to_tensor(array)
+
+
+def to_numpy(tensor: Any) -> np.ndarray:
+    """A host array for a result tensor (one device→host copy for GPU tensors)."""
+    return np.asarray(tensor.numpy())
+
+
+class TensorFlowInstance:
+    """One instance: a loaded model on a device, and how it runs a batch.
+
+    Thread-safety: ``execute`` runs on the instance's own thread only.
+    """
+
+    def __init__(self, model: TensorFlowModel, device: str, run: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        self.model = model
+        self.device = device
+        self._run: Callable[[dict[str, Any]], dict[str, Any]] | None = run
+
+    def close(self) -> None:
+        """Drop the loaded model."""
+        self._run = None
+
+    def execute(self, requests: Sequence[InferRequest]) -> list[InferResponse | InferError]:
+        """One response (or error) per request, in order; the batch runs as one call."""
+        model = self.model
+        if not model.batching and len(requests) > 1:
+            return [self.execute([r])[0] for r in requests]
+        try:
+            present = requests[0].inputs
+            names = [t.name for t in model.inputs if t.name in present]
+            inputs = gather_inputs(requests, names) if model.batching else {n: present[n] for n in names}
+            tf = _import_tf()
+            assert self._run is not None
+            with tf.device(self.device):
+                results = self._run({name: to_tf(array) for name, array in inputs.items()})
+            rows = sum(r.batch_size for r in requests)
+            outputs = {}
+            for tensor in model.outputs:
+                if not any(tensor.name in r.requested_outputs for r in requests):
+                    continue
+                array = to_numpy(results[tensor.name])
+                if tensor.reshaped:
+                    array = array.reshape(((rows,) if model.batching else ()) + tensor.client_dims)
+                outputs[tensor.name] = array
+            if not model.batching:
+                return [InferResponse(outputs)]
+            return list(split_outputs(requests, outputs))
+        except InferError as exc:
+            return [exc] * len(requests)
+        except Exception as exc:
+            kind = type(exc).__name__
+            message = f"TensorFlow execute failure for model '{model.name}': {kind}: {str(exc).strip()}"
+            code = ErrorCode.INVALID_ARG if kind == "InvalidArgumentError" else ErrorCode.INTERNAL
+            return [InferError(message, code)] * len(requests)
+
+
+__all__ = [
+    "TensorFlowInstance",
+    "TensorFlowModel",
+    "auto_complete",
+    "initialize_runtime",
+    "to_numpy",
+    "to_tf",
+]

@@ -1,0 +1,271 @@
+"""The tensorflow backend served by a real server: results equal calling the tf.Module directly.
+
+TensorFlow is slow to import and to load models, so the whole module shares one server.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyserve_backend_tensorflow
+import pytest
+import tensorflow as tf
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from pyserve.server import ServerThread
+
+import tf_models
+from tf_support import BatchRecorder, write_model
+
+BACKENDS = {"tensorflow": pyserve_backend_tensorflow}
+
+MLP_CONFIG = """
+platform: "tensorflow_savedmodel"
+max_batch_size: 16
+input [ { name: "x", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [
+  { name: "y", data_type: TYPE_FP32, dims: [ 3 ] },
+  { name: "norm", data_type: TYPE_FP32, dims: [ 1 ] }
+]
+dynamic_batching { max_queue_delay_microseconds: 20000 }
+"""
+
+GRAPHDEF_CONFIG = """
+platform: "tensorflow_graphdef"
+max_batch_size: 8
+input [ { name: "x", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "y", data_type: TYPE_FP32, dims: [ 3 ] } ]
+"""
+
+SIGNATURE = 'parameters [ { key: "signature_name", value: { string_value: "predict" } } ]\n'
+
+
+def _broken(config: str, old: str, new: str) -> str:
+    assert old in config
+    return config.replace(old, new)
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def modules() -> dict[str, tf.Module]:
+    return {"mlp": tf_models.MLP(), "conv": tf_models.ConvNet(), "upper": tf_models.Upper()}
+
+
+@pytest.fixture(scope="module")
+def recorder() -> BatchRecorder:
+    return BatchRecorder()
+
+
+@pytest.fixture(scope="module")
+def server(
+    tmp_path_factory: pytest.TempPathFactory, module_server: Any, modules: dict[str, tf.Module], recorder: BatchRecorder
+) -> ServerThread:
+    files = tmp_path_factory.mktemp("tf_files")
+    tf_models.save(modules["mlp"], files / "mlp")
+    tf_models.save(modules["conv"], files / "conv", signature="predict")
+    tf_models.save(modules["upper"], files / "upper")
+    tf_models.save_frozen_graphdef(modules["mlp"], files / "mlp.graphdef")
+    mlp = {f"1/model.savedmodel/{k}": v for k, v in _tree(files / "mlp").items()}
+    conv = {f"1/model.savedmodel/{k}": v for k, v in _tree(files / "conv").items()}
+    upper = {f"1/model.savedmodel/{k}": v for k, v in _tree(files / "upper").items()}
+    graphdef = {"1/model.graphdef": (files / "mlp.graphdef").read_bytes()}
+    repo = tmp_path_factory.mktemp("tf_repo")
+    write_model(repo, "mlp", MLP_CONFIG, mlp)
+    write_model(repo, "mlp_auto", None, mlp)  # no config.pbtxt at all
+    write_model(repo, "conv", 'platform: "tensorflow_savedmodel"\n' + SIGNATURE, conv)
+    write_model(repo, "upper", 'backend: "tensorflow"\nmax_batch_size: 0\n', upper)
+    write_model(repo, "graphdef", GRAPHDEF_CONFIG, graphdef)
+    write_model(repo, "bad_name", _broken(MLP_CONFIG, 'name: "x"', 'name: "input"'), mlp)
+    write_model(repo, "bad_type", _broken(MLP_CONFIG, "TYPE_FP32, dims: [ 4 ]", "TYPE_FP16, dims: [ 4 ]"), mlp)
+    write_model(repo, "bad_dims", _broken(MLP_CONFIG, "dims: [ 3 ]", "dims: [ 2 ]"), mlp)
+    write_model(repo, "bad_signature", MLP_CONFIG + SIGNATURE, mlp)
+    write_model(repo, "corrupt", MLP_CONFIG, {"1/model.savedmodel/saved_model.pb": b"\x0a\xffcorrupt"})
+    write_model(repo, "missing", MLP_CONFIG)
+    write_model(repo, "graphdef_no_io", 'platform: "tensorflow_graphdef"\n', graphdef)
+    write_model(repo, "graphdef_bad_name", _broken(GRAPHDEF_CONFIG, 'name: "y"', 'name: "logits"'), graphdef)
+    write_model(repo, "graphdef_corrupt", GRAPHDEF_CONFIG, {"1/model.graphdef": b"\xff\xff\xffnot a graph"})
+    return module_server(repo, backends=BACKENDS, server_plugins=(recorder,))
+
+
+def infer(server: ServerThread, protocol: str, model: str, inputs: dict[str, np.ndarray], datatype: str = "FP32") -> Any:
+    module = httpclient if protocol == "http" else grpcclient
+    client = module.InferenceServerClient(server.url if protocol == "http" else server.grpc_url)
+    tensors = []
+    for name, array in inputs.items():
+        tensor = module.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return client.infer(model, tensors)
+
+
+def repository_index(server: ServerThread) -> dict[str, dict[str, str]]:
+    client = httpclient.InferenceServerClient(server.url)
+    return {entry["name"]: entry for entry in client.get_model_repository_index()}
+
+
+# --------------------------------------------------------------------------- packaging
+
+
+def test_plugin_import_does_not_import_tensorflow() -> None:
+    code = (
+        "import sys, pyserve_backend_tensorflow\n"
+        "print([m for m in ('tensorflow', 'torch', 'onnxruntime') if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_entry_points_declare_backend_and_platforms() -> None:
+    backends = {ep.name: ep.value for ep in metadata.entry_points(group="pyserve.backends")}
+    platforms = {ep.name: ep.value for ep in metadata.entry_points(group="pyserve.platforms")}
+    if "tensorflow" not in backends:
+        pytest.skip("pyserve-backend-tensorflow is not installed (pip install -e)")
+    assert backends["tensorflow"] == "pyserve_backend_tensorflow"
+    assert platforms["tensorflow_savedmodel"] == platforms["tensorflow_graphdef"] == "tensorflow"
+
+
+def test_aligned_writable_arrays_enter_tensorflow_without_a_copy() -> None:
+    from pyserve_backend_tensorflow.runtime import to_tf
+
+    buffer = np.zeros(32, dtype=np.float32)
+    start = (-buffer.ctypes.data % 64) // 4  # first 64-byte aligned element
+    array = buffer[start:start + 8].reshape(2, 4)
+    array[:] = np.arange(8, dtype=np.float32).reshape(2, 4)
+    tensor = to_tf(array)
+    array[0, 0] = 42.0  # shared memory: the tensor sees the write
+    assert float(tensor.numpy()[0, 0]) == 42.0
+    unaligned = buffer[start + 1:start + 9].reshape(2, 4)  # TensorFlow would abort on this one
+    np.testing.assert_array_equal(tf.matmul(to_tf(unaligned), tf.ones([4, 1])).numpy(), unaligned @ np.ones((4, 1)))
+    array.flags.writeable = False
+    np.testing.assert_array_equal(to_tf(array).numpy(), array)  # read-only: copied
+
+
+# --------------------------------------------------------------------------- inference
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_savedmodel_matches_tensorflow(server: ServerThread, modules: dict[str, Any], protocol: str) -> None:
+    x = np.random.default_rng(3).standard_normal((5, 4)).astype(np.float32)
+    result = infer(server, protocol, "mlp", {"x": x})
+    want = modules["mlp"](tf.constant(x))
+    np.testing.assert_allclose(result.as_numpy("y"), want["y"].numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(result.as_numpy("norm"), want["norm"].numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_named_signature_and_auto_complete(server: ServerThread, modules: dict[str, Any], protocol: str) -> None:
+    image = np.random.default_rng(4).standard_normal((3, 8, 8, 1)).astype(np.float32)
+    result = infer(server, protocol, "conv", {"image": image})
+    want = modules["conv"](tf.constant(image))
+    np.testing.assert_allclose(result.as_numpy("logits"), want["logits"].numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(result.as_numpy("features"), want["features"].numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_graphdef_matches_tensorflow(server: ServerThread, modules: dict[str, Any]) -> None:
+    x = np.random.default_rng(8).standard_normal((2, 4)).astype(np.float32)
+    got = infer(server, "grpc", "graphdef", {"x": x}).as_numpy("y")
+    np.testing.assert_allclose(got, modules["mlp"](tf.constant(x))["y"].numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_strings_one_scalar_per_row(server: ServerThread) -> None:
+    # auto-complete: signature [None] -> max_batch_size 4, dims [1] reshaped to [] per row
+    text = np.array([[b"hello"], [b"tf"]], dtype=object)
+    result = infer(server, "http", "upper", {"text": text}, "BYTES")
+    assert result.as_numpy("upper").tolist() == [[b"HELLO"], [b"TF"]]
+
+
+def test_dynamic_batching_gives_the_rows_of_single_calls(
+    server: ServerThread, modules: dict[str, Any], recorder: BatchRecorder
+) -> None:
+    rows = np.random.default_rng(5).standard_normal((16, 1, 4)).astype(np.float32)
+    expected = [modules["mlp"](tf.constant(row))["y"].numpy() for row in rows]
+    before = len(recorder.sizes.get("mlp", []))
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda row: infer(server, "grpc", "mlp", {"x": row}).as_numpy("y"), rows))
+    for got, want in zip(results, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    sizes = recorder.sizes["mlp"][before:]
+    assert sum(sizes) == 16
+    assert max(sizes) > 1, f"the dynamic batcher never joined requests: {sizes}"
+
+
+# --------------------------------------------------------------------------- auto-complete
+
+
+def test_auto_complete_without_config(server: ServerThread) -> None:
+    config = httpclient.InferenceServerClient(server.url).get_model_config("mlp_auto")
+    assert config["platform"] == "tensorflow_savedmodel"
+    assert config["max_batch_size"] == 4
+    assert "dynamic_batching" in config
+    assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"]] == [("x", "TYPE_FP32", [4])]
+    assert sorted((t["name"], t["dims"]) for t in config["output"]) == [("norm", [1]), ("y", [3])]
+    x = np.ones((2, 4), dtype=np.float32)
+    assert infer(server, "http", "mlp_auto", {"x": x}).as_numpy("norm").tolist() == [[2.0], [2.0]]
+
+
+def test_auto_complete_named_signature_and_scalar_rows(server: ServerThread) -> None:
+    client = httpclient.InferenceServerClient(server.url)
+    conv = client.get_model_config("conv")
+    assert conv["max_batch_size"] == 4
+    assert [(t["name"], t["dims"]) for t in conv["input"]] == [("image", [8, 8, 1])]
+    upper = client.get_model_config("upper")
+    # max_batch_size 0 is indistinguishable from unset in proto3, so the signature's unknown
+    # first dimension makes this a batching model; its scalar rows are dims [1] reshaped to [].
+    assert upper["max_batch_size"] == 4
+    assert [(t["name"], t["data_type"], t["dims"], t["reshape"]["shape"]) for t in upper["input"]] == [
+        ("text", "TYPE_STRING", [1], [])
+    ]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("model", "fragments"),
+    [
+        ("bad_name", ["input 'input'", "signature 'serving_default'", "inputs: x"]),
+        ("bad_type", ["input 'x'", "TYPE_FP16", "TYPE_FP32"]),
+        ("bad_dims", ["output 'y'", "[-1, 2]", "[-1, 3]"]),
+        ("bad_signature", ["no signature 'predict'", "serving_default"]),
+        ("corrupt", ["cannot load TensorFlow SavedModel"]),
+        ("missing", ["SavedModel directory", "not found"]),
+        ("graphdef_no_io", ["GraphDef", "config.pbtxt"]),
+        ("graphdef_bad_name", ["output 'logits'", "not a tensor of GraphDef", "placeholders: x"]),
+        ("graphdef_corrupt", ["cannot load TensorFlow GraphDef"]),
+    ],
+)
+def test_bad_models_are_unavailable_with_a_reason(server: ServerThread, model: str, fragments: list[str]) -> None:
+    entry = repository_index(server)[model]
+    assert entry["state"] == "UNAVAILABLE"
+    for fragment in fragments:
+        assert fragment in entry["reason"], entry["reason"]
+
+
+def test_good_models_are_ready(server: ServerThread) -> None:
+    index = repository_index(server)
+    for name in ("mlp", "mlp_auto", "conv", "upper", "graphdef"):
+        assert index[name]["state"] == "READY", index[name]
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.skipif(not tf.config.list_physical_devices("GPU"), reason="needs a GPU and a CUDA build of TensorFlow")
+def test_gpu_instance_runs_on_gpu(tmp_path: Path, module_server: Any, modules: dict[str, Any]) -> None:
+    tf_models.save(modules["mlp"], tmp_path / "mlp")
+    repo = tmp_path / "gpu_repo"
+    files = {f"1/model.savedmodel/{k}": v for k, v in _tree(tmp_path / "mlp").items()}
+    write_model(repo, "mlp_gpu", MLP_CONFIG + "instance_group [ { kind: KIND_GPU, gpus: [ 0 ] } ]\n", files)
+    gpu_server = module_server(repo, backends=BACKENDS)
+    x = np.random.default_rng(6).standard_normal((3, 4)).astype(np.float32)
+    got = infer(gpu_server, "grpc", "mlp_gpu", {"x": x}).as_numpy("y")
+    np.testing.assert_allclose(got, modules["mlp"](tf.constant(x))["y"].numpy(), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,208 @@
+"""Endpoint restriction (``--http-restricted-api``, ``--grpc-restricted-protocol``).
+
+Each flag value is ``<api>[,<api>...]:<key>=<value>``: requests to an API of those categories
+must carry header ``<key>: <value>`` (HTTP) or metadata ``triton-grpc-protocol-<key>:
+<value>`` (gRPC). Otherwise HTTP answers 403 ``This API is restricted, expecting header
+'<key>'`` and gRPC ``PERMISSION_DENIED`` with the same text. Only installed when a flag is
+given, so unrestricted servers pay nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+CATEGORIES = (
+    "health",
+    "metadata",
+    "inference",
+    "shared-memory",
+    "model-config",
+    "model-repository",
+    "statistics",
+    "trace",
+    "logging",
+)
+"""Triton's API categories."""
+
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
+
+
+class RestrictionError(ValueError):
+    """A malformed restriction flag value."""
+
+
+@dataclass(frozen=True, slots=True)
+class Restriction:
+    """The header a category requires."""
+
+    key: str
+    value: str
+
+    @property
+    def message(self) -> str:
+        return f"This API is restricted, expecting header '{self.key}'"
+
+
+Restrictions = Mapping[str, Restriction]
+"""Category → required header."""
+
+
+def parse_restrictions(items: Iterable[str], *, grpc: bool = False) -> dict[str, Restriction]:
+    """Flag values → category → ``Restriction`` (gRPC keys get the ``triton-grpc-protocol-`` prefix).
+
+    :raises RestrictionError: unknown category, a category restricted twice, or a bad form.
+    """
+    result: dict[str, Restriction] = {}
+    for item in items:
+        apis, sep, header = item.partition(":")
+        key, eq, value = header.partition("=")
+        if not sep or not eq or not apis.strip() or not key.strip():
+            raise RestrictionError(f"restricted API '{item}' must be <api>[,<api>...]:<key>=<value>")
+        key = key.strip().lower()
+        if grpc:
+            key = GRPC_HEADER_PREFIX + key
+        for api in apis.split(","):
+            api = api.strip()
+            if api not in CATEGORIES:
+                raise RestrictionError(f"unknown restricted API category '{api}' (expected one of {', '.join(CATEGORIES)})")
+            if api in result:
+                raise RestrictionError(f"restricted API category '{api}' is given more than once")
+            result[api] = Restriction(key, value)
+    return result
+
+
+_MODEL_PATH = re.compile(r"^/v2/models/[^/]+(?:/versions/[0-9]+)?(?P<rest>/.*)?$")
+
+
+def http_category(method: str, path: str) -> str | None:
+    """The category of an HTTP request, or None for paths outside the restricted APIs."""
+    if path.startswith("/v2/health/"):
+        return "health"
+    if path in ("/v2", "/v2/"):
+        return "metadata"
+    if path.startswith("/v2/repository"):
+        return "model-repository"
+    if path.startswith(("/v2/systemsharedmemory", "/v2/cudasharedmemory")):
+        return "shared-memory"
+    if path.startswith("/v2/trace"):
+        return "trace"
+    if path.startswith("/v2/logging"):
+        return "logging"
+    if path == "/v2/models/stats":
+        return "statistics"
+    match = _MODEL_PATH.match(path)
+    if match is None:
+        return None
+    rest = match.group("rest") or ""
+    if rest == "":
+        return "metadata"
+    if rest == "/ready":
+        return "health"
+    if rest in ("/infer", "/generate", "/generate_stream"):
+        return "inference"
+    if rest == "/config":
+        return "model-config"
+    if rest == "/stats":
+        return "statistics"
+    if rest == "/trace/setting":
+        return "trace"
+    return None
+
+
+GRPC_CATEGORIES = {
+    "ServerLive": "health",
+    "ServerReady": "health",
+    "ModelReady": "health",
+    "Check": "health",
+    "ServerMetadata": "metadata",
+    "ModelMetadata": "metadata",
+    "ModelInfer": "inference",
+    "ModelStreamInfer": "inference",
+    "ModelConfig": "model-config",
+    "ModelStatistics": "statistics",
+    "RepositoryIndex": "model-repository",
+    "RepositoryModelLoad": "model-repository",
+    "RepositoryModelUnload": "model-repository",
+    "SystemSharedMemoryStatus": "shared-memory",
+    "SystemSharedMemoryRegister": "shared-memory",
+    "SystemSharedMemoryUnregister": "shared-memory",
+    "CudaSharedMemoryStatus": "shared-memory",
+    "CudaSharedMemoryRegister": "shared-memory",
+    "CudaSharedMemoryUnregister": "shared-memory",
+    "TraceSetting": "trace",
+    "LogSettings": "logging",
+}
+"""gRPC method name → category."""
+
+
+class RestrictedHttp:
+    """ASGI middleware answering 403 to requests of a restricted category without its header.
+
+    :param app: the application behind it.
+    :param restrictions: category → required header.
+    """
+
+    def __init__(self, app: Any, restrictions: Restrictions) -> None:
+        self.app = app
+        self.restrictions = dict(restrictions)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            category = http_category(scope["method"], scope["path"])
+            rule = self.restrictions.get(category) if category else None
+            if rule is not None and not _has_header(scope["headers"], rule):
+                body = orjson.dumps({"error": rule.message})
+                await send({"type": "http.response.start", "status": 403,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def _has_header(headers: Iterable[tuple[bytes, bytes]], rule: Restriction) -> bool:
+    key = rule.key.encode("latin-1")
+    value = rule.value.encode("latin-1")
+    return any(k.lower() == key and v == value for k, v in headers)
+
+
+def grpc_interceptor(restrictions: Restrictions) -> Any:
+    """A ``grpc.aio.ServerInterceptor`` enforcing ``restrictions`` (PERMISSION_DENIED)."""
+    import grpc
+
+    rules = dict(restrictions)
+
+    def denier(message: str, streaming_request: bool, streaming_response: bool) -> Any:
+        async def abort_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+
+        async def abort_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+            yield  # pragma: no cover - makes this an async generator
+
+        if streaming_request and streaming_response:
+            return grpc.stream_stream_rpc_method_handler(abort_stream)
+        if streaming_request:
+            return grpc.stream_unary_rpc_method_handler(abort_unary)
+        if streaming_response:
+            return grpc.unary_stream_rpc_method_handler(abort_stream)
+        return grpc.unary_unary_rpc_method_handler(abort_unary)
+
+    class _Interceptor(grpc.aio.ServerInterceptor):
+        async def intercept_service(self, continuation: Any, details: Any) -> Any:
+            method = details.method.rsplit("/", 1)[-1]
+            rule = rules.get(GRPC_CATEGORIES.get(method, ""))
+            if rule is not None:
+                metadata = details.invocation_metadata or ()
+                if not any(k.lower() == rule.key and v == rule.value for k, v in metadata):
+                    handler = await continuation(details)
+                    if handler is None:
+                        return None
+                    return denier(rule.message, handler.request_streaming, handler.response_streaming)
+            return await continuation(details)
+
+    return _Interceptor()

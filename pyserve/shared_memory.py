@@ -1,0 +1,348 @@
+"""Triton's shared-memory extensions: client-registered regions that tensors are read from
+and written to in place.
+
+A client creates a POSIX shared-memory object (``/dev/shm/<key>``), registers a window of it
+under a region name, then names that region in an input's or output's
+``shared_memory_region`` / ``shared_memory_offset`` / ``shared_memory_byte_size``
+parameters. Inputs become numpy views on the mapping (no copy); outputs are written into it
+and the response carries no data for them.
+
+Each server owns one ``SharedMemoryManager``. System and CUDA regions share one name space,
+as in Triton. Only objects a client registered are ever mapped, and every offset and size is
+checked against the registered window before any byte is touched.
+
+Lifetime: a request holds a reference to the ``Region`` (and its numpy views hold the
+mapping's buffer), so unregistering a region that a request is using only removes the
+name; the mapping itself is unmapped when the last request using it lets go of it.
+"""
+
+from __future__ import annotations
+
+import base64
+import mmap
+import os
+import stat
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pyserve.errors import ErrorCode, InferError
+
+SHM_DIRECTORY = "/dev/shm"
+"""Where POSIX shared-memory objects live (``shm_open`` names) on Linux."""
+
+
+def _invalid_key(key: str) -> bool:
+    name = key.removeprefix("/")
+    return not name or "/" in name or name in (".", "..") or "\0" in name
+
+
+class Region:
+    """One registered region: a window ``[offset, offset + byte_size)`` of a mapping.
+
+    Subclasses implement ``read``/``write``; ``status`` is the region's status entry.
+    """
+
+    kind = "system"
+
+    def __init__(self, name: str, byte_size: int) -> None:
+        self.name = name
+        self.byte_size = byte_size
+
+    def check_window(self, offset: int, byte_size: int, what: str) -> None:
+        """Refuse an ``offset``/``byte_size`` pair that leaves the region.
+
+        :raises InferError: INVALID_ARG naming ``what`` (the tensor) and the region.
+        """
+        if offset < 0 or byte_size < 0 or offset + byte_size > self.byte_size:
+            raise InferError.invalid(
+                f"{what}: shared memory offset {offset} and byte size {byte_size} exceed the "
+                f"{self.byte_size} byte(s) of region '{self.name}'"
+            )
+
+    def read(self, offset: int, byte_size: int) -> memoryview | bytes:
+        """The bytes of ``[offset, offset + byte_size)`` (a view where possible)."""
+        raise NotImplementedError
+
+    def write(self, offset: int, data: memoryview | bytes) -> None:
+        """Copy ``data`` into the region at ``offset``."""
+        raise NotImplementedError
+
+    def status(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class SystemRegion(Region):
+    """A window of a POSIX shared-memory object, mapped read-write."""
+
+    def __init__(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        super().__init__(name, byte_size)
+        self.key = key
+        self.offset = offset
+        path = os.path.join(SHM_DIRECTORY, key.removeprefix("/"))
+        try:
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise InferError.invalid(
+                f"Unable to open shared memory region: '{key}': {exc.strerror or exc}"
+            ) from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise InferError.invalid(f"shared memory key '{key}' does not name a shared memory object")
+            if offset + byte_size > info.st_size:
+                raise InferError.invalid(
+                    f"failed to register shared memory region '{name}': offset {offset} plus byte size "
+                    f"{byte_size} exceeds the {info.st_size} byte(s) of shared memory object '{key}'"
+                )
+            if offset + byte_size == 0:
+                self._map: mmap.mmap | None = None
+                self._view = memoryview(b"")
+            else:
+                # map from 0: mmap offsets must be page aligned, region offsets need not be
+                self._map = mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                self._view = memoryview(self._map)[offset : offset + byte_size]
+        finally:
+            os.close(fd)
+
+    def read(self, offset: int, byte_size: int) -> memoryview:
+        return self._view[offset : offset + byte_size]
+
+    def write(self, offset: int, data: memoryview | bytes) -> None:
+        self._view[offset : offset + len(data)] = data
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+
+def _cupy() -> Any:
+    """The cupy module when it and a CUDA device are usable, else None."""
+    try:
+        import cupy  # type: ignore[import-not-found]
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+        return cupy
+    except Exception:  # ImportError, or a CUDA runtime error without a driver/device
+        return None
+
+
+def cuda_available() -> bool:
+    """Whether CUDA shared memory can be registered (cupy installed and a GPU present)."""
+    return _cupy() is not None
+
+
+class CudaRegion(Region):
+    """Device memory of another process, opened from a ``cudaIpcMemHandle_t`` with cupy.
+
+    Inputs are copied to host memory (backends take numpy arrays); outputs are copied to the
+    device.
+    """
+
+    kind = "cuda"
+
+    def __init__(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        super().__init__(name, byte_size)
+        cupy = _cupy()
+        if cupy is None:
+            raise InferError.unsupported(
+                "CUDA shared memory is not available on this server (it needs cupy and a CUDA device)"
+            )
+        self.device_id = device_id
+        self._cupy = cupy
+        try:
+            with cupy.cuda.Device(device_id):
+                self._pointer = int(cupy.cuda.runtime.ipcOpenMemHandle(raw_handle))
+        except Exception as exc:
+            raise InferError.invalid(f"failed to open CUDA IPC handle for region '{name}': {exc}") from None
+
+    def read(self, offset: int, byte_size: int) -> bytes:
+        host = np.empty(byte_size, dtype=np.uint8)
+        runtime = self._cupy.cuda.runtime
+        with self._cupy.cuda.Device(self.device_id):
+            runtime.memcpy(host.ctypes.data, self._pointer + offset, byte_size, runtime.memcpyDeviceToHost)
+        return host.tobytes()
+
+    def write(self, offset: int, data: memoryview | bytes) -> None:
+        host = np.frombuffer(data, dtype=np.uint8)
+        runtime = self._cupy.cuda.runtime
+        with self._cupy.cuda.Device(self.device_id):
+            runtime.memcpy(self._pointer + offset, host.ctypes.data, host.size, runtime.memcpyHostToDevice)
+
+    def close(self) -> None:
+        try:
+            with self._cupy.cuda.Device(self.device_id):
+                self._cupy.cuda.runtime.ipcCloseMemHandle(self._pointer)
+        except Exception:  # the handle's owner may already be gone
+            pass
+
+    def __del__(self) -> None:
+        if getattr(self, "_pointer", None) is not None:
+            self.close()
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
+
+
+@dataclass(slots=True)
+class ShmTarget:
+    """Where one output goes: a region, an offset in it and the bytes the client reserved."""
+
+    region: Region
+    offset: int
+    byte_size: int
+
+    def parameters(self) -> dict[str, Any]:
+        """The shm parameters echoed on the response output."""
+        params: dict[str, Any] = {"shared_memory_region": self.region.name}
+        if self.offset:
+            params["shared_memory_offset"] = self.offset
+        params["shared_memory_byte_size"] = self.byte_size
+        return params
+
+
+class SharedMemoryManager:
+    """The regions clients registered with one server. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._regions: dict[str, Region] = {}
+        self._lock = threading.Lock()
+
+    # -- registration ----------------------------------------------------------------------------
+    def register_system(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Map ``/dev/shm/<key>`` from ``offset`` for ``byte_size`` bytes under ``name``.
+
+        :raises InferError: bad arguments, an object that cannot be opened, or the name taken.
+        """
+        _check_name(name)
+        if not isinstance(key, str) or _invalid_key(key):
+            raise InferError.invalid(f"invalid shared memory key '{key}': expected a POSIX shared memory name")
+        _check_uint(offset, "offset")
+        _check_uint(byte_size, "byte_size")
+        self._refuse_taken(name)
+        region = SystemRegion(name, key, offset, byte_size)
+        self._add(region)
+
+    def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        """Open a CUDA IPC memory handle under ``name``.
+
+        :raises InferError: UNSUPPORTED without cupy/a GPU; bad arguments; the name taken.
+        """
+        _check_name(name)
+        _check_uint(device_id, "device_id")
+        _check_uint(byte_size, "byte_size")
+        self._refuse_taken(name)
+        self._add(CudaRegion(name, raw_handle, device_id, byte_size))
+
+    def register_cuda_json(self, name: str, body: dict[str, Any]) -> None:
+        """``register_cuda`` from the HTTP body ``{"raw_handle": {"b64": ...}, "device_id", "byte_size"}``."""
+        handle = body.get("raw_handle")
+        if not isinstance(handle, dict) or not isinstance(handle.get("b64"), str):
+            raise InferError.invalid("'raw_handle' must be an object with a base64 'b64' string")
+        try:
+            raw = base64.b64decode(handle["b64"], validate=True)
+        except ValueError:
+            raise InferError.invalid("'raw_handle.b64' is not valid base64") from None
+        self.register_cuda(name, raw, body.get("device_id", 0), body.get("byte_size"))  # type: ignore[arg-type]
+
+    def unregister(self, name: str = "", kind: str = "system") -> None:
+        """Drop region ``name`` of ``kind`` (every region of that kind when ``name`` is empty).
+
+        Unknown names are not an error, as in Triton. Requests already holding the region keep
+        it mapped until they finish.
+        """
+        with self._lock:
+            if name:
+                region = self._regions.get(name)
+                if region is not None and region.kind == kind:
+                    del self._regions[name]
+            else:
+                for key in [k for k, r in self._regions.items() if r.kind == kind]:
+                    del self._regions[key]
+
+    def status(self, name: str = "", kind: str = "system") -> list[dict[str, Any]]:
+        """Status entries of every region of ``kind``, or of region ``name``.
+
+        :raises InferError: NOT_FOUND for an unknown ``name``.
+        """
+        with self._lock:
+            if not name:
+                return [r.status() for r in self._regions.values() if r.kind == kind]
+            region = self._regions.get(name)
+        if region is None or region.kind != kind:
+            label = "system" if kind == "system" else "cuda"
+            raise InferError.not_found(f"Unable to find {label} shared memory region: '{name}'")
+        return [region.status()]
+
+    # -- use by requests -------------------------------------------------------------------------
+    def region(self, name: object, what: str) -> Region:
+        """The region a tensor names.
+
+        :raises InferError: INVALID_ARG for a non-string or unregistered name.
+        """
+        if not isinstance(name, str):
+            raise InferError.invalid(f"{what}: 'shared_memory_region' must be a string")
+        region = self._regions.get(name)
+        if region is None:
+            raise InferError.invalid(f"{what}: Unable to find shared memory region: '{name}'")
+        return region
+
+    def input_bytes(self, params: Any, what: str) -> memoryview | bytes:
+        """The bytes an input's shm parameters designate (``params`` maps key → value)."""
+        region, offset, byte_size = self._window(params, what)
+        return region.read(offset, byte_size)
+
+    def output_target(self, params: Any, what: str) -> ShmTarget:
+        """Where an output with shm parameters is to be written."""
+        region, offset, byte_size = self._window(params, what)
+        return ShmTarget(region, offset, byte_size)
+
+    def _window(self, params: Any, what: str) -> tuple[Region, int, int]:
+        region = self.region(params.get("shared_memory_region"), what)
+        offset = params.get("shared_memory_offset", 0)
+        byte_size = params.get("shared_memory_byte_size")
+        if byte_size is None:
+            raise InferError.invalid(f"{what}: 'shared_memory_byte_size' is required with 'shared_memory_region'")
+        for label, value in (("shared_memory_offset", offset), ("shared_memory_byte_size", byte_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InferError.invalid(f"{what}: '{label}' must be a non-negative integer")
+        region.check_window(offset, byte_size, what)
+        return region, offset, byte_size
+
+    # -- internals -------------------------------------------------------------------------------
+    def _refuse_taken(self, name: str) -> None:
+        if name in self._regions:
+            raise InferError(f"shared memory region '{name}' already in manager", ErrorCode.ALREADY_EXISTS)
+
+    def _add(self, region: Region) -> None:
+        with self._lock:
+            if region.name in self._regions:
+                raise InferError(
+                    f"shared memory region '{region.name}' already in manager", ErrorCode.ALREADY_EXISTS
+                )
+            self._regions[region.name] = region
+
+
+def write_output(target: ShmTarget, data: memoryview | bytes, what: str) -> None:
+    """Write an output's wire bytes into its region.
+
+    :raises InferError: the output does not fit in the bytes the client reserved.
+    """
+    if len(data) > target.byte_size:
+        raise InferError.invalid(
+            f"shared memory size specified with the request for output '{what}' ({target.byte_size} bytes) "
+            f"should be at least {len(data)} bytes to hold the results"
+        )
+    target.region.write(target.offset, data)
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str) or not name:
+        raise InferError.invalid("a shared memory region needs a non-empty name")
+
+
+def _check_uint(value: object, label: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InferError.invalid(f"'{label}' must be a non-negative integer")
