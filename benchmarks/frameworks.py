@@ -7,6 +7,8 @@ repository, by one ``pyserve run`` process; the client (tritonclient, this proce
 requests one after another and the table shows medians:
 
 * batch 1 over gRPC and over HTTP (binary tensor data): a model without dynamic batching;
+* ``identity`` (the echo backend, no framework) is the baseline row: what the server and the
+  client cost on their own;
 * concurrency 16: 16 client threads, each sending batch-1 requests in a closed loop to a model
   with ``dynamic_batching``; the overhead column compares the median latency with one direct
   call on a batch of 16 (what the batcher can at best turn 16 requests into).
@@ -47,10 +49,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_MODELS = ROOT / "examples" / "mixed_repository" / "build_models.py"
 TARGET_GRPC_US = 300.0
-BACKENDS = ("onnxruntime", "pytorch", "tensorflow")
+BATCHING = "dynamic_batching { max_queue_delay_microseconds: 100 }\n"
+BACKENDS = ("identity", "onnxruntime", "pytorch", "tensorflow")
+"""``identity`` (echo, no framework) is the baseline: what the server and client cost alone."""
 FILES = {"onnxruntime": "model.onnx", "pytorch": "model.pt", "tensorflow": "model.savedmodel"}
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "pytorch": "pytorch_libtorch", "tensorflow": "tensorflow_savedmodel"}
-NAMES = {"onnxruntime": ("x", "y"), "pytorch": ("INPUT__0", "OUTPUT__0"), "tensorflow": ("x", "y")}
+NAMES = {
+    "identity": ("INPUT0", "OUTPUT0"),
+    "onnxruntime": ("x", "y"),
+    "pytorch": ("INPUT__0", "OUTPUT__0"),
+    "tensorflow": ("x", "y"),
+}
 
 
 def _load_builders() -> ModuleType:
@@ -87,12 +96,22 @@ def build_torch_mlp(path: Path, weights: dict[str, np.ndarray]) -> None:
         torch.jit.trace(MLP().eval(), torch.zeros(2, 4)).save(str(path))
 
 
-def write_repository(repo: Path, backends: tuple[str, ...]) -> dict[str, Path]:
-    """Two models per backend: ``<backend>`` and ``<backend>_batched``; returns backend → model file."""
+def write_repository(repo: Path, store: Path, backends: tuple[str, ...]) -> dict[str, Path]:
+    """Two models per backend, ``<backend>`` and ``<backend>_batched``, linking to one model file
+    in ``store``; returns backend → model file."""
     builders = _load_builders()
     files: dict[str, Path] = {}
     for backend in backends:
-        source = repo / "_files" / backend / FILES[backend]
+        if backend == "identity":
+            for name, batching in (("identity", ""), ("identity_batched", BATCHING)):
+                (repo / name / "1").mkdir(parents=True)
+                (repo / name / "config.pbtxt").write_text(
+                    'backend: "identity"\nmax_batch_size: 16\n'
+                    'input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]\n'
+                    'output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]\n' + batching
+                )
+            continue
+        source = store / backend / FILES[backend]
         if backend == "onnxruntime":
             builders.build_onnx(source)
         elif backend == "pytorch":
@@ -101,7 +120,7 @@ def write_repository(repo: Path, backends: tuple[str, ...]) -> dict[str, Path]:
             builders.build_savedmodel(source)
         files[backend] = source
         inp, out = NAMES[backend]
-        for name, batching in ((backend, ""), (f"{backend}_batched", "dynamic_batching { max_queue_delay_microseconds: 100 }\n")):
+        for name, batching in ((backend, ""), (f"{backend}_batched", BATCHING)):
             version = repo / name / "1"
             version.mkdir(parents=True)
             target = version / FILES[backend]
@@ -117,6 +136,8 @@ def write_repository(repo: Path, backends: tuple[str, ...]) -> dict[str, Path]:
 
 def direct_caller(backend: str, path: Path) -> Callable[[np.ndarray], np.ndarray]:
     """The framework called the way the backend calls it, on a host array."""
+    if backend == "identity":
+        return lambda x: x
     if backend == "onnxruntime":
         import onnxruntime as ort
 
@@ -150,13 +171,15 @@ def _free_port() -> int:
 
 
 @contextmanager
-def pyserve(repo: Path) -> Iterator[tuple[str, str]]:
+def pyserve(repo: Path, log_path: Path) -> Iterator[tuple[str, str]]:
     http_port, grpc_port, metrics_port = _free_port(), _free_port(), _free_port()
     command = [
         sys.executable, "-m", "pyserve", "run", "--model-repository", str(repo), "--host", "127.0.0.1",
         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
     ]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log_file = log_path.open("w")
+    # a file, not a pipe: a pipe nobody reads fills up and stalls the server's logging
+    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -167,7 +190,7 @@ def pyserve(repo: Path) -> Iterator[tuple[str, str]]:
             except OSError:
                 pass
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"pyserve did not become ready: {process.stderr.read() if process.stderr else ''}")
+                raise RuntimeError(f"pyserve did not become ready:\n{log_path.read_text()[-4000:]}")
             time.sleep(0.2)
         yield f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
     finally:
@@ -176,6 +199,8 @@ def pyserve(repo: Path) -> Iterator[tuple[str, str]]:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+            process.wait()
+        log_file.close()
 
 
 def client_caller(protocol: str, url: str, model: str, inp: str, out: str) -> Callable[[np.ndarray], np.ndarray]:
@@ -239,6 +264,10 @@ def concurrent_median_us(make_call: Callable[[], Callable[[np.ndarray], Any]], x
 # --------------------------------------------------------------------------- main
 
 
+def progress(message: str) -> None:
+    print(f"[frameworks] {message}", file=sys.stderr, flush=True)
+
+
 @dataclass
 class Row:
     backend: str
@@ -262,19 +291,23 @@ def main() -> None:
     x16 = np.random.default_rng(1).standard_normal((16, 4)).astype(np.float32)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="pyserve-frameworks-") as tmp:
-        repo = Path(tmp)
-        files = write_repository(repo, backends)
-        directs = {b: direct_caller(b, files[b]) for b in backends}
-        with pyserve(repo) as (http_url, grpc_url):
+        repo = Path(tmp) / "repository"
+        progress("building the models")
+        files = write_repository(repo, Path(tmp) / "files", backends)
+        directs = {b: direct_caller(b, files.get(b, Path())) for b in backends}
+        progress("starting pyserve")
+        with pyserve(repo, Path(tmp) / "pyserve.log") as (http_url, grpc_url):
             for backend in backends:
                 inp, out = NAMES[backend]
                 direct = directs[backend]
                 grpc_call = client_caller("grpc", grpc_url, backend, inp, out)
                 np.testing.assert_allclose(grpc_call(x1), direct(x1), rtol=1e-4, atol=1e-5)
+                progress(f"{backend}: concurrency {args.concurrency}")
                 c16 = concurrent_median_us(
                     lambda: client_caller("grpc", grpc_url, f"{backend}_batched", inp, out),
                     x1, args.concurrent_requests, args.concurrency,
                 )
+                progress(f"{backend}: batch 1 (direct, gRPC, HTTP) and direct batch 16")
                 rows.append(Row(
                     backend,
                     direct_1=median_us(direct, x1, args.requests),
@@ -296,6 +329,8 @@ def main() -> None:
         )
     print()
     for r in rows:
+        if r.backend == "identity":
+            continue
         overhead = r.grpc_1 - r.direct_1
         verdict = "meets" if overhead < TARGET_GRPC_US else "misses"
         print(f"{r.backend}: gRPC batch-1 overhead {overhead:.0f} µs {verdict} the < {TARGET_GRPC_US:.0f} µs target")

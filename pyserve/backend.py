@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pyserve_hookspecs import hookimpl
 
+from pyserve.metrics import CustomMetrics
+
 if TYPE_CHECKING:
     from pyserve.errors import InferError
     from pyserve.inference import InferRequest, InferResponse
@@ -31,11 +33,14 @@ class BackendContext:
     :ivar config: the ``--backend-config <name>,<key>=<value>`` settings, plus the server-wide
         keys Triton passes (``auto-complete-config``, ``default-max-batch-size``).
     :ivar state: free for the backend; the server never reads it.
+    :ivar metrics: custom metric families shown on the server's ``/metrics`` page
+        (``counter``, ``gauge``, ``histogram``, ``include``; see ``pyserve.metrics.CustomMetrics``).
     """
 
     name: str
     config: dict[str, str] = field(default_factory=dict)
     state: Any = None
+    metrics: CustomMetrics = field(default_factory=CustomMetrics)
 
 
 @dataclass(eq=False)
@@ -53,6 +58,8 @@ class ModelContext:
     :ivar server: the in-process API of the server (``pyserve.inprocess.ServerHandle``) for
         calling other models (BLS); None outside a running server.
     :ivar state: what ``pyserve_model_create`` returned.
+    :ivar metrics: custom metric families shown on the server's ``/metrics`` page (the same
+        object as ``backend.metrics``; see ``pyserve.metrics.CustomMetrics``).
     """
 
     name: str
@@ -64,6 +71,7 @@ class ModelContext:
     auto_complete: bool = True
     server: Any = None
     state: Any = None
+    metrics: CustomMetrics = field(default_factory=CustomMetrics)
 
     @property
     def version_path(self) -> Path:

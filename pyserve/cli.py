@@ -64,6 +64,14 @@ def _backend_setting(item: str) -> tuple[str, str, str]:
     return backend.strip(), key.strip(), value
 
 
+def _metrics_setting(item: str) -> tuple[str, str]:
+    """One ``--metrics-config`` value, ``<key>=<value>``."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"'{item}' must be <key>=<value>")
+    return key.strip(), value.strip()
+
+
 def _backend_config(items: Sequence[tuple[str, str, str]]) -> dict[str, dict[str, str]]:
     """The parsed ``--backend-config`` values, as settings per backend (``""`` = every backend)."""
     settings: dict[str, dict[str, str]] = {}
@@ -83,7 +91,20 @@ def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     run.add_argument("--metrics-port", type=_port, default=8002, help="metrics port (default 8002)")
     run.add_argument("--allow-http", type=_bool, default=True, metavar="BOOL")
     run.add_argument("--allow-grpc", type=_bool, default=True, metavar="BOOL")
-    run.add_argument("--allow-metrics", type=_bool, default=True, metavar="BOOL")
+    run.add_argument("--allow-metrics", type=_bool, default=True, metavar="BOOL",
+                     help="serve Prometheus metrics on --metrics-port at /metrics (default true)")
+    metrics_flags = run.add_argument_group("metrics")
+    metrics_flags.add_argument("--metrics-address", default="", metavar="HOST",
+                               help="address the metrics service listens on (default: --http-address)")
+    metrics_flags.add_argument("--metrics-interval-ms", type=int, default=2000, metavar="MS",
+                               help="how often CPU and GPU metrics are refreshed (default 2000)")
+    metrics_flags.add_argument("--metrics-config", action="append", default=[], type=_metrics_setting,
+                               metavar="KEY=VALUE",
+                               help="counter_latencies=BOOL (default true), histogram_latencies=BOOL "
+                                    "(default false); repeatable")
+    metrics_flags.add_argument("--allow-cpu-metrics", type=_bool, default=True, metavar="BOOL")
+    metrics_flags.add_argument("--allow-gpu-metrics", type=_bool, default=True, metavar="BOOL",
+                               help="GPU metrics through NVML (needs pynvml and a GPU; default true)")
     grpc_flags = run.add_argument_group("gRPC")
     grpc_flags.add_argument("--grpc-address", default="", metavar="HOST",
                             help="address the gRPC service listens on (default: --host)")
@@ -221,6 +242,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         allow_http=args.allow_http,
         allow_grpc=args.allow_grpc,
+        allow_metrics=args.allow_metrics,
+        allow_cpu_metrics=args.allow_cpu_metrics,
+        allow_gpu_metrics=args.allow_gpu_metrics,
+        metrics_address=args.metrics_address,
+        metrics_interval_ms=args.metrics_interval_ms,
+        metrics_config=dict(args.metrics_config),
         grpc=GrpcOptions(
             host=args.grpc_address,
             max_message_bytes=args.grpc_max_message_size,

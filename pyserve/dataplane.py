@@ -12,6 +12,7 @@ from typing import Any
 
 from pyserve.errors import ErrorCode, InferError
 from pyserve.inference import FutureSender, InferRequest, InferResponse
+from pyserve.metrics import select_versions, statistics_json
 from pyserve.model_manager import ModelManager
 from pyserve.models import ModelVersion
 from pyserve.protocol.config_json import model_config_to_dict
@@ -24,7 +25,7 @@ log = logging.getLogger("pyserve.dataplane")
 EXTENSIONS = (
     "classification", "binary_tensor_data", "parameters", "model_configuration",
     "model_repository", "model_repository(unload_dependents)",
-    "system_shared_memory", "trace", "logging",
+    "system_shared_memory", "statistics", "trace", "logging",
 )
 """The protocol extensions this server implements (reported by server metadata)."""
 
@@ -109,6 +110,14 @@ class DataPlane:
     def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
         return self.models.index(ready_only)
 
+    def model_statistics(self, name: str = "", version: str | None = None) -> dict[str, Any]:
+        """Triton's statistics ``{"model_stats": [...]}``: every READY version of every model
+        (``name`` empty), of one model (``version`` None), or one version.
+
+        :raises InferError: INVALID_ARG when the model or version is not loaded.
+        """
+        return statistics_json(select_versions(self.models.records, name, version))
+
     async def load_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:
         """Load or reload a model (explicit mode), off the event loop; returns once READY.
 
@@ -137,6 +146,7 @@ class DataPlane:
             return InferError.unavailable(f"model '{model.name}' version {model.version} is not ready")
         if self.tracing.active:  # the only cost of tracing while it is off
             self.tracing.begin(request)
+        request.stats = model.stats  # counted from here on: a cache hit never reaches enqueue
         cache = self.cache
         if cache is not None and cache_enabled(model) and cache.serve(request):
             self._open.add(request)  # answered from the cache: the scheduler is skipped

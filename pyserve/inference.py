@@ -90,6 +90,12 @@ class InferRequest:
     :ivar batch_size: size of the leading batch dimension (1 for non-batching models).
     :ivar arrival_ns: ``time.monotonic_ns()`` when the frontend created the request.
     :ivar trace: the request's ``pyserve.tracing.RequestTrace`` when it is sampled, else None.
+    :ivar stats: the ``pyserve.metrics.ModelStats`` the request is counted in (set when it is
+        submitted; None for requests the server does not count, e.g. warmup).
+    :ivar exec_start_ns: -1 before the request is queued, 0 while queued, then the
+        ``time.monotonic_ns()`` at which an instance started executing it.
+    :ivar exec_end_ns: when that execute call returned (0 until then).
+    :ivar first_response_ns: when a first, non-final response was sent (0 = none yet).
     """
 
     __slots__ = (
@@ -101,6 +107,9 @@ class InferRequest:
         "finish",
         "batch_size",
         "correlation_id",
+        "exec_end_ns",
+        "exec_start_ns",
+        "first_response_ns",
         "flags",
         "id",
         "inputs",
@@ -109,6 +118,7 @@ class InferRequest:
         "parameters",
         "priority",
         "requested_outputs",
+        "stats",
         "timeout_us",
         "trace",
         "trace_parent",
@@ -148,6 +158,10 @@ class InferRequest:
         self.finish: Callable[[InferRequest, InferResponse], InferResponse | InferError] | None = None
         self.trace: Any = None  # pyserve.tracing.RequestTrace when this request is traced
         self.trace_parent: str | None = None  # the client's W3C traceparent (set only while tracing)
+        self.stats: Any = None  # pyserve.metrics.ModelStats once submitted
+        self.exec_start_ns = -1
+        self.exec_end_ns = 0
+        self.first_response_ns = 0
 
     def __repr__(self) -> str:
         return f"InferRequest(model={self.model_name!r}, id={self.id!r}, inputs={list(self.inputs)})"
@@ -177,6 +191,12 @@ class InferRequest:
 
     def reply(self, response: InferResponse | InferError | None, final: bool = True) -> None:
         """Send a response (already checked) or an error to the frontend."""
+        stats = self.stats
+        if stats is not None and not self._final_sent:  # count each request once, at its end
+            if final:
+                stats.request_done(self, response)
+            elif not self.first_response_ns and response is not None:
+                self.first_response_ns = time.monotonic_ns()
         if final:
             self._final_sent = True
         self.attached_sender().send(response, final)

@@ -38,6 +38,7 @@ from typing import Any
 from pyserve import model_config
 from pyserve.backend import BackendContext, InstanceContext, ModelContext
 from pyserve.errors import ErrorCode, InferError, ModelConfigError
+from pyserve.metrics import CustomMetrics
 from pyserve.models import ModelRecord, ModelState, ModelVersion
 from pyserve.plugins import BackendUnavailable, LoadedBackend, PluginHost
 from pyserve.protocol import ModelConfig
@@ -139,6 +140,7 @@ class ModelManager:
         self._load_order: list[ModelVersion] = []
         self.server_handle: Any = None  # set by the server before loading (BLS)
         self.loop: asyncio.AbstractEventLoop | None = None  # set by the server: where swaps happen
+        self.custom_metrics = CustomMetrics()  # the server sets its own (backend.metrics / model.metrics)
         self._lock = threading.Lock()
         self._model_locks: dict[str, threading.RLock] = {}
         self._operations = threading.Condition(threading.Lock())
@@ -750,7 +752,7 @@ class ModelManager:
                     **self.backend_config.get("", {}),
                     **self.backend_config.get(name, {}),
                 }
-                context = BackendContext(name=name, config=settings)
+                context = BackendContext(name=name, config=settings, metrics=self.custom_metrics)
                 self._backend_contexts[backend] = context
             if backend.init_error is not None:
                 raise BackendUnavailable(backend.init_error)
@@ -786,6 +788,7 @@ class ModelManager:
             parameters=model_config.parameters(config),
             auto_complete=self.auto_complete,
             server=self.server_handle,
+            metrics=self.custom_metrics,
         )
         hooks = backend.hooks
         if self.auto_complete:

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from pyserve.backend import InstanceContext, ModelContext
+from pyserve.errors import InferError
 from pyserve.inference import InferRequest
+from pyserve.metrics import ModelStats
 from pyserve.model_config import ModelIO
 from pyserve.plugins import LoadedBackend
 from pyserve.repository import ModelSource
@@ -38,6 +40,7 @@ class ModelVersion:
 
     :ivar successor: set when a reload replaced this version while requests may still hold
         it: ``serving`` then hands those requests to the version that replaced it.
+    :ivar stats: the version's statistics (statistics extension and ``nv_inference_*`` metrics).
     """
 
     name: str
@@ -52,6 +55,7 @@ class ModelVersion:
     workers: list[InstanceWorker] = field(default_factory=list)
     scheduler: Scheduler | None = None
     successor: ModelVersion | None = None
+    stats: ModelStats = field(default_factory=ModelStats)
 
     @property
     def ready(self) -> bool:
@@ -71,8 +75,22 @@ class ModelVersion:
         return bool(self.config is not None and self.config.model_transaction_policy.decoupled)
 
     def enqueue(self, request: InferRequest) -> None:
+        """Queue a request and count it in this version's statistics (event loop only).
+
+        :raises InferError: the scheduler refused it (counted as a REJECTED failure).
+        """
         assert self.scheduler is not None
-        self.scheduler.enqueue(request)
+        stats = self.stats
+        request.stats = stats
+        request.exec_start_ns = 0
+        stats.enqueued += 1  # written only here, on the event loop (see ModelStats)
+        try:
+            self.scheduler.enqueue(request)
+        except InferError:
+            stats.enqueued -= 1
+            stats.rejected(request)
+            request.stats = None
+            raise
 
     def fail(self, reason: str) -> None:
         self.state = ModelState.UNAVAILABLE

@@ -29,6 +29,7 @@ from pyserve.grpc.server import create_server as create_grpc_server
 from pyserve.http.app import create_app
 from pyserve.http.body import DEFAULT_MAX_INPUT_SIZE
 from pyserve.inprocess import ServerHandle
+from pyserve.metrics import MetricsService, MetricsSettings, MetricsStartError, ServerMetrics, SystemMonitor
 from pyserve.model_manager import ModelManager
 from pyserve.plugins import PluginHost
 from pyserve import validation
@@ -66,6 +67,14 @@ class ServerOptions:
     trace_config: TraceConfig | None = None  # --trace-config
     http_restricted_api: Mapping[str, Restriction] = field(default_factory=dict)  # category → header
     max_tensor_elements: int = 0  # elements per input tensor; 0 = no limit
+    # Serve GET /metrics on metrics_port. Off by default for embedded servers, so that they never
+    # take port 8002 unasked; ``pyserve run`` turns it on, as Triton (--allow-metrics, default true).
+    allow_metrics: bool = False
+    allow_cpu_metrics: bool = True
+    allow_gpu_metrics: bool = True  # GPU gauges need pynvml and a GPU
+    metrics_address: str = ""  # --metrics-address; "" = host (Triton: the HTTP address)
+    metrics_interval_ms: int = 2000  # how often CPU/GPU gauges are refreshed
+    metrics_config: Mapping[str, str] = field(default_factory=dict)  # --metrics-config key=value
 
 
 class _NoSignalUvicorn(uvicorn.Server):
@@ -88,7 +97,9 @@ def _bind(host: str, port: int) -> socket.socket:
     :raises StartupError: the address cannot be resolved or bound (e.g. the port is in use).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn chooses
-    listener = socket.socket(family, socket.SOCK_STREAM)
+    # proto must say TCP: accepted sockets inherit it, and asyncio only sets TCP_NODELAY on
+    # sockets whose proto is IPPROTO_TCP (without it every response pays a ~40 ms Nagle stall).
+    listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, port))
@@ -127,6 +138,20 @@ class Server:
                 self.dataplane.cache = create_cache(*options.cache_config)
             except ValueError as exc:
                 raise StartupError(f"--cache-config: {exc}") from None
+        try:
+            metrics_settings = MetricsSettings.from_config(
+                options.metrics_config, cpu=options.allow_cpu_metrics, gpu=options.allow_gpu_metrics,
+                interval_ms=options.metrics_interval_ms,
+            )
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        self.metrics = ServerMetrics(self.models.records, metrics_settings)
+        """The server's metrics registry (per server: two servers never share counts)."""
+        self.models.custom_metrics = self.metrics.custom
+        if self.dataplane.cache is not None:
+            self.dataplane.cache.add_listener(self.metrics.on_cache_lookup)
+        self._metrics_service: MetricsService | None = None
+        self.metrics_port: int | None = None
         self._saved_element_limit: int | None = None
         self.http_port: int | None = None
         self.grpc_port: int | None = None
@@ -159,6 +184,22 @@ class Server:
             await self._start_http()
         if self.options.allow_grpc:
             await self._start_grpc()
+        if self.options.allow_metrics:
+            await self._start_metrics()
+
+    async def _start_metrics(self) -> None:
+        settings = self.metrics.settings
+        loop = asyncio.get_running_loop()
+        monitor = None
+        if settings.cpu or settings.gpu:  # NVML start-up can take a while: off the loop
+            monitor = await loop.run_in_executor(None, SystemMonitor, settings.cpu, settings.gpu)
+        self._metrics_service = MetricsService(self.metrics, monitor)
+        host = self.options.metrics_address or self.options.host
+        try:
+            await self._metrics_service.start(host, self.options.metrics_port)
+        except MetricsStartError as exc:
+            raise StartupError(str(exc)) from None
+        self.metrics_port = self._metrics_service.port
 
     async def _start_grpc(self) -> None:
         settings = dataclasses.replace(self.options.grpc, port=self.options.grpc_port)
@@ -242,6 +283,8 @@ class Server:
         remaining = max(deadline - loop.time(), 0.0)
         await loop.run_in_executor(None, self.models.unload_all, remaining)
         await loop.run_in_executor(None, self.dataplane.tracing.shutdown)  # write pending traces
+        if self._metrics_service is not None:  # last, as Triton: metrics stay readable while draining
+            await self._metrics_service.stop()
         if self._saved_element_limit is not None:
             validation.LIMITS.max_tensor_elements = self._saved_element_limit
         log.info("Server stopped")

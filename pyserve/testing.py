@@ -11,12 +11,12 @@ Fixtures
 ``pyserve_server_factory``
     ``start(repository, *more, backends=None, server_plugins=(), use_entry_points=True,
     **options) -> ServerThread``: starts a real server on loopback with HTTP and gRPC on
-    free ports (``http_port=0``, ``grpc_port=0``; any other ``ServerOptions`` field may be
-    passed). ``backends`` maps backend names to plugin objects (a module, a ``Backend``
-    instance or subclass) registered as if installed; installed backends are found through
-    their entry points as usual. Every server started is stopped at teardown, last first.
-    The returned ``ServerThread`` has ``url`` and ``grpc_url`` in the form the
-    ``tritonclient`` clients take.
+    free ports (``http_port=0``, ``grpc_port=0``, and ``metrics_port=0`` should metrics be
+    turned on; any other ``ServerOptions`` field may be passed). ``backends`` maps backend
+    names to plugin objects (a module, a ``Backend`` instance or subclass) registered as if
+    installed; installed backends are found through their entry points as usual. Every
+    server started is stopped at teardown, last first. The returned ``ServerThread`` has
+    ``url`` and ``grpc_url`` in the form the ``tritonclient`` clients take.
 
 ``pyserve_repository``
     The model repository ``pyserve_server`` serves. Override it in your test module or
@@ -156,6 +156,7 @@ def serve(
     options.setdefault("host", "127.0.0.1")
     options.setdefault("http_port", 0)
     options.setdefault("grpc_port", 0)
+    options.setdefault("metrics_port", 0)
     settings = ServerOptions(model_repositories=[Path(r) for r in repositories], **options)
     thread = ServerThread(Server(settings, host))
     thread.start()

@@ -63,6 +63,7 @@ def start_server() -> Iterator[StartServer]:
     ) -> ServerThread:
         host = PluginHost(extra_backends=backends, server_plugins=server_plugins, use_entry_points=use_entry_points)
         options.setdefault("grpc_port", 0)
+        options.setdefault("metrics_port", 0)
         settings = ServerOptions(model_repositories=list(repos), host="127.0.0.1", http_port=0, **options)  # type: ignore[arg-type]
         thread = ServerThread(Server(settings, host))
         thread.start()
@@ -77,7 +78,9 @@ def start_server() -> Iterator[StartServer]:
 @pytest.fixture(scope="module")
 def example_server() -> Iterator[ServerThread]:
     """One server on the bundled example repository, shared by a test module."""
-    settings = ServerOptions(model_repositories=[EXAMPLE_REPOSITORY], host="127.0.0.1", http_port=0, grpc_port=0)
+    settings = ServerOptions(
+        model_repositories=[EXAMPLE_REPOSITORY], host="127.0.0.1", http_port=0, grpc_port=0, metrics_port=0
+    )
     thread = ServerThread(Server(settings))
     thread.start()
     yield thread

@@ -1,9 +1,7 @@
 """``inference.GRPCInferenceService`` on grpc.aio: decode → data plane → encode.
 
-Every RPC of Triton's service is served; the ones whose feature has not landed yet
-(statistics) answer with a status
-and a message saying so. Errors carry the same texts as HTTP, mapped to the gRPC status codes
-Triton uses.
+Every RPC of Triton's service is served. Errors carry the same texts as HTTP, mapped to the
+gRPC status codes Triton uses.
 """
 
 from __future__ import annotations
@@ -11,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from time import monotonic_ns
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
 
 from pyserve import protocol as pb
 from pyserve.dataplane import DataPlane
@@ -128,13 +128,19 @@ class InferenceServicer:
                     "ModelInfer RPC doesn't support models with decoupled transaction policy; "
                     "use ModelStreamInfer"
                 )
+            decode_start = monotonic_ns()
             decoded = decode_infer(request, model, shm=self.dataplane.shared_memory)
+            decode_ns = monotonic_ns() - decode_start
             if self.dataplane.tracing.active:
                 decoded.request.trace_parent = _trace_parent(context)
             result = await self.dataplane.infer(model, decoded.request)
             if isinstance(result, InferError):
                 raise result
+            encode_start = monotonic_ns()
             response = encode_infer(result, decoded, model)
+            infer_request = decoded.request
+            if infer_request.stats is not None and infer_request.exec_start_ns >= 0:  # not for cache hits
+                infer_request.stats.codec(decode_ns, monotonic_ns() - encode_start)
         except InferError as exc:
             await _abort(context, exc)
         if self.compress_infer:
@@ -168,7 +174,11 @@ class InferenceServicer:
 
     # -- features owned by later work ------------------------------------------------------------
     async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _abort(context, InferError.unsupported("the statistics extension is not available on this server yet"))
+        try:
+            stats = self.dataplane.model_statistics(request.name, request.version or None)
+        except InferError as exc:
+            await _abort(context, exc)
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
 
     async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:

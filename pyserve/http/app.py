@@ -117,6 +117,13 @@ def create_app(
         except InferError as exc:
             return error_response(exc)
 
+    async def model_stats(request: Request) -> Response:
+        try:
+            name = request.path_params.get("model_name", "")
+            return _json(dataplane.model_statistics(name, _version(request)))
+        except InferError as exc:
+            return error_response(exc)
+
     async def repository_index(request: Request) -> Response:
         ready_only = False
         try:
@@ -277,6 +284,7 @@ def create_app(
         Route("/v2/health/live", live, methods=["GET"]),
         Route("/v2/health/ready", ready, methods=["GET"]),
         Route("/v2", server_metadata, methods=["GET"]),
+        Route("/v2/models/stats", model_stats, methods=["GET"]),  # before /v2/models/{model_name}
         Route("/v2/repository/index", repository_index, methods=["POST"]),
         Route("/v2/repository/models/{model_name}/load", repository_load, methods=["POST"]),
         Route("/v2/repository/models/{model_name}/unload", repository_unload, methods=["POST"]),
@@ -288,6 +296,7 @@ def create_app(
             Route(prefix, model_metadata, methods=["GET"]),
             Route(prefix + "/ready", model_ready, methods=["GET"]),
             Route(prefix + "/config", model_config, methods=["GET"]),
+            Route(prefix + "/stats", model_stats, methods=["GET"]),
             Route(prefix + "/infer", infer, methods=["POST"]),
             Route(prefix + "/generate", generate, methods=["POST"]),
             Route(prefix + "/generate_stream", generate_stream, methods=["POST"]),

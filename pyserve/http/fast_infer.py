@@ -10,6 +10,7 @@ any route; only the per-request overhead differs.
 from __future__ import annotations
 
 import asyncio
+from time import monotonic_ns
 from typing import Any
 
 from pyserve.dataplane import DataPlane
@@ -81,7 +82,9 @@ class InferFastPath:
             header_length = parse_header_length(
                 raw_length.decode("latin-1") if raw_length is not None else None, len(body)
             )
+            decode_start = monotonic_ns()
             decoded = decode_infer(body, header_length, model, self.dataplane.shared_memory)
+            decode_ns = monotonic_ns() - decode_start
             if self.dataplane.tracing.active:
                 parent = headers.get(b"traceparent")
                 decoded.request.trace_parent = parent.decode("latin-1") if parent is not None else None
@@ -90,7 +93,11 @@ class InferFastPath:
                 return
             if isinstance(result, InferError):
                 raise result
+            encode_start = monotonic_ns()
             content, out_headers = encode_infer(result, decoded, model)
+            request = decoded.request
+            if request.stats is not None and request.exec_start_ns >= 0:  # not for cache hits
+                request.stats.codec(decode_ns, monotonic_ns() - encode_start)
         except InferError as exc:
             await _send(send, HTTP_STATUS[exc.code], error_body(exc.message), _JSON_HEADERS)
             return

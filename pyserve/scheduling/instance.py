@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -96,12 +97,18 @@ class InstanceWorker:
             return
         for request in live:
             request.finish = self._finish_response
+        stats = live[0].stats  # one model version per batch; None for uncounted (warmup) requests
+        if stats is not None:
+            start_ns = time.monotonic_ns()
+            stats.begin(live, start_ns)
         tracing = TRACING.on
         if tracing:
             mark_batch(live, "COMPUTE_START")
             mark_batch(live, "COMPUTE_INPUT_END")
         try:
             results = self._backend.hooks.execute(instance=self.instance, requests=live)
+            if stats is not None:
+                stats.executed(live, start_ns, time.monotonic_ns())
         except Exception as exc:
             log.error("model '%s' instance '%s': execute failed: %s: %s",
                       self._model_name, self.instance.name, type(exc).__name__, exc)

@@ -17,6 +17,14 @@ The objects passed in (``backend``, ``model``, ``instance``) are the server's co
 (``pyserve.BackendContext``, ``pyserve.ModelContext``, ``pyserve.InstanceContext``). Each has
 a ``state`` attribute that belongs to the backend; the value a create hook returns is stored
 there for the matching finalizer and for ``pyserve_execute``.
+
+Custom metrics: ``backend.metrics`` and ``model.metrics`` (the same server-wide object) create
+Prometheus families that the server shows on its ``/metrics`` page next to Triton's own:
+``counter(name, description, labels=())``, ``gauge(...)`` and ``histogram(..., buckets=None)``
+return ``prometheus_client`` metrics (``.labels(...).inc()``, ``.set()``, ``.observe()``);
+asking again for an existing name returns the same family. ``include(registry)`` shows
+everything an existing ``prometheus_client.CollectorRegistry`` (or collector) holds. Counters
+appear under exactly the given name, without a ``_total`` suffix, as Triton's custom metrics do.
 """
 
 from __future__ import annotations

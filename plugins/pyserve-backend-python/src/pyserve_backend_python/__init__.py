@@ -23,7 +23,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
-from pyserve import InferError, InferRequest, InferResponse, InstanceContext, ModelContext, hookimpl
+from pyserve import (
+    BackendContext,
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+    hookimpl,
+)
 from pyserve.protocol.config_json import model_config_to_dict
 
 from pyserve_backend_python import context, loader, metrics
@@ -37,6 +45,7 @@ __all__ = [
     "PythonModelState",
     "Runner",
     "ThreadRunner",
+    "pyserve_backend_initialize",
     "pyserve_execute",
     "pyserve_instance_create",
     "pyserve_instance_finalize",
@@ -66,6 +75,13 @@ class PythonModelState:
 def _load(model: ModelContext) -> ModuleType:
     module = _preloaded.pop(model, None)
     return module if module is not None else loader.load_module(model)
+
+
+@hookimpl
+def pyserve_backend_initialize(backend: BackendContext) -> None:
+    """Show the Python models' custom metrics (``pb_utils.MetricFamily``, kept in
+    ``metrics.REGISTRY``) on the server's ``/metrics`` page."""
+    backend.metrics.include(metrics.REGISTRY)
 
 
 @hookimpl

@@ -1,0 +1,835 @@
+"""Serving benchmark: pyserve against real Triton (Python backend) and bare Python echo servers.
+
+Every server gets the same Triton-style repository: one model ``identity`` (``backend:
+"python"``, ``max_batch_size: 8``, FP32 ``INPUT0``/``OUTPUT0`` with ``dims: [-1]``, one CPU
+instance, no dynamic batcher) whose ``model.py`` echoes ``INPUT0`` as ``OUTPUT0``. Servers:
+
+* ``pyserve``: ``pyserve run`` (the ``python`` backend plugin runs ``model.py`` in-process);
+* ``triton``: Triton 2.51 from the ``nvidia-pytriton`` wheel, same ``model.py`` in its Python
+  backend stub (see ``_triton.py``; ``--with-triton`` installs it on demand);
+* ``starlette``: a bare Starlette/uvicorn echo of the KServe v2 infer route (HTTP ceiling);
+* ``grpc-aio``: a bare ``grpc.aio`` echo of ``ModelInfer`` (gRPC ceiling).
+
+Load: ``wrk`` (HTTP/1.1 keep-alive, one thread, the body posted by a Lua script) and
+``h2load`` (gRPC unary over h2c: the length-prefixed ``ModelInferRequest`` posted to
+``/inference.GRPCInferenceService/ModelInfer``, one stream per connection, latencies from its
+``--log-file``). Cells are interleaved: each round measures every cell on every server, the
+server order rotating per round; tables show medians over the rounds. Each server answers one
+request of each kind correctly before it is measured (gRPC through a real gRPC client, since
+h2load only sees HTTP status 200).
+
+Also: the time from process start until a repository of 20 such Python models is READY
+(``/v2/health/ready`` and every ``/v2/models/mNN/ready`` answer 200), and the idle memory of
+each server process tree (RSS summed, and PSS, which counts shared pages once).
+
+Prints markdown tables and the target verdicts on stdout and always exits 0.
+Run: ``.venv/bin/python benchmarks/serving.py [--duration 3] [--rounds 2]`` (see README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _triton  # noqa: E402  sibling helper module
+from batching import _log_tail, _tree_cpu_seconds, free_port  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MODEL = "identity"
+SMALL = 16
+BIG = 4 * 1024 * 1024  # FP32 elements: 16 MiB
+GRPC_PATH = "/inference.GRPCInferenceService/ModelInfer"
+
+MODEL_PY = '''"""Identity: echoes INPUT0 as OUTPUT0 (Triton Python backend model)."""
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())]
+            )
+            for r in requests
+        ]
+'''
+
+
+def config_pbtxt(name: str) -> str:
+    return "\n".join([
+        f'name: "{name}"',
+        'backend: "python"',
+        "max_batch_size: 8",
+        'input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]',
+        'output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]',
+        "instance_group [ { count: 1, kind: KIND_CPU } ]",
+    ]) + "\n"
+
+
+def write_repository(root: Path, names: Iterable[str]) -> Path:
+    for name in names:
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(config_pbtxt(name))
+        (root / name / "1" / "model.py").write_text(MODEL_PY)
+    return root
+
+
+# --------------------------------------------------------------------------- cells and request bytes
+
+
+@dataclass(frozen=True)
+class CellSpec:
+    key: str
+    label: str
+    protocol: str  # "http" | "grpc"
+    encoding: str  # "json" | "binary" (HTTP only)
+    elements: int
+    concurrency: int
+
+    @property
+    def big(self) -> bool:
+        return self.elements >= BIG
+
+
+def cell(protocol: str, encoding: str, elements: int, concurrency: int) -> CellSpec:
+    size = "16 MB" if elements >= BIG else f"1x{elements}"
+    kind = "gRPC" if protocol == "grpc" else f"HTTP {encoding}"
+    key = f"{protocol}-{encoding}-{'16mb' if elements >= BIG else elements}-c{concurrency}"
+    return CellSpec(key, f"{kind} {size} c={concurrency}", protocol, encoding, elements, concurrency)
+
+
+SERVING_CELLS = [
+    cell("http", "json", SMALL, 1),
+    cell("http", "json", SMALL, 8),
+    cell("http", "json", SMALL, 32),
+    cell("http", "binary", SMALL, 8),
+    cell("grpc", "grpc", SMALL, 1),
+    cell("grpc", "grpc", SMALL, 8),
+    cell("grpc", "grpc", SMALL, 32),
+    cell("http", "binary", BIG, 1),
+    cell("grpc", "grpc", BIG, 1),
+]
+
+
+def tensor_bytes(elements: int) -> bytes:
+    import numpy as np
+
+    return np.arange(elements, dtype=np.float32).tobytes()
+
+
+def http_json_body(elements: int) -> bytes:
+    data = [float(i) for i in range(elements)]
+    body = {"inputs": [{"name": "INPUT0", "shape": [1, elements], "datatype": "FP32", "data": data}]}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def http_binary_body(elements: int) -> tuple[bytes, int]:
+    header = json.dumps({
+        "inputs": [{"name": "INPUT0", "shape": [1, elements], "datatype": "FP32",
+                    "parameters": {"binary_data_size": elements * 4}}],
+        "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}],
+    }, separators=(",", ":")).encode()
+    return header + tensor_bytes(elements), len(header)
+
+
+def grpc_message(elements: int) -> bytes:
+    from pyserve.protocol import ModelInferRequest
+
+    request = ModelInferRequest(model_name=MODEL)
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, elements])
+    request.raw_input_contents.append(tensor_bytes(elements))
+    return request.SerializeToString()
+
+
+@dataclass
+class RequestFiles:
+    """Body file (and wrk Lua script for HTTP) of one cell kind."""
+
+    body: Path
+    script: Path | None
+    headers: dict[str, str]
+    message: bytes  # gRPC: the serialized ModelInferRequest (no prefix); HTTP: the body
+
+
+_LUA = """local f = assert(io.open("{body}", "rb"))
+wrk.body = f:read("*a")
+f:close()
+wrk.method = "POST"
+{headers}
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("WRKJSON {{\\"requests\\":%d,\\"duration_us\\":%d,\\"p50_us\\":%d,\\"p99_us\\":%d,"
+    .. "\\"status\\":%d,\\"connect\\":%d,\\"read\\":%d,\\"write\\":%d,\\"timeout\\":%d}}\\n",
+    summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
+    e.status, e.connect, e.read, e.write, e.timeout))
+end
+"""
+
+
+def prepare_requests(spec: CellSpec, work: Path, cache: dict[tuple[str, str, int], RequestFiles]) -> RequestFiles:
+    key = (spec.protocol, spec.encoding, spec.elements)
+    if key in cache:
+        return cache[key]
+    stem = work / f"request-{spec.protocol}-{spec.encoding}-{spec.elements}"
+    if spec.protocol == "grpc":
+        message = grpc_message(spec.elements)
+        body = stem.with_suffix(".grpc")
+        body.write_bytes(b"\x00" + len(message).to_bytes(4, "big") + message)
+        files = RequestFiles(body, None, {"content-type": "application/grpc", "te": "trailers"}, message)
+    else:
+        if spec.encoding == "json":
+            payload, headers = http_json_body(spec.elements), {"Content-Type": "application/json"}
+        else:
+            payload, header_length = http_binary_body(spec.elements)
+            headers = {"Content-Type": "application/octet-stream",
+                       "Inference-Header-Content-Length": str(header_length)}
+        body = stem.with_suffix(".body")
+        body.write_bytes(payload)
+        script = stem.with_suffix(".lua")
+        lines = "\n".join(f'wrk.headers["{k}"] = "{v}"' for k, v in headers.items())
+        script.write_text(_LUA.format(body=body, headers=lines))
+        files = RequestFiles(body, script, headers, payload)
+    cache[key] = files
+    return files
+
+
+# --------------------------------------------------------------------------- servers
+
+
+@dataclass
+class Server:
+    name: str
+    process: subprocess.Popen[bytes]
+    http_port: int | None
+    grpc_port: int | None
+    log: Path
+    started_s: float = 0.0  # seconds from spawn to ready
+    memory: dict[str, float] = field(default_factory=dict)
+    starter: Callable[[], Server] | None = None  # how to start it again
+    restarts: int = 0
+
+    def revive(self) -> str:
+        """Restart a server that exited during the run; returns a note saying what happened."""
+        note = (f"{self.name} exited with {self.process.returncode} during the run "
+                f"(log tail: {' | '.join(_log_tail(self.log, 4).splitlines())[-400:]})")
+        if self.starter is None or self.restarts >= 2:
+            return note + "; not restarted"
+        fresh = self.starter()
+        self.process, self.http_port, self.grpc_port, self.log = fresh.process, fresh.http_port, fresh.grpc_port, fresh.log
+        self.restarts += 1
+        return note + "; restarted"
+
+    def supports(self, spec: CellSpec) -> bool:
+        return (self.http_port if spec.protocol == "http" else self.grpc_port) is not None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def cpu_seconds(self) -> float | None:
+        return _tree_cpu_seconds(self.process.pid)
+
+
+def _get(url: str, timeout: float = 2.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+    except (OSError, ValueError):
+        return 0
+
+
+def _grpc_ready(port: int) -> bool:
+    import grpc
+
+    from pyserve.protocol import ServerReadyRequest, ServerReadyResponse
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ServerReady",
+                                   request_serializer=ServerReadyRequest.SerializeToString,
+                                   response_deserializer=ServerReadyResponse.FromString)
+        try:
+            return bool(call(ServerReadyRequest(), timeout=1.0).ready)
+        except grpc.RpcError:
+            return False
+
+
+def spawn(name: str, command: list[str], http_port: int | None, grpc_port: int | None, log: Path,
+          env: dict[str, str] | None, timeout: float, models: Iterable[str] = ()) -> Server:
+    """Start ``command`` and wait until it is ready (all ``models`` too); records the time it took.
+
+    :raises RuntimeError: it exited or was not ready in time; the message has the log's tail.
+    """
+    models = list(models)
+    start = time.perf_counter()
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = Server(name, process, http_port, grpc_port, log)
+    deadline = start + timeout
+    while time.perf_counter() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode}:\n{_log_tail(log)}")
+        if http_port is not None:
+            base = f"http://127.0.0.1:{http_port}"
+            ready = _get(f"{base}/v2/health/ready") == 200 and all(
+                _get(f"{base}/v2/models/{m}/ready") == 200 for m in models)
+        else:
+            assert grpc_port is not None
+            ready = _grpc_ready(grpc_port)
+        if ready:
+            server.started_s = time.perf_counter() - start
+            return server
+        time.sleep(0.05)
+    server.stop()
+    raise RuntimeError(f"{name} was not ready after {timeout:.0f} s:\n{_log_tail(log)}")
+
+
+def _unique(work: Path, stem: str) -> str:
+    tag, n = "", 0
+    while (work / f"{stem}{tag}.log").exists():
+        n += 1
+        tag = f"-{n}"
+    return tag
+
+
+def start_pyserve(repository: Path, work: Path, timeout: float, models: Iterable[str] = (),
+                  tag: str = "") -> Server:
+    tag = tag + _unique(work, f"pyserve{tag}")
+    http, grpc_port = free_port(), free_port()
+    command = [sys.executable, "-m", "pyserve", "run", "--model-repository", str(repository),
+               "--http-port", str(http), "--grpc-port", str(grpc_port), "--metrics-port", str(free_port())]
+    return spawn("pyserve", command, http, grpc_port, work / f"pyserve{tag}.log", None, timeout, models)
+
+
+def start_triton(install: _triton.TritonInstall, repository: Path, work: Path, timeout: float,
+                 models: Iterable[str] = (), tag: str = "") -> Server:
+    tag = tag + _unique(work, f"triton{tag}")
+    backends = work / "triton-backends"
+    if not backends.exists():
+        install.prepare_backends(backends)
+    http, grpc_port = free_port(), free_port()
+    command = [str(install.binary), "--model-repository", str(repository.resolve()),
+               "--backend-directory", str(backends), "--http-port", str(http), "--grpc-port", str(grpc_port),
+               "--metrics-port", str(free_port())] + os.environ.get("PYSERVE_BENCH_TRITON_ARGS", "").split()
+    return spawn("triton", command, http, grpc_port, work / f"triton{tag}.log", install.environment(),
+                 timeout, models)
+
+
+def start_echo(kind: str, work: Path, timeout: float) -> Server:
+    port = free_port()
+    command = [sys.executable, str(HERE / "_echo.py"), kind, str(port)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    name = "starlette" if kind == "http" else "grpc-aio"
+    return spawn(name, command, port if kind == "http" else None, port if kind == "grpc" else None,
+                 work / f"echo-{kind}.log", env, timeout)
+
+
+def _tree_pids(root: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with suppress(OSError, ValueError, IndexError):
+                stat = Path(entry.path, "stat").read_text()
+                parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+    pids, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        pids.append(pid)
+        frontier += [child for child, parent in parents.items() if parent == pid]
+    return pids
+
+
+def tree_memory(root: int) -> dict[str, float]:
+    """RSS summed over the process tree, PSS summed (shared pages counted once), in MiB."""
+    rss = pss = 0
+    pids = _tree_pids(root)
+    for pid in pids:
+        with suppress(OSError, ValueError):
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Rss:"):
+                    rss += int(line.split()[1])
+                elif line.startswith("Pss:"):
+                    pss += int(line.split()[1])
+    return {"rss": rss / 1024, "pss": pss / 1024, "processes": float(len(pids))}
+
+
+# --------------------------------------------------------------------------- checks and load
+
+
+def check(server: Server, spec: CellSpec, files: RequestFiles) -> str:
+    """Send one request of the cell's kind; '' when the answer echoes the input, else why not."""
+    try:
+        if spec.protocol == "grpc":
+            import grpc
+
+            from pyserve.protocol import ModelInferResponse
+
+            limit = 64 * 1024 * 1024
+            with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=[
+                    ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]) as ch:
+                call = ch.unary_unary(GRPC_PATH, request_serializer=None,
+                                      response_deserializer=ModelInferResponse.FromString)
+                response = call(files.message, timeout=30)
+            got = b"".join(response.raw_output_contents)
+            return "" if len(got) == spec.elements * 4 else f"gRPC answer has {len(got)} output bytes"
+        request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v2/models/{MODEL}/infer",
+                                         data=files.message, headers=files.headers, method="POST")
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            body = reply.read()
+        if spec.encoding == "json":
+            output = json.loads(body)["outputs"][0]
+            return "" if len(output["data"]) == spec.elements else "JSON answer has the wrong size"
+        header_length = int(reply.headers.get("Inference-Header-Content-Length", "0"))
+        raw = len(body) - header_length
+        return "" if raw == spec.elements * 4 else f"binary answer has {raw} tensor bytes"
+    except Exception as error:  # noqa: BLE001  reported, not raised
+        return f"{type(error).__name__}: {str(error)[:200]}"
+
+
+@dataclass
+class Measurement:
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    server_cpu: float | None
+    load_cpu: float
+    note: str = ""
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _load_command(server: Server, spec: CellSpec, files: RequestFiles, duration: float,
+                  log_file: Path) -> list[str]:
+    if spec.protocol == "http":
+        assert files.script is not None
+        return ["wrk", "-t1", f"-c{spec.concurrency}", f"-d{max(1, round(duration))}s", "--timeout", "30s",
+                "-s", str(files.script), f"http://127.0.0.1:{server.http_port}/v2/models/{MODEL}/infer"]
+    command = ["h2load", "-t1", f"-c{spec.concurrency}", "-m1", f"-D{max(1, round(duration))}",
+               "-d", str(files.body), "--log-file", str(log_file)]
+    for name, value in files.headers.items():
+        command += ["-H", f"{name}: {value}"]
+    return command + [f"http://127.0.0.1:{server.grpc_port}{GRPC_PATH}"]
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def measure(server: Server, spec: CellSpec, files: RequestFiles, duration: float, work: Path) -> Measurement:
+    log_file = work / "h2load.log"
+    with suppress(FileNotFoundError):
+        log_file.unlink()
+    command = _load_command(server, spec, files, duration, log_file)
+    cpu_before, load_before, start = server.cpu_seconds(), _children_cpu(), time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - start
+    cpu_after, load_after = server.cpu_seconds(), _children_cpu()
+    server_cpu = None if cpu_before is None or cpu_after is None else (cpu_after - cpu_before) / wall
+    load_cpu = (load_after - load_before) / wall
+    output = result.stdout + result.stderr
+    if spec.protocol == "http":
+        match = re.search(r"WRKJSON (\{.*\})", output)
+        if not match:
+            return Measurement(0, float("nan"), float("nan"), 1, server_cpu, load_cpu, output[-300:])
+        data = json.loads(match.group(1))
+        errors = sum(data[k] for k in ("status", "connect", "read", "write", "timeout"))
+        ok = data["requests"] - data["status"]
+        return Measurement(ok / (data["duration_us"] / 1e6), data["p50_us"] / 1000, data["p99_us"] / 1000,
+                           errors, server_cpu, load_cpu)
+    requests = re.search(r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded, (\d+) failed, "
+                         r"(\d+) errored, (\d+) timeout", output)
+    finished = re.search(r"finished in ([\d.]+)(m?s)", output)
+    if not requests or not finished:
+        return Measurement(0, float("nan"), float("nan"), 1, server_cpu, load_cpu, output[-300:])
+    seconds = float(finished.group(1)) / (1000.0 if finished.group(2) == "ms" else 1.0)
+    succeeded = int(requests.group(4))
+    errors = int(requests.group(5)) + int(requests.group(6)) + int(requests.group(7))
+    latencies: list[float] = []
+    with suppress(OSError):
+        for line in log_file.read_text().splitlines():
+            parts = line.split("\t")
+            if len(parts) >= 3 and parts[1] == "200":
+                latencies.append(int(parts[2]) / 1000.0)
+    latencies.sort()
+    return Measurement(succeeded / seconds if seconds > 0 else 0.0, _percentile(latencies, 0.5),
+                       _percentile(latencies, 0.99), errors, server_cpu, load_cpu)
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass
+class Results:
+    cells: dict[tuple[str, str], list[Measurement]] = field(default_factory=dict)
+    bad: dict[tuple[str, str], str] = field(default_factory=dict)  # failed checks
+    startup: dict[str, list[float]] = field(default_factory=dict)
+    memory: dict[str, dict[str, float]] = field(default_factory=dict)  # idle, after start
+    memory_after: dict[str, dict[str, float]] = field(default_factory=dict)  # idle, after the load
+    startup_memory: dict[str, dict[str, float]] = field(default_factory=dict)  # 20 models
+    notes: list[str] = field(default_factory=list)
+
+    def median(self, server: str, key: str, attribute: str) -> float | None:
+        values = [getattr(m, attribute) for m in self.cells.get((server, key), [])
+                  if getattr(m, attribute) is not None and getattr(m, attribute) == getattr(m, attribute)]
+        return statistics.median(values) if values else None
+
+
+def _numpy_major(site_packages: Path) -> int | None:
+    for info in site_packages.glob("numpy-*.dist-info"):
+        with suppress(ValueError):
+            return int(info.name.split("-")[1].split(".")[0])
+    return None
+
+
+def find_triton(venv: Path) -> _triton.TritonInstall | None:
+    """Like ``_triton.find`` but preferring the dedicated venv, and never a numpy >= 2 one.
+
+    The wheel's Python-backend stubs are built against numpy 1.x: with numpy 2 linked into the
+    backend directory, ``pb_utils.Tensor(name, ndarray)`` reports 0 bytes and every request
+    fails with "output tensor shape does not match size of output". ``_triton.find`` looks in
+    the running interpreter first, which is wrong when ``nvidia-pytriton`` was also installed
+    into pyserve's venv (numpy 2 there).
+    """
+    site = _triton._site_packages(venv)
+    if site is not None and (_numpy_major(site) or 1) < 2:
+        return _triton.TritonInstall(site, _triton._venv_python_version(site))
+    install = _triton.find(venv)
+    if install is not None and (_numpy_major(install.site_packages) or 1) >= 2:
+        _log(f"ignoring the Triton in {install.site_packages}: numpy >= 2 there (the stub needs numpy < 2)")
+        return None
+    return install
+
+
+def triton_install(args: argparse.Namespace, work: Path) -> tuple[_triton.TritonInstall | None, str]:
+    if args.no_triton:
+        return None, "Triton skipped: --no-triton"
+    install = find_triton(args.triton_venv)
+    if install is not None:
+        return install, ""
+    if not args.with_triton:
+        return None, (f"Triton skipped: nvidia-pytriton is not installed here nor in {args.triton_venv}; "
+                      "pass --with-triton to install it there")
+    print(f"installing {_triton.PYTRITON_REQUIREMENT} into {args.triton_venv} ...", file=sys.stderr)
+    try:
+        return _triton.install(args.triton_venv, work / "triton-install.log"), ""
+    except RuntimeError as error:
+        return None, f"Triton skipped: install failed: {error}"
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def start_servers(args: argparse.Namespace, work: Path, results: Results, with_echo: bool,
+                  install: _triton.TritonInstall | None) -> list[Server]:
+    repository = write_repository(work / "repo", [MODEL])
+    servers: list[Server] = []
+    starters: list[tuple[str, Callable[[], Server]]] = [
+        ("pyserve", lambda: start_pyserve(repository, work, args.start_timeout, [MODEL]))]
+    if install is not None:
+        starters.append(("triton", lambda: start_triton(install, repository, work, args.start_timeout, [MODEL])))
+    if with_echo:
+        starters += [("starlette", lambda: start_echo("http", work, args.start_timeout)),
+                     ("grpc-aio", lambda: start_echo("grpc", work, args.start_timeout))]
+    for name, starter in starters:
+        try:
+            server = starter()
+            server.starter = starter
+        except (RuntimeError, OSError) as error:
+            note = f"{name} could not be started: {error}"
+            if name == "triton":
+                note = f"Triton skipped: it could not be started: {error}"
+            results.notes.append(note)
+            _log(note)
+            continue
+        time.sleep(1.0)
+        results.memory[name] = tree_memory(server.process.pid)
+        _log(f"{name}: ready in {server.started_s:.2f} s, idle RSS {results.memory[name]['rss']:.0f} MiB")
+        servers.append(server)
+    return servers
+
+
+def run_cells(servers: list[Server], cells: list[CellSpec], args: argparse.Namespace, work: Path,
+              results: Results) -> None:
+    cache: dict[tuple[str, str, int], RequestFiles] = {}
+    usable: dict[str, list[Server]] = {}
+    for spec in cells:
+        files = prepare_requests(spec, work, cache)
+        usable[spec.key] = []
+        for server in servers:
+            if not server.supports(spec):
+                continue
+            why = check(server, spec, files)
+            if why:
+                results.bad[(server.name, spec.key)] = why
+                _log(f"{server.name} {spec.label}: check failed: {why}")
+            else:
+                usable[spec.key].append(server)
+                results.cells[(server.name, spec.key)] = []
+    if args.warmup > 0:  # one short load per server and protocol, so JIT-less caches and pools settle
+        for server in servers:
+            for spec in cells:
+                if server in usable[spec.key] and not spec.big and spec.concurrency == 8:
+                    measure(server, spec, cache[(spec.protocol, spec.encoding, spec.elements)], args.warmup, work)
+    for round_number in range(args.rounds):
+        for spec in cells:
+            order = usable[spec.key]
+            order = order[round_number % len(order):] + order[: round_number % len(order)] if order else []
+            for server in order:
+                if server.process.poll() is not None:
+                    try:
+                        note = server.revive()
+                    except (RuntimeError, OSError) as error:
+                        note = f"{server.name} exited during the run and could not be restarted: {error}"
+                    results.notes.append(note)
+                    _log(note)
+                    if server.process.poll() is not None:
+                        continue
+                files = cache[(spec.protocol, spec.encoding, spec.elements)]
+                m = measure(server, spec, files, args.duration, work)
+                results.cells[(server.name, spec.key)].append(m)
+                cpu = "—" if m.server_cpu is None else f"{m.server_cpu:.2f}"
+                _log(f"round {round_number + 1}: {server.name:9} {spec.label:24} {m.rps:9,.0f} req/s  "
+                     f"p50 {m.p50_ms:7.3f}  p99 {m.p99_ms:7.3f} ms  cpu {cpu}  load {m.load_cpu:.2f}  "
+                     f"errors {m.errors} {m.note}")
+
+
+def measure_startup(args: argparse.Namespace, work: Path, install: _triton.TritonInstall | None,
+                    results: Results) -> None:
+    names = [f"m{i:02d}" for i in range(args.startup_models)]
+    repository = write_repository(work / "repo-startup", names)
+    kinds = ["pyserve"] + (["triton"] if install is not None else [])
+    for round_number in range(args.startup_rounds):
+        for name in kinds:
+            try:
+                if name == "pyserve":
+                    server = start_pyserve(repository, work, args.start_timeout, names, tag="-startup")
+                else:
+                    assert install is not None
+                    server = start_triton(install, repository, work, args.start_timeout, names, tag="-startup")
+            except (RuntimeError, OSError) as error:
+                results.notes.append(f"{name} startup with {len(names)} models failed: {str(error)[:300]}")
+                continue
+            try:
+                results.startup.setdefault(name, []).append(server.started_s)
+                if round_number == 0:
+                    time.sleep(1.0)
+                    results.startup_memory[name] = tree_memory(server.process.pid)
+                _log(f"startup round {round_number + 1}: {name} {len(names)} models READY in {server.started_s:.2f} s")
+            finally:
+                server.stop()
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None or value != value else format(value, spec)
+
+
+def cell_table(results: Results, cells: list[CellSpec], server_names: list[str]) -> list[str]:
+    lines = ["| cell | server | req/s | MB/s | p50 ms | p99 ms | vs Triton req/s | server CPU (cores) "
+             "| load-gen CPU (cores) | errors |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for spec in cells:
+        triton = results.median("triton", spec.key, "rps")
+        for name in server_names:
+            if (name, spec.key) in results.bad:
+                lines.append(f"| {spec.label} | {name} | check failed: {results.bad[(name, spec.key)][:80]} "
+                             "| | | | | | | |")
+                continue
+            if (name, spec.key) not in results.cells:
+                continue
+            rps = results.median(name, spec.key, "rps")
+            mbps = rps * spec.elements * 4 / 1e6 if rps is not None and spec.big else None
+            ratio = rps / triton if rps is not None and triton else None
+            errors = sum(m.errors for m in results.cells[(name, spec.key)])
+            lines.append(
+                f"| {spec.label} | {name} | {_fmt(rps, ',.0f')} | {_fmt(mbps, ',.0f')} "
+                f"| {_fmt(results.median(name, spec.key, 'p50_ms'), '.3f')} "
+                f"| {_fmt(results.median(name, spec.key, 'p99_ms'), '.3f')} | {_fmt(ratio, '.2f')} "
+                f"| {_fmt(results.median(name, spec.key, 'server_cpu'), '.2f')} "
+                f"| {_fmt(results.median(name, spec.key, 'load_cpu'), '.2f')} | {errors} |")
+    return lines
+
+
+@dataclass
+class Target:
+    label: str
+    value: float | None  # pyserve / Triton
+    bound: float
+    higher_is_better: bool
+
+    def line(self) -> str:
+        sign = ">=" if self.higher_is_better else "<="
+        if self.value is None:
+            return f"| {self.label} | — | {sign} {self.bound:g}x | not measured |"
+        met = self.value >= self.bound if self.higher_is_better else self.value <= self.bound
+        return f"| {self.label} | {self.value:.2f}x | {sign} {self.bound:g}x | {'met' if met else '**MISSED**'} |"
+
+
+def ratio(results: Results, key: str, attribute: str) -> float | None:
+    top, bottom = results.median("pyserve", key, attribute), results.median("triton", key, attribute)
+    return top / bottom if top is not None and bottom else None
+
+
+def serving_targets(results: Results) -> list[Target]:
+    def key(protocol: str, encoding: str, elements: int, concurrency: int) -> str:
+        return cell(protocol, encoding, elements, concurrency).key
+
+    def startup_ratio() -> float | None:
+        a, b = results.startup.get("pyserve"), results.startup.get("triton")
+        return statistics.median(a) / statistics.median(b) if a and b else None
+
+    def memory_ratio(kind: str) -> float | None:
+        a, b = results.memory.get("pyserve"), results.memory.get("triton")
+        return a[kind] / b[kind] if a and b and b[kind] else None
+
+    return [
+        Target("HTTP JSON req/s, 1 connection", ratio(results, key("http", "json", SMALL, 1), "rps"), 1.5, True),
+        Target("HTTP JSON req/s, 8 connections", ratio(results, key("http", "json", SMALL, 8), "rps"), 1.5, True),
+        Target("gRPC req/s, 8 connections", ratio(results, key("grpc", "grpc", SMALL, 8), "rps"), 1.0, True),
+        Target("gRPC req/s, 32 connections", ratio(results, key("grpc", "grpc", SMALL, 32), "rps"), 1.0, True),
+        Target("p50 latency, 1 HTTP connection", ratio(results, key("http", "json", SMALL, 1), "p50_ms"), 0.6,
+               False),
+        Target("16 MB echo bytes/s, HTTP binary", ratio(results, key("http", "binary", BIG, 1), "rps"), 1.0, True),
+        Target("16 MB echo bytes/s, gRPC", ratio(results, key("grpc", "grpc", BIG, 1), "rps"), 1.0, True),
+        Target("startup of 20 Python models until READY", startup_ratio(), 0.3, False),
+        Target("idle RSS (process tree, summed)", memory_ratio("rss"), 1.0, False),
+        Target("idle PSS (process tree, shared pages once)", memory_ratio("pss"), 1.0, False),
+    ]
+
+
+def target_table(targets: list[Target]) -> list[str]:
+    return ["| target (pyserve / Triton, same run) | ratio | target | verdict |", "|---|---:|---:|---|"] + [
+        t.line() for t in targets]
+
+
+def memory_table(results: Results, server_names: list[str], startup_models: int) -> list[str]:
+    lines = [f"| server | startup, {startup_models} models → READY (s, median) | idle RSS MiB (1 model) "
+             f"| idle PSS MiB | processes | RSS MiB after the load | RSS / PSS MiB with {startup_models} models "
+             f"| processes with {startup_models} models |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in server_names:
+        memory, after, big = results.memory.get(name), results.memory_after.get(name), results.startup_memory.get(name)
+        startup = results.startup.get(name)
+        lines.append(
+            f"| {name} | {_fmt(statistics.median(startup) if startup else None, '.2f')}"
+            f"{' (' + ' / '.join(f'{s:.2f}' for s in startup) + ')' if startup else ''} "
+            f"| {_fmt(memory and memory['rss'], '.0f')} | {_fmt(memory and memory['pss'], '.0f')} "
+            f"| {_fmt(memory and memory['processes'], '.0f')} | {_fmt(after and after['rss'], '.0f')} "
+            f"| {_fmt(big and big['rss'], '.0f')} / {_fmt(big and big['pss'], '.0f')} "
+            f"| {_fmt(big and big['processes'], '.0f')} |")
+    return lines
+
+
+def header(args: argparse.Namespace, what: str) -> str:
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{what}; {args.rounds} round(s) x {args.duration:g} s per cell, interleaved, medians; "
+            f"{os.cpu_count()} CPUs; load average at the end {load}.")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def common_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
+    parser.add_argument("--duration", type=float, default=3.0, help="seconds per cell (3; wrk/h2load whole seconds)")
+    parser.add_argument("--rounds", type=int, default=rounds, help=f"interleaved rounds; medians shown ({rounds})")
+    parser.add_argument("--warmup", type=float, default=1.0, help="seconds of load per server before round 1 (1)")
+    parser.add_argument("--with-triton", action="store_true",
+                        help="install nvidia-pytriton into --triton-venv if no Triton is found")
+    parser.add_argument("--no-triton", action="store_true", help="skip Triton")
+    parser.add_argument("--triton-venv", type=Path, default=_triton.default_venv(),
+                        help="venv holding nvidia-pytriton (default: %(default)s)")
+    parser.add_argument("--start-timeout", type=float, default=180.0, help="seconds to wait for a server (180)")
+
+
+def tools_missing(cells: list[CellSpec]) -> list[CellSpec]:
+    missing = [spec for spec in cells if shutil.which("wrk" if spec.protocol == "http" else "h2load") is None]
+    return missing
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_arguments(parser, rounds=2)
+    parser.add_argument("--startup-models", type=int, default=20, help="models in the startup repository (20)")
+    parser.add_argument("--startup-rounds", type=int, default=2, help="startups per server (2)")
+    parser.add_argument("--skip-startup", action="store_true", help="skip the startup measurement")
+    args = parser.parse_args(argv)
+    results = Results()
+    cells = list(SERVING_CELLS)
+    missing = tools_missing(cells)
+    if missing:
+        results.notes.append("skipped (wrk or h2load not installed; apt-get install wrk nghttp2-client): "
+                             + ", ".join(s.label for s in missing))
+        cells = [c for c in cells if c not in missing]
+    with tempfile.TemporaryDirectory(prefix="pyserve-serving-") as temp:
+        work = Path(temp)
+        install, why = triton_install(args, work)
+        if why:
+            results.notes.append(why)
+            _log(why)
+        servers = start_servers(args, work, results, with_echo=True, install=install)
+        try:
+            run_cells(servers, cells, args, work, results)
+            for server in servers:
+                results.memory_after[server.name] = tree_memory(server.process.pid)
+        finally:
+            for server in servers:
+                server.stop()
+        if not args.skip_startup:
+            if install is not None and not any(s.name == "triton" for s in servers):
+                install = None
+            measure_startup(args, work, install, results)
+    names = [s.name for s in servers] or ["pyserve"]
+    lines = [header(args, "Identity model.py (1x16 FP32 echo unless 16 MB), wrk -t1 (HTTP/1.1), h2load -t1 -m1 "
+                          "(gRPC unary)"), ""]
+    lines += cell_table(results, cells, names) + [""]
+    lines += memory_table(results, [n for n in names if n in ("pyserve", "triton")], args.startup_models) + [""]
+    lines += target_table(serving_targets(results))
+    lines += [""] + [f"- {note}" for note in results.notes]
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        pass
+    except Exception:  # noqa: BLE001  a report, not a test: say what broke and still exit 0
+        traceback.print_exc()
+    sys.exit(0)
