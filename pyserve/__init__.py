@@ -6,12 +6,20 @@ server's own and may change.
 
 from __future__ import annotations
 
-from pyserve_hookspecs import hookimpl
+import os
 
-from pyserve.batching import gather_inputs, split_outputs
-from pyserve.backend import Backend, BackendContext, InstanceContext, ModelContext
-from pyserve.errors import ErrorCode, InferError
-from pyserve.inference import SEQUENCE_END, SEQUENCE_START, InferRequest, InferResponse
+# Backends may fork helper processes from their own threads (Triton's Python backend starts
+# a stub per instance) while gRPC's threads are running; gRPC's fork handlers then abort the
+# whole process. The children exec at once, so the handlers are not needed. Set before grpc
+# is imported; an explicit setting in the environment wins.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+from pyserve_hookspecs import hookimpl  # noqa: E402
+
+from pyserve.batching import gather_inputs, split_outputs  # noqa: E402
+from pyserve.backend import Backend, BackendContext, InstanceContext, ModelContext  # noqa: E402
+from pyserve.errors import ErrorCode, InferError  # noqa: E402
+from pyserve.inference import SEQUENCE_END, SEQUENCE_START, InferRequest, InferResponse  # noqa: E402
 
 __version__ = "0.1.0"
 

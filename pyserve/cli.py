@@ -146,6 +146,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                           "(default /opt/tritonserver/backends)")
     run.add_argument("--http-max-input-size", type=int, default=64 * 1024 * 1024, metavar="BYTES",
                      help="largest request body accepted (default 64 MiB)")
+    run.add_argument("--http-server", choices=["pyserve", "uvicorn"], default="pyserve",
+                     help="the HTTP/1.1 server on --http-port: pyserve's own (default) or uvicorn")
     _add_operations(run)
 
 
@@ -266,6 +268,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         exit_on_error=args.exit_on_error,
         backend_config=_backend_config(args.backend_config),
         http_max_input_size=args.http_max_input_size,
+        http_server=args.http_server,
         model_load_thread_count=args.model_load_thread_count,
         model_control_mode=args.model_control_mode,
         load_models=args.load_model,

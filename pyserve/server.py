@@ -28,6 +28,7 @@ from pyserve.grpc.server import GrpcOptions
 from pyserve.grpc.server import create_server as create_grpc_server
 from pyserve.http.app import create_app
 from pyserve.http.body import DEFAULT_MAX_INPUT_SIZE
+from pyserve.http.server import HttpServer
 from pyserve.inprocess import ServerHandle
 from pyserve.metrics import MetricsService, MetricsSettings, MetricsStartError, ServerMetrics, SystemMonitor
 from pyserve.model_manager import ModelManager
@@ -75,6 +76,7 @@ class ServerOptions:
     metrics_address: str = ""  # --metrics-address; "" = host (Triton: the HTTP address)
     metrics_interval_ms: int = 2000  # how often CPU/GPU gauges are refreshed
     metrics_config: Mapping[str, str] = field(default_factory=dict)  # --metrics-config key=value
+    http_server: str = "pyserve"  # --http-server: "pyserve" (native HTTP/1.1) or "uvicorn"
 
 
 class _NoSignalUvicorn(uvicorn.Server):
@@ -90,7 +92,7 @@ class StartupError(RuntimeError):
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` for uvicorn to listen on.
+    """A socket bound to ``host:port`` for the HTTP server (pyserve's or uvicorn) to listen on.
 
     Bound here rather than by uvicorn, which calls ``sys.exit`` when the port is taken.
 
@@ -157,6 +159,7 @@ class Server:
         self.grpc_port: int | None = None
         self._grpc: grpc.aio.Server | None = None
         self._uvicorn: _NoSignalUvicorn | None = None
+        self._http: HttpServer | None = None
         self._serve_task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._stopped = False
@@ -218,6 +221,26 @@ class Server:
             max_input_size=self.options.http_max_input_size,
             restrictions=self.options.http_restricted_api,
         )
+        if self.options.http_server not in ("pyserve", "uvicorn"):
+            raise StartupError(f"unknown HTTP server '{self.options.http_server}' (expected pyserve or uvicorn)")
+        if self.options.http_server == "pyserve":
+            listener = _bind(self.options.host, self.options.http_port)
+            self._http = HttpServer(
+                app,
+                self.dataplane,
+                max_input_size=self.options.http_max_input_size,
+                restrictions=self.options.http_restricted_api,
+            )
+            try:
+                listener.listen(2048)
+                await self._http.start(listener)
+            except OSError as exc:
+                listener.close()
+                where = f"{self.options.host}:{self.options.http_port}"
+                raise StartupError(f"HTTP service cannot listen on {where}: {exc}") from exc
+            self.http_port = self._http.port
+            log.info("Started HTTPService at %s:%d", self.options.host, self.http_port)
+            return
         config = uvicorn.Config(
             app,
             host=self.options.host,
@@ -271,6 +294,8 @@ class Server:
         deadline = loop.time() + timeout
         log.info("Shutting down: waiting up to %.0f s for in-flight requests", timeout)
         drained = await self.dataplane.drain(timeout)
+        if self._http is not None:  # the exit timeout spent: give open answers 1 s more at most
+            await self._http.shutdown(max(deadline - loop.time(), 0.0) if drained else 1.0)
         if self._uvicorn is not None and self._serve_task is not None:
             if not drained:  # the exit timeout is spent: do not let uvicorn wait that long again
                 self._uvicorn.config.timeout_graceful_shutdown = 1

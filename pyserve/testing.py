@@ -33,6 +33,20 @@ Fixtures
     ``tritonclient.http`` / ``tritonclient.grpc`` clients of ``pyserve_server``, closed at
     teardown.
 
+Helpers
+-------
+
+``serve(repository, ..., **options)``
+    The context manager behind ``pyserve_server_factory``, for servers of another scope
+    (e.g. one per module).
+
+``write_model(repo, name, config=None, files=None, versions=(1,))``
+    Writes ``repo/name`` with a ``config.pbtxt`` (dedented; none when ``config`` is ``None``),
+    version folders and extra files (``bytes`` or ``str`` by relative path).
+
+``BatchRecorder``
+    A server plugin recording how many requests each execute of a model received.
+
 Conformance suite
 -----------------
 
@@ -95,6 +109,7 @@ import contextlib
 import os
 import queue
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -111,10 +126,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BackendConformance",
+    "BatchRecorder",
     "DLPackProbe",
     "ServerFactory",
     "generate_inputs",
     "serve",
+    "write_model",
 ]
 
 ServerFactory = Callable[..., "ServerThread"]
@@ -227,6 +244,47 @@ def pyserve_grpc_client(pyserve_server: ServerThread) -> Iterator[Any]:
         yield client
     finally:
         client.close()
+
+
+# -- model folders and batch sizes ------------------------------------------------------------------
+
+
+def write_model(
+    repo: Path,
+    name: str,
+    config: str | None = None,
+    files: Mapping[str, bytes | str] | None = None,
+    versions: Sequence[int] = (1,),
+) -> Path:
+    """Create ``repo/name``: a dedented ``config.pbtxt`` (none if ``config`` is ``None``),
+    the version folders and ``files`` (relative path → ``bytes`` or text); returns the folder."""
+    model_dir = repo / name
+    model_dir.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (model_dir / "config.pbtxt").write_text(textwrap.dedent(config))
+    for version in versions:
+        (model_dir / str(version)).mkdir(exist_ok=True)
+    for rel, data in (files or {}).items():
+        path = model_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(data, bytes):
+            path.write_bytes(data)
+        else:
+            path.write_text(data)
+    return model_dir
+
+
+class BatchRecorder:
+    """A server plugin that records how many requests each execute of a model received."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[str, list[int]] = {}
+        """Model name → the number of requests of each execute, in order."""
+
+    @hookimpl(wrapper=True)
+    def pyserve_execute(self, instance: Any, requests: Sequence[Any]) -> Any:
+        self.sizes.setdefault(instance.model.name, []).append(len(requests))
+        return (yield)
 
 
 # -- inputs from metadata ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import write_model
+from suite_support import write_model
 
 from pyserve import Backend, InferError, InferRequest, InferResponse, InstanceContext
 from pyserve.cli import main

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO_ROOT, StartServer, write_model
+from suite_support import REPO_ROOT, StartServer, write_model
 
 from pyserve.bench import BenchError, BenchOptions, inputs
 from pyserve.bench.options import range_values

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from conftest import EXAMPLE_REPOSITORY, REPO_ROOT, write_model
+from suite_support import EXAMPLE_REPOSITORY, REPO_ROOT, write_model
 
 EXAMPLE_MODELS = ("add_sub", "classifier", "identity_bytes", "identity_fp32", "sentiment", "simple", "square")
 STARTED = re.compile(r"Started HTTPService at (\S+):(\d+)")

@@ -31,7 +31,7 @@ from pyserve import InferError, InferRequest, InferResponse, InstanceContext, Mo
 from pyserve.plugins import PluginHost
 from pyserve.server import ServerThread
 
-from conftest import write_model
+from suite_support import write_model
 
 Event = tuple[Any, ...]
 

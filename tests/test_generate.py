@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-from conftest import write_model
+from suite_support import SQUARE_CONFIG, write_model
 
 from pyserve import Backend, InferError, InferRequest, InferResponse, InstanceContext
 from pyserve.plugins import PluginHost
@@ -94,13 +94,7 @@ MODELS = {
         input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ]
         output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
     """,
-    "square": """
-        backend: "square"
-        max_batch_size: 0
-        model_transaction_policy { decoupled: true }
-        input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
-        output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
-    """,
+    "square": SQUARE_CONFIG,
     "repeat": """
         backend: "repeat"
         max_batch_size: 0

@@ -21,13 +21,13 @@ from typing import Any
 
 import grpc
 import httpx
-import ml_dtypes
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 import tritonclient.http as httpclient
-from conftest import StartServer, write_model
+from suite_support import DATATYPES, SQUARE_CONFIG, StartServer, identity_config, write_model
+from suite_support import sample as _sample
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -38,23 +38,6 @@ from pyserve.plugins import PluginHost
 from pyserve.server import Server, ServerOptions, ServerThread
 
 # -- datatypes -------------------------------------------------------------------------------
-
-DATATYPES: dict[str, tuple[str, Any]] = {
-    "BOOL": ("TYPE_BOOL", np.bool_),
-    "UINT8": ("TYPE_UINT8", np.uint8),
-    "UINT16": ("TYPE_UINT16", np.uint16),
-    "UINT32": ("TYPE_UINT32", np.uint32),
-    "UINT64": ("TYPE_UINT64", np.uint64),
-    "INT8": ("TYPE_INT8", np.int8),
-    "INT16": ("TYPE_INT16", np.int16),
-    "INT32": ("TYPE_INT32", np.int32),
-    "INT64": ("TYPE_INT64", np.int64),
-    "FP16": ("TYPE_FP16", np.float16),
-    "BF16": ("TYPE_BF16", ml_dtypes.bfloat16),
-    "FP32": ("TYPE_FP32", np.float32),
-    "FP64": ("TYPE_FP64", np.float64),
-    "BYTES": ("TYPE_STRING", np.object_),
-}
 
 CONTENTS_FIELD = {
     "BOOL": "bool_contents",
@@ -85,30 +68,7 @@ MAX_MESSAGE = 2**31 - 1
 
 
 def sample(datatype: str, shape: tuple[int, ...] = (2, 3)) -> np.ndarray:
-    """Distinct, exactly representable values of ``datatype``, including each type's extremes."""
-    n = int(np.prod(shape))
-    np_dtype = DATATYPES[datatype][1]
-    if datatype == "BOOL":
-        values: Any = [i % 3 == 0 for i in range(n)]
-    elif datatype == "BYTES":
-        values = [f"é{i}-\u2603".encode() if i % 2 else b"\x00\xff" for i in range(n)]
-    elif datatype.startswith(("UINT", "INT")):
-        info = np.iinfo(np_dtype)
-        values = [info.min, info.max] + [i * 3 + 1 for i in range(n - 2)]
-    else:
-        values = [-1.5, 0.25] + [i * 0.5 for i in range(n - 2)]
-    return np.array(values, dtype=np_dtype).reshape(shape)
-
-
-def identity_config(name: str, datatype: str) -> str:
-    config_type = DATATYPES[datatype][0]
-    return f"""
-        name: "{name}"
-        backend: "identity"
-        max_batch_size: 4
-        input [ {{ name: "IN" data_type: {config_type} dims: [ -1 ] }} ]
-        output [ {{ name: "OUT" data_type: {config_type} dims: [ -1 ] }} ]
-    """
+    return _sample(datatype, shape, blank=b"\x00\xff")
 
 
 # -- inline backend --------------------------------------------------------------------------
@@ -165,13 +125,7 @@ MODELS: dict[str, str] = {
                  { name: "PARAMS" data_type: TYPE_STRING dims: [ 1 ] } ]
         dynamic_batching { default_queue_policy { max_queue_size: 1 } }
     """,
-    "square": """
-        backend: "square"
-        max_batch_size: 0
-        model_transaction_policy { decoupled: true }
-        input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
-        output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
-    """,
+    "square": SQUARE_CONFIG,
 }
 
 LABELS = ["cat", "dog", "bird", "fish"]

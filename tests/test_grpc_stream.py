@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
-from conftest import write_model
+from suite_support import SQUARE_CONFIG, write_model
 from tritonclient.utils import InferenceServerException
 
 from pyserve import Backend, InferError, InferRequest, InferResponse, InstanceContext
@@ -78,13 +78,7 @@ class CounterBackend(Backend):
 
 
 MODELS = {
-    "square": """
-        backend: "square"
-        max_batch_size: 0
-        model_transaction_policy { decoupled: true }
-        input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
-        output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
-    """,
+    "square": SQUARE_CONFIG,
     "repeat": """
         backend: "repeat"
         max_batch_size: 0

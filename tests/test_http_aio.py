@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.http.aio as aioclient
-from conftest import write_model
+from suite_support import write_model
 from tritonclient.utils import InferenceServerException
 
 from pyserve import Backend, InferRequest, InferResponse, InstanceContext

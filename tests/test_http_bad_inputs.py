@@ -28,7 +28,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-from conftest import write_model
+from suite_support import write_model
 
 from pyserve.server import Server, ServerOptions, ServerThread
 

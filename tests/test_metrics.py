@@ -26,7 +26,7 @@ from pyserve.cli import build_parser
 from pyserve.metrics import CustomMetrics, MetricsSettings
 from pyserve.server import Server, ServerOptions, ServerThread, StartupError
 
-from conftest import StartServer, write_model
+from suite_support import StartServer, write_model
 
 IDENT = """
     backend: "gate"

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import write_model
+from suite_support import write_model
 from tritonclient.utils import InferenceServerException
 
 import pyserve

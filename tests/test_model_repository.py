@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from conftest import write_model
+from suite_support import write_model
 
 import pyserve
 from pyserve import InferRequest, InferResponse, InstanceContext, ModelContext

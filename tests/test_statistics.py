@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 from pyserve import Backend, InferRequest, InferResponse, InstanceContext
 from pyserve.server import ServerThread
 
-from conftest import StartServer
+from suite_support import StartServer
 
 CONFIG = """
     backend: "hold"

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from conftest import write_model
+from suite_support import write_model
 
 import pyserve
 from pyserve import InferError, InferRequest, InferResponse, InstanceContext

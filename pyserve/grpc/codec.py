@@ -78,6 +78,9 @@ def parameter_value(param: Any) -> ParameterValue:
 
 
 def parameters_dict(params: Mapping[str, Any]) -> dict[str, ParameterValue]:
+    """A ``map<string, InferParameter>`` as plain values (a new dict)."""
+    if not params:
+        return {}
     return {key: parameter_value(value) for key, value in params.items()}
 
 
@@ -116,6 +119,8 @@ class DecodedGrpcRequest:
 STREAM_PARAMETERS = frozenset({"triton_enable_empty_final_response"})
 """Request parameters only ``ModelStreamInfer`` understands."""
 
+_NO_PARAMETERS: frozenset[str] = frozenset()
+
 
 def decode_infer(
     message: Any, model: ModelVersion, *, stream: bool = False, shm: SharedMemoryManager | None = None
@@ -131,25 +136,27 @@ def decode_infer(
     assert io is not None
     name = model.name
     raw = message.raw_input_contents
-    in_shm = sum(1 for t in message.inputs if "shared_memory_region" in t.parameters) if shm is not None else 0
-    if raw and len(raw) != len(message.inputs) - in_shm:
+    tensors = message.inputs  # read each upb field once: every access builds a new wrapper
+    in_region = [("shared_memory_region" in t.parameters) for t in tensors]
+    in_shm = sum(in_region) if shm is not None else 0
+    if raw and len(raw) != len(in_region) - in_shm:
         which = "one per input not in shared memory" if in_shm else "one per input"
         raise InferError.invalid(
-            f"expected {len(message.inputs) - in_shm} raw_input_contents ({which}) but got {len(raw)} "
+            f"expected {len(in_region) - in_shm} raw_input_contents ({which}) but got {len(raw)} "
             f"for model '{name}'"
         )
     raw_index = 0
-    if not message.inputs:
+    if not in_region:
         raise InferError.invalid(f"the request for model '{name}' has no inputs")
     inputs: dict[str, np.ndarray] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    for tensor in message.inputs:
+    for tensor, region in zip(tensors, in_region):
         spec, shape = check_input(name, io, tensor.name, tensor.datatype, list(tensor.shape))
         if spec.name in inputs:
             raise InferError.invalid(f"input '{spec.name}' is given more than once for model '{name}'")
         count = element_count(shape)
         dtype = spec.datatype
-        if "shared_memory_region" in tensor.parameters:
+        if region:
             what = f"input '{spec.name}'"
             if shm is None:
                 raise InferError.unsupported(f"{what}: shared memory is not enabled on this endpoint")
@@ -179,13 +186,16 @@ def decode_infer(
         inputs[spec.name] = array.reshape(shape)
         shapes[spec.name] = shape
     batch = finish_inputs(name, io, inputs, shapes)
-    options = parse_parameters(parameters_dict(message.parameters), allow=STREAM_PARAMETERS if stream else frozenset())
-    requested = [o.name for o in message.outputs]
-    names = check_outputs_requested(name, io, requested)
+    allow = STREAM_PARAMETERS if stream else _NO_PARAMETERS
+    options = parse_parameters(parameters_dict(message.parameters), allow=allow)
+    outputs = message.outputs
+    names = check_outputs_requested(name, io, [o.name for o in outputs])
     classification: dict[str, int] = {}
     shm_outputs: dict[str, ShmTarget] | None = None
-    for output in message.outputs:
+    for output in outputs:
         params = output.parameters
+        if not params:
+            continue
         if "classification" in params:
             k = parameter_value(params["classification"])
             if not isinstance(k, int) or isinstance(k, bool) or k < 0:
@@ -248,13 +258,62 @@ def _typed_contents(tensor: Any, dtype: Any, count: int, name: str) -> np.ndarra
 
 def encode_infer(response: InferResponse, decoded: DecodedGrpcRequest, model: ModelVersion) -> Any:
     """A ``ModelInferResponse`` with every output in ``raw_output_contents``."""
+    raw: list[bytes | memoryview] = []
+    message = _encode_head(response, decoded, model, raw)
+    contents = message.raw_output_contents
+    for payload in raw:
+        contents.append(payload if type(payload) is bytes else bytes(payload))
+    return message
+
+
+_RAW_OUTPUT_TAG = bytes([(6 << 3) | 2])
+"""``ModelInferResponse.raw_output_contents`` (field 6, length-delimited) wire tag."""
+
+
+def _varint(value: int) -> bytes:
+    """``value`` (non-negative) as a protobuf base-128 varint."""
+    if value < 0x80:
+        return bytes((value,))
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_infer_wire(response: InferResponse, decoded: DecodedGrpcRequest, model: ModelVersion) -> bytes:
+    """``encode_infer(...).SerializeToString()``, byte for byte, with one copy of each output.
+
+    upb only stores ``bytes`` in a repeated bytes field, so the message path copies every
+    output three times (``tobytes``, ``append``, serialize). Here the message is serialized
+    without its ``raw_output_contents`` — field 6, the highest, which the serializer emits
+    last — and each output's tag, length and data (a view of the array) are joined after it.
+    """
+    raw: list[bytes | memoryview] = []
+    head = _encode_head(response, decoded, model, raw).SerializeToString()
+    if not raw:
+        return head
+    parts: list[bytes | memoryview] = [head]
+    for payload in raw:
+        parts.append(_RAW_OUTPUT_TAG)
+        parts.append(_varint(len(payload) if type(payload) is bytes else payload.nbytes))
+        parts.append(payload)
+    return b"".join(parts)
+
+
+def _encode_head(
+    response: InferResponse, decoded: DecodedGrpcRequest, model: ModelVersion, raw: list[bytes | memoryview]
+) -> Any:
+    """The response message without ``raw_output_contents``; each output's wire bytes go to ``raw``."""
     io = model.io
     assert io is not None
     request = decoded.request
     message = ModelInferResponse(model_name=model.name, model_version=str(model.version), id=request.id)
-    for key, value in response.parameters.items():
-        set_parameter(message.parameters[key], value)
-    raw = message.raw_output_contents
+    if response.parameters:
+        for key, value in response.parameters.items():
+            set_parameter(message.parameters[key], value)
+    add_output = message.outputs.add
     for name in request.requested_outputs:
         array = response.outputs[name]
         spec = io.outputs.get(name)
@@ -263,8 +322,7 @@ def encode_infer(response: InferResponse, decoded: DecodedGrpcRequest, model: Mo
         if k:
             array = classify(array, k, spec.labels if spec else (), io.batching, name)
             datatype = "BYTES"
-        out = message.outputs.add(name=name, datatype=datatype)
-        out.shape.extend(array.shape)
+        out = add_output(name=name, datatype=datatype, shape=array.shape)
         target = decoded.shm_outputs.get(name) if decoded.shm_outputs else None
         if target is not None:
             wire = encode_bytes_elements(array) if datatype == "BYTES" else _byte_view(array)
@@ -275,9 +333,8 @@ def encode_infer(response: InferResponse, decoded: DecodedGrpcRequest, model: Mo
             continue
         if datatype == "BYTES":
             raw.append(encode_bytes_elements(array))
-        else:
-            contiguous = np.ascontiguousarray(array)
-            raw.append(contiguous.tobytes())
+        else:  # a view, not a copy: the caller copies it once into the wire bytes
+            raw.append(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
     return message
 
 

@@ -7,7 +7,7 @@ generated modules can be imported in the same process without a conflict.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,19 @@ class GrpcOptions:
     restrictions: Mapping[str, Restriction] = field(default_factory=dict)  # --grpc-restricted-protocol
 
 
+PRESERIALIZED = frozenset({"ModelInfer"})
+"""RPCs whose behaviour may return the serialized response (``bytes``) instead of a message."""
+
+
+def _pass_bytes(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+    """A response serializer that sends ``bytes`` as they are and serializes messages."""
+
+    def serializer(response: Any) -> bytes:
+        return response if type(response) is bytes else serialize(response)
+
+    return serializer
+
+
 def _handlers(service: Any, servicer: object) -> grpc.GenericRpcHandler:
     methods = {}
     for method in service.methods:
@@ -56,7 +69,10 @@ def _handlers(service: Any, servicer: object) -> grpc.GenericRpcHandler:
         methods[method.name] = make(
             behaviour,
             request_deserializer=request_class.FromString,
-            response_serializer=response_class.SerializeToString,
+            response_serializer=(
+                _pass_bytes(response_class.SerializeToString) if method.name in PRESERIALIZED
+                else response_class.SerializeToString
+            ),
         )
     return grpc.method_handlers_generic_handler(service.full_name, methods)
 

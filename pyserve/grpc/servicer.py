@@ -19,7 +19,7 @@ from pyserve import protocol as pb
 from pyserve.dataplane import DataPlane
 from pyserve.errors import ErrorCode, InferError
 from pyserve.grpc import extensions
-from pyserve.grpc.codec import decode_infer, encode_infer, model_version
+from pyserve.grpc.codec import decode_infer, encode_infer_wire, model_version
 from pyserve.grpc.stream import StreamSession
 
 log = logging.getLogger("pyserve.grpc")
@@ -121,24 +121,28 @@ class InferenceServicer:
 
     # -- inference -------------------------------------------------------------------------------
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Unary infer. Returns the serialized ``ModelInferResponse`` (``bytes``): the handler's
+        serializer passes bytes through (see ``pyserve.grpc.server``), which spares the
+        protobuf copies of large outputs (``encode_infer_wire``)."""
+        dataplane = self.dataplane
         try:
-            model = self.dataplane.model(request.model_name, model_version(request.model_version))
+            model = dataplane.model(request.model_name, model_version(request.model_version))
             if model.decoupled:
                 raise InferError.unsupported(
                     "ModelInfer RPC doesn't support models with decoupled transaction policy; "
                     "use ModelStreamInfer"
                 )
             decode_start = monotonic_ns()
-            decoded = decode_infer(request, model, shm=self.dataplane.shared_memory)
+            decoded = decode_infer(request, model, shm=dataplane.shared_memory)
             decode_ns = monotonic_ns() - decode_start
-            if self.dataplane.tracing.active:
-                decoded.request.trace_parent = _trace_parent(context)
-            result = await self.dataplane.infer(model, decoded.request)
+            infer_request = decoded.request
+            if dataplane.tracing.active:
+                infer_request.trace_parent = _trace_parent(context)
+            result = await dataplane.infer(model, infer_request)
             if isinstance(result, InferError):
                 raise result
             encode_start = monotonic_ns()
-            response = encode_infer(result, decoded, model)
-            infer_request = decoded.request
+            response = encode_infer_wire(result, decoded, model)
             if infer_request.stats is not None and infer_request.exec_start_ns >= 0:  # not for cache hits
                 infer_request.stats.codec(decode_ns, monotonic_ns() - encode_start)
         except InferError as exc:

@@ -5,6 +5,10 @@ the path is matched by hand, the body is read straight from ``receive`` (with th
 and the answer goes out in two ``send`` calls. Every other route falls through to the
 Starlette application. Behaviour (status codes, error texts, compression) is the same as on
 any route; only the per-request overhead differs.
+
+The steps (``infer_model``, ``check_declared_length``, ``decode_request``, ``submit_request``,
+``encode_reply``, ``error_reply``) are module functions shared with the native HTTP/1.1
+server (``pyserve.http.server``), which runs the same sequence without ASGI.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from typing import Any
 from pyserve.dataplane import DataPlane
 from pyserve.errors import InferError
 from pyserve.http.body import compress, decode_content, too_large
-from pyserve.http.codec import decode_infer, encode_infer, parse_header_length
+from pyserve.http.codec import DecodedRequest, decode_infer, encode_infer, parse_header_length
 from pyserve.http.errors import HTTP_STATUS, error_body
-from pyserve.inference import FutureSender, InferResponse
+from pyserve.inference import FutureSender, InferRequest, InferResponse
+from pyserve.models import ModelVersion
 
 Scope = dict[str, Any]
 ASGIApp = Any
@@ -26,9 +31,17 @@ ASGIApp = Any
 _PREFIX = "/v2/models/"
 _SUFFIX = "/infer"
 _JSON_HEADERS = [(b"content-type", b"application/json")]
+JSON_HEADERS: list[tuple[bytes, bytes]] = _JSON_HEADERS
+"""The headers of every error answer (plus its content-length)."""
+DECOUPLED_MESSAGE = "HTTP end point doesn't support models with decoupled transaction policy"
+
+Headers = dict[bytes, bytes]
+"""Request headers by lower-case name (the last value of a repeated header wins)."""
+Reply = tuple[int, bytes, list[tuple[bytes, bytes]]]
+"""``(status, body, headers)`` of an answer, content-length not included."""
 
 
-def _route(path: str) -> tuple[str, str | None] | None:
+def route(path: str) -> tuple[str, str | None] | None:
     """``(model, version)`` for an infer path, or None for anything else."""
     if not (path.startswith(_PREFIX) and path.endswith(_SUFFIX)):
         return None
@@ -38,6 +51,101 @@ def _route(path: str) -> tuple[str, str | None] | None:
     if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2].isdigit():
         return parts[0], parts[2]
     return None
+
+
+_route = route  # the former private name
+
+
+def infer_model(dataplane: DataPlane, name: str, version: str | None) -> ModelVersion:
+    """The model an infer request targets.
+
+    :raises InferError: unknown model or version, or a decoupled model (501).
+    """
+    model = dataplane.model(name, version)
+    if model.decoupled:
+        raise InferError.unsupported(DECOUPLED_MESSAGE)
+    return model
+
+
+def check_declared_length(declared: bytes | None, limit: int) -> None:
+    """Refuse a body whose ``Content-Length`` is over ``limit`` before reading any of it.
+
+    :raises InferError: over the limit, or not an integer.
+    """
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise too_large(limit)
+        except ValueError:
+            raise InferError.invalid("Content-Length must be an integer") from None
+
+
+def decode_request(
+    dataplane: DataPlane, model: ModelVersion, body: bytes, headers: Headers, limit: int
+) -> tuple[DecodedRequest, int]:
+    """Decompress and decode an infer body; ``(decoded, decode nanoseconds)``.
+
+    :raises InferError: a bad encoding, header length or request.
+    """
+    encoding = headers.get(b"content-encoding")
+    if encoding:
+        body = decode_content(body, encoding.decode("latin-1"), limit)
+    raw_length = headers.get(b"inference-header-content-length")
+    header_length = parse_header_length(
+        raw_length.decode("latin-1") if raw_length is not None else None, len(body)
+    )
+    decode_start = monotonic_ns()
+    decoded = decode_infer(body, header_length, model, dataplane.shared_memory)
+    decode_ns = monotonic_ns() - decode_start
+    if dataplane.tracing.active:
+        parent = headers.get(b"traceparent")
+        decoded.request.trace_parent = parent.decode("latin-1") if parent is not None else None
+    return decoded, decode_ns
+
+
+def submit_request(
+    dataplane: DataPlane, model: ModelVersion, request: InferRequest, loop: asyncio.AbstractEventLoop
+) -> asyncio.Future[Any]:
+    """Schedule ``request``; the future resolves to its ``InferResponse`` or ``InferError``.
+
+    ``dataplane.finished(request)`` must follow once the future is done (or abandoned).
+
+    :raises InferError: the data plane refused the request (nothing to finish then).
+    """
+    future: asyncio.Future[Any] = loop.create_future()
+    request.attach_sender(FutureSender(loop, future))
+    error = dataplane.submit(model, request)
+    if error is not None:
+        raise error
+    return future
+
+
+def encode_reply(
+    result: InferResponse | InferError, decoded: DecodedRequest, model: ModelVersion, decode_ns: int,
+    accept_encoding: bytes | None,
+) -> Reply:
+    """The 200 answer for a model's response, compressed if the client accepts it.
+
+    :raises InferError: the model answered an error, or the response cannot be encoded.
+    """
+    if isinstance(result, InferError):
+        raise result
+    encode_start = monotonic_ns()
+    content, out_headers = encode_infer(result, decoded, model)
+    request = decoded.request
+    if request.stats is not None and request.exec_start_ns >= 0:  # not for cache hits
+        request.stats.codec(decode_ns, monotonic_ns() - encode_start)
+    raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out_headers.items()]
+    if accept_encoding:
+        content, applied = compress(content, accept_encoding.decode("latin-1"))
+        if applied:
+            raw_headers.append((b"content-encoding", applied.encode("latin-1")))
+    return 200, content, raw_headers
+
+
+def error_reply(error: InferError) -> Reply:
+    """The ``{"error": ...}`` answer for ``error``."""
+    return HTTP_STATUS[error.code], error_body(error.message), _JSON_HEADERS
 
 
 class InferFastPath:
@@ -55,69 +163,33 @@ class InferFastPath:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            target = _route(scope["path"])
+            target = route(scope["path"])
             if target is not None:
                 await self._infer(scope, receive, send, *target)
                 return
         await self.app(scope, receive, send)
 
     async def _infer(self, scope: Scope, receive: Any, send: Any, name: str, version: str | None) -> None:
-        headers: dict[bytes, bytes] = {}
+        headers: Headers = {}
         for key, value in scope["headers"]:
             headers[key] = value
         try:
-            model = self.dataplane.model(name, version)
-            if model.decoupled:
-                await _send(send, 501, error_body(
-                    "HTTP end point doesn't support models with decoupled transaction policy"
-                ), _JSON_HEADERS)
-                return
+            model = infer_model(self.dataplane, name, version)
             body = await self._read(receive, headers)
             if body is None:
                 return  # the client went away
-            encoding = headers.get(b"content-encoding")
-            if encoding:
-                body = decode_content(body, encoding.decode("latin-1"), self.max_input_size)
-            raw_length = headers.get(b"inference-header-content-length")
-            header_length = parse_header_length(
-                raw_length.decode("latin-1") if raw_length is not None else None, len(body)
-            )
-            decode_start = monotonic_ns()
-            decoded = decode_infer(body, header_length, model, self.dataplane.shared_memory)
-            decode_ns = monotonic_ns() - decode_start
-            if self.dataplane.tracing.active:
-                parent = headers.get(b"traceparent")
-                decoded.request.trace_parent = parent.decode("latin-1") if parent is not None else None
+            decoded, decode_ns = decode_request(self.dataplane, model, body, headers, self.max_input_size)
             result = await self._run(model, decoded.request, receive)
             if result is None:
                 return
-            if isinstance(result, InferError):
-                raise result
-            encode_start = monotonic_ns()
-            content, out_headers = encode_infer(result, decoded, model)
-            request = decoded.request
-            if request.stats is not None and request.exec_start_ns >= 0:  # not for cache hits
-                request.stats.codec(decode_ns, monotonic_ns() - encode_start)
+            reply = encode_reply(result, decoded, model, decode_ns, headers.get(b"accept-encoding"))
         except InferError as exc:
-            await _send(send, HTTP_STATUS[exc.code], error_body(exc.message), _JSON_HEADERS)
-            return
-        raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out_headers.items()]
-        accept = headers.get(b"accept-encoding")
-        if accept:
-            content, applied = compress(content, accept.decode("latin-1"))
-            if applied:
-                raw_headers.append((b"content-encoding", applied.encode("latin-1")))
-        await _send(send, 200, content, raw_headers)
+            reply = error_reply(exc)
+        await _send(send, *reply)
 
     async def _read(self, receive: Any, headers: dict[bytes, bytes]) -> bytes | None:
         limit = self.max_input_size
-        declared = headers.get(b"content-length")
-        if declared is not None:
-            try:
-                if int(declared) > limit:
-                    raise too_large(limit)
-            except ValueError:
-                raise InferError.invalid("Content-Length must be an integer") from None
+        check_declared_length(headers.get(b"content-length"), limit)
         message = await receive()
         if message["type"] == "http.disconnect":
             return None
@@ -147,10 +219,9 @@ class InferFastPath:
         request, so one still queued never reaches execute.
         """
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        request.attach_sender(FutureSender(loop, future))
-        error = self.dataplane.submit(model, request)
-        if error is not None:
+        try:
+            future = submit_request(self.dataplane, model, request, loop)
+        except InferError as error:
             return error
 
         def on_disconnect(task: asyncio.Task[Any]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import queue
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import StartServer, install_backend, write_model
+from pyserve.testing import ServerFactory, write_model
 from pyserve_backend_native import metrics_text
 
 IDENTITY = """
@@ -25,6 +26,14 @@ IDENTITY = """
     output [ {{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] }},
              {{ name: "OUTPUT1", data_type: TYPE_STRING, dims: [ -1 ] }} ]
 """
+
+
+def install_backend(directory: Path, library: Path, name: str | None = None) -> Path:
+    """Copy a built library into ``directory`` (as ``name`` or its own file name)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / (name or library.name)
+    shutil.copy(library, target)
+    return target
 
 
 def index(url: str) -> dict[str, dict[str, Any]]:
@@ -43,7 +52,7 @@ def infer_identity(client: httpclient.InferenceServerClient, model: str, values:
 
 # -- step 1: identity ----------------------------------------------------------------------
 def test_identity_from_each_search_location(
-    tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer
+    tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory
 ) -> None:
     repo = tmp_path / "repo"
     backends = tmp_path / "backends"
@@ -53,7 +62,7 @@ def test_identity_from_each_search_location(
     install_backend(write_model(repo, "in_model", IDENTITY.format(name="in_model")), lib)
     write_model(repo, "in_backend_dir", IDENTITY.format(name="in_backend_dir"))
     install_backend(backends / "c_identity", lib)
-    server = start_server(repo, backend_directory=str(backends))
+    server = pyserve_server_factory(repo, backend_directory=str(backends))
     with httpclient.InferenceServerClient(server.url) as client:
         for model in ("in_version", "in_model", "in_backend_dir"):
             assert client.is_model_ready(model)
@@ -66,11 +75,11 @@ def test_identity_from_each_search_location(
 
 
 def test_identity_over_grpc_and_dynamic_batching(
-    tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer
+    tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory
 ) -> None:
     repo = tmp_path / "repo"
     install_backend(write_model(repo, "ident", IDENTITY.format(name="ident")), backend_libraries["identity"])
-    server = start_server(repo)
+    server = pyserve_server_factory(repo)
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         x = np.arange(4, dtype=np.float32).reshape(1, 4)
         s = np.array([[b"x", b"", b"zz", b"\xff"]], dtype=object)
@@ -96,7 +105,7 @@ def test_identity_over_grpc_and_dynamic_batching(
 
 
 def test_auto_complete_through_model_set_config(
-    tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer
+    tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory
 ) -> None:
     repo = tmp_path / "repo"
     model = write_model(repo, "completed", """
@@ -105,7 +114,7 @@ def test_auto_complete_through_model_set_config(
         input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
     """)
     install_backend(model, backend_libraries["identity"])
-    server = start_server(repo)
+    server = pyserve_server_factory(repo)
     with httpclient.InferenceServerClient(server.url) as client:
         config = client.get_model_config("completed")
         assert [o["name"] for o in config["output"]] == ["OUTPUT0"]
@@ -131,11 +140,11 @@ def _int_input(values: list[int]) -> httpclient.InferInput:
 
 
 def test_per_request_and_execute_errors(
-    tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer
+    tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory
 ) -> None:
     repo = tmp_path / "repo"
     install_backend(write_model(repo, "errs", ERRORS), backend_libraries["errors"])
-    server = start_server(repo)
+    server = pyserve_server_factory(repo)
     with httpclient.InferenceServerClient(server.url) as client:
         np.testing.assert_array_equal(client.infer("errs", [_int_input([3, 4])]).as_numpy("OUTPUT0"), [6, 8])
         with pytest.raises(Exception, match="negative input -1 is not allowed") as bad:
@@ -150,7 +159,7 @@ def test_per_request_and_execute_errors(
 
 
 def test_model_initialize_failure_and_bad_libraries(
-    tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer
+    tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory
 ) -> None:
     repo = tmp_path / "repo"
 
@@ -163,7 +172,7 @@ def test_model_initialize_failure_and_bad_libraries(
     write_model(repo, "m_absent", config("absent"))
     write_model(repo, "m_runtime", config("errors") + '\nruntime: "libtriton_nothere.so"\n')
     install_backend(write_model(repo, "ok", ERRORS), backend_libraries["errors"])
-    server = start_server(repo)
+    server = pyserve_server_factory(repo)
     entries = index(server.url)
     assert entries["ok"]["state"] == "READY"
     assert "refuses to load on purpose" in entries["m_initfail"]["reason"]
@@ -187,11 +196,11 @@ DECOUPLED = """
 
 
 def test_decoupled_responses_from_a_backend_thread(
-    tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer
+    tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory
 ) -> None:
     repo = tmp_path / "repo"
     install_backend(write_model(repo, "dec", DECOUPLED), backend_libraries["decoupled"])
-    server = start_server(repo)
+    server = pyserve_server_factory(repo)
     received: queue.Queue[Any] = queue.Queue()
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         client.start_stream(callback=lambda result, error: received.put((result, error)))
@@ -229,10 +238,10 @@ STATEFUL = """
 """
 
 
-def test_stateful_sequences(tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer) -> None:
+def test_stateful_sequences(tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory) -> None:
     repo = tmp_path / "repo"
     install_backend(write_model(repo, "acc", STATEFUL), backend_libraries["stateful"])
-    server = start_server(repo)
+    server = pyserve_server_factory(repo)
 
     def step(client: httpclient.InferenceServerClient, seq: int, value: int, start: bool, end: bool) -> int:
         inp = httpclient.InferInput("INPUT", [1, 1], "INT32")
@@ -259,7 +268,7 @@ BLS = """
 
 
 def test_bls_through_server_infer_async(
-    tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer
+    tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory
 ) -> None:
     repo = tmp_path / "repo"
     install_backend(write_model(repo, "caller", BLS), backend_libraries["bls"])
@@ -270,7 +279,7 @@ def test_bls_through_server_infer_async(
         output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
     """
     install_backend(write_model(repo, "ident", ident), backend_libraries["identity"])
-    server = start_server(repo)
+    server = pyserve_server_factory(repo)
     with httpclient.InferenceServerClient(server.url) as client:
         for values in ([1.0, 2.0, 3.5], [-1.0]):
             inp = httpclient.InferInput("INPUT0", [len(values)], "FP32")
@@ -282,12 +291,12 @@ def test_bls_through_server_infer_async(
 
 
 def test_backend_config_reaches_the_backend(
-    tmp_path: Path, backend_libraries: dict[str, Path], start_server: StartServer, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     repo = tmp_path / "repo"
     install_backend(write_model(repo, "ident", IDENTITY.format(name="ident")), backend_libraries["identity"])
     with caplog.at_level("INFO", logger="pyserve.native"):
-        start_server(repo, backend_config={"c_identity": {"answer": "42"}}, backend_directory="/nonexistent")
+        pyserve_server_factory(repo, backend_config={"c_identity": {"answer": "42"}}, backend_directory="/nonexistent")
     lines = [r.getMessage() for r in caplog.records if "identity backend 'c_identity' config" in r.getMessage()]
     assert lines, [r.getMessage() for r in caplog.records]
     config = json.loads(lines[0].split(" config ", 1)[1])

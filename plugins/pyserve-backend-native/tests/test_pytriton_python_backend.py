@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import StartServer, write_model
+from pyserve.testing import ServerFactory, write_model
 
 MODELS = Path(__file__).resolve().parent / "python_models"
 pytestmark = pytest.mark.timeout(300)
@@ -111,13 +111,13 @@ BLS_DOUBLE = """
 
 @pytest.fixture
 def python_server(
-    tmp_path: Path, triton_backends: Path, stub_environment: Path, stub_libpython: None, start_server: StartServer
+    tmp_path: Path, triton_backends: Path, stub_environment: Path, stub_libpython: None, pyserve_server_factory: ServerFactory
 ) -> Any:
     repo = tmp_path / "repo"
     _python_model(repo, "add_one", "add_one.py", ADD_ONE, stub_environment)
     _python_model(repo, "count_up", "count_up.py", COUNT_UP, stub_environment)
     _python_model(repo, "bls_double", "bls_double.py", BLS_DOUBLE, stub_environment)
-    return start_server(repo, backend_directory=str(triton_backends))
+    return pyserve_server_factory(repo, backend_directory=str(triton_backends))
 
 
 def test_model_py_through_triton_python_backend(python_server: Any) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -20,7 +20,7 @@ from pyserve.model_config import gpu_count
 from pyserve.server import ServerThread
 
 import ort_models
-from ort_support import BatchRecorder, write_model
+from pyserve.testing import BatchRecorder, ServerFactory, serve, write_model
 
 BACKENDS = {"onnxruntime": pyserve_backend_onnxruntime}
 
@@ -54,7 +54,7 @@ def recorder() -> BatchRecorder:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, module_server: Any, recorder: BatchRecorder) -> ServerThread:
+def server(tmp_path_factory: pytest.TempPathFactory, recorder: BatchRecorder) -> Iterator[ServerThread]:
     repo = tmp_path_factory.mktemp("ort_repo")
     mlp, conv = ort_models.mlp(), ort_models.convnet()
     write_model(repo, "mlp", MLP_CONFIG, {"1/model.onnx": mlp})
@@ -92,7 +92,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, module_server: Any, recorde
         MLP_CONFIG + 'parameters [ { key: "intra_op_thread_count", value: { string_value: "many" } } ]\n',
         {"1/model.onnx": mlp},
     )
-    return module_server(repo, backends=BACKENDS, server_plugins=(recorder,))
+    with serve(repo, backends=BACKENDS, server_plugins=(recorder,), use_entry_points=False) as thread:
+        yield thread
 
 
 def direct(model: bytes, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -282,11 +283,11 @@ def test_good_models_are_ready(server: ServerThread) -> None:
 
 @pytest.mark.skipif(gpu_count() == 0 or "CUDAExecutionProvider" not in ort.get_available_providers(),
                     reason="needs a GPU and onnxruntime-gpu")
-def test_gpu_instance_uses_cuda_provider(tmp_path: Path, module_server: Any) -> None:
+def test_gpu_instance_uses_cuda_provider(tmp_path: Path, pyserve_server_factory: ServerFactory) -> None:
     repo = tmp_path / "gpu_repo"
     write_model(repo, "mlp_gpu", MLP_CONFIG + "instance_group [ { kind: KIND_GPU, gpus: [ 0 ] } ]\n",
                 {"1/model.onnx": ort_models.mlp()})
-    gpu_server = module_server(repo, backends=BACKENDS)
+    gpu_server = pyserve_server_factory(repo, backends=BACKENDS, use_entry_points=False)
     x = np.random.default_rng(6).standard_normal((3, 4)).astype(np.float32)
     got = grpc_infer(gpu_server.grpc_url, "mlp_gpu", {"x": x}).as_numpy("y")
     np.testing.assert_allclose(got, direct(ort_models.mlp(), {"x": x})[0], rtol=1e-4, atol=1e-5)

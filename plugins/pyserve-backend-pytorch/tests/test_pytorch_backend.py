@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
@@ -18,7 +19,7 @@ import tritonclient.http as httpclient
 from pyserve.server import ServerThread
 
 import pt_models
-from pt_support import BatchRecorder, write_model
+from pyserve.testing import BatchRecorder, ServerFactory, serve, write_model
 
 BACKENDS = {"pytorch": pyserve_backend_pytorch}
 
@@ -87,8 +88,8 @@ def recorder() -> BatchRecorder:
 
 @pytest.fixture(scope="module")
 def server(
-    tmp_path_factory: pytest.TempPathFactory, module_server: Any, modules: dict[str, torch.nn.Module], recorder: BatchRecorder
-) -> ServerThread:
+    tmp_path_factory: pytest.TempPathFactory, modules: dict[str, torch.nn.Module], recorder: BatchRecorder
+) -> Iterator[ServerThread]:
     files = tmp_path_factory.mktemp("pt_files")
     pt_models.save_traced(modules["mlp"], torch.zeros(2, 4), files / "mlp.pt")
     pt_models.save_scripted(modules["conv"], files / "conv.pt")
@@ -111,7 +112,8 @@ def server(
     write_model(repo, "missing", MLP_CONFIG)
     write_model(repo, "compile_script", _broken(EXPORTED_CONFIG, 'default_model_filename: "model.pt2"\n', ""),
                 {"1/model.pt": mlp})
-    return module_server(repo, backends=BACKENDS, server_plugins=(recorder,))
+    with serve(repo, backends=BACKENDS, server_plugins=(recorder,), use_entry_points=False) as thread:
+        yield thread
 
 
 def infer(server: ServerThread, protocol: str, model: str, inputs: dict[str, np.ndarray],
@@ -259,12 +261,12 @@ def test_good_models_are_ready(server: ServerThread) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
-def test_gpu_instance_runs_on_cuda(tmp_path: Path, module_server: Any, modules: dict[str, Any]) -> None:
+def test_gpu_instance_runs_on_cuda(tmp_path: Path, pyserve_server_factory: ServerFactory, modules: dict[str, Any]) -> None:
     pt_models.save_traced(modules["mlp"], torch.zeros(2, 4), tmp_path / "mlp.pt")
     repo = tmp_path / "gpu_repo"
     write_model(repo, "mlp_gpu", MLP_CONFIG + "instance_group [ { kind: KIND_GPU, gpus: [ 0 ] } ]\n",
                 {"1/model.pt": (tmp_path / "mlp.pt").read_bytes()})
-    gpu_server = module_server(repo, backends=BACKENDS)
+    gpu_server = pyserve_server_factory(repo, backends=BACKENDS, use_entry_points=False)
     x = np.random.default_rng(6).standard_normal((3, 4)).astype(np.float32)
     got = infer(gpu_server, "grpc", "mlp_gpu", {"INPUT__0": x}).as_numpy("OUTPUT__0")
     np.testing.assert_allclose(got, call(modules["mlp"], x).numpy(), rtol=1e-4, atol=1e-5)

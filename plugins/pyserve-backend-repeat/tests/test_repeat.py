@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import queue
-import textwrap
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,8 +13,8 @@ import pytest
 import pyserve_backend_repeat
 import tritonclient.grpc as grpcclient
 
-from pyserve.plugins import PluginHost
-from pyserve.server import Server, ServerOptions, ServerThread
+from pyserve.server import ServerThread
+from pyserve.testing import serve, write_model
 
 CONFIG = """
     backend: "repeat"
@@ -45,14 +43,9 @@ BROKEN = {
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     repo = tmp_path_factory.mktemp("repeat")
     for name, config in {"repeat": CONFIG, **{n: c for n, (c, _) in BROKEN.items()}}.items():
-        (repo / name / "1").mkdir(parents=True)
-        (repo / name / "config.pbtxt").write_text(textwrap.dedent(config))
-    host = PluginHost(extra_backends={"repeat": pyserve_backend_repeat}, use_entry_points=False)
-    options = ServerOptions(model_repositories=[Path(repo)], host="127.0.0.1", http_port=0, grpc_port=0)
-    thread = ServerThread(Server(options, host))
-    thread.start()
-    yield thread
-    thread.stop()
+        write_model(repo, name, config)
+    with serve(repo, backends={"repeat": pyserve_backend_repeat}, use_entry_points=False) as thread:
+        yield thread
 
 
 def tensor(name: str, values: list[int], datatype: str = "INT32") -> grpcclient.InferInput:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import queue
-import textwrap
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,8 +12,8 @@ import pytest
 import pyserve_backend_square
 import tritonclient.grpc as grpcclient
 
-from pyserve.plugins import PluginHost
-from pyserve.server import Server, ServerOptions, ServerThread
+from pyserve.server import ServerThread
+from pyserve.testing import serve, write_model
 
 CONFIG = """
     backend: "square"
@@ -41,14 +39,9 @@ BROKEN = {
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     repo = tmp_path_factory.mktemp("square")
     for name, config in {"square": CONFIG, **{n: c for n, (c, _) in BROKEN.items()}}.items():
-        (repo / name / "1").mkdir(parents=True)
-        (repo / name / "config.pbtxt").write_text(textwrap.dedent(config))
-    host = PluginHost(extra_backends={"square": pyserve_backend_square}, use_entry_points=False)
-    options = ServerOptions(model_repositories=[Path(repo)], host="127.0.0.1", http_port=0, grpc_port=0)
-    thread = ServerThread(Server(options, host))
-    thread.start()
-    yield thread
-    thread.stop()
+        write_model(repo, name, config)
+    with serve(repo, backends={"square": pyserve_backend_square}, use_entry_points=False) as thread:
+        yield thread
 
 
 def square_input(n: int) -> grpcclient.InferInput:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
@@ -21,7 +22,7 @@ import tritonclient.http as httpclient
 from pyserve.server import ServerThread
 
 import tf_models
-from tf_support import BatchRecorder, write_model
+from pyserve.testing import BatchRecorder, ServerFactory, serve, write_model
 
 BACKENDS = {"tensorflow": pyserve_backend_tensorflow}
 
@@ -67,8 +68,8 @@ def recorder() -> BatchRecorder:
 
 @pytest.fixture(scope="module")
 def server(
-    tmp_path_factory: pytest.TempPathFactory, module_server: Any, modules: dict[str, tf.Module], recorder: BatchRecorder
-) -> ServerThread:
+    tmp_path_factory: pytest.TempPathFactory, modules: dict[str, tf.Module], recorder: BatchRecorder
+) -> Iterator[ServerThread]:
     files = tmp_path_factory.mktemp("tf_files")
     tf_models.save(modules["mlp"], files / "mlp")
     tf_models.save(modules["conv"], files / "conv", signature="predict")
@@ -93,7 +94,8 @@ def server(
     write_model(repo, "graphdef_no_io", 'platform: "tensorflow_graphdef"\n', graphdef)
     write_model(repo, "graphdef_bad_name", _broken(GRAPHDEF_CONFIG, 'name: "y"', 'name: "logits"'), graphdef)
     write_model(repo, "graphdef_corrupt", GRAPHDEF_CONFIG, {"1/model.graphdef": b"\xff\xff\xffnot a graph"})
-    return module_server(repo, backends=BACKENDS, server_plugins=(recorder,))
+    with serve(repo, backends=BACKENDS, server_plugins=(recorder,), use_entry_points=False) as thread:
+        yield thread
 
 
 def infer(server: ServerThread, protocol: str, model: str, inputs: dict[str, np.ndarray], datatype: str = "FP32") -> Any:
@@ -260,12 +262,12 @@ def test_good_models_are_ready(server: ServerThread) -> None:
 
 
 @pytest.mark.skipif(not tf.config.list_physical_devices("GPU"), reason="needs a GPU and a CUDA build of TensorFlow")
-def test_gpu_instance_runs_on_gpu(tmp_path: Path, module_server: Any, modules: dict[str, Any]) -> None:
+def test_gpu_instance_runs_on_gpu(tmp_path: Path, pyserve_server_factory: ServerFactory, modules: dict[str, Any]) -> None:
     tf_models.save(modules["mlp"], tmp_path / "mlp")
     repo = tmp_path / "gpu_repo"
     files = {f"1/model.savedmodel/{k}": v for k, v in _tree(tmp_path / "mlp").items()}
     write_model(repo, "mlp_gpu", MLP_CONFIG + "instance_group [ { kind: KIND_GPU, gpus: [ 0 ] } ]\n", files)
-    gpu_server = module_server(repo, backends=BACKENDS)
+    gpu_server = pyserve_server_factory(repo, backends=BACKENDS, use_entry_points=False)
     x = np.random.default_rng(6).standard_normal((3, 4)).astype(np.float32)
     got = infer(gpu_server, "grpc", "mlp_gpu", {"x": x}).as_numpy("y")
     np.testing.assert_allclose(got, modules["mlp"](tf.constant(x))["y"].numpy(), rtol=1e-4, atol=1e-4)

@@ -1,7 +1,7 @@
 """pyserve's ``onnxruntime`` backend: ONNX models (platform ``onnxruntime_onnx``) on ONNX Runtime.
 
 A module-style plugin: the entry point names this module and the hook functions below carry
-``pyserve.hookimpl``. Importing this module does not import ``onnxruntime``; the framework is
+``pyserve.hookimpl`` (the instance and execute hooks are ``pyserve.backend_support``'s). Importing this module does not import ``onnxruntime``; the framework is
 imported when the first ONNX model loads (``pyserve_backend_initialize``).
 
 What callers may rely on:
@@ -22,17 +22,8 @@ What callers may rely on:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from pyserve import (
-    BackendContext,
-    InferError,
-    InferRequest,
-    InferResponse,
-    InstanceContext,
-    ModelContext,
-    hookimpl,
-)
+from pyserve import BackendContext, ModelContext, hookimpl
+from pyserve.backend_support import pyserve_execute, pyserve_instance_create, pyserve_instance_finalize
 
 from pyserve_backend_onnxruntime.runtime import OnnxInstance, OnnxModel, auto_complete, initialize_runtime
 
@@ -75,34 +66,3 @@ def pyserve_model_create(model: ModelContext) -> OnnxModel:
     :raises ValueError: missing model file, a bad parameter value, or an unsupported datatype.
     """
     return OnnxModel.from_context(model)
-
-
-@hookimpl
-def pyserve_instance_create(instance: InstanceContext) -> OnnxInstance:
-    """Create the instance's session and check the config against the model's inputs/outputs.
-
-    :raises ValueError: the file is not a valid ONNX model, or the config disagrees with it.
-    """
-    state: OnnxModel = instance.model.state
-    return state.create_instance(instance)
-
-
-@hookimpl
-def pyserve_instance_finalize(instance: InstanceContext) -> None:
-    """Drop the instance's session (ONNX Runtime frees its memory with it)."""
-    state: OnnxInstance | None = instance.state
-    if state is not None:
-        state.close()
-
-
-@hookimpl
-def pyserve_execute(
-    instance: InstanceContext, requests: Sequence[InferRequest]
-) -> list[InferResponse | InferError]:
-    """Run the gathered requests as one batch: gather inputs, one ``session.run``, split outputs.
-
-    :returns: one response per request, in order; when the run fails every request gets the
-        same error (``INVALID_ARG`` when onnxruntime rejects the inputs).
-    """
-    state: OnnxInstance = instance.state
-    return state.execute(requests)

@@ -40,9 +40,10 @@ def calling(model: ModelContext) -> Iterator[None]:
 def remember(model: ModelContext) -> None:
     """Record the model's server as the fallback for threads without a context."""
     global _last_server
-    if model.server is not None:
+    server = model.server
+    if server is not None and server is not _last_server:  # per execute: skip the lock when unchanged
         with _lock:
-            _last_server = model.server
+            _last_server = server
 
 
 def set_current(model: ModelContext) -> None:

@@ -96,8 +96,8 @@ class InferenceRequest:
         self._correlation_id = correlation_id
         self._flags = int(flags)
         self._timeout = int(timeout)
-        self._preferred_memory = preferred_memory or PreferredMemory()
-        self._trace = trace or InferenceTrace()
+        self._preferred_memory: PreferredMemory | None = preferred_memory or PreferredMemory()
+        self._trace: InferenceTrace | None = trace or InferenceTrace()
         self._parameters = parse_parameters(parameters, "request")
         self._server_request: InferRequest | None = None
         self._sender: InferenceResponseSender | None = None
@@ -115,8 +115,8 @@ class InferenceRequest:
         self._correlation_id = request.correlation_id
         self._flags = int(request.flags)
         self._timeout = int(request.timeout_us)
-        self._preferred_memory = PreferredMemory()
-        self._trace = InferenceTrace()
+        self._preferred_memory = None  # made on first access: execute rarely asks
+        self._trace = None
         self._parameters = request.parameters
         self._server_request = request
         self._sender = None
@@ -158,6 +158,8 @@ class InferenceRequest:
 
     def trace(self) -> InferenceTrace:
         """The request's trace."""
+        if self._trace is None:
+            self._trace = InferenceTrace()
         return self._trace
 
     def model_name(self) -> str:
@@ -170,6 +172,8 @@ class InferenceRequest:
 
     def preferred_memory(self) -> PreferredMemory:
         """Where the caller prefers outputs (BLS requests)."""
+        if self._preferred_memory is None:
+            self._preferred_memory = PreferredMemory()
         return self._preferred_memory
 
     def is_cancelled(self) -> bool:

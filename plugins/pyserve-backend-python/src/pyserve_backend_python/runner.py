@@ -146,11 +146,13 @@ class ThreadRunner:
 
     def execute(self, requests: Sequence[InferRequest]) -> results.ServerResults:
         model = self._model
-        wrapped = [InferenceRequest._from_server(request) for request in requests]
+        wrap = InferenceRequest._from_server
+        wrapped = [wrap(request) for request in requests]
         try:
             with context.calling(model):
                 outcome = self._object.execute(wrapped)
-                if inspect.isawaitable(outcome):
+                # A list (the usual answer) is never awaitable: skip the ABC check for it.
+                if type(outcome) is not list and inspect.isawaitable(outcome):
                     if self._decoupled:
                         future = self._event_loop().submit(_await(outcome))
                         future.add_done_callback(lambda f: self._async_done(f, requests))

@@ -1,7 +1,7 @@
 """pyserve's ``pytorch`` backend: TorchScript models (platforms ``pytorch_libtorch``, ``libtorch``).
 
 A module-style plugin: the entry point names this module and the hook functions below carry
-``pyserve.hookimpl``. Importing this module does not import ``torch``; the framework is
+``pyserve.hookimpl`` (the instance and execute hooks are ``pyserve.backend_support``'s). Importing this module does not import ``torch``; the framework is
 imported when the first PyTorch model loads (``pyserve_backend_initialize``).
 
 What callers may rely on:
@@ -25,17 +25,8 @@ What callers may rely on:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from pyserve import (
-    BackendContext,
-    InferError,
-    InferRequest,
-    InferResponse,
-    InstanceContext,
-    ModelContext,
-    hookimpl,
-)
+from pyserve import BackendContext, ModelContext, hookimpl
+from pyserve.backend_support import pyserve_execute, pyserve_instance_create, pyserve_instance_finalize
 
 from pyserve_backend_pytorch.runtime import TorchInstance, TorchModel, initialize_runtime
 
@@ -66,34 +57,3 @@ def pyserve_model_create(model: ModelContext) -> TorchModel:
     :raises ValueError: missing model file, bad parameter value, unsupported datatype.
     """
     return TorchModel.from_context(model)
-
-
-@hookimpl
-def pyserve_instance_create(instance: InstanceContext) -> TorchInstance:
-    """Load the module on the instance's device, bind the config's names and probe it.
-
-    :raises ValueError: the file cannot be loaded, or the config disagrees with the model.
-    """
-    state: TorchModel = instance.model.state
-    return state.create_instance(instance)
-
-
-@hookimpl
-def pyserve_instance_finalize(instance: InstanceContext) -> None:
-    """Drop the instance's module."""
-    state: TorchInstance | None = instance.state
-    if state is not None:
-        state.close()
-
-
-@hookimpl
-def pyserve_execute(
-    instance: InstanceContext, requests: Sequence[InferRequest]
-) -> list[InferResponse | InferError]:
-    """Run the gathered requests as one forward and split the outputs back per request.
-
-    :returns: one response per request, in order; when forward fails every request gets the
-        same error naming the model.
-    """
-    state: TorchInstance = instance.state
-    return state.execute(requests)

@@ -8,27 +8,23 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
-from pyserve import (
-    ErrorCode,
-    InferError,
-    InferRequest,
-    InferResponse,
-    InstanceContext,
-    ModelContext,
-    gather_inputs,
-    split_outputs,
+from pyserve import ErrorCode, InferError, InstanceContext, ModelContext
+from pyserve.backend_support import (
+    NUMPY_NAME_TO_CONFIG,
+    FrameworkInstance,
+    FrameworkModel,
+    bool_parameter,
+    config_tensors,
 )
 from pyserve.datatypes import from_config_name
-from pyserve.protocol import data_type_name
 
 if TYPE_CHECKING:
     import torch
@@ -44,21 +40,7 @@ EXPORTED_SUFFIX = ".pt2"
 INDEX_NAME = re.compile(r"^(?P<base>.+)__(?P<index>\d+)$")
 """Triton's ``<name>__<index>`` convention for positional inputs and outputs."""
 
-TORCH_TO_CONFIG: dict[str, str] = {
-    "bool": "TYPE_BOOL",
-    "uint8": "TYPE_UINT8",
-    "uint16": "TYPE_UINT16",
-    "uint32": "TYPE_UINT32",
-    "uint64": "TYPE_UINT64",
-    "int8": "TYPE_INT8",
-    "int16": "TYPE_INT16",
-    "int32": "TYPE_INT32",
-    "int64": "TYPE_INT64",
-    "float16": "TYPE_FP16",
-    "float32": "TYPE_FP32",
-    "float64": "TYPE_FP64",
-    "bfloat16": "TYPE_BF16",
-}
+TORCH_TO_CONFIG: dict[str, str] = NUMPY_NAME_TO_CONFIG
 """torch dtype names (``str(dtype)`` without ``torch.``) → ModelConfig datatype names."""
 
 
@@ -131,49 +113,6 @@ def to_numpy(tensor: Any) -> np.ndarray:
 # --------------------------------------------------------------------------- config
 
 
-@dataclass(frozen=True)
-class ConfigTensor:
-    """One config input or output as the backend uses it.
-
-    :ivar dims: the non-batch shape the model sees (``reshape`` when the config has one).
-    :ivar client_dims: the config ``dims`` (outputs are reshaped back to them).
-    """
-
-    name: str
-    config_type: str
-    dims: tuple[int, ...]
-    client_dims: tuple[int, ...]
-    optional: bool = False
-
-    @property
-    def reshaped(self) -> bool:
-        return self.dims != self.client_dims
-
-
-def _config_tensor(tensor: Any, kind: str) -> ConfigTensor:
-    config_type = data_type_name(tensor.data_type)
-    if config_type == "TYPE_STRING":
-        raise ValueError(f"{kind} '{tensor.name}': TYPE_STRING is not supported by the pytorch backend")
-    dims = tensor.reshape.shape if tensor.HasField("reshape") else tensor.dims
-    return ConfigTensor(
-        tensor.name,
-        config_type,
-        tuple(int(d) for d in dims),
-        tuple(int(d) for d in tensor.dims),
-        bool(getattr(tensor, "optional", False)),
-    )
-
-
-def _bool_parameter(parameters: Mapping[str, str], key: str, default: bool) -> bool:
-    raw = parameters.get(key)
-    if raw is None or raw.strip() == "":
-        return default
-    value = raw.strip().lower()
-    if value not in ("true", "false", "1", "0", "yes", "no"):
-        raise ValueError(f"model parameter '{key}' must be 'true' or 'false' (got {raw!r})")
-    return value in ("true", "1", "yes")
-
-
 def _indexed(names: Sequence[str]) -> dict[str, int] | None:
     """``{name: index}`` when every name follows ``<name>__<index>``, else None."""
     indices = {}
@@ -244,7 +183,7 @@ def load_module(path: Path, device: Any) -> LoadedModule:
 
 
 @dataclass
-class TorchModel:
+class TorchModel(FrameworkModel):
     """What ``pyserve_model_create`` stores as ``model.state``: file, settings and naming.
 
     Parameters read from the config (all optional):
@@ -258,18 +197,11 @@ class TorchModel:
       and check the outputs' datatypes and dims against it.
     """
 
-    name: str
-    path: Path
-    max_batch_size: int
-    inputs: tuple[ConfigTensor, ...]
-    outputs: tuple[ConfigTensor, ...]
     inference_mode: bool = True
     compile: bool = False
     compile_backend: str = "inductor"
     compile_mode: str | None = None
     probe_run: bool = True
-    _announced: set[str] = field(default_factory=set, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def from_context(cls, model: ModelContext) -> TorchModel:
@@ -283,18 +215,14 @@ class TorchModel:
             name=model.name,
             path=model_file(model),
             max_batch_size=int(config.max_batch_size),
-            inputs=tuple(_config_tensor(t, "input") for t in config.input),
-            outputs=tuple(_config_tensor(t, "output") for t in config.output),
-            inference_mode=_bool_parameter(params, "INFERENCE_MODE", True),
-            compile=_bool_parameter(params, "torch_compile", False),
+            inputs=config_tensors(config.input, "input", "pytorch", ("TYPE_STRING",)),
+            outputs=config_tensors(config.output, "output", "pytorch", ("TYPE_STRING",)),
+            inference_mode=bool(bool_parameter(params, "INFERENCE_MODE", True)),
+            compile=bool(bool_parameter(params, "torch_compile", False)),
             compile_backend=params.get("torch_compile_backend", "").strip() or "inductor",
             compile_mode=params.get("torch_compile_mode", "").strip() or None,
-            probe_run=_bool_parameter(params, "probe_run", True),
+            probe_run=bool(bool_parameter(params, "probe_run", True)),
         )
-
-    @property
-    def batching(self) -> bool:
-        return self.max_batch_size > 0
 
     def device_for(self, instance: InstanceContext) -> Any:
         """``cuda:<id>`` for KIND_GPU instances, the CPU otherwise.
@@ -327,11 +255,7 @@ class TorchModel:
         result = TorchInstance(self, module, device, call, self._output_indices())
         if self.probe_run:
             result.probe()
-        with self._lock:
-            first = f"{device}" not in self._announced
-            self._announced.add(f"{device}")
-        if first:
-            log.info("model '%s': %s instances run on %s", self.name, instance.kind, device)
+        self.announce(log, logging.INFO, f"model '{self.name}': {instance.kind} instances run on {device}")
         return result
 
     def _compiled(self, loaded: LoadedModule) -> Any:
@@ -411,8 +335,8 @@ class InputBinding:
 # --------------------------------------------------------------------------- execution
 
 
-class TorchInstance:
-    """One instance: a module on a device, and how it runs a batch.
+class TorchInstance(FrameworkInstance):
+    """One instance: a module on a device, and how it runs a batch (``FrameworkInstance.execute``).
 
     Thread-safety: ``execute`` runs on the instance's own thread only.
     """
@@ -507,37 +431,17 @@ class TorchInstance:
                     f"model produces {list(shape)}" + (" after the batch dimension" if model.batching else "")
                 )
 
-    def execute(self, requests: Sequence[InferRequest]) -> list[InferResponse | InferError]:
-        """One response (or error) per request, in order; the batch runs as one forward."""
-        model = self.model
-        if not model.batching and len(requests) > 1:
-            return [self.execute([r])[0] for r in requests]
-        try:
-            present = requests[0].inputs
-            names = [t.name for t in model.inputs if t.name in present]
-            inputs = gather_inputs(requests, names) if model.batching else {n: present[n] for n in names}
-            tensors = self.forward(inputs)
-            rows = sum(r.batch_size for r in requests)
-            outputs = {}
-            for tensor in model.outputs:
-                if not any(tensor.name in r.requested_outputs for r in requests):
-                    continue
-                array = to_numpy(tensors[tensor.name])
-                if tensor.reshaped:
-                    array = array.reshape(((rows,) if model.batching else ()) + tensor.client_dims)
-                outputs[tensor.name] = array
-            if not model.batching:
-                return [InferResponse(outputs)]
-            return list(split_outputs(requests, outputs))
-        except InferError as exc:
-            return [exc] * len(requests)
-        except Exception as exc:
-            error = InferError(
-                f"PyTorch execute failure for model '{model.name}': {type(exc).__name__}: "
-                f"{str(exc).strip()}",
-                ErrorCode.INTERNAL,
-            )
-            return [error] * len(requests)
+    def run(self, inputs: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
+        return self.forward(inputs)
+
+    def to_host(self, value: Any) -> np.ndarray:
+        return to_numpy(value)
+
+    def error(self, exc: Exception) -> InferError:
+        return InferError(
+            f"PyTorch execute failure for model '{self.model.name}': {type(exc).__name__}: {str(exc).strip()}",
+            ErrorCode.INTERNAL,
+        )
 
 
 def model_input_type(model: TorchModel, name: str) -> str:

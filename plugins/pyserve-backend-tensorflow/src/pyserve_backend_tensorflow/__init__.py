@@ -1,7 +1,7 @@
 """pyserve's ``tensorflow`` backend: SavedModels and frozen GraphDefs on TensorFlow 2.
 
 A module-style plugin: the entry point names this module and the hook functions below carry
-``pyserve.hookimpl``. Importing this module does not import ``tensorflow``; the framework is
+``pyserve.hookimpl`` (the instance and execute hooks are ``pyserve.backend_support``'s). Importing this module does not import ``tensorflow``; the framework is
 imported when the first TensorFlow model loads (``pyserve_backend_initialize``), which also
 turns on GPU memory growth so that TensorFlow does not reserve whole GPUs.
 
@@ -24,17 +24,8 @@ What callers may rely on:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from pyserve import (
-    BackendContext,
-    InferError,
-    InferRequest,
-    InferResponse,
-    InstanceContext,
-    ModelContext,
-    hookimpl,
-)
+from pyserve import BackendContext, ModelContext, hookimpl
+from pyserve.backend_support import pyserve_execute, pyserve_instance_create, pyserve_instance_finalize
 
 from pyserve_backend_tensorflow.runtime import TensorFlowInstance, TensorFlowModel, auto_complete, initialize_runtime
 
@@ -76,34 +67,3 @@ def pyserve_model_create(model: ModelContext) -> TensorFlowModel:
     :raises ValueError: the SavedModel directory or GraphDef file is missing.
     """
     return TensorFlowModel.from_context(model)
-
-
-@hookimpl
-def pyserve_instance_create(instance: InstanceContext) -> TensorFlowInstance:
-    """Load the model on the instance's device and check the config against it.
-
-    :raises ValueError: unloadable model, missing signature, or a config that disagrees with it.
-    """
-    state: TensorFlowModel = instance.model.state
-    return state.create_instance(instance)
-
-
-@hookimpl
-def pyserve_instance_finalize(instance: InstanceContext) -> None:
-    """Drop the instance's loaded model."""
-    state: TensorFlowInstance | None = instance.state
-    if state is not None:
-        state.close()
-
-
-@hookimpl
-def pyserve_execute(
-    instance: InstanceContext, requests: Sequence[InferRequest]
-) -> list[InferResponse | InferError]:
-    """Run the gathered requests as one call and split the outputs back per request.
-
-    :returns: one response per request, in order; when the call fails every request gets the
-        same error (``INVALID_ARG`` when TensorFlow rejects the inputs).
-    """
-    state: TensorFlowInstance = instance.state
-    return state.execute(requests)

@@ -7,24 +7,23 @@ and they run inside the backend's hooks.
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pyserve import (
-    ErrorCode,
-    InferError,
-    InferRequest,
-    InferResponse,
-    InstanceContext,
-    ModelContext,
-    gather_inputs,
-    split_outputs,
+from pyserve import ErrorCode, InferError, InstanceContext, ModelContext
+from pyserve.backend_support import (
+    NUMPY_NAME_TO_CONFIG,
+    FrameworkInstance,
+    FrameworkModel,
+    ModelTensor,
+    check_config,
+    complete_config,
+    config_tensors,
+    needs_auto_complete,
 )
-from pyserve.protocol import data_type_name, data_type_value
 
 log = logging.getLogger("pyserve.backend.tensorflow")
 
@@ -35,22 +34,7 @@ DEFAULT_SIGNATURE = "serving_default"
 SIGNATURE_PARAMETER = "signature_name"
 """Model parameter: the SavedModel signature to serve (default ``serving_default``)."""
 
-TF_TO_CONFIG: dict[str, str] = {
-    "bool": "TYPE_BOOL",
-    "uint8": "TYPE_UINT8",
-    "uint16": "TYPE_UINT16",
-    "uint32": "TYPE_UINT32",
-    "uint64": "TYPE_UINT64",
-    "int8": "TYPE_INT8",
-    "int16": "TYPE_INT16",
-    "int32": "TYPE_INT32",
-    "int64": "TYPE_INT64",
-    "float16": "TYPE_FP16",
-    "float32": "TYPE_FP32",
-    "float64": "TYPE_FP64",
-    "string": "TYPE_STRING",
-    "bfloat16": "TYPE_BF16",
-}
+TF_TO_CONFIG: dict[str, str] = {**NUMPY_NAME_TO_CONFIG, "string": "TYPE_STRING"}
 """TensorFlow dtype names → ModelConfig datatype names."""
 
 _DLPACK_KINDS = frozenset("iuf")  # numpy kinds TensorFlow imports through DLPack
@@ -120,15 +104,6 @@ def model_path(model: ModelContext) -> Path:
     return path
 
 
-@dataclass(frozen=True)
-class ModelTensor:
-    """An input or output as the model declares it (``-1`` for unknown dims; ``None`` rank unknown)."""
-
-    name: str
-    config_type: str
-    shape: tuple[int, ...] | None
-
-
 def _model_tensor(name: str, spec: Any) -> ModelTensor:
     shape = None if spec.shape.rank is None else tuple(-1 if d is None else int(d) for d in spec.shape.as_list())
     return ModelTensor(name, config_type_of(spec.dtype), shape)
@@ -174,50 +149,6 @@ def signature_tensors(function: Any) -> tuple[list[ModelTensor], list[ModelTenso
 # --------------------------------------------------------------------------- auto-complete
 
 
-def _incomplete(tensor: Any) -> bool:
-    return tensor.data_type == 0 or (not tensor.dims and not tensor.HasField("reshape"))
-
-
-def _default_max_batch_size(model: ModelContext) -> int:
-    raw = model.backend.config.get("default-max-batch-size", "4")
-    try:
-        return max(int(raw), 0)
-    except ValueError:
-        raise ValueError(f"backend config 'default-max-batch-size' must be an integer (got {raw!r})") from None
-
-
-def _fill(collection: Any, tensors: Sequence[ModelTensor], batching: bool) -> bool:
-    declared = {t.name: t for t in collection}
-    if not declared:
-        for found in tensors:
-            _set_tensor(collection.add(), found, batching, name=True)
-        return bool(tensors)
-    changed = False
-    by_name = {t.name: t for t in tensors}
-    for name, tensor in declared.items():
-        found = by_name.get(name)
-        if found is not None and _incomplete(tensor):
-            _set_tensor(tensor, found, batching, name=False)
-            changed = True
-    return changed
-
-
-def _set_tensor(tensor: Any, found: ModelTensor, batching: bool, *, name: bool) -> None:
-    if found.shape is None:
-        raise ValueError(f"tensor '{found.name}' has an unknown rank; declare its dims in config.pbtxt")
-    if name:
-        tensor.name = found.name
-    if tensor.data_type == 0 and found.config_type in TF_TO_CONFIG.values():
-        tensor.data_type = data_type_value(found.config_type)
-    if not tensor.dims and not tensor.HasField("reshape"):
-        dims = found.shape[1:] if batching else found.shape
-        if dims:
-            tensor.dims.extend(dims)
-        else:
-            tensor.dims.append(1)
-            tensor.reshape.SetInParent()
-
-
 def auto_complete(model: ModelContext) -> bool:
     """Complete ``model.config`` from a SavedModel signature, like the onnxruntime backend does.
 
@@ -225,15 +156,15 @@ def auto_complete(model: ModelContext) -> bool:
     tensor's missing datatype or dims and, when ``max_batch_size`` is 0 and every signature
     tensor has an unknown first dimension (and no declared tensor spells it out), sets
     ``max_batch_size`` to ``default-max-batch-size`` and enables ``dynamic_batching`` when that is
-    above 1 and no scheduler is configured. GraphDefs cannot be completed.
+    above 1 and no scheduler is configured (``pyserve.backend_support.complete_config``).
+    GraphDefs cannot be completed.
 
     :returns: True when the config was changed.
     :raises ValueError: a GraphDef without inputs or outputs in the config, or a SavedModel
         that cannot be loaded or lacks the signature.
     """
     config = model.config
-    tensors = (*config.input, *config.output)
-    if config.input and config.output and config.max_batch_size > 0 and not any(map(_incomplete, tensors)):
+    if not needs_auto_complete(config):
         return False
     if config.platform == GRAPHDEF_PLATFORM:
         if config.input and config.output:
@@ -242,52 +173,10 @@ def auto_complete(model: ModelContext) -> bool:
     path = model_path(model)
     name = model.parameters.get(SIGNATURE_PARAMETER, "").strip() or DEFAULT_SIGNATURE
     inputs, outputs = signature_tensors(signature(load_savedmodel(path), name, path))
-    changed = False
-    every = (*inputs, *outputs)
-    if config.max_batch_size == 0 and all(t.shape and t.shape[0] == -1 for t in every):
-        by_name = {t.name: t for t in every}
-        spelled_out = any(
-            t.name in by_name and not _incomplete(t) and len(t.dims) == len(by_name[t.name].shape or ())
-            for t in tensors
-        )
-        default = _default_max_batch_size(model)
-        if default > 0 and not spelled_out:
-            config.max_batch_size = default
-            changed = True
-            if default > 1 and config.WhichOneof("scheduling_choice") is None:
-                config.dynamic_batching.SetInParent()
-    batching = config.max_batch_size > 0
-    changed |= _fill(config.input, inputs, batching)
-    changed |= _fill(config.output, outputs, batching)
-    return changed
+    return complete_config(config, model.backend.config, inputs, outputs)
 
 
 # --------------------------------------------------------------------------- config
-
-
-@dataclass(frozen=True)
-class ConfigTensor:
-    """One config input or output as the backend uses it.
-
-    :ivar dims: the non-batch shape the model sees (``reshape`` when the config has one).
-    :ivar client_dims: the config ``dims`` (outputs are reshaped back to them).
-    """
-
-    name: str
-    config_type: str
-    dims: tuple[int, ...]
-    client_dims: tuple[int, ...]
-
-    @property
-    def reshaped(self) -> bool:
-        return self.dims != self.client_dims
-
-
-def _config_tensor(tensor: Any) -> ConfigTensor:
-    dims = tensor.reshape.shape if tensor.HasField("reshape") else tensor.dims
-    return ConfigTensor(
-        tensor.name, data_type_name(tensor.data_type), tuple(int(d) for d in dims), tuple(int(d) for d in tensor.dims)
-    )
 
 
 def _graph_tensor_name(name: str) -> str:
@@ -299,21 +188,11 @@ def _graph_tensor_name(name: str) -> str:
 
 
 @dataclass
-class TensorFlowModel:
-    """What ``pyserve_model_create`` stores as ``model.state``.
+class TensorFlowModel(FrameworkModel):
+    """What ``pyserve_model_create`` stores as ``model.state``."""
 
-    Thread-safety: ``create_instance`` may be called from loading threads; the rest is read-only.
-    """
-
-    name: str
-    platform: str
-    path: Path
-    max_batch_size: int
-    inputs: tuple[ConfigTensor, ...]
-    outputs: tuple[ConfigTensor, ...]
+    platform: str = SAVEDMODEL_PLATFORM
     signature_name: str = DEFAULT_SIGNATURE
-    _announced: set[str] = field(default_factory=set, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def from_context(cls, model: ModelContext) -> TensorFlowModel:
@@ -327,14 +206,10 @@ class TensorFlowModel:
             platform=config.platform or SAVEDMODEL_PLATFORM,
             path=model_path(model),
             max_batch_size=int(config.max_batch_size),
-            inputs=tuple(_config_tensor(t) for t in config.input),
-            outputs=tuple(_config_tensor(t) for t in config.output),
+            inputs=config_tensors(config.input, "input", "tensorflow"),
+            outputs=config_tensors(config.output, "output", "tensorflow"),
             signature_name=model.parameters.get(SIGNATURE_PARAMETER, "").strip() or DEFAULT_SIGNATURE,
         )
-
-    @property
-    def batching(self) -> bool:
-        return self.max_batch_size > 0
 
     def device_for(self, instance: InstanceContext) -> str:
         """``/GPU:<id>`` for KIND_GPU instances, ``/CPU:0`` otherwise.
@@ -362,11 +237,7 @@ class TensorFlowModel:
             run = self._graphdef_runner(device)
         else:
             run = self._savedmodel_runner(device)
-        with self._lock:
-            first = device not in self._announced
-            self._announced.add(device)
-        if first:
-            log.info("model '%s': %s instances run on %s", self.name, instance.kind, device)
+        self.announce(log, logging.INFO, f"model '{self.name}': {instance.kind} instances run on {device}")
         return TensorFlowInstance(self, device, run)
 
     # -- SavedModel --------------------------------------------------------------------------
@@ -374,7 +245,7 @@ class TensorFlowModel:
         loaded = load_savedmodel(self.path, device)
         function = signature(loaded, self.signature_name, self.path)
         inputs, outputs = signature_tensors(function)
-        self._check(inputs, outputs, f"signature '{self.signature_name}'")
+        check_config(self, inputs, outputs, f"signature '{self.signature_name}'")
         return _SignatureRunner(loaded, function)
 
     # -- GraphDef ----------------------------------------------------------------------------
@@ -406,7 +277,8 @@ class TensorFlowModel:
                         f"{kind} '{tensor.name}' of the config is not a tensor of GraphDef '{self.path.name}' "
                         f"(placeholders: {', '.join(placeholders) or 'none'})"
                     ) from None
-        self._check(
+        check_config(
+            self,
             [ModelTensor(t.name, config_type_of(found[t.name].dtype), _shape(found[t.name])) for t in self.inputs],
             [ModelTensor(t.name, config_type_of(found[t.name].dtype), _shape(found[t.name])) for t in self.outputs],
             f"GraphDef '{self.path.name}'",
@@ -421,50 +293,6 @@ class TensorFlowModel:
             return dict(zip(output_names, pruned(*(feeds[n] for n in input_names))))
 
         return run
-
-    # -- checks ------------------------------------------------------------------------------
-    def _check(self, inputs: Sequence[ModelTensor], outputs: Sequence[ModelTensor], source: str) -> None:
-        """Compare the config with the model's tensors.
-
-        :raises ValueError: naming the tensor, what the config says and what the model says.
-        """
-        model_inputs = {t.name: t for t in inputs}
-        model_outputs = {t.name: t for t in outputs}
-        for kind, declared, found in (("input", self.inputs, model_inputs), ("output", self.outputs, model_outputs)):
-            for tensor in declared:
-                match = found.get(tensor.name)
-                if match is None:
-                    raise ValueError(
-                        f"{kind} '{tensor.name}' of the config is not an {kind} of {source} "
-                        f"({kind}s: {', '.join(found) or 'none'})"
-                    )
-                self._compare(kind, tensor, match)
-        declared = {t.name for t in self.inputs}
-        for name, tensor in model_inputs.items():
-            if name not in declared:
-                raise ValueError(f"input '{name}' of {source} ({tensor.config_type}) is not declared in the config")
-
-    def _compare(self, kind: str, tensor: ConfigTensor, found: ModelTensor) -> None:
-        if tensor.config_type != found.config_type:
-            raise ValueError(
-                f"{kind} '{tensor.name}': the config declares data_type {tensor.config_type}, but the "
-                f"model has {found.config_type}"
-            )
-        if found.shape is None:
-            return
-        shape = ((-1,) if self.batching else ()) + tensor.dims
-        if self.batching and (not found.shape or found.shape[0] != -1):
-            raise ValueError(
-                f"{kind} '{tensor.name}': max_batch_size {self.max_batch_size} needs an unknown first "
-                f"dimension, but the model's shape is {list(found.shape)}"
-            )
-        if len(shape) != len(found.shape) or any(a != b and -1 not in (a, b) for a, b in zip(shape, found.shape)):
-            detail = f" (batch dimension + dims {list(tensor.dims)})" if self.batching else ""
-            raise ValueError(
-                f"{kind} '{tensor.name}': the config's shape {list(shape)}{detail} does not match the "
-                f"model's shape {list(found.shape)}"
-            )
-
 
 class _SignatureRunner:
     """Calls a signature by keyword; holds the SavedModel object its variables belong to."""
@@ -513,8 +341,8 @@ def to_numpy(tensor: Any) -> np.ndarray:
     return np.asarray(tensor.numpy())
 
 
-class TensorFlowInstance:
-    """One instance: a loaded model on a device, and how it runs a batch.
+class TensorFlowInstance(FrameworkInstance):
+    """One instance: a loaded model on a device, and how it runs a batch (``FrameworkInstance.execute``).
 
     Thread-safety: ``execute`` runs on the instance's own thread only.
     """
@@ -528,38 +356,20 @@ class TensorFlowInstance:
         """Drop the loaded model."""
         self._run = None
 
-    def execute(self, requests: Sequence[InferRequest]) -> list[InferResponse | InferError]:
-        """One response (or error) per request, in order; the batch runs as one call."""
-        model = self.model
-        if not model.batching and len(requests) > 1:
-            return [self.execute([r])[0] for r in requests]
-        try:
-            present = requests[0].inputs
-            names = [t.name for t in model.inputs if t.name in present]
-            inputs = gather_inputs(requests, names) if model.batching else {n: present[n] for n in names}
-            tf = _import_tf()
-            assert self._run is not None
-            with tf.device(self.device):
-                results = self._run({name: to_tf(array) for name, array in inputs.items()})
-            rows = sum(r.batch_size for r in requests)
-            outputs = {}
-            for tensor in model.outputs:
-                if not any(tensor.name in r.requested_outputs for r in requests):
-                    continue
-                array = to_numpy(results[tensor.name])
-                if tensor.reshaped:
-                    array = array.reshape(((rows,) if model.batching else ()) + tensor.client_dims)
-                outputs[tensor.name] = array
-            if not model.batching:
-                return [InferResponse(outputs)]
-            return list(split_outputs(requests, outputs))
-        except InferError as exc:
-            return [exc] * len(requests)
-        except Exception as exc:
-            kind = type(exc).__name__
-            message = f"TensorFlow execute failure for model '{model.name}': {kind}: {str(exc).strip()}"
-            code = ErrorCode.INVALID_ARG if kind == "InvalidArgumentError" else ErrorCode.INTERNAL
-            return [InferError(message, code)] * len(requests)
+    def run(self, inputs: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
+        """One call of the signature (or pruned graph) on the instance's device."""
+        tf = _import_tf()
+        assert self._run is not None
+        with tf.device(self.device):
+            return self._run({name: to_tf(array) for name, array in inputs.items()})
+
+    def to_host(self, value: Any) -> np.ndarray:
+        return to_numpy(value)
+
+    def error(self, exc: Exception) -> InferError:
+        kind = type(exc).__name__
+        message = f"TensorFlow execute failure for model '{self.model.name}': {kind}: {str(exc).strip()}"
+        return InferError(message, ErrorCode.INVALID_ARG if kind == "InvalidArgumentError" else ErrorCode.INTERNAL)
 
 
 __all__ = [

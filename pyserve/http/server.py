@@ -1,0 +1,775 @@
+"""A lean HTTP/1.1 server for pyserve's HTTP port: ``asyncio.Protocol`` + ``httptools``.
+
+``POST /v2/models/{m}[/versions/{v}]/infer`` is answered natively: the body is collected by
+the protocol (the ``--http-max-input-size`` cap is enforced from ``Content-Length`` before
+anything is buffered, and while a chunked body streams in), then the same steps as the ASGI
+fast path (``pyserve.http.fast_infer``) run without a task: decode → ``dataplane.submit`` →
+a done-callback on the response future → encode, and the whole answer (status line, headers
+and body) goes out in one ``transport.write``.
+
+Every other request goes to the Starlette application through a small ASGI bridge
+(``http`` scope, ``receive`` delivering body chunks then ``http.disconnect``, ``send``
+streaming with chunked transfer encoding when no ``Content-Length`` is given).
+
+Connections support keep-alive, pipelining (requests answered in order), HTTP/1.0,
+``Connection: close``, ``Expect: 100-continue`` and chunked request bodies. A malformed
+request gets 400 and the connection is closed. A client that disconnects while its infer
+request waits has the request cancelled, so a queued request never executes. Reading pauses
+while the transport's write buffer is full, while too many requests are pipelined, or while
+an ASGI handler has not consumed the body already buffered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections import deque
+from collections.abc import Callable, Mapping
+from http import HTTPStatus
+from typing import Any, cast
+from urllib.parse import unquote
+
+import httptools
+
+from pyserve.dataplane import DataPlane
+from pyserve.errors import InferError
+from pyserve.http.body import too_large
+from pyserve.http.codec import DecodedRequest
+from pyserve.http.errors import error_body
+from pyserve.http.fast_infer import (
+    JSON_HEADERS,
+    Headers,
+    Reply,
+    check_declared_length,
+    decode_request,
+    encode_reply,
+    error_reply,
+    infer_model,
+    route,
+    submit_request,
+)
+from pyserve.models import ModelVersion
+from pyserve.restricted import Restriction, Restrictions
+
+log = logging.getLogger("pyserve.http")
+
+ASGIApp = Callable[..., Any]
+
+KEEP_ALIVE_TIMEOUT = 5.0
+"""Seconds an idle keep-alive connection stays open (uvicorn's default)."""
+MAX_PIPELINED = 16
+"""Reading pauses while more requests than this wait on one connection."""
+BODY_HIGH_WATER = 1 << 20
+"""Reading pauses while an ASGI handler leaves more than this many body bytes unconsumed."""
+_SINGLE_WRITE_LIMIT = 1 << 16
+"""Bodies up to this size are joined to the head; larger ones go out with ``writelines``."""
+
+_STATUS_LINES: dict[int, bytes] = {
+    int(s): f"HTTP/1.1 {int(s)} {s.phrase}\r\n".encode("latin-1") for s in HTTPStatus
+}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_NO_BODY_STATUS = frozenset({204, 304})
+
+
+def _status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    return line if line is not None else f"HTTP/1.1 {status} \r\n".encode("latin-1")
+
+
+class _Request:
+    """One parsed request on a connection, from its headers until its answer is written."""
+
+    __slots__ = (
+        "method", "url", "headers", "http_version", "keep_alive", "expect_continue", "target",
+        "chunks", "buffered", "complete", "early", "close_after", "model", "discard_body",
+        "started", "waiter", "asgi", "infer_request", "future", "bad",
+    )
+
+    def __init__(self) -> None:
+        self.method = ""
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.http_version = "1.1"
+        self.keep_alive = True
+        self.expect_continue = False
+        self.target: tuple[str, str | None] | None = None  # (model, version) for native infer
+        self.chunks: list[bytes] = []
+        self.buffered = 0  # body bytes received (native infer) or buffered unconsumed (ASGI)
+        self.complete = False  # the whole message has been parsed
+        self.early: Reply | None = None  # an answer decided before the body (error, 403)
+        self.close_after = False  # the body is not read to its end: close after answering
+        self.model: ModelVersion | None = None
+        self.discard_body = False
+        self.started = False
+        self.waiter: asyncio.Future[None] | None = None  # an ASGI receive() waiting for body
+        self.asgi: _AsgiCycle | None = None
+        self.infer_request: Any = None
+        self.future: asyncio.Future[Any] | None = None
+        self.bad = False  # a malformed request: answer 400 and close
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class HttpProtocol(asyncio.Protocol):
+    """One HTTP/1.1 connection.
+
+    :param server: the server this connection belongs to.
+    """
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.pipeline: deque[_Request] = deque()
+        self.current: _Request | None = None  # the request being parsed
+        self.closed = False
+        self.ignore_input = False  # after a parse error or a refused body: read no more
+        self.reading_paused = False
+        self.write_paused = False
+        self.drain_waiters: list[asyncio.Future[None]] = []
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.client: tuple[str, int] | None = None
+        self.local: tuple[str, int] | None = None
+
+    # -- connection events --------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.client = _address(transport.get_extra_info("peername"))
+        self.local = _address(transport.get_extra_info("sockname"))
+        self.server.connections.add(self)
+        self._arm_idle_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._cancel_idle_timer()
+        self.server.connection_closed(self)
+        for request in self.pipeline:
+            self._abandon(request)
+        self.pipeline.clear()
+        for waiter in self.drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self.drain_waiters.clear()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport: a half-closed client cannot read pipelined answers
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        for waiter in self.drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self.drain_waiters.clear()
+        self._update_reading()
+
+    def data_received(self, data: bytes) -> None:
+        if self.ignore_input or self.closed:
+            return
+        self._cancel_idle_timer()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # no protocol upgrades: the request is answered as a plain one, then the connection closes
+            self.ignore_input = True
+            for request in self.pipeline:
+                request.keep_alive = False
+                if not request.complete:
+                    request.complete = True
+                    request.wake()
+            self.current = None
+            self._next()
+        except httptools.HttpParserError:
+            self.ignore_input = True
+            current = self.current
+            self.current = None
+            if current is not None and current in self.pipeline:
+                if current.started:  # its handler already runs: a broken body ends the connection
+                    self.close()
+                    return
+                self.pipeline.remove(current)
+            bad = _Request()
+            bad.bad = True
+            bad.complete = True
+            self.pipeline.append(bad)
+            self._next()
+        self._update_reading()
+
+    # -- parser callbacks (httptools) ------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.current = None if self.ignore_input else _Request()
+
+    def on_url(self, url: bytes) -> None:
+        if self.current is not None:
+            self.current.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.current is not None:
+            self.current.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        request = self.current
+        if request is None:  # after a refused request: what follows is not read
+            return
+        parser = self.parser
+        request.method = parser.get_method().decode("ascii")
+        request.http_version = parser.get_http_version()
+        request.keep_alive = parser.should_keep_alive() and not self.server.shutting_down
+        for name, value in request.headers:
+            if name == b"expect" and value.lower() == b"100-continue":
+                request.expect_continue = True
+        if request.method == "POST":
+            path = request.url.partition(b"?")[0]
+            if b"%" not in path:  # percent-encoded infer paths take the ASGI route
+                request.target = route(path.decode("latin-1"))
+        if request.target is not None:
+            self._check_infer(request)
+        self.pipeline.append(request)
+        self._next()
+
+    def on_body(self, body: bytes) -> None:
+        request = self.current
+        if request is None or request.discard_body:
+            return
+        request.buffered += len(body)
+        if request.target is not None:
+            limit = self.server.max_input_size
+            if request.buffered > limit:  # a chunked body over the cap: refuse, stop reading
+                request.early = error_reply(too_large(limit))
+                request.discard_body = True
+                request.close_after = True
+                request.chunks.clear()
+                self.ignore_input = True
+                request.complete = True
+                self._next()
+                return
+            request.chunks.append(body)
+            return
+        request.chunks.append(body)
+        request.wake()
+        if request.buffered > BODY_HIGH_WATER:
+            self._update_reading()
+
+    def on_message_complete(self) -> None:
+        request = self.current
+        self.current = None
+        if request is None or request.complete:
+            return
+        request.complete = True
+        request.wake()
+        if request.target is not None and self.pipeline and self.pipeline[0] is request:
+            self._next()
+        if len(self.pipeline) > MAX_PIPELINED:
+            self._update_reading()
+
+    # -- request handling ------------------------------------------------------------------
+
+    def _check_infer(self, request: _Request) -> None:
+        """Decide at header time what the ASGI path would answer before reading the body."""
+        server = self.server
+        rule = server.inference_rule
+        if rule is not None and not _has_header(request.headers, rule):
+            request.early = (403, error_body(rule.message), JSON_HEADERS)
+            request.discard_body = True
+            return
+        try:
+            request.model = infer_model(server.dataplane, *request.target)  # type: ignore[misc]
+        except InferError as exc:
+            request.early = error_reply(exc)
+            request.discard_body = True
+            return
+        declared = None
+        for name, value in request.headers:
+            if name == b"content-length":
+                declared = value
+        try:
+            check_declared_length(declared, server.max_input_size)
+        except InferError as exc:  # refused before reading: the body stays unread
+            request.early = error_reply(exc)
+            request.discard_body = True
+            request.close_after = True
+            request.complete = True
+            self.ignore_input = True
+
+    def _next(self) -> None:
+        """Start the request at the head of the pipeline if it can start."""
+        if not self.pipeline or self.closed:
+            return
+        request = self.pipeline[0]
+        if request.started:
+            return
+        if request.bad:
+            request.started = True
+            self._write_reply(request, 400, error_body("Invalid HTTP request received."), JSON_HEADERS)
+            return
+        if request.target is None:
+            request.started = True
+            request.asgi = _AsgiCycle(self, request)
+            return
+        if request.early is not None and (request.complete or request.close_after or request.expect_continue):
+            request.started = True
+            if not request.complete:  # the client waits for 100 Continue: answer now, then close
+                request.close_after = True
+                if request is self.current:
+                    self.ignore_input = True
+            self._write_reply(request, *request.early)
+            return
+        if not request.complete:
+            if request.expect_continue and request.early is None and self.transport is not None:
+                request.expect_continue = False
+                self.transport.write(_CONTINUE)
+            return
+        request.started = True
+        self._start_infer(request)
+
+    def _start_infer(self, request: _Request) -> None:
+        server = self.server
+        model = request.model
+        assert model is not None
+        body = request.chunks[0] if len(request.chunks) == 1 else b"".join(request.chunks)
+        request.chunks = []
+        headers: Headers = dict(request.headers)
+        try:
+            decoded, decode_ns = decode_request(server.dataplane, model, body, headers, server.max_input_size)
+            future = submit_request(server.dataplane, model, decoded.request, self.loop)
+        except InferError as exc:
+            self._write_reply(request, *error_reply(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug: answer 500, keep serving
+            self._write_reply(request, *_internal_error(request, exc))
+            return
+        request.infer_request = decoded.request
+        request.future = future
+        future.add_done_callback(
+            lambda done: self._infer_done(request, model, decoded, decode_ns, headers, done)
+        )
+
+    def _infer_done(
+        self, request: _Request, model: ModelVersion, decoded: DecodedRequest, decode_ns: int,
+        headers: Headers, future: asyncio.Future[Any],
+    ) -> None:
+        self.server.dataplane.finished(decoded.request)
+        if self.closed or future.cancelled():
+            return
+        result = future.result()
+        if result is None:  # cancelled by a disconnect
+            return
+        try:
+            reply = encode_reply(result, decoded, model, decode_ns, headers.get(b"accept-encoding"))
+        except InferError as exc:
+            reply = error_reply(exc)
+        except Exception as exc:  # noqa: BLE001 - a bug: answer 500, keep serving
+            reply = _internal_error(request, exc)
+        self._write_reply(request, *reply)
+
+    def _abandon(self, request: _Request) -> None:
+        """The connection is gone: cancel what ``request`` is waiting on."""
+        future = request.future
+        if future is not None and not future.done():
+            request.infer_request.cancel()  # a queued request never reaches execute
+            future.set_result(None)
+        request.wake()
+        if request.asgi is not None:
+            request.asgi.disconnected()
+
+    def _write_reply(
+        self, request: _Request, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        """Write a whole answer in one go, then move on to the next request."""
+        transport = self.transport
+        if transport is None or self.closed:
+            return
+        keep_alive = request.keep_alive and not request.close_after and not request.bad
+        parts = [_status_line(status)]
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts.append(b"content-length: %d\r\n" % len(body))
+        if not keep_alive:
+            parts.append(b"connection: close\r\n")
+        elif request.http_version == "1.0":
+            parts.append(b"connection: keep-alive\r\n")
+        parts.append(b"\r\n")
+        if len(body) <= _SINGLE_WRITE_LIMIT:
+            parts.append(body)
+            transport.write(b"".join(parts))
+        else:
+            transport.writelines([b"".join(parts), body])
+        request.keep_alive = keep_alive
+        self.finish(request)
+
+    def finish(self, request: _Request) -> None:
+        """``request`` is answered: close, or go on with the next one."""
+        if self.pipeline and self.pipeline[0] is request:
+            self.pipeline.popleft()
+        if self.closed or self.transport is None:
+            return
+        if not request.keep_alive or self.server.shutting_down and not self.pipeline:
+            self.close()
+            return
+        if self.pipeline:
+            self._next()
+        elif self.current is None:
+            self._arm_idle_timer()
+        self._update_reading()
+
+    def close(self) -> None:
+        """Close the connection once what was written is flushed."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def shutdown(self) -> None:
+        """The server stops: close now if idle, else after the answer in progress."""
+        for request in self.pipeline:
+            request.keep_alive = False
+        if not self.pipeline and self.current is None:
+            self.close()
+
+    # -- flow control ----------------------------------------------------------------------
+
+    def _update_reading(self) -> None:
+        transport = self.transport
+        if transport is None or self.closed:
+            return
+        backlog = False
+        for request in self.pipeline:
+            if request.asgi is not None and request.buffered > BODY_HIGH_WATER:
+                backlog = True
+        current = self.current
+        if current is not None and current.target is None and current.buffered > BODY_HIGH_WATER:
+            backlog = True
+        pause = self.write_paused or backlog or len(self.pipeline) > MAX_PIPELINED
+        if pause and not self.reading_paused:
+            self.reading_paused = True
+            transport.pause_reading()
+        elif not pause and self.reading_paused:
+            self.reading_paused = False
+            transport.resume_reading()
+
+    async def drain(self) -> None:
+        """Wait until the transport's write buffer is below its high-water mark."""
+        if self.write_paused and not self.closed:
+            waiter: asyncio.Future[None] = self.loop.create_future()
+            self.drain_waiters.append(waiter)
+            await waiter
+
+    def body_consumed(self) -> None:
+        """An ASGI handler took buffered body bytes: reading may resume."""
+        if self.reading_paused:
+            self._update_reading()
+
+    # -- keep-alive timeout ----------------------------------------------------------------
+
+    def _arm_idle_timer(self) -> None:
+        self._cancel_idle_timer()
+        self.idle_timer = self.loop.call_later(KEEP_ALIVE_TIMEOUT, self._idle_timeout)
+
+    def _cancel_idle_timer(self) -> None:
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+
+    def _idle_timeout(self) -> None:
+        self.idle_timer = None
+        if not self.pipeline and self.current is None:
+            self.close()
+
+
+class _AsgiCycle:
+    """One request handed to the ASGI application.
+
+    :param protocol: the connection.
+    :param request: the parsed request (its body may still be arriving).
+    """
+
+    __slots__ = (
+        "protocol", "request", "status", "response_headers", "response_started", "head_written",
+        "chunked", "response_complete", "body_done", "disconnect_waiter", "is_disconnected", "task",
+        "no_body",
+    )
+
+    def __init__(self, protocol: HttpProtocol, request: _Request) -> None:
+        self.protocol = protocol
+        self.request = request
+        self.status = 200
+        self.response_headers: list[tuple[bytes, bytes]] = []
+        self.response_started = False
+        self.head_written = False
+        self.chunked = False
+        self.response_complete = False
+        self.body_done = False  # the last body chunk was handed to the application
+        self.disconnect_waiter: asyncio.Future[None] | None = None
+        self.is_disconnected = False
+        self.no_body = request.method == "HEAD"
+        self.task = protocol.loop.create_task(self.run())
+
+    def scope(self) -> dict[str, Any]:
+        request = self.request
+        raw_path, _, query = request.url.partition(b"?")
+        path = raw_path.decode("ascii", "surrogateescape")
+        if "%" in path:
+            path = unquote(path)
+        return {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": request.http_version,
+            "server": self.protocol.local,
+            "client": self.protocol.client,
+            "scheme": "http",
+            "method": request.method,
+            "root_path": "",
+            "path": path,
+            "raw_path": raw_path,
+            "query_string": query,
+            "headers": request.headers,
+            "state": {},
+        }
+
+    async def run(self) -> None:
+        protocol = self.protocol
+        try:
+            await protocol.server.app(self.scope(), self.receive, self.send)
+        except asyncio.CancelledError:
+            protocol.close()
+            raise
+        except Exception:  # noqa: BLE001 - an application bug: 500 if still possible
+            log.exception("exception in the ASGI application on %s %s", self.request.method, self.request.url)
+            self.fail()
+        else:
+            if not self.response_complete:
+                if self.response_started:
+                    log.error("ASGI application returned before completing its response")
+                else:
+                    log.error("ASGI application returned without starting a response")
+                self.fail()
+        finally:
+            self.request.asgi = None
+            if self.response_complete and not protocol.closed:
+                if not self.request.complete:  # the body was not read to its end
+                    self.request.keep_alive = False
+                    protocol.ignore_input = True
+                protocol.finish(self.request)
+
+    def fail(self) -> None:
+        if self.head_written or self.protocol.closed:
+            self.protocol.close()
+            return
+        self.response_headers = [(b"content-type", b"text/plain; charset=utf-8")]
+        self.status = 500
+        self.response_started = True
+        self.request.keep_alive = False
+        self._write(b"Internal Server Error", more=False)
+
+    def disconnected(self) -> None:
+        self.is_disconnected = True
+        self._wake_disconnect()
+
+    def _wake_disconnect(self) -> None:
+        waiter = self.disconnect_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def receive(self) -> dict[str, Any]:
+        """The next body chunk, then ``http.disconnect`` once the response is done or the
+        client has gone."""
+        request = self.request
+        protocol = self.protocol
+        if self.is_disconnected or self.response_complete:
+            return {"type": "http.disconnect"}
+        if not self.body_done:
+            if not request.chunks and not request.complete:
+                if request.expect_continue and protocol.transport is not None and not self.head_written:
+                    request.expect_continue = False
+                    protocol.transport.write(_CONTINUE)
+                waiter: asyncio.Future[None] = protocol.loop.create_future()
+                request.waiter = waiter
+                await waiter
+                if self.is_disconnected:
+                    return {"type": "http.disconnect"}
+            body = request.chunks[0] if len(request.chunks) == 1 else b"".join(request.chunks)
+            request.chunks = []
+            request.buffered = 0
+            protocol.body_consumed()
+            more = not request.complete
+            if not more:
+                self.body_done = True
+            return {"type": "http.request", "body": body, "more_body": more}
+        if self.disconnect_waiter is None:  # shared by every receive() waiting for the end
+            self.disconnect_waiter = protocol.loop.create_future()
+        await asyncio.shield(self.disconnect_waiter)
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: Mapping[str, Any]) -> None:
+        """``http.response.start`` / ``http.response.body`` (streamed while ``more_body``)."""
+        kind = message["type"]
+        if self.is_disconnected:
+            return
+        if kind == "http.response.start":
+            if self.response_started:
+                raise RuntimeError("http.response.start sent twice")
+            self.status = int(message["status"])
+            self.response_headers = [(bytes(k).lower(), bytes(v)) for k, v in message.get("headers", ())]
+            self.response_started = True
+            return
+        if kind != "http.response.body":
+            raise RuntimeError(f"unexpected ASGI message type '{kind}'")
+        if not self.response_started:
+            raise RuntimeError("http.response.body sent before http.response.start")
+        if self.response_complete:
+            raise RuntimeError("http.response.body sent after the response was complete")
+        self._write(bytes(message.get("body", b"")), more=bool(message.get("more_body", False)))
+        if self.response_complete:
+            self._wake_disconnect()
+        else:
+            await self.protocol.drain()
+
+    def _write(self, body: bytes, more: bool) -> None:
+        protocol = self.protocol
+        transport = protocol.transport
+        if transport is None or protocol.closed:
+            return
+        request = self.request
+        no_body = self.no_body or self.status in _NO_BODY_STATUS or 100 <= self.status < 200
+        out: list[bytes] = []
+        if not self.head_written:
+            self.head_written = True
+            out.append(_status_line(self.status))
+            has_length = False
+            for name, value in self.response_headers:
+                if name == b"content-length":
+                    has_length = True
+                elif name == b"transfer-encoding":
+                    has_length = True  # the application frames the body itself
+                elif name == b"connection" and value.lower() == b"close":
+                    request.keep_alive = False
+                out += (name, b": ", value, b"\r\n")
+            if not has_length and not no_body:
+                if not more:
+                    out.append(b"content-length: %d\r\n" % len(body))
+                elif request.http_version == "1.1":
+                    out.append(b"transfer-encoding: chunked\r\n")
+                    self.chunked = True
+                else:
+                    request.keep_alive = False  # HTTP/1.0: the body ends with the connection
+            if not request.complete and not more:
+                request.keep_alive = False  # the body was not read: the connection cannot be reused
+            if request.keep_alive and protocol.server.shutting_down:
+                request.keep_alive = False
+            if not request.keep_alive:
+                out.append(b"connection: close\r\n")
+            elif request.http_version == "1.0":
+                out.append(b"connection: keep-alive\r\n")
+            out.append(b"\r\n")
+        if not no_body:
+            if self.chunked:
+                if body:
+                    out += (b"%x\r\n" % len(body), body, b"\r\n")
+                if not more:
+                    out.append(b"0\r\n\r\n")
+            elif body:
+                out.append(body)
+        if out:
+            if sum(len(part) for part in out) <= _SINGLE_WRITE_LIMIT:
+                transport.write(b"".join(out))
+            else:
+                transport.writelines(out)
+        if not more:
+            self.response_complete = True
+
+
+class HttpServer:
+    """pyserve's HTTP/1.1 server.
+
+    :param app: the ASGI application for every request but native infer.
+    :param dataplane: the server's data plane.
+    :param max_input_size: the request body cap (``--http-max-input-size``).
+    :param restrictions: ``--http-restricted-api`` rules (the ``inference`` one is checked here
+        for native infer; ``app`` enforces the others).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        dataplane: DataPlane,
+        *,
+        max_input_size: int,
+        restrictions: Restrictions | None = None,
+    ) -> None:
+        self.app = app
+        self.dataplane = dataplane
+        self.max_input_size = max_input_size
+        self.inference_rule: Restriction | None = (restrictions or {}).get("inference")
+        self.connections: set[HttpProtocol] = set()
+        self.shutting_down = False
+        self._server: asyncio.base_events.Server | None = None
+        self._all_closed: asyncio.Event | None = None
+
+    async def start(self, sock: socket.socket) -> None:
+        """Listen on an already bound socket."""
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: HttpProtocol(self), sock=sock, backlog=2048)
+
+    @property
+    def port(self) -> int:
+        """The port listened on."""
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    def connection_closed(self, connection: HttpProtocol) -> None:
+        self.connections.discard(connection)
+        if not self.connections and self._all_closed is not None:
+            self._all_closed.set()
+
+    async def shutdown(self, timeout: float) -> None:
+        """Stop listening, close idle keep-alive connections, let the answers in progress
+        finish for up to ``timeout`` seconds, then close whatever is left."""
+        self.shutting_down = True
+        if self._server is not None:
+            self._server.close()
+        self._all_closed = asyncio.Event()
+        for connection in list(self.connections):
+            connection.shutdown()
+        if self.connections:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._all_closed.wait(), max(timeout, 0.0))
+        for connection in list(self.connections):
+            for request in connection.pipeline:
+                if request.asgi is not None:
+                    request.asgi.task.cancel()
+            if connection.transport is not None:
+                connection.transport.abort()
+        await asyncio.sleep(0)  # let connection_lost run
+
+
+def _address(value: Any) -> tuple[str, int] | None:
+    if isinstance(value, tuple) and len(value) >= 2:
+        return str(value[0]), int(value[1])
+    return None
+
+
+def _has_header(headers: list[tuple[bytes, bytes]], rule: Restriction) -> bool:
+    key = rule.key.encode("latin-1")
+    value = rule.value.encode("latin-1")
+    return any(k == key and v == value for k, v in headers)
+
+
+def _internal_error(request: _Request, exc: Exception) -> Reply:
+    log.exception("unhandled error on %s %s", request.method, request.url.decode("latin-1"), exc_info=exc)
+    return 500, error_body(f"internal server error: {type(exc).__name__}: {exc}"), JSON_HEADERS

@@ -1,0 +1,87 @@
+"""Helpers shared by the test modules (imported as ``suite_support``; fixtures live in conftest).
+
+A module of its own, with a name no other test folder uses, so that ``from suite_support import``
+resolves to this file whatever order pytest collects the plugin test folders in.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from pyserve.testing import ServerFactory, write_model
+
+__all__ = [
+    "DATATYPES",
+    "EXAMPLE_REPOSITORY",
+    "REPO_ROOT",
+    "SQUARE_CONFIG",
+    "StartServer",
+    "identity_config",
+    "sample",
+    "write_model",
+]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE_REPOSITORY = REPO_ROOT / "examples" / "model_repository"
+
+StartServer = ServerFactory
+
+DATATYPES: dict[str, tuple[str, Any]] = {
+    # KServe datatype → (config data_type, numpy dtype)
+    "BOOL": ("TYPE_BOOL", np.bool_),
+    "UINT8": ("TYPE_UINT8", np.uint8),
+    "UINT16": ("TYPE_UINT16", np.uint16),
+    "UINT32": ("TYPE_UINT32", np.uint32),
+    "UINT64": ("TYPE_UINT64", np.uint64),
+    "INT8": ("TYPE_INT8", np.int8),
+    "INT16": ("TYPE_INT16", np.int16),
+    "INT32": ("TYPE_INT32", np.int32),
+    "INT64": ("TYPE_INT64", np.int64),
+    "FP16": ("TYPE_FP16", np.float16),
+    "BF16": ("TYPE_BF16", ml_dtypes.bfloat16),
+    "FP32": ("TYPE_FP32", np.float32),
+    "FP64": ("TYPE_FP64", np.float64),
+    "BYTES": ("TYPE_STRING", np.object_),
+}
+
+SQUARE_CONFIG = """
+    backend: "square"
+    max_batch_size: 0
+    model_transaction_policy { decoupled: true }
+    input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+    output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+"""The decoupled ``square`` backend's model (``pyserve-backend-square``)."""
+
+
+def sample(datatype: str, shape: tuple[int, ...] = (2, 3), blank: bytes = b"") -> np.ndarray:
+    """Distinct, exactly representable values of ``datatype`` including each type's extremes
+    (BYTES: UTF-8 text alternating with ``blank``)."""
+    n = int(np.prod(shape))
+    np_dtype = DATATYPES[datatype][1]
+    if datatype == "BOOL":
+        values: Any = [i % 3 == 0 for i in range(n)]
+    elif datatype == "BYTES":
+        values = [f"é{i}-\u2603".encode() if i % 2 else blank for i in range(n)]
+    elif datatype.startswith(("UINT", "INT")):
+        info = np.iinfo(np_dtype)
+        values = [info.min, info.max] + [i * 3 + 1 for i in range(n - 2)]
+    else:
+        values = [-1.5, 0.25] + [i * 0.5 for i in range(n - 2)]
+    return np.array(values, dtype=np_dtype).reshape(shape)
+
+
+def identity_config(name: str, datatype: str, max_batch_size: int = 4, dims: str = "[ -1 ]") -> str:
+    """An ``identity`` model ``IN`` → ``OUT`` of one datatype."""
+    config_type = DATATYPES[datatype][0]
+    return f"""
+        name: "{name}"
+        backend: "identity"
+        max_batch_size: {max_batch_size}
+        input [ {{ name: "IN" data_type: {config_type} dims: {dims} }} ]
+        output [ {{ name: "OUT" data_type: {config_type} dims: {dims} }} ]
+    """

@@ -1,0 +1,365 @@
+"""pyserve's own HTTP/1.1 server (``pyserve.http.server``) at the protocol level, over raw sockets.
+
+Keep-alive reuse, pipelining (answers in order), HTTP/1.0, ``Connection: close``,
+``Expect: 100-continue``, chunked request bodies, malformed requests, a declared body over
+the cap refused without being read, a client disconnect cancelling its queued request, and
+server-sent events arriving as they are produced.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+from suite_support import write_model
+
+from pyserve import Backend, InferRequest, InferResponse, InstanceContext
+from pyserve.server import ServerThread
+from pyserve.testing import serve
+
+MODELS = {
+    "ident": """
+        backend: "gate"
+        max_batch_size: 0
+        input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ]
+        output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+        instance_group [ { count: 1 kind: KIND_CPU } ]
+    """,
+    "ticks": """
+        backend: "ticks"
+        max_batch_size: 0
+        model_transaction_policy { decoupled: true }
+        input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+        output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+    """,
+}
+MAX_INPUT = 4096
+
+
+class GateBackend(Backend):
+    """Echoes ``IN`` → ``OUT``; while ``open`` is clear, execute waits on it. Counts executions."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.open.set()
+        self.executing = threading.Event()
+        self.executed: list[str] = []
+
+    def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
+        self.executing.set()
+        assert self.open.wait(30)
+        self.executed += [r.id for r in requests]
+        return [InferResponse({"OUT": r.inputs["IN"]}) for r in requests]
+
+
+class TicksBackend(Backend):
+    """Decoupled: ``N`` responses 0..N-1, 200 ms apart; ``sent`` counts those sent so far."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> None:
+        for request in requests:
+            threading.Thread(target=self._run, args=(request,), daemon=True).start()
+
+    def _run(self, request: InferRequest) -> None:
+        sender = request.response_sender()
+        for i in range(int(request.inputs["N"].reshape(-1)[0])):
+            if i:
+                time.sleep(0.2)
+            sender.send(InferResponse({"OUT": np.array([i], dtype=np.int32)}))
+            self.sent = i + 1
+        sender.send(final=True)
+
+
+@pytest.fixture(scope="module")
+def backends() -> tuple[GateBackend, TicksBackend]:
+    return GateBackend(), TicksBackend()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, backends: tuple[GateBackend, TicksBackend]) -> Iterator[ServerThread]:
+    repo: Path = tmp_path_factory.mktemp("httpserver")
+    for name, config in MODELS.items():
+        write_model(repo, name, config)
+    gate, ticks = backends
+    with serve(repo, backends={"gate": gate, "ticks": ticks}, http_max_input_size=MAX_INPUT,
+               allow_grpc=False, use_entry_points=False) as thread:
+        yield thread
+
+
+def _body(request_id: str = "", values: Sequence[float] = (1.0, 2.0)) -> bytes:
+    payload: dict[str, object] = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [len(values)],
+                                              "data": list(values)}]}
+    if request_id:
+        payload["id"] = request_id
+    return orjson.dumps(payload)
+
+
+def _infer_request(body: bytes, extra: bytes = b"", version: bytes = b"1.1") -> bytes:
+    return (b"POST /v2/models/ident/infer HTTP/" + version + b"\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + extra + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+class Reader:
+    """Reads HTTP/1.1 responses off a socket (Content-Length or chunked framing)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = b""
+
+    def _fill(self) -> bool:
+        data = self.sock.recv(65536)
+        self.buffer += data
+        return bool(data)
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self.buffer:
+            if not self._fill():
+                raise ConnectionError("closed")
+        line, self.buffer = self.buffer.split(b"\r\n", 1)
+        return line
+
+    def _exact(self, n: int) -> bytes:
+        while len(self.buffer) < n:
+            if not self._fill():
+                raise ConnectionError("closed")
+        data, self.buffer = self.buffer[:n], self.buffer[n:]
+        return data
+
+    def head(self) -> tuple[int, dict[str, str]]:
+        status = int(self._line().split()[1])
+        headers: dict[str, str] = {}
+        while line := self._line():
+            name, _, value = line.partition(b":")
+            headers[name.decode().lower()] = value.decode().strip()
+        return status, headers
+
+    def response(self) -> tuple[int, dict[str, str], bytes]:
+        status, headers = self.head()
+        if headers.get("transfer-encoding") == "chunked":
+            body = b""
+            while size := int(self._line(), 16):
+                body += self._exact(size)
+                self._line()
+            self._line()
+            return status, headers, body
+        return status, headers, self._exact(int(headers.get("content-length", "0")))
+
+    def closed(self) -> bool:
+        """True once the peer has closed (nothing more to read)."""
+        return not self.buffer and not self._fill()
+
+
+def _connect(server: ServerThread) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.server.http_port), timeout=10)
+
+
+def test_keep_alive_reuses_the_connection(server: ServerThread) -> None:
+    with _connect(server) as sock:
+        reader = Reader(sock)
+        for i in range(5):
+            sock.sendall(_infer_request(_body(f"k{i}")))
+            status, headers, body = reader.response()
+            assert status == 200, body
+            assert "connection" not in headers
+            assert orjson.loads(body)["id"] == f"k{i}"
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")  # the ASGI route, same socket
+        assert reader.response()[0] == 200
+
+
+def test_pipelined_requests_are_answered_in_order(server: ServerThread) -> None:
+    with _connect(server) as sock:
+        reader = Reader(sock)
+        batch = b"".join(
+            _infer_request(_body(f"p{i}")) if i % 3 else b"GET /v2/models/ident/ready HTTP/1.1\r\nHost: x\r\n\r\n"
+            for i in range(12)
+        )
+        sock.sendall(batch)
+        for i in range(12):
+            status, _, body = reader.response()
+            assert status == 200
+            if i % 3:
+                assert orjson.loads(body)["id"] == f"p{i}"
+            else:
+                assert body == b""
+
+
+def test_http_10_closes_unless_keep_alive(server: ServerThread) -> None:
+    with _connect(server) as sock:
+        reader = Reader(sock)
+        sock.sendall(_infer_request(_body("old"), version=b"1.0"))
+        status, headers, body = reader.response()
+        assert status == 200 and orjson.loads(body)["id"] == "old"
+        assert headers["connection"] == "close"
+        assert reader.closed()
+    with _connect(server) as sock:
+        reader = Reader(sock)
+        for _ in range(2):
+            sock.sendall(_infer_request(_body("ka"), b"Connection: keep-alive\r\n", version=b"1.0"))
+            status, headers, _ = reader.response()
+            assert status == 200 and headers["connection"] == "keep-alive"
+
+
+def test_connection_close_is_honoured(server: ServerThread) -> None:
+    for request in (_infer_request(_body(), b"Connection: close\r\n"),
+                    b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"):
+        with _connect(server) as sock:
+            reader = Reader(sock)
+            sock.sendall(request)
+            status, headers, _ = reader.response()
+            assert status == 200 and headers["connection"] == "close"
+            assert reader.closed()
+
+
+@pytest.mark.parametrize("path", [b"/v2/models/ident/infer", b"/v2/repository/index"])
+def test_expect_100_continue(server: ServerThread, path: bytes) -> None:
+    body = _body("c") if path.endswith(b"infer") else b"{}"
+    with _connect(server) as sock:
+        reader = Reader(sock)
+        sock.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))
+        assert reader.head() == (100, {})
+        sock.sendall(body)
+        status, _, answer = reader.response()
+        assert status == 200, answer
+
+
+def test_chunked_request_body(server: ServerThread) -> None:
+    body = _body("chunky", [float(i) for i in range(20)])
+    framed = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 7]), body[i:i + 7]) for i in range(0, len(body), 7))
+    with _connect(server) as sock:
+        reader = Reader(sock)
+        sock.sendall(b"POST /v2/models/ident/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(0, len(framed), 50):  # in several packets
+            sock.sendall(framed[i:i + 50])
+            time.sleep(0.005)
+        sock.sendall(b"0\r\n\r\n")
+        status, _, answer = reader.response()
+        assert status == 200, answer
+        result = orjson.loads(answer)
+        assert result["id"] == "chunky" and result["outputs"][0]["data"] == [float(i) for i in range(20)]
+
+
+def test_chunked_body_over_the_cap_is_refused(server: ServerThread) -> None:
+    with _connect(server) as sock:
+        reader = Reader(sock)
+        sock.sendall(b"POST /v2/models/ident/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"x" * 1000
+        for _ in range(6):
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        status, headers, answer = reader.response()
+        assert status == 400 and b"--http-max-input-size" in answer
+        assert headers["connection"] == "close"
+
+
+@pytest.mark.parametrize("garbage", [b"BLAH\r\n\r\n", b"GET / HTTP/9.x\r\n\r\n", b"\x00\x01\x02 junk\r\n\r\n"])
+def test_malformed_request_gets_400_and_close(server: ServerThread, garbage: bytes) -> None:
+    with _connect(server) as sock:
+        reader = Reader(sock)
+        sock.sendall(garbage)
+        status, headers, _ = reader.response()
+        assert status == 400 and headers["connection"] == "close"
+        assert reader.closed()
+
+
+def test_malformed_request_after_a_good_one(server: ServerThread) -> None:
+    with _connect(server) as sock:
+        reader = Reader(sock)
+        sock.sendall(_infer_request(_body("good")) + b"NONSENSE\r\n\r\n")
+        status, _, body = reader.response()
+        assert status == 200 and orjson.loads(body)["id"] == "good"
+        assert reader.response()[0] == 400
+        assert reader.closed()
+
+
+def test_oversized_declared_body_is_refused_unread(server: ServerThread) -> None:
+    with _connect(server) as sock:
+        reader = Reader(sock)
+        sock.sendall(b"POST /v2/models/ident/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (MAX_INPUT + 1))
+        status, headers, answer = reader.response()  # answered before any body byte is sent
+        assert status == 400 and b"larger than the server's limit of 4096 bytes" in answer
+        assert headers["connection"] == "close"
+        assert reader.closed()
+
+
+def test_unknown_model_keeps_the_connection(server: ServerThread) -> None:
+    with _connect(server) as sock:
+        reader = Reader(sock)
+        body = _body()
+        sock.sendall(b"POST /v2/models/nope/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        status, _, answer = reader.response()
+        assert status == 404 and orjson.loads(answer)["error"].startswith("Request for unknown model")
+        sock.sendall(_infer_request(_body("after")))
+        assert reader.response()[0] == 200
+
+
+def test_disconnect_cancels_a_queued_request(server: ServerThread, backends: tuple[GateBackend, TicksBackend]) -> None:
+    gate = backends[0]
+    gate.open.clear()
+    gate.executing.clear()
+    try:
+        running = _connect(server)
+        running.sendall(_infer_request(_body("running")))
+        assert gate.executing.wait(10)
+        queued = _connect(server)
+        queued.sendall(_infer_request(_body("queued")))
+        dataplane = server.server.dataplane
+        deadline = time.monotonic() + 10
+        while dataplane.in_flight < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert dataplane.in_flight == 2
+        queued.close()  # the client goes away while its request waits in the queue
+        time.sleep(0.2)
+    finally:
+        gate.open.set()
+    status, _, body = Reader(running).response()
+    running.close()
+    assert status == 200 and orjson.loads(body)["id"] == "running"
+    deadline = time.monotonic() + 10
+    while server.server.dataplane.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.server.dataplane.in_flight == 0
+    assert "queued" not in gate.executed
+
+
+def test_sse_events_arrive_as_they_are_sent(server: ServerThread, backends: tuple[GateBackend, TicksBackend]) -> None:
+    ticks = backends[1]
+    body = orjson.dumps({"N": 4})
+    with _connect(server) as sock:
+        reader = Reader(sock)
+        sock.sendall(b"POST /v2/models/ticks/generate_stream HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        status, headers = reader.head()
+        assert status == 200 and headers["transfer-encoding"] == "chunked"
+        assert headers["content-type"].startswith("text/event-stream")
+        size = int(reader._line(), 16)
+        first = reader._exact(size)
+        assert first.startswith(b"data: ") and orjson.loads(first[6:].strip())["OUT"] == 0
+        assert ticks.sent < 4  # the first event came before the backend produced the last one
+        rest = b""
+        reader._line()  # the CRLF after the first chunk
+        while size := int(reader._line(), 16):
+            rest += reader._exact(size)
+            reader._line()
+        reader._line()
+        events = [orjson.loads(line[6:]) for line in rest.split(b"\n") if line.startswith(b"data: ")]
+        assert [e["OUT"] for e in events] == [1, 2, 3]
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")  # still usable after the stream
+        assert reader.response()[0] == 200
+
+
+def test_uvicorn_remains_available(tmp_path: Path) -> None:
+    write_model(tmp_path, "ident", MODELS["ident"])
+    with serve(tmp_path, backends={"gate": GateBackend()}, http_server="uvicorn", allow_grpc=False,
+               use_entry_points=False) as thread:
+        with _connect(thread) as sock:
+            sock.sendall(_infer_request(_body("uv")))
+            status, _, body = Reader(sock).response()
+            assert status == 200 and orjson.loads(body)["id"] == "uv"
