@@ -23,6 +23,7 @@ default ``$XDG_CACHE_HOME/pyserve-bench/triton-venv`` (``~/.cache/...``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -124,15 +125,31 @@ def _venv_python_version(site_packages: Path) -> str:
     return site_packages.parent.name.removeprefix("python")
 
 
+def _numpy_major(site_packages: Path) -> int | None:
+    for info in site_packages.glob("numpy-*.dist-info"):
+        with contextlib.suppress(ValueError):
+            return int(info.name.split("-")[1].split(".")[0])
+    return None
+
+
 def find(venv: Path) -> TritonInstall | None:
-    """An installed ``nvidia-pytriton``: in this interpreter, else in ``venv``."""
+    """An installed ``nvidia-pytriton`` whose Python-backend stub can work: the dedicated
+    ``venv`` first, else this interpreter's — never one beside numpy >= 2.
+
+    The wheel's stubs are built against numpy 1.x: with numpy 2 beside them every request
+    fails ("output tensor shape does not match size of output") or returns empty outputs.
+    pyserve's own venv has ``nvidia-pytriton`` (for the native-backend tests) next to numpy 2,
+    so it must not be picked.
+    """
+    found = _site_packages(venv)
+    if found is not None and (_numpy_major(found) or 1) < 2:
+        return TritonInstall(found, _venv_python_version(found))
     spec = importlib.util.find_spec("pytriton")  # locates without importing (which needs its deps)
     if spec is not None and spec.submodule_search_locations:
         site = Path(next(iter(spec.submodule_search_locations))).parent
-        if (site / "pytriton" / "tritonserver" / "bin" / "tritonserver").is_file():
+        if (site / "pytriton" / "tritonserver" / "bin" / "tritonserver").is_file() and (_numpy_major(site) or 1) < 2:
             return TritonInstall(site, f"{sys.version_info.major}.{sys.version_info.minor}")
-    found = _site_packages(venv)
-    return None if found is None else TritonInstall(found, _venv_python_version(found))
+    return None
 
 
 def install(venv: Path, log: Path) -> TritonInstall:

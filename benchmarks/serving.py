@@ -507,36 +507,10 @@ class Results:
         return statistics.median(values) if values else None
 
 
-def _numpy_major(site_packages: Path) -> int | None:
-    for info in site_packages.glob("numpy-*.dist-info"):
-        with suppress(ValueError):
-            return int(info.name.split("-")[1].split(".")[0])
-    return None
-
-
-def find_triton(venv: Path) -> _triton.TritonInstall | None:
-    """Like ``_triton.find`` but preferring the dedicated venv, and never a numpy >= 2 one.
-
-    The wheel's Python-backend stubs are built against numpy 1.x: with numpy 2 linked into the
-    backend directory, ``pb_utils.Tensor(name, ndarray)`` reports 0 bytes and every request
-    fails with "output tensor shape does not match size of output". ``_triton.find`` looks in
-    the running interpreter first, which is wrong when ``nvidia-pytriton`` was also installed
-    into pyserve's venv (numpy 2 there).
-    """
-    site = _triton._site_packages(venv)
-    if site is not None and (_numpy_major(site) or 1) < 2:
-        return _triton.TritonInstall(site, _triton._venv_python_version(site))
-    install = _triton.find(venv)
-    if install is not None and (_numpy_major(install.site_packages) or 1) >= 2:
-        _log(f"ignoring the Triton in {install.site_packages}: numpy >= 2 there (the stub needs numpy < 2)")
-        return None
-    return install
-
-
 def triton_install(args: argparse.Namespace, work: Path) -> tuple[_triton.TritonInstall | None, str]:
     if args.no_triton:
         return None, "Triton skipped: --no-triton"
-    install = find_triton(args.triton_venv)
+    install = _triton.find(args.triton_venv)
     if install is not None:
         return install, ""
     if not args.with_triton:

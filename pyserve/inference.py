@@ -95,6 +95,9 @@ class InferRequest:
     :ivar exec_start_ns: -1 before the request is queued, 0 while queued, then the
         ``time.monotonic_ns()`` at which an instance started executing it.
     :ivar exec_end_ns: when that execute call returned (0 until then).
+    :ivar compute_ns: ``(compute_start_ns, compute_end_ns)`` when the backend reported where
+        its computation began and ended inside the execute (``ModelStats.backend_compute``),
+        else None.
     :ivar first_response_ns: when a first, non-final response was sent (0 = none yet).
     """
 
@@ -106,6 +109,7 @@ class InferRequest:
         "arrival_ns",
         "finish",
         "batch_size",
+        "compute_ns",
         "correlation_id",
         "exec_end_ns",
         "exec_start_ns",
@@ -161,6 +165,7 @@ class InferRequest:
         self.stats: Any = None  # pyserve.metrics.ModelStats once submitted
         self.exec_start_ns = -1
         self.exec_end_ns = 0
+        self.compute_ns: tuple[int, int] | None = None
         self.first_response_ns = 0
 
     def __repr__(self) -> str:

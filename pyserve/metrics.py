@@ -19,7 +19,11 @@ Counting rules (Triton's): a request counts once as a success or a failure when 
 response is sent. Success, queue and request duration include response-cache hits; compute
 input/infer/output, ``inference_count`` and ``execution_count`` do not. Queue time is execute
 start minus arrival; compute infer is the execute call; compute input/output are the frontends'
-decode/encode times when they report them (HTTP ``/infer``, gRPC ``ModelInfer``), else 0.
+decode/encode times when they report them (HTTP ``/infer``, gRPC ``ModelInfer``), else 0. A
+backend that reports where its computation began and ended inside the execute
+(``ModelStats.backend_compute``, e.g. a native backend's ``ModelInstanceReportStatistics``)
+splits the execute call at those points: the part before goes to compute input, the part after
+to compute output, the rest stays compute infer (the same nanoseconds, counted once).
 Failures carry a reason: ``REJECTED`` (refused by the scheduler: queue full, queue timeout),
 ``CANCELED``, ``BACKEND`` (the request reached execute), ``OTHER``.
 
@@ -82,7 +86,8 @@ class ModelStats:
     """
 
     __slots__ = (
-        "batches", "cache_hit_count", "cache_hit_ns", "cache_miss_count", "cache_miss_ns",
+        "backend_input_ns", "backend_output_ns", "batches", "cache_hit_count", "cache_hit_ns",
+        "cache_miss_count", "cache_miss_ns",
         "compute_count", "dequeued", "enqueued", "execution_count", "fail_count", "fail_ns",
         "failures", "first_buckets", "first_count", "first_sum_ms", "inference_count",
         "infer_ns", "input_ns", "last_inference_ns", "lock", "output_ns", "queue_ns",
@@ -100,6 +105,8 @@ class ModelStats:
         self.input_ns = 0
         self.infer_ns = 0
         self.output_ns = 0
+        self.backend_input_ns = 0  # execute time before / after the backend's reported compute
+        self.backend_output_ns = 0  # (under the lock; input_ns / output_ns are loop-only)
         self.cache_hit_count = 0
         self.cache_hit_ns = 0
         self.cache_miss_count = 0
@@ -127,19 +134,73 @@ class ModelStats:
     def executed(self, requests: Sequence[InferRequest], start_ns: int, end_ns: int) -> None:
         """The execute call of ``requests`` returned: one execution of their total batch size."""
         size = 0
+        first = last = 0
         for request in requests:
             request.exec_end_ns = end_ns
             size += request.batch_size
+            compute = request.compute_ns
+            if compute is not None:  # the batch's compute: earliest start to latest end reported
+                if not first or compute[0] < first:
+                    first = compute[0]
+                if compute[1] > last:
+                    last = compute[1]
         duration = end_ns - start_ns
+        before = after = 0
+        if first and start_ns <= first <= last <= end_ns:
+            before = first - start_ns
+            after = end_ns - last
         with self.lock:
             self.execution_count += 1
             self.inference_count += size
             entry = self.batches.get(size)
             if entry is None:
-                self.batches[size] = [1, 0, duration, 0]
+                self.batches[size] = [1, before, duration - before - after, after]
             else:
                 entry[0] += 1
-                entry[2] += duration
+                entry[1] += before
+                entry[2] += duration - before - after
+                entry[3] += after
+
+    def backend_compute(
+        self,
+        requests: Sequence[InferRequest],
+        exec_start_ns: int,
+        compute_start_ns: int,
+        compute_end_ns: int,
+        exec_end_ns: int,
+    ) -> None:
+        """A backend reports, from inside its execute, where the computation of ``requests``
+        began and ended (``time.monotonic_ns`` clock; Triton's
+        ``TRITONBACKEND_ModelInstanceReportStatistics`` timestamps).
+
+        The execute call the core measured is then split at those two points when the
+        requests are counted: before ``compute_start_ns`` is compute input, after
+        ``compute_end_ns`` compute output, between them compute infer (so nothing is counted
+        twice). The batch statistics of the execute split at the earliest start and latest end
+        its requests report. A report that is not ordered (``exec_start <= compute_start <=
+        compute_end <= exec_end``) or falls outside the measured execute is ignored, leaving
+        the core's numbers. Call it before the execute returns: it stores the two timestamps
+        on each request; requests already answered (and counted) during the execute have their
+        counted execute time moved under the lock instead, clamped to what was counted.
+        """
+        if not 0 < exec_start_ns <= compute_start_ns <= compute_end_ns <= exec_end_ns:
+            return
+        compute = (compute_start_ns, compute_end_ns)
+        late = None
+        for request in requests:
+            request.compute_ns = compute
+            if request.exec_end_ns and request.exec_start_ns > 0:  # already counted (answered early)
+                late = [request] if late is None else [*late, request]
+        if late is None:
+            return
+        with self.lock:  # move the counted execute time of those requests to the split
+            for request in late:
+                start, end = request.exec_start_ns, request.exec_end_ns
+                first = min(max(compute_start_ns, start), end)
+                last = min(max(compute_end_ns, first), end)
+                self.backend_input_ns += first - start
+                self.backend_output_ns += end - last
+                self.infer_ns -= (first - start) + (end - last)
 
     def request_done(self, request: InferRequest, response: InferResponse | InferError | None) -> None:
         """The final response of ``request`` is being sent: count a success or a failure."""
@@ -172,7 +233,16 @@ class ModelStats:
             if start > 0:
                 self.queue_ns += start - request.arrival_ns
                 self.compute_count += 1
-                self.infer_ns += (request.exec_end_ns or now) - start
+                end = request.exec_end_ns
+                if not end:  # answered during its execute: backend_compute may split it later
+                    end = request.exec_end_ns = now
+                compute = request.compute_ns
+                if compute is not None and start <= compute[0] <= compute[1] <= end:
+                    self.backend_input_ns += compute[0] - start
+                    self.backend_output_ns += end - compute[1]
+                    self.infer_ns += compute[1] - compute[0]
+                else:
+                    self.infer_ns += end - start
             elif start == 0:  # queued but answered without an instance (an ensemble)
                 self.dequeued += 1
                 self.compute_count += 1
@@ -229,9 +299,9 @@ class ModelStats:
                 fail_ns=self.fail_ns,
                 queue_ns=self.queue_ns,
                 compute_count=self.compute_count,
-                input_ns=self.input_ns,
+                input_ns=self.input_ns + self.backend_input_ns,
                 infer_ns=self.infer_ns,
-                output_ns=self.output_ns,
+                output_ns=self.output_ns + self.backend_output_ns,
                 cache_hit_count=self.cache_hit_count,
                 cache_hit_ns=self.cache_hit_ns,
                 cache_miss_count=self.cache_miss_count,

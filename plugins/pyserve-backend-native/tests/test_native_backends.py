@@ -303,3 +303,67 @@ def test_backend_config_reaches_the_backend(
     assert config["cmdline"]["answer"] == "42"
     assert config["cmdline"]["backend-directory"] == "/nonexistent"
     assert config["cmdline"]["default-max-batch-size"] == "4"
+
+
+# -- metrics and statistics on the server's own pages -----------------------------------------
+def _scrape(server: Any) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def test_custom_metrics_on_the_metrics_page(
+    tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    repo = tmp_path / "repo"
+    install_backend(write_model(repo, "caller", BLS), backend_libraries["bls"])
+    ident = """
+        backend: "c_identity"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+    """
+    install_backend(write_model(repo, "ident", ident), backend_libraries["identity"])
+    server = pyserve_server_factory(repo, allow_metrics=True, metrics_port=0)
+    with httpclient.InferenceServerClient(server.url) as client:
+        for values in ([1.0, 2.0], [3.0], [4.0]):
+            inp = httpclient.InferInput("INPUT0", [len(values)], "FP32")
+            inp.set_data_from_numpy(np.array(values, dtype=np.float32))
+            client.infer("caller", [inp])
+    page = _scrape(server)
+    assert "# TYPE bls_calls_total counter" in page
+    assert 'bls_calls_total{model="caller"} 3' in page
+    families = {f.name: f for f in text_string_to_metric_families(page)}
+    assert "nv_inference_count" in families  # next to the server's own families
+    assert page.count("# TYPE bls_calls_total") == 1  # two native backends, one collector
+
+
+def test_backend_reported_statistics_split_the_execute(
+    tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory
+) -> None:
+    repo = tmp_path / "repo"
+    install_backend(write_model(repo, "ident", IDENTITY.format(name="ident")), backend_libraries["identity"])
+    server = pyserve_server_factory(repo)
+    with httpclient.InferenceServerClient(server.url, concurrency=4) as client:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda i: infer_identity(client, "ident", [float(i)]), range(8)))
+    with httpclient.InferenceServerClient(server.url) as client:
+        stats = client.get_inference_statistics("ident")["model_stats"][0]
+    reported = server.server.models.get("ident").context.state.statistics()
+    inference = stats["inference_stats"]
+    assert inference["success"]["count"] == 8 == reported["success_count"]
+    # compute infer is the part of each request's execute inside what identity reported as
+    # its compute (identity reports compute_end after it sent the response, so it is at most that)
+    assert inference["compute_infer"]["count"] == 8
+    assert 0 < inference["compute_infer"]["ns"] <= reported["compute_infer_ns"]
+    # the rest of the measured execute is compute input (before the backend's compute began:
+    # building the requests) and output; compute input also holds the HTTP decode time
+    assert inference["compute_input"]["count"] == inference["compute_output"]["count"] == 8
+    assert inference["compute_input"]["ns"] > 0
+    assert sum(b["compute_infer"]["count"] for b in stats["batch_stats"]) == stats["execution_count"]
+    for batch in stats["batch_stats"]:
+        assert batch["compute_input"]["ns"] > 0
+        assert batch["compute_infer"]["ns"] > 0

@@ -19,7 +19,7 @@ import json
 import logging
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from ctypes import (
     CFUNCTYPE,
     POINTER,
@@ -36,6 +36,8 @@ from ctypes import (
 from typing import Any
 
 import numpy as np
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from pyserve import datatypes
 from pyserve.errors import ErrorCode, InferError
 from pyserve.inference import InferRequest, InferResponse
@@ -100,6 +102,15 @@ class Stats(Structure):
     ]
 
 
+class Report(Structure):
+    """One ModelInstanceReport(Batch)Statistics call (``pyshim_report``)."""
+
+    _fields_ = [
+        (name, c_uint64)
+        for name in ("key", "success", "exec_start_ns", "compute_start_ns", "compute_end_ns", "exec_end_ns")
+    ]
+
+
 LOG_FN = CFUNCTYPE(None, c_int32, c_char_p, c_int32, c_char_p)
 RESPONSE_FN = CFUNCTYPE(
     None, c_uint64, c_uint32, c_int32, c_uint32, POINTER(OutputDesc), c_uint32, POINTER(Param), c_int32, c_char_p
@@ -142,6 +153,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "pyshim_model_delete": (None, [c_void_p]),
     "pyshim_instance_new": (c_void_p, [c_void_p, c_char_p, c_int32, c_int32]),
     "pyshim_instance_delete": (None, [c_void_p]),
+    "pyshim_instance_take_reports": (c_uint32, [c_void_p, POINTER(Report), c_uint32, POINTER(Report)]),
     "pyshim_request_new": (
         c_void_p, [c_uint64, c_void_p, c_char_p, c_uint64, c_char_p, c_uint32, c_uint64, c_uint32, c_uint32],
     ),
@@ -237,6 +249,58 @@ def metrics_text() -> str:
         return ctypes.string_at(pointer).decode("utf-8", "replace")
     finally:
         lib().pyshim_free(pointer)
+
+
+class ShimMetricsCollector:
+    """A ``prometheus_client`` collector of the backends' custom metrics (one per process).
+
+    The shim keeps ``TRITONSERVER_MetricFamily`` / ``TRITONSERVER_Metric`` values in one
+    process-wide registry; every scrape reads them (``pyshim_metrics_text``) and yields them
+    under the names, kinds and labels the backends gave. Native backends include it in their
+    server's ``/metrics`` page (``backend.metrics.include``) while at least one of them is
+    initialized there.
+    """
+
+    def collect(self) -> Iterator[Metric]:
+        if _lib is None:  # the shim was never loaded: no backend made a metric
+            return
+        for family in text_string_to_metric_families(metrics_text()):
+            if not family.samples:
+                continue
+            if family.type == "counter":
+                # the parser drops a counter's "_total"; Triton shows the name as created
+                renamed = Metric(family.samples[0].name, family.documentation, "counter")
+                renamed.samples = list(family.samples)
+                family = renamed
+            yield family
+
+
+SHIM_METRICS = ShimMetricsCollector()
+"""The process's collector of native custom metrics."""
+
+_included: dict[int, list[Any]] = {}  # id(CustomMetrics) → [metrics, native backends using it]
+_included_lock = threading.Lock()
+
+
+def include_metrics(metrics: Any) -> None:
+    """A native backend starts on a server: show the custom metrics on its ``/metrics``."""
+    with _included_lock:
+        entry = _included.setdefault(id(metrics), [metrics, 0])
+        entry[1] += 1
+        if entry[1] == 1:
+            metrics.include(SHIM_METRICS)
+
+
+def exclude_metrics(metrics: Any) -> None:
+    """A native backend finalized: stop showing them when it was the server's last one."""
+    with _included_lock:
+        entry = _included.get(id(metrics))
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _included[id(metrics)]
+            metrics.exclude(SHIM_METRICS)
 
 
 # -- tensors ---------------------------------------------------------------------------------

@@ -72,6 +72,8 @@ class NativeInstance:
 
     pointer: int
     model: NativeModel
+    reports: Any = None  # ctypes array of _api.Report, grown to the largest batch
+    batch_report: _api.Report = field(default_factory=_api.Report)
 
 
 class NativeBackend:
@@ -133,10 +135,13 @@ class NativeBackend:
                 log.warning("%s: TRITONBACKEND_GetBackendAttribute failed: %s", self.library.path, error.message)
         self._backend = pointer
         backend.state = self
+        _api.include_metrics(backend.metrics)
         log.info("native backend '%s' initialized from %s", self.name, self.library.path)
 
     @hookimpl
     def pyserve_backend_finalize(self, backend: BackendContext) -> None:
+        if self._backend is not None:
+            _api.exclude_metrics(backend.metrics)
         for model in list(self._pending_models.values()):  # auto-completed but never created
             self._finalize_model(model)
         self._pending_models.clear()
@@ -268,6 +273,7 @@ class NativeBackend:
             with _api.CHANGED:
                 while not all(p.final or p.done for p in pendings):
                     _api.CHANGED.wait()
+        _take_reports(lib, native, pendings)
         return None
 
     @staticmethod
@@ -278,6 +284,37 @@ class NativeBackend:
             if pointers[i] and not pending.released:
                 lib.pyshim_request_delete(pointers[i])
             _api.PENDING.pop(pending.key, None)
+
+
+def _take_reports(lib: Any, native: NativeInstance, pendings: list[_api.Pending]) -> None:
+    """Hand what the backend reported during this execute (``ModelInstanceReportStatistics``,
+    ``ReportBatchStatistics``) to the model's statistics: where each request's computation
+    began and ended (``ModelStats.backend_compute``). A request without a report of its own
+    takes the batch report's; with neither, the core's numbers stay. Reports made after the
+    execute returned (a decoupled backend answering later) are not used."""
+    stats = pendings[0].request.stats
+    count = len(pendings)
+    reports = native.reports
+    if reports is None or len(reports) < count:
+        reports = native.reports = (_api.Report * max(count, 8))()
+    batch = native.batch_report
+    taken = lib.pyshim_instance_take_reports(native.pointer, reports, len(reports), ctypes.byref(batch))
+    if stats is None or (taken == 0 and not batch.key):
+        return
+    backend_compute = stats.backend_compute
+    reported = set()
+    if taken:
+        by_key = {p.key: p.request for p in pendings}
+        for i in range(taken):
+            report = reports[i]
+            request = by_key.get(report.key)
+            if request is not None and report.success:
+                backend_compute((request,), report.exec_start_ns, report.compute_start_ns,
+                                report.compute_end_ns, report.exec_end_ns)
+                reported.add(report.key)
+    if batch.key and len(reported) < count:
+        backend_compute([p.request for p in pendings if p.key not in reported], batch.exec_start_ns,
+                        batch.compute_start_ns, batch.compute_end_ns, batch.exec_end_ns)
 
 
 def _build_request(lib: Any, pending: _api.Pending, instance: int) -> int:

@@ -775,6 +775,14 @@ static void stats_unlock(TRITONBACKEND_Model* m) {
   atomic_flag_clear_explicit(&m->stats_lock, memory_order_release);
 }
 static uint64_t span(uint64_t start, uint64_t end) { return end > start ? end - start : 0; }
+static void reports_lock(TRITONBACKEND_ModelInstance* i) {
+  while (atomic_flag_test_and_set_explicit(&i->reports_lock, memory_order_acquire)) {
+  }
+}
+static void reports_unlock(TRITONBACKEND_ModelInstance* i) {
+  atomic_flag_clear_explicit(&i->reports_lock, memory_order_release);
+}
+#define PYSHIM_MAX_REPORTS 65536u /* a backend that reports without executes cannot grow it further */
 
 EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceReportStatistics(
     TRITONBACKEND_ModelInstance* instance, TRITONBACKEND_Request* request, const bool success,
@@ -792,6 +800,19 @@ EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceReportStatistics(
     m->stats.failure_count++;
   }
   stats_unlock(m);
+  pyshim_report r = {request->core ? request->core->key : 0, success, exec_start_ns, compute_start_ns,
+                     compute_end_ns, exec_end_ns};
+  reports_lock(instance);
+  if (instance->report_count == instance->report_cap && instance->report_cap < PYSHIM_MAX_REPORTS) {
+    uint32_t cap = instance->report_cap ? instance->report_cap * 2 : 16;
+    pyshim_report* grown = realloc(instance->reports, cap * sizeof(*grown));
+    if (grown != NULL) {
+      instance->reports = grown;
+      instance->report_cap = cap;
+    }
+  }
+  if (instance->report_count < instance->report_cap) instance->reports[instance->report_count++] = r;
+  reports_unlock(instance);
   return NULL;
 }
 
@@ -807,6 +828,10 @@ EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceReportBatchStatistics(
   m->stats.batch_compute_infer_ns += span(compute_start_ns, compute_end_ns);
   m->stats.batch_compute_output_ns += span(compute_end_ns, exec_end_ns);
   stats_unlock(m);
+  reports_lock(instance);
+  instance->batch_report = (pyshim_report){0, batch_size, exec_start_ns, compute_start_ns, compute_end_ns, exec_end_ns};
+  instance->has_batch_report = true;
+  reports_unlock(instance);
   return NULL;
 }
 
@@ -934,11 +959,29 @@ EXPORT TRITONBACKEND_ModelInstance* pyshim_instance_new(
   i->kind = (TRITONSERVER_InstanceGroupKind)kind;
   i->device_id = device_id;
   i->model = model;
+  atomic_flag_clear(&i->reports_lock);
   return i;
+}
+
+/* Moves the reports made since the last call into 'out' (at most 'capacity'; the rest are
+ * dropped) and returns how many were moved; the last batch report goes to '*batch' (returns
+ * with batch->key == 1 when there was one, else 0). Called by Python after each execute. */
+EXPORT uint32_t pyshim_instance_take_reports(
+    TRITONBACKEND_ModelInstance* i, pyshim_report* out, uint32_t capacity, pyshim_report* batch) {
+  reports_lock(i);
+  uint32_t n = i->report_count < capacity ? i->report_count : capacity;
+  if (n) memcpy(out, i->reports, n * sizeof(*out));
+  i->report_count = 0;
+  *batch = i->batch_report;
+  batch->key = i->has_batch_report ? 1 : 0;
+  i->has_batch_report = false;
+  reports_unlock(i);
+  return n;
 }
 
 EXPORT void pyshim_instance_delete(TRITONBACKEND_ModelInstance* i) {
   if (i == NULL) return;
+  free(i->reports);
   free(i->name);
   free(i);
 }

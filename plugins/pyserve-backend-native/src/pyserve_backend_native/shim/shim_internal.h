@@ -187,6 +187,14 @@ typedef struct pyshim_stats {
   uint64_t batch_compute_input_ns, batch_compute_infer_ns, batch_compute_output_ns;
 } pyshim_stats;
 
+/* One ModelInstanceReport(Batch)Statistics call, kept until Python takes it after the
+ * execute (pyshim_instance_take_reports). 'key' is the request's pyserve key (0 for a batch
+ * report, whose 'success' is its batch size). */
+typedef struct pyshim_report {
+  uint64_t key, success;
+  uint64_t exec_start_ns, compute_start_ns, compute_end_ns, exec_end_ns;
+} pyshim_report;
+
 struct TRITONBACKEND_Backend {
   char* name;
   TRITONSERVER_Message* config;
@@ -216,6 +224,11 @@ struct TRITONBACKEND_ModelInstance {
   int32_t device_id;
   TRITONBACKEND_Model* model;
   void* state;
+  atomic_flag reports_lock;
+  pyshim_report* reports; /* per-request reports since the last take */
+  uint32_t report_count, report_cap;
+  pyshim_report batch_report; /* the last batch report since the last take (key 0) */
+  bool has_batch_report;
 };
 
 struct TRITONBACKEND_BackendAttribute {
