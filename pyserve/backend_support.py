@@ -20,6 +20,7 @@ Importing this module imports numpy, but no framework.
 
 from __future__ import annotations
 
+import abc
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -317,7 +318,7 @@ def _set_tensor(tensor: Any, found: ModelTensor, batching: bool, *, name: bool) 
 
 
 @dataclass
-class FrameworkModel:
+class FrameworkModel(abc.ABC):
     """The base of a framework backend's ``model.state``: file, batching and config tensors.
 
     Subclasses implement ``create_instance``. Thread-safety: ``create_instance`` and
@@ -344,12 +345,12 @@ class FrameworkModel:
             self._announced.add(message)
         log.log(level, "%s", message)
 
+    @abc.abstractmethod
     def create_instance(self, instance: InstanceContext) -> FrameworkInstance:
         """Load the model for one instance (its ``instance.state``)."""
-        raise NotImplementedError
 
 
-class FrameworkInstance:
+class FrameworkInstance(abc.ABC):
     """The base of a framework backend's ``instance.state``: the gather → run → split execute.
 
     Subclasses implement ``run`` (and may override ``to_host``, ``error`` and ``close``).
@@ -361,9 +362,9 @@ class FrameworkInstance:
     def close(self) -> None:
         """Release what the instance holds."""
 
+    @abc.abstractmethod
     def run(self, inputs: dict[str, Any], wanted: list[str]) -> Mapping[str, Any]:
         """Run one batch; output name → result for (at least) every ``wanted`` output."""
-        raise NotImplementedError
 
     def to_host(self, value: Any) -> np.ndarray:
         """A host array for one result."""

@@ -11,18 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from pyserve import __version__, logs
+from pyserve.argtypes import boolean as _bool
 
 EXAMPLE_REPOSITORY = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
 """The bundled example repository, served when no ``--model-repository`` is given."""
-
-
-def _bool(value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got '{value}'")
 
 
 def _port(value: str) -> int:

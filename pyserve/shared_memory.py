@@ -18,6 +18,7 @@ name; the mapping itself is unmapped when the last request using it lets go of i
 
 from __future__ import annotations
 
+import abc
 import base64
 import mmap
 import os
@@ -39,7 +40,7 @@ def _invalid_key(key: str) -> bool:
     return not name or "/" in name or name in (".", "..") or "\0" in name
 
 
-class Region:
+class Region(abc.ABC):
     """One registered region: a window ``[offset, offset + byte_size)`` of a mapping.
 
     Subclasses implement ``read``/``write``; ``status`` is the region's status entry.
@@ -62,16 +63,17 @@ class Region:
                 f"{self.byte_size} byte(s) of region '{self.name}'"
             )
 
+    @abc.abstractmethod
     def read(self, offset: int, byte_size: int) -> memoryview | bytes:
         """The bytes of ``[offset, offset + byte_size)`` (a view where possible)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def write(self, offset: int, data: memoryview | bytes) -> None:
         """Copy ``data`` into the region at ``offset``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def status(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The region's entry in the status answer."""
 
 
 class SystemRegion(Region):

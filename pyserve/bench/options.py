@@ -11,21 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pyserve.argtypes import boolean as _bool
+
 DEFAULT_HTTP_URL = "localhost:8000"
 DEFAULT_GRPC_URL = "localhost:8001"
 
 
 class BenchError(Exception):
     """A problem ``pyserve bench`` reports as ``error: ...`` and exit status 1."""
-
-
-def _bool(value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got '{value}'")
 
 
 def _positive_int(value: str) -> int:

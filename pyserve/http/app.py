@@ -28,7 +28,7 @@ from pyserve.http.errors import error_response, status_error
 from pyserve.http.extensions import extension_routes
 from pyserve.http.fast_infer import InferFastPath
 from pyserve.http.generate import SSE_TYPE, GenerateSender, decode_generate, encode_generate, sse_event
-from pyserve.inference import InferResponse
+from pyserve.inference import InferRequest, InferResponse
 from pyserve.restricted import RestrictedHttp, Restrictions
 
 T = TypeVar("T")
@@ -169,16 +169,24 @@ def create_app(
         media_type = headers.pop("content-type")
         return Response(content, 200, headers=headers, media_type=media_type)
 
+    async def start_generate(request: Request) -> tuple[Any, InferRequest, GenerateSender]:
+        """Decode a generate body and schedule it; the caller must call ``dataplane.finished``.
+
+        :raises InferError: unknown model, bad body, or the request was refused.
+        """
+        model = dataplane.model(request.path_params["model_name"], _version(request))
+        body = await read_body(request, max_input_size)
+        infer_request = decode_generate(body, model)
+        sender = GenerateSender()
+        infer_request.attach_sender(sender)
+        error = dataplane.submit(model, infer_request)
+        if error is not None:
+            raise error
+        return model, infer_request, sender
+
     async def generate(request: Request) -> Response:
         try:
-            model = dataplane.model(request.path_params["model_name"], _version(request))
-            body = await read_body(request, max_input_size)
-            infer_request = decode_generate(body, model)
-            sender = GenerateSender()
-            infer_request.attach_sender(sender)
-            error = dataplane.submit(model, infer_request)
-            if error is not None:
-                raise error
+            model, infer_request, sender = await start_generate(request)
             try:
                 responses = await _unless_disconnected(request, _collect(sender))
             finally:
@@ -202,14 +210,7 @@ def create_app(
 
     async def generate_stream(request: Request) -> Response:
         try:
-            model = dataplane.model(request.path_params["model_name"], _version(request))
-            body = await read_body(request, max_input_size)
-            infer_request = decode_generate(body, model)
-            sender = GenerateSender()
-            infer_request.attach_sender(sender)
-            error = dataplane.submit(model, infer_request)
-            if error is not None:
-                raise error
+            model, infer_request, sender = await start_generate(request)
         except InferError as exc:
             return error_response(exc)
 
