@@ -22,8 +22,7 @@ from starlette.routing import Route
 
 from pyserve.dataplane import DataPlane
 from pyserve.errors import InferError
-from pyserve.http.body import compress, read_body
-from pyserve.http.codec import HEADER_LENGTH, decode_infer, encode_infer, parse_header_length
+from pyserve.http.body import read_body
 from pyserve.http.errors import error_response, status_error
 from pyserve.http.extensions import extension_routes
 from pyserve.http.fast_infer import InferFastPath
@@ -80,7 +79,8 @@ def create_app(
     dataplane: DataPlane, *, max_input_size: int, restrictions: Restrictions | None = None
 ) -> InferFastPath | RestrictedHttp:
     """Build the ASGI application serving ``dataplane``: the infer fast path in front of
-    the Starlette routes (which keep a regular ``/infer`` route for completeness).
+    the Starlette routes for everything else (``/infer`` itself is answered by the fast path, or
+    natively by ``pyserve.http.server.HttpServer``).
 
     :param max_input_size: the largest request body accepted, compressed or not.
     :param restrictions: ``--http-restricted-api`` rules; when given, a 403 check sits in
@@ -141,33 +141,10 @@ def create_app(
             return error_response(exc)
         return _json(dataplane.repository_index(ready_only))
 
-    async def infer(request: Request) -> Response:
-        try:
-            model = dataplane.model(request.path_params["model_name"], _version(request))
-            if model.decoupled:
-                return status_error(
-                    501, "HTTP end point doesn't support models with decoupled transaction policy"
-                )
-            body = await read_body(request, max_input_size)
-            header_length = parse_header_length(request.headers.get(HEADER_LENGTH), len(body))
-            decoded = decode_infer(body, header_length, model, dataplane.shared_memory)
-            if dataplane.tracing.active:
-                decoded.request.trace_parent = request.headers.get("traceparent")
-            result = await _unless_disconnected(request, dataplane.infer(model, decoded.request))
-            if result is None:
-                return status_error(400, "client disconnected")
-            if isinstance(result, InferError):
-                return error_response(result)
-            content, headers = encode_infer(result, decoded, model)
-        except InferError as exc:
-            return error_response(exc)
-        accept = request.headers.get("accept-encoding")
-        if accept:
-            content, encoding = compress(content, accept)
-            if encoding:
-                headers["content-encoding"] = encoding
-        media_type = headers.pop("content-type")
-        return Response(content, 200, headers=headers, media_type=media_type)
+    async def infer_elsewhere(request: Request) -> Response:
+        # POST .../infer never gets here: the fast path (or HttpServer) answers it first. The
+        # route exists so that other methods on an infer path get 405, as Triton answers.
+        return status_error(500, "infer request reached the fallback application")
 
     async def start_generate(request: Request) -> tuple[Any, InferRequest, GenerateSender]:
         """Decode a generate body and schedule it; the caller must call ``dataplane.finished``.
@@ -298,7 +275,7 @@ def create_app(
             Route(prefix + "/ready", model_ready, methods=["GET"]),
             Route(prefix + "/config", model_config, methods=["GET"]),
             Route(prefix + "/stats", model_stats, methods=["GET"]),
-            Route(prefix + "/infer", infer, methods=["POST"]),
+            Route(prefix + "/infer", infer_elsewhere, methods=["POST"]),
             Route(prefix + "/generate", generate, methods=["POST"]),
             Route(prefix + "/generate_stream", generate_stream, methods=["POST"]),
         ]

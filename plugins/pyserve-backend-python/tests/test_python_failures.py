@@ -36,7 +36,7 @@ MODELS = {
     "import_error": CONFIG, "no_class": CONFIG, "init_error": CONFIG, "exec_error": CONFIG,
     "wrong_length": CONFIG, "not_a_list": CONFIG, "per_request_error": CONFIG, "sender_and_none": CONFIG,
     "unanswered_none": CONFIG, "auto_complete_conflict": CONFIG.replace("max_batch_size: 0", "max_batch_size: 8"),
-    "process_mode": CONFIG + 'parameters { key: "execution_mode" value { string_value: "process" } }',
+    "bad_mode": CONFIG + 'parameters { key: "execution_mode" value { string_value: "fibers" } }',
 }
 
 SOURCES = {
@@ -100,7 +100,7 @@ class TritonPythonModel:
     def execute(self, requests):
         return [ok(r) for r in requests]
 """,
-    "process_mode": HEADER + """
+    "bad_mode": HEADER + """
 class TritonPythonModel:
     def execute(self, requests):
         return [ok(r) for r in requests]
@@ -155,8 +155,8 @@ def test_auto_complete_contradicting_the_config_is_reported(broken_server: Serve
 
 
 def test_unsupported_execution_mode_is_reported(broken_server: ServerThread) -> None:
-    state, reason = _reasons(broken_server)["process_mode"]
-    assert state == "UNAVAILABLE" and "execution_mode 'process' is not supported" in reason
+    state, reason = _reasons(broken_server)["bad_mode"]
+    assert state == "UNAVAILABLE" and "execution_mode 'fibers' is not supported" in reason
 
 
 def test_execute_raising_fails_the_request_and_names_the_model(broken_server: ServerThread) -> None:

@@ -11,8 +11,9 @@ at unload. Models use the ``triton_python_backend_utils`` module this distributi
 BLS and metrics find the calling model through a context variable the backend sets around
 every call into model code (see ``pyserve_backend_python.context``).
 
-Model config parameter ``execution_mode``: ``"thread"`` (default; in-process). ``"process"``
-(one worker process per instance) is reserved and rejected for now.
+Model config parameter ``execution_mode``: ``"thread"`` (default; in-process) or ``"process"``
+(one worker process per instance, tensors through shared memory; see
+``pyserve_backend_python.process``).
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ from pyserve.protocol.config_json import model_config_to_dict
 from pyserve_backend_python import context, loader, metrics
 from pyserve_backend_python.config import ModelConfig
 from pyserve_backend_python.loader import PythonModelError
+from pyserve_backend_python.process import ProcessRunner
 from pyserve_backend_python.runner import Runner, ThreadRunner
 
 __all__ = [
     "EXECUTION_MODES",
     "PythonModelError",
+    "ProcessRunner",
     "PythonModelState",
     "Runner",
     "ThreadRunner",
@@ -54,7 +57,7 @@ __all__ = [
     "pyserve_model_finalize",
 ]
 
-EXECUTION_MODES = ("thread",)
+EXECUTION_MODES = ("thread", "process")
 """Supported values of the ``execution_mode`` model parameter."""
 
 _preloaded: weakref.WeakKeyDictionary[ModelContext, ModuleType] = weakref.WeakKeyDictionary()
@@ -65,7 +68,7 @@ class PythonModelState:
     """``model.state`` of a Python model version.
 
     :ivar module: the imported model.py module.
-    :ivar execution_mode: the ``execution_mode`` parameter (``"thread"``).
+    :ivar execution_mode: the ``execution_mode`` parameter (``"thread"`` or ``"process"``).
     """
 
     module: ModuleType
@@ -128,7 +131,13 @@ def pyserve_model_create(model: ModelContext) -> PythonModelState:
         _preloaded.pop(model, None)
         raise PythonModelError(
             f"model '{model.name}': execution_mode '{mode}' is not supported; use one of "
-            f"{', '.join(EXECUTION_MODES)} (process isolation is not implemented yet)"
+            f"{', '.join(EXECUTION_MODES)}"
+        )
+    if mode == "process" and model.config.model_transaction_policy.decoupled:
+        _preloaded.pop(model, None)
+        raise PythonModelError(
+            f"model '{model.name}': decoupled models are not supported with execution_mode 'process' "
+            "yet (response senders and BLS need the server process); use execution_mode 'thread'"
         )
     context.remember(model)
     return PythonModelState(_load(model), mode)
@@ -149,7 +158,11 @@ def pyserve_instance_create(instance: InstanceContext) -> Runner:
     :raises PythonModelError: the constructor or ``initialize`` raised (traceback in the message).
     """
     state: PythonModelState = instance.model.state
-    runner = ThreadRunner(instance, state.module)
+    runner: Runner
+    if state.execution_mode == "process":
+        runner = ProcessRunner(instance)
+    else:
+        runner = ThreadRunner(instance, state.module)
     runner.create()
     return runner
 

@@ -4,8 +4,8 @@ in-process (``"thread"``) implementation.
 A runner owns one instance's model object. ``ThreadRunner`` keeps it in the server process:
 ``execute`` runs on the instance's execution thread, and coroutines (``async def execute``,
 ``async_exec``) run on the instance's own asyncio event loop, started on first use on a
-thread of its own. A process-isolated runner (one worker process per instance) would
-implement the same three methods.
+thread of its own. The process-isolated runner (``execution_mode: "process"``, one worker
+process per instance) is ``pyserve_backend_python.process.ProcessRunner``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,168 @@
+"""The worker process of ``execution_mode: "process"`` (see ``pyserve_backend_python.process``).
+
+Messages from the parent: ``("init", args)``, ``("exec", arena_name, arena_size, requests)``,
+``("finalize",)``, ``("stop",)``. Replies: ``("ok",)`` / ``("error", message)`` for init and
+finalize; ``("results", segment_name, segment_size, responses)`` or
+``("batch_error", message, code)`` for exec.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import mmap
+from typing import Any
+
+from pyserve import ErrorCode
+
+
+def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
+    """The worker's loop: serve the parent's messages until ``stop`` or the pipe closes."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s [{spec['name']} worker %(process)d] %(message)s")
+    from pyserve_backend_python import loader, process, results
+    from pyserve_backend_python.constants import TRITONSERVER_REQUEST_RELEASE_ALL
+    from pyserve_backend_python.errors import TritonModelException
+    from pyserve_backend_python.request import InferenceRequest
+    from pyserve_backend_python.response import InferenceResponse
+    from pyserve_backend_python.tensor import Tensor
+
+    def unsupported(what: str) -> Any:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise TritonModelException(f"{what} is not supported in execution_mode 'process' (model "
+                                       f"'{spec['name']}'); use execution_mode 'thread'")
+        return refuse
+
+    InferenceRequest.exec = unsupported("BLS (InferenceRequest.exec)")  # type: ignore[method-assign]
+    InferenceRequest.async_exec = unsupported("BLS (InferenceRequest.async_exec)")  # type: ignore[method-assign]
+    InferenceRequest.get_response_sender = unsupported("get_response_sender()")  # type: ignore[method-assign]
+
+    model = process.model_stub(spec)
+    name, instance_name = spec["name"], spec["instance_name"]
+    obj: Any = None
+    arena: mmap.mmap | None = None
+    arena_name = ""
+    counter = itertools.count()
+
+    def make_request(meta: dict[str, Any], inputs: dict[str, Any]) -> InferenceRequest:
+        request = InferenceRequest.__new__(InferenceRequest)
+        request._model_name = meta["model_name"]
+        request._model_version = meta["model_version"]
+        request._inputs = [Tensor._wrap(n, a) for n, a in inputs.items()]
+        request._requested_output_names = meta["requested_outputs"]
+        request._request_id = meta["id"]
+        request._correlation_id = meta["correlation_id"]
+        request._flags = meta["flags"]
+        request._timeout = meta["timeout"]
+        request._preferred_memory = None
+        request._trace = None
+        request._parameters = meta["parameters"]
+        request._server_request = None
+        request._sender = None
+        request._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+        return request
+
+    def run_batch(arena_msg: tuple[str, int], metas: list[dict[str, Any]]) -> tuple:
+        nonlocal arena, arena_name
+        if arena_msg[0] != arena_name:
+            if arena is not None:
+                try:
+                    arena.close()
+                except BufferError:
+                    pass
+            arena = process._open_segment(arena_msg[0], arena_msg[1]) if arena_msg[0] else None
+            arena_name = arena_msg[0]
+        requests = [make_request(m, process._unpack(m["inputs"], arena, False)) for m in metas]
+        try:
+            outcome = obj.execute(requests)
+            if inspect.isawaitable(outcome):
+                raise TritonModelException("async def execute is not supported in execution_mode 'process'")
+        except Exception as exc:
+            error = results.execute_failure(name, instance_name, exc)
+            return ("batch_error", error.message, int(error.code))
+        if not isinstance(outcome, (list, tuple)):
+            return ("batch_error", f"Python model '{name}': execute() must return a list of "
+                    f"pb_utils.InferenceResponse, got {type(outcome).__name__}", int(ErrorCode.INTERNAL))
+        if len(outcome) != len(requests):
+            return ("batch_error", f"Python model '{name}': execute() returned {len(outcome)} response(s) "
+                    f"for {len(requests)} request(s); it must return exactly one InferenceResponse per "
+                    "request", int(ErrorCode.INTERNAL))
+        items: list[Any] = []
+        outputs: list[list[tuple[str, Any]]] = []
+        for item in outcome:
+            if isinstance(item, InferenceResponse):
+                error = item.error()
+                if error is not None:
+                    items.append(("error", error.message(), error.code()))
+                    outputs.append([])
+                else:
+                    arrays = [(t.name(), t.as_numpy()) for t in item.output_tensors()]
+                    items.append(("ok", dict(item._parameters)))
+                    outputs.append(arrays)
+            else:
+                items.append(("error", f"Python model '{name}' returned {type(item).__name__} for a request; "
+                              "expected pb_utils.InferenceResponse (response senders are not supported in "
+                              "execution_mode 'process')", int(ErrorCode.INTERNAL)))
+                outputs.append([])
+        total = sum(process._fixed_size(a) for a in outputs)
+        segment = None
+        segment_name = ""
+        if total:
+            segment_name = f"{out_prefix}{next(counter)}"
+            segment = process._create_segment(segment_name, total)
+        offset = 0
+        replies = []
+        for item, arrays in zip(items, outputs):
+            if item[0] == "ok":
+                item = ("ok", item[1], process._pack(arrays, segment, offset))
+                offset += process._fixed_size(arrays)
+            replies.append(item)
+        if segment is not None:
+            segment.close()
+        return ("results", segment_name, total, replies)
+
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError, KeyboardInterrupt):
+            break
+        kind = message[0]
+        if kind == "init":
+            try:
+                module = loader.load_module(model)  # type: ignore[arg-type]
+                with loader.model_path_scope(model):  # type: ignore[arg-type]
+                    obj = getattr(module, loader.MODEL_CLASS)()
+                    initialize = getattr(obj, "initialize", None)
+                    if initialize is not None:
+                        initialize(message[1])
+                conn.send(("ok",))
+            except loader.PythonModelError as exc:
+                conn.send(("error", str(exc)))
+            except Exception as exc:
+                conn.send(("error", loader.format_failure(
+                    f"model '{name}' version {spec['version']} instance '{instance_name}': "
+                    "initialize() failed (worker process)", exc)))
+        elif kind == "exec":
+            try:
+                reply = run_batch((message[1], message[2]), message[3])
+            except Exception as exc:  # a failure of this worker's own code: fail the batch, keep serving
+                error = results.execute_failure(name, instance_name, exc)
+                reply = ("batch_error", error.message, int(error.code))
+            conn.send(reply)
+        elif kind == "finalize":
+            try:
+                finalize = getattr(obj, "finalize", None)
+                if finalize is not None:
+                    finalize()
+                conn.send(("ok",))
+            except Exception as exc:
+                conn.send(("error", loader.format_failure(f"model '{name}': finalize() failed", exc)))
+        elif kind == "stop":
+            break
+    if arena is not None:
+        try:
+            arena.close()
+        except BufferError:
+            pass
