@@ -1,0 +1,372 @@
+"""The Prometheus side of the server's metrics: the per-model collector, the custom families
+backends and models add (``CustomMetrics``), the ``--metrics-config`` settings, one server's
+registry (``ServerMetrics``) and the text rendering of the ``/metrics`` page.
+
+The text format follows Triton's: counter samples carry the family name itself (no
+``_total`` suffix) and there are no ``_created`` samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.utils import floatToGoString
+
+from pyserve.metrics.stats import FAILURE_REASONS, FIRST_RESPONSE_BUCKETS_MS, loaded_versions
+
+if TYPE_CHECKING:
+    from pyserve.models import ModelVersion
+
+log = logging.getLogger("pyserve.metrics")
+
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""The Prometheus text exposition format."""
+
+
+# -- custom metrics -------------------------------------------------------------------------------
+
+
+class _RegistryCollector:
+    """Yields the families of another registry (or collector) inside this server's registry."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.source.collect()
+
+
+class CustomMetrics:
+    """Metric families that backends and models add to the server's ``/metrics`` page.
+
+    Reached as ``backend.metrics`` and ``model.metrics`` in every hook (the same object for
+    the whole server). The families are ``prometheus_client`` metrics registered in the
+    server's registry::
+
+        requests = model.metrics.counter("my_requests", "Requests seen", ["model", "kind"])
+        requests.labels(model=model.name, kind="text").inc()
+
+    Counters are shown under exactly the name given (as Triton shows custom metrics: no
+    ``_total`` suffix; a name ending in ``_total`` loses it, a ``prometheus_client`` rule).
+    Asking again for a family that exists returns it when its kind and labels match.
+    Families live as long as the server: a reloaded model finds its family with its values.
+
+    ``include(registry_or_collector)`` adds everything an existing ``CollectorRegistry`` (or
+    any object with ``collect()``) holds, e.g. a backend's own registry.
+
+    :param registry: the server's registry; a private one when omitted (contexts created
+        outside a server, where nothing is served).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
+        self._families: dict[str, tuple[str, tuple[str, ...], Any]] = {}
+        self._included: dict[int, _RegistryCollector] = {}
+        self._lock = threading.Lock()
+
+    def counter(self, name: str, description: str, labels: Sequence[str] = ()) -> Counter:
+        """A counter family (``.inc()``, or ``.labels(...).inc()`` when it has labels).
+
+        :raises ValueError: an invalid name, a name Triton's own metrics use, or a family of
+            that name with another kind or other labels.
+        """
+        return self._family("counter", name, description, labels, lambda: Counter(
+            name, description, tuple(labels), registry=self.registry
+        ))
+
+    def gauge(self, name: str, description: str, labels: Sequence[str] = ()) -> Gauge:
+        """A gauge family (``.set()``, ``.inc()``, ``.dec()``). See ``counter`` for errors."""
+        return self._family("gauge", name, description, labels, lambda: Gauge(
+            name, description, tuple(labels), registry=self.registry
+        ))
+
+    def histogram(
+        self, name: str, description: str, labels: Sequence[str] = (), buckets: Sequence[float] | None = None
+    ) -> Histogram:
+        """A histogram family (``.observe()``); ``buckets`` are the upper bounds (prometheus
+        defaults when omitted). See ``counter`` for errors."""
+        def make() -> Histogram:
+            if buckets is None:
+                return Histogram(name, description, tuple(labels), registry=self.registry)
+            return Histogram(name, description, tuple(labels), registry=self.registry, buckets=tuple(buckets))
+
+        return self._family("histogram", name, description, labels, make)
+
+    def include(self, source: Any) -> None:
+        """Show everything ``source`` (a ``CollectorRegistry`` or a collector) yields.
+
+        Including the same object again does nothing.
+        """
+        with self._lock:
+            if id(source) in self._included:
+                return
+            wrapper = _RegistryCollector(source)
+            self._included[id(source)] = wrapper
+        self.registry.register(wrapper)  # type: ignore[arg-type]
+
+    def exclude(self, source: Any) -> None:
+        """Stop showing what ``include(source)`` added (no-op if it was not included)."""
+        with self._lock:
+            wrapper = self._included.pop(id(source), None)
+        if wrapper is not None:
+            self.registry.unregister(wrapper)  # type: ignore[arg-type]
+
+    def _family(
+        self, kind: str, name: str, description: str, labels: Sequence[str], make: Callable[[], Any]
+    ) -> Any:
+        key = name[:-6] if kind == "counter" and name.endswith("_total") else name
+        if key in BUILTIN_FAMILIES:
+            raise ValueError(f"metric family name '{name}' is reserved for the server's own metrics")
+        labels = tuple(labels)
+        with self._lock:
+            existing = self._families.get(key)
+            if existing is not None:
+                if existing[0] != kind or existing[1] != labels:
+                    raise ValueError(
+                        f"metric family '{name}' already exists as a {existing[0]} with labels "
+                        f"{list(existing[1])}"
+                    )
+                return existing[2]
+            family = make()
+            self._families[key] = (kind, labels, family)
+            return family
+
+
+# -- the server's collector -----------------------------------------------------------------------
+
+BUILTIN_FAMILIES = frozenset({
+    "nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
+    "nv_inference_exec_count", "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
+    "nv_inference_compute_input_duration_us", "nv_inference_compute_infer_duration_us",
+    "nv_inference_compute_output_duration_us", "nv_inference_pending_request_count",
+    "nv_inference_first_response_histogram_ms", "nv_cache_num_hits_per_model",
+    "nv_cache_num_misses_per_model", "nv_cache_hit_duration_per_model", "nv_cache_miss_duration_per_model",
+    "nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes", "nv_gpu_power_usage",
+    "nv_gpu_power_limit", "nv_energy_consumption", "nv_cpu_utilization", "nv_cpu_memory_total_bytes",
+    "nv_cpu_memory_used_bytes",
+})
+"""Names of the families the server itself exports (custom families cannot take them)."""
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    """What ``--metrics-config`` and the ``--allow-*-metrics`` flags turn on.
+
+    :ivar counter_latencies: the ``*_duration_us`` counters (Triton default true).
+    :ivar histogram_latencies: ``nv_inference_first_response_histogram_ms`` (default false).
+    :ivar cpu: CPU and memory gauges (``--allow-cpu-metrics``).
+    :ivar gpu: GPU gauges through NVML (``--allow-gpu-metrics``).
+    :ivar interval_ms: how often the CPU/GPU gauges are refreshed (``--metrics-interval-ms``).
+    """
+
+    counter_latencies: bool = True
+    histogram_latencies: bool = False
+    cpu: bool = True
+    gpu: bool = True
+    interval_ms: int = 2000
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, str], **flags: Any) -> MetricsSettings:
+        """Build settings from ``--metrics-config`` ``key=value`` pairs plus flag values.
+
+        :raises ValueError: an unknown key or a value that is not a boolean.
+        """
+        values: dict[str, Any] = dict(flags)
+        for key, raw in config.items():
+            if key in ("counter_latencies", "histogram_latencies", "summary_latencies"):
+                lowered = raw.strip().lower()
+                if lowered not in ("true", "false", "1", "0"):
+                    raise ValueError(f"--metrics-config {key} must be true or false, got '{raw}'")
+                enabled = lowered in ("true", "1")
+                if key == "summary_latencies":
+                    if enabled:
+                        log.warning("--metrics-config summary_latencies=true is not supported; ignored")
+                    continue
+                values[key] = enabled
+            elif key == "summary_quantiles":
+                log.warning("--metrics-config summary_quantiles is not supported; ignored")
+            else:
+                raise ValueError(f"unknown --metrics-config key '{key}'")
+        return cls(**values)
+
+
+_HELP = {
+    "nv_inference_request_success": "Number of successful inference requests, all batch sizes",
+    "nv_inference_request_failure": "Number of failed inference requests, all batch sizes",
+    "nv_inference_count": "Number of inferences performed (does not include cached requests)",
+    "nv_inference_exec_count": "Number of model executions performed (does not include cached requests)",
+    "nv_inference_request_duration_us": "Cumulative inference request duration in microseconds (includes cached requests)",
+    "nv_inference_queue_duration_us": "Cumulative inference queuing duration in microseconds (includes cached requests)",
+    "nv_inference_compute_input_duration_us": "Cumulative compute input duration in microseconds (does not include cached requests)",
+    "nv_inference_compute_infer_duration_us": "Cumulative compute inference duration in microseconds (does not include cached requests)",
+    "nv_inference_compute_output_duration_us": "Cumulative inference compute output duration in microseconds (does not include cached requests)",
+    "nv_inference_pending_request_count": "Instantaneous number of pending requests awaiting execution per-model.",
+    "nv_inference_first_response_histogram_ms": "Duration from request to first response in milliseconds",
+    "nv_cache_num_hits_per_model": "Number of cache hits per model",
+    "nv_cache_num_misses_per_model": "Number of cache misses per model",
+    "nv_cache_hit_duration_per_model": "Total cache hit duration per model, in microseconds",
+    "nv_cache_miss_duration_per_model": "Total cache miss (insert+lookup) duration per model, in microseconds",
+    "nv_cpu_utilization": "CPU utilization rate [0.0 - 1.0]",
+    "nv_cpu_memory_total_bytes": "CPU total memory (RAM), in bytes",
+    "nv_cpu_memory_used_bytes": "CPU used memory (RAM), in bytes",
+    "nv_gpu_utilization": "GPU utilization rate [0.0 - 1.0)",
+    "nv_gpu_memory_total_bytes": "GPU total memory, in bytes",
+    "nv_gpu_memory_used_bytes": "GPU used memory, in bytes",
+    "nv_gpu_power_usage": "GPU power usage in watts",
+    "nv_gpu_power_limit": "GPU power management limit in watts",
+    "nv_energy_consumption": "GPU energy consumption in joules since the server started",
+}
+
+
+def _family(name: str, kind: str) -> Metric:
+    return Metric(name, _HELP[name], kind)
+
+
+class _ModelCollector:
+    """Turns every loaded version's ``ModelStats`` into Triton's per-model families."""
+
+    def __init__(self, versions: Callable[[], list[ModelVersion]], settings: MetricsSettings) -> None:
+        self._versions = versions
+        self._settings = settings
+
+    def collect(self) -> Iterator[Metric]:
+        rows = [(v, v.stats.snapshot()) for v in self._versions()]
+        success = _family("nv_inference_request_success", "counter")
+        failure = _family("nv_inference_request_failure", "counter")
+        count = _family("nv_inference_count", "counter")
+        exec_count = _family("nv_inference_exec_count", "counter")
+        pending = _family("nv_inference_pending_request_count", "gauge")
+        durations = [
+            (_family("nv_inference_request_duration_us", "counter"), "success_ns"),
+            (_family("nv_inference_queue_duration_us", "counter"), "queue_ns"),
+            (_family("nv_inference_compute_input_duration_us", "counter"), "input_ns"),
+            (_family("nv_inference_compute_infer_duration_us", "counter"), "infer_ns"),
+            (_family("nv_inference_compute_output_duration_us", "counter"), "output_ns"),
+        ] if self._settings.counter_latencies else []
+        first = _family("nv_inference_first_response_histogram_ms", "histogram")
+        cache = [
+            (_family("nv_cache_num_hits_per_model", "counter"), "cache_hit_count", 1),
+            (_family("nv_cache_num_misses_per_model", "counter"), "cache_miss_count", 1),
+            (_family("nv_cache_hit_duration_per_model", "counter"), "cache_hit_ns", 1000),
+            (_family("nv_cache_miss_duration_per_model", "counter"), "cache_miss_ns", 1000),
+        ]
+        cached_rows = 0
+        for version, snap in rows:
+            labels = {"model": version.name, "version": str(version.version)}
+            success.add_sample(success.name, labels, snap.success_count)
+            for reason, value in zip(FAILURE_REASONS, snap.failures):
+                failure.add_sample(failure.name, {**labels, "reason": reason}, value)
+            count.add_sample(count.name, labels, snap.inference_count)
+            exec_count.add_sample(exec_count.name, labels, snap.execution_count)
+            pending.add_sample(pending.name, labels, snap.pending)
+            for family, field in durations:
+                family.add_sample(family.name, labels, getattr(snap, field) // 1000)
+            if self._settings.histogram_latencies:
+                cumulative = 0
+                for bound, hits in zip(FIRST_RESPONSE_BUCKETS_MS, snap.first_buckets):
+                    cumulative += hits
+                    first.add_sample(first.name + "_bucket", {**labels, "le": _number(bound)}, cumulative)
+                first.add_sample(first.name + "_bucket", {**labels, "le": "+Inf"}, snap.first_count)
+                first.add_sample(first.name + "_sum", labels, snap.first_sum_ms)
+                first.add_sample(first.name + "_count", labels, snap.first_count)
+            config = version.config
+            if (config is not None and config.response_cache.enable) or snap.cache_hit_count or snap.cache_miss_count:
+                cached_rows += 1
+                for family, field, divisor in cache:
+                    family.add_sample(family.name, labels, getattr(snap, field) // divisor)
+        yield success
+        yield failure
+        yield count
+        yield exec_count
+        yield from (family for family, _ in durations)
+        yield pending
+        if self._settings.histogram_latencies:
+            yield first
+        if cached_rows:
+            yield from (family for family, _, _ in cache)
+
+
+# -- the server's metrics and the /metrics page ------------------------------------------------
+
+
+class ServerMetrics:
+    """One server's metrics: its registry, the model collector and the custom families.
+
+    :param records: ``ModelManager.records``, read at every scrape.
+    :param settings: what ``--metrics-config`` turned on.
+    """
+
+    def __init__(self, records: Mapping[str, Any], settings: MetricsSettings | None = None) -> None:
+        self.settings = settings if settings is not None else MetricsSettings()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._records = records
+        self.registry.register(_ModelCollector(self.versions, self.settings))  # type: ignore[arg-type]
+        self.custom = CustomMetrics(self.registry)
+        """What backends and models receive as ``backend.metrics`` / ``model.metrics``."""
+
+    def versions(self) -> list[ModelVersion]:
+        """The versions shown: every READY version."""
+        return loaded_versions(self._records)
+
+    def on_cache_lookup(self, model: str, version: int, hit: bool, duration_ns: int) -> None:
+        """``ResponseCache`` listener: count a hit or miss on the model version's stats."""
+        record = self._records.get(model)
+        served = record.versions.get(version) if record is not None else None
+        if served is not None:
+            served.stats.cache_lookup(hit, duration_ns)
+
+    def render(self) -> bytes:
+        """The ``/metrics`` page."""
+        return render(self.registry)
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """Prometheus text format, Triton style: counter samples under the family name (no
+    ``_total``) and no ``_created`` samples."""
+    lines: list[str] = []
+    for family in registry.collect():
+        name = family.name
+        kind = family.type
+        if kind == "unknown":
+            kind = "untyped"
+        elif kind not in ("counter", "gauge", "histogram", "summary", "untyped"):
+            kind = "gauge"  # info / stateset / gaugehistogram samples read fine as gauges
+        lines.append(f"# HELP {name} {_escape_help(family.documentation)}")
+        lines.append(f"# TYPE {name} {kind}")
+        for sample in family.samples:
+            sample_name = sample.name
+            if sample_name.endswith(("_created", "_gcreated")) and sample_name != name:
+                continue
+            if kind == "counter" and sample_name == name + "_total":
+                sample_name = name
+            if sample.labels:
+                label_text = ",".join(f'{k}="{_escape_label(v)}"' for k, v in sample.labels.items())
+                lines.append(f"{sample_name}{{{label_text}}} {_number(sample.value)}")
+            else:
+                lines.append(f"{sample_name} {_number(sample.value)}")
+    lines.append("")
+    return "\n".join(lines).encode("utf-8")
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", r"\\").replace("\n", r"\n")
+
+
+def _escape_label(value: str) -> str:
+    return str(value).replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if math.isfinite(value) and value == int(value) and abs(value) < 2**53:
+        return str(int(value))
+    return floatToGoString(value)

@@ -1,0 +1,391 @@
+"""Per-model statistics: the counters behind Triton's statistics extension and the
+``nv_inference_*`` metrics.
+
+Counting rules (Triton's): a request counts once as a success or a failure when its final
+response is sent. Success, queue and request duration include response-cache hits; compute
+input/infer/output, ``inference_count`` and ``execution_count`` do not. Queue time is execute
+start minus arrival; compute infer is the execute call; compute input/output are the frontends'
+decode/encode times when they report them (HTTP ``/infer``, gRPC ``ModelInfer``), else 0. A
+backend that reports where its computation began and ended inside the execute
+(``ModelStats.backend_compute``, e.g. a native backend's ``ModelInstanceReportStatistics``)
+splits the execute call at those points: the part before goes to compute input, the part after
+to compute output, the rest stays compute infer (the same nanoseconds, counted once).
+Failures carry a reason: ``REJECTED`` (refused by the scheduler: queue full, queue timeout),
+``CANCELED``, ``BACKEND`` (the request reached execute), ``OTHER``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from bisect import bisect_left
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pyserve.errors import ErrorCode, InferError
+
+if TYPE_CHECKING:
+    from pyserve.inference import InferRequest, InferResponse
+    from pyserve.models import ModelVersion
+
+
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+"""The ``reason`` label values of ``nv_inference_request_failure`` (all four always shown)."""
+_REJECTED, _CANCELED, _BACKEND, _OTHER = range(4)
+
+FIRST_RESPONSE_BUCKETS_MS = (100.0, 500.0, 2000.0, 5000.0)
+"""Bucket bounds of ``nv_inference_first_response_histogram_ms`` (Triton's defaults)."""
+_FIRST_BUCKETS = len(FIRST_RESPONSE_BUCKETS_MS)
+
+
+class ModelStats:
+    """The statistics of one model version.
+
+    Thread-safety: counters change under ``lock`` (instance threads, the event loop), except
+    ``enqueued``, ``input_ns`` and ``output_ns``, which only the event loop writes
+    (``ModelVersion.enqueue``, the frontends' ``codec``) and so need no lock. Readers take a
+    copy with ``snapshot``.
+
+    A request carries its model's ``ModelStats`` in ``request.stats`` from the moment it is
+    submitted; ``request.exec_start_ns`` is -1 before it is queued, 0 while it is queued and
+    the execute start (``time.monotonic_ns``) once an instance took it.
+    """
+
+    __slots__ = (
+        "backend_input_ns", "backend_output_ns", "batches", "cache_hit_count", "cache_hit_ns",
+        "cache_miss_count", "cache_miss_ns",
+        "compute_count", "dequeued", "enqueued", "execution_count", "fail_count", "fail_ns",
+        "failures", "first_buckets", "first_count", "first_sum_ms", "inference_count",
+        "infer_ns", "input_ns", "last_inference_ns", "lock", "output_ns", "queue_ns",
+        "success_count", "success_ns", "_epoch_offset_ns",
+    )
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.success_count = 0
+        self.success_ns = 0
+        self.fail_count = 0
+        self.fail_ns = 0
+        self.queue_ns = 0  # queue count == success_count (cache hits included)
+        self.compute_count = 0  # successes that were not cache hits
+        self.input_ns = 0
+        self.infer_ns = 0
+        self.output_ns = 0
+        self.backend_input_ns = 0  # execute time before / after the backend's reported compute
+        self.backend_output_ns = 0  # (under the lock; input_ns / output_ns are loop-only)
+        self.cache_hit_count = 0
+        self.cache_hit_ns = 0
+        self.cache_miss_count = 0
+        self.cache_miss_ns = 0
+        self.inference_count = 0
+        self.execution_count = 0
+        self.last_inference_ns = 0  # monotonic; 0 = never
+        self.failures = [0, 0, 0, 0]  # by FAILURE_REASONS index
+        self.batches: dict[int, list[int]] = {}  # batch size → [count, input_ns, infer_ns, output_ns]
+        self.enqueued = 0
+        self.dequeued = 0
+        self.first_buckets = [0] * len(FIRST_RESPONSE_BUCKETS_MS)
+        self.first_count = 0
+        self.first_sum_ms = 0.0
+        self._epoch_offset_ns = time.time_ns() - time.monotonic_ns()
+
+    # -- hot path ------------------------------------------------------------------------------
+    def begin(self, requests: Sequence[InferRequest], start_ns: int) -> None:
+        """An instance starts executing ``requests`` (they leave the queue)."""
+        for request in requests:
+            request.exec_start_ns = start_ns
+        with self.lock:
+            self.dequeued += len(requests)
+
+    def executed(self, requests: Sequence[InferRequest], start_ns: int, end_ns: int) -> None:
+        """The execute call of ``requests`` returned: one execution of their total batch size."""
+        size = 0
+        first = last = 0
+        for request in requests:
+            request.exec_end_ns = end_ns
+            size += request.batch_size
+            compute = request.compute_ns
+            if compute is not None:  # the batch's compute: earliest start to latest end reported
+                if not first or compute[0] < first:
+                    first = compute[0]
+                if compute[1] > last:
+                    last = compute[1]
+        duration = end_ns - start_ns
+        before = after = 0
+        if first and start_ns <= first <= last <= end_ns:
+            before = first - start_ns
+            after = end_ns - last
+        with self.lock:
+            self.execution_count += 1
+            self.inference_count += size
+            entry = self.batches.get(size)
+            if entry is None:
+                self.batches[size] = [1, before, duration - before - after, after]
+            else:
+                entry[0] += 1
+                entry[1] += before
+                entry[2] += duration - before - after
+                entry[3] += after
+
+    def backend_compute(
+        self,
+        requests: Sequence[InferRequest],
+        exec_start_ns: int,
+        compute_start_ns: int,
+        compute_end_ns: int,
+        exec_end_ns: int,
+    ) -> None:
+        """A backend reports, from inside its execute, where the computation of ``requests``
+        began and ended (``time.monotonic_ns`` clock; Triton's
+        ``TRITONBACKEND_ModelInstanceReportStatistics`` timestamps).
+
+        The execute call the core measured is then split at those two points when the
+        requests are counted: before ``compute_start_ns`` is compute input, after
+        ``compute_end_ns`` compute output, between them compute infer (so nothing is counted
+        twice). The batch statistics of the execute split at the earliest start and latest end
+        its requests report. A report that is not ordered (``exec_start <= compute_start <=
+        compute_end <= exec_end``) or falls outside the measured execute is ignored, leaving
+        the core's numbers. Call it before the execute returns: it stores the two timestamps
+        on each request; requests already answered (and counted) during the execute have their
+        counted execute time moved under the lock instead, clamped to what was counted.
+        """
+        if not 0 < exec_start_ns <= compute_start_ns <= compute_end_ns <= exec_end_ns:
+            return
+        compute = (compute_start_ns, compute_end_ns)
+        late = None
+        for request in requests:
+            request.compute_ns = compute
+            if request.exec_end_ns and request.exec_start_ns > 0:  # already counted (answered early)
+                late = [request] if late is None else [*late, request]
+        if late is None:
+            return
+        with self.lock:  # move the counted execute time of those requests to the split
+            for request in late:
+                start, end = request.exec_start_ns, request.exec_end_ns
+                first = min(max(compute_start_ns, start), end)
+                last = min(max(compute_end_ns, first), end)
+                self.backend_input_ns += first - start
+                self.backend_output_ns += end - last
+                self.infer_ns -= (first - start) + (end - last)
+
+    def request_done(self, request: InferRequest, response: InferResponse | InferError | None) -> None:
+        """The final response of ``request`` is being sent: count a success or a failure."""
+        now = time.monotonic_ns()
+        total = now - request.arrival_ns
+        start = request.exec_start_ns
+        if isinstance(response, InferError):
+            code = response.code
+            if code is ErrorCode.CANCELLED:
+                reason = _CANCELED
+            elif start > 0:
+                reason = _BACKEND
+            elif code is ErrorCode.UNAVAILABLE:
+                reason = _REJECTED
+            else:
+                reason = _OTHER
+            with self.lock:
+                self.fail_count += 1
+                self.fail_ns += total
+                self.failures[reason] += 1
+                if start == 0:
+                    self.dequeued += 1
+            return
+        first = request.first_response_ns or now
+        first_ms = (first - request.arrival_ns) / 1e6
+        with self.lock:
+            self.success_count += 1
+            self.success_ns += total
+            self.last_inference_ns = now
+            if start > 0:
+                self.queue_ns += start - request.arrival_ns
+                self.compute_count += 1
+                end = request.exec_end_ns
+                if not end:  # answered during its execute: backend_compute may split it later
+                    end = request.exec_end_ns = now
+                compute = request.compute_ns
+                if compute is not None and start <= compute[0] <= compute[1] <= end:
+                    self.backend_input_ns += compute[0] - start
+                    self.backend_output_ns += end - compute[1]
+                    self.infer_ns += compute[1] - compute[0]
+                else:
+                    self.infer_ns += end - start
+            elif start == 0:  # queued but answered without an instance (an ensemble)
+                self.dequeued += 1
+                self.compute_count += 1
+            self.first_count += 1
+            self.first_sum_ms += first_ms
+            index = bisect_left(FIRST_RESPONSE_BUCKETS_MS, first_ms)  # bounds are inclusive ("le")
+            if index < _FIRST_BUCKETS:
+                self.first_buckets[index] += 1
+
+    def codec(self, input_ns: int, output_ns: int) -> None:
+        """A frontend reports how long it took to decode a request and encode its response.
+
+        Event loop only (both frontends decode and encode there): the two counters have that
+        single writer, so no lock is taken.
+        """
+        self.input_ns += input_ns
+        self.output_ns += output_ns
+
+    def rejected(self, request: InferRequest) -> None:
+        """The scheduler refused ``request`` (queue full, bad sequence control): a failure."""
+        total = time.monotonic_ns() - request.arrival_ns
+        with self.lock:
+            self.fail_count += 1
+            self.fail_ns += total
+            self.failures[_REJECTED] += 1
+
+    # -- response cache --------------------------------------------------------------------------
+    def cache_lookup(self, hit: bool, duration_ns: int) -> None:
+        """Count one response-cache lookup: a hit (lookup time) or a miss (lookup + insert time).
+
+        The request itself is counted when its response is sent, like any other.
+        """
+        with self.lock:
+            if hit:
+                self.cache_hit_count += 1
+                self.cache_hit_ns += duration_ns
+            else:
+                self.cache_miss_count += 1
+                self.cache_miss_ns += duration_ns
+
+    # -- reading -------------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Requests queued and not yet taken by an instance (or answered)."""
+        return max(self.enqueued - self.dequeued, 0)
+
+    def snapshot(self) -> StatsSnapshot:
+        """A consistent copy of the counters."""
+        with self.lock:
+            return StatsSnapshot(
+                success_count=self.success_count,
+                success_ns=self.success_ns,
+                fail_count=self.fail_count,
+                fail_ns=self.fail_ns,
+                queue_ns=self.queue_ns,
+                compute_count=self.compute_count,
+                input_ns=self.input_ns + self.backend_input_ns,
+                infer_ns=self.infer_ns,
+                output_ns=self.output_ns + self.backend_output_ns,
+                cache_hit_count=self.cache_hit_count,
+                cache_hit_ns=self.cache_hit_ns,
+                cache_miss_count=self.cache_miss_count,
+                cache_miss_ns=self.cache_miss_ns,
+                inference_count=self.inference_count,
+                execution_count=self.execution_count,
+                last_inference_ms=(
+                    (self.last_inference_ns + self._epoch_offset_ns) // 1_000_000 if self.last_inference_ns else 0
+                ),
+                failures=tuple(self.failures),
+                batches={size: tuple(entry) for size, entry in self.batches.items()},
+                pending=self.pending,
+                first_buckets=tuple(self.first_buckets),
+                first_count=self.first_count,
+                first_sum_ms=self.first_sum_ms,
+            )
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    """A copy of a ``ModelStats`` at one moment (durations in ns)."""
+
+    success_count: int
+    success_ns: int
+    fail_count: int
+    fail_ns: int
+    queue_ns: int
+    compute_count: int
+    input_ns: int
+    infer_ns: int
+    output_ns: int
+    cache_hit_count: int
+    cache_hit_ns: int
+    cache_miss_count: int
+    cache_miss_ns: int
+    inference_count: int
+    execution_count: int
+    last_inference_ms: int
+    failures: tuple[int, ...]
+    batches: dict[int, tuple[int, ...]]
+    pending: int
+    first_buckets: tuple[int, ...]
+    first_count: int
+    first_sum_ms: float
+
+    def to_json(self, name: str, version: int) -> dict[str, Any]:
+        """Triton's ``ModelStatistics`` JSON object (one entry of ``model_stats``)."""
+
+        def duration(count: int, ns: int) -> dict[str, int]:
+            return {"count": count, "ns": ns}
+
+        return {
+            "name": name,
+            "version": str(version),
+            "last_inference": self.last_inference_ms,
+            "inference_count": self.inference_count,
+            "execution_count": self.execution_count,
+            "inference_stats": {
+                "success": duration(self.success_count, self.success_ns),
+                "fail": duration(self.fail_count, self.fail_ns),
+                "queue": duration(self.success_count, self.queue_ns),
+                "compute_input": duration(self.compute_count, self.input_ns),
+                "compute_infer": duration(self.compute_count, self.infer_ns),
+                "compute_output": duration(self.compute_count, self.output_ns),
+                "cache_hit": duration(self.cache_hit_count, self.cache_hit_ns),
+                "cache_miss": duration(self.cache_miss_count, self.cache_miss_ns),
+            },
+            "response_stats": {},
+            "batch_stats": [
+                {
+                    "batch_size": size,
+                    "compute_input": duration(entry[0], entry[1]),
+                    "compute_infer": duration(entry[0], entry[2]),
+                    "compute_output": duration(entry[0], entry[3]),
+                }
+                for size, entry in sorted(self.batches.items())
+            ],
+            "memory_usage": [],
+        }
+
+
+def loaded_versions(records: Mapping[str, Any]) -> list[ModelVersion]:
+    """The READY versions of every model, sorted by name then version.
+
+    :param records: ``ModelManager.records`` (name → ``ModelRecord``).
+    """
+    found: list[ModelVersion] = []
+    for name in sorted(list(records)):
+        record = records.get(name)
+        if record is not None:
+            found.extend(v for _, v in sorted(list(record.versions.items())) if v.ready)
+    return found
+
+
+def statistics_json(rows: Iterable[ModelVersion]) -> dict[str, Any]:
+    """Triton's statistics response ``{"model_stats": [...]}`` for the given versions."""
+    return {"model_stats": [v.stats.snapshot().to_json(v.name, v.version) for v in rows]}
+
+
+def select_versions(records: Mapping[str, Any], name: str, version: str | None) -> list[ModelVersion]:
+    """The versions a statistics request names, as Triton picks them.
+
+    :param name: a model name, or ``""`` for every model.
+    :param version: a version number, or None / ``""`` for every READY version of the model.
+    :raises InferError: INVALID_ARG for a model or version that is not loaded (Triton's code).
+    """
+    if not name:
+        return loaded_versions(records)
+    record = records.get(name)
+    ready = [] if record is None else [v for _, v in sorted(list(record.versions.items())) if v.ready]
+    if not ready:
+        raise InferError.invalid(f"requested model '{name}' is not available")
+    if not version:
+        return ready
+    if not version.isdigit():
+        raise InferError.invalid(f"failed to get statistics: model version '{version}' is not a number")
+    chosen = [v for v in ready if v.version == int(version)]
+    if not chosen:
+        raise InferError.invalid(f"requested model version is not available for model '{name}'")
+    return chosen

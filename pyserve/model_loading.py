@@ -1,0 +1,552 @@
+"""Loading and unloading one model and its versions: config → backend → model → instances →
+scheduler (and warmup), and back.
+
+One failing model never stops the others: its versions become UNAVAILABLE with a reason
+naming the file, field, backend or exception. Unloading finalizes instances, then the model,
+each in reverse order of creation.
+
+A reload never interrupts serving: the new versions are built (and warmed up) on the side
+while the old ones serve; then, on the event loop, the record's versions are swapped in one
+assignment and the replaced versions stop taking requests, finish what they have queued and
+are finalized. A reload that fails keeps the old versions serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pyserve import model_config
+from pyserve.backend import BackendContext, InstanceContext, ModelContext
+from pyserve.errors import ModelConfigError
+from pyserve.metrics import CustomMetrics
+from pyserve.models import ModelRecord, ModelState, ModelVersion
+from pyserve.plugins import BackendUnavailable, LoadedBackend, PluginHost
+from pyserve.protocol import ModelConfig
+from pyserve.repository import Fingerprint, ModelSource, fingerprint, select_versions, version_numbers
+from pyserve.scheduling import InstanceWorker, scheduler_for
+from pyserve.scheduling.ensemble import EnsembleScheduler, build_plan
+from pyserve.warmup import WarmupError, run_warmup
+
+log = logging.getLogger("pyserve.models")
+
+
+@dataclass
+class _Built:
+    """One model loaded from a source, not yet visible to requests.
+
+    :ivar error: a model-level failure (nothing could be attempted); versions are empty then.
+    """
+
+    source: ModelSource
+    fingerprint: Fingerprint | None = None
+    override_dir: Path | None = None
+    config: Any = None
+    versions: dict[int, ModelVersion] = field(default_factory=dict)
+    error: str = ""
+
+
+class ModelLoader:
+    """Builds, swaps in, retires and finalizes the versions of one model at a time; the base
+    of ``ModelManager``, which sets the state below in its ``__init__``."""
+
+    host: PluginHost
+    auto_complete: bool
+    backend_config: dict[str, dict[str, str]]
+    backend_directory: str | None
+    records: dict[str, ModelRecord]
+    server_handle: Any
+    loop: asyncio.AbstractEventLoop | None
+    custom_metrics: CustomMetrics
+    get: Callable[..., ModelVersion]  # ``ModelManager.get``: how ensemble steps find their models
+    _backend_contexts: dict[LoadedBackend, BackendContext]
+    _initialized_backends: list[tuple[LoadedBackend, BackendContext]]
+    _load_order: list[ModelVersion]
+    _lock: threading.Lock
+    _leftover_dirs: list[Path]
+
+    # -- loading one model -------------------------------------------------------------------
+    def _load_locked(
+        self, name: str, source: ModelSource, override_config: Any = None, override_dir: Path | None = None
+    ) -> str:
+        """Build a model from ``source`` and swap it in (the model's lock is held).
+
+        :returns: "" on success, else why the load failed (a model-level reason, or the
+            reasons of the versions that did not load).
+        """
+        built = _Built(source, None if override_config is not None else fingerprint(source.path), override_dir)
+        try:
+            self._build(built, override_config)
+        except Exception as exc:  # a bug in one model's load must not stop the others
+            log.exception("model '%s' failed to load", name)
+            built.error = f"{type(exc).__name__}: {exc}"
+        return self._commit(name, built)
+
+    def _build(self, built: _Built, override_config: Any) -> None:
+        """Load every selected version of ``built.source`` into ``built.versions``."""
+        source = built.source
+        if source.conflict:
+            built.error = source.conflict
+            return
+        try:
+            if override_config is not None:
+                config = ModelConfig()
+                config.CopyFrom(override_config)
+                model_config.normalize(config, source.path, self.host.platform_backend)
+            else:
+                config = self.read_config(source)
+        except ModelConfigError as exc:
+            built.error = str(exc)
+            return
+        built.config = config
+        try:
+            versions = version_numbers(source.path)
+        except OSError as exc:
+            built.error = f"cannot list versions in '{source.path}': {exc}"
+            return
+        selected, problems = select_versions(config.version_policy, versions)
+        if not selected:
+            built.error = (
+                "; ".join(problems) if problems
+                else f"no version directory (a numeric folder such as '1') in '{source.path}'"
+            )
+            return
+        for problem in problems:  # Triton loads the versions that exist and logs the others
+            log.error("model '%s': %s; loading the other versions", source.name, problem)
+        if config.platform == model_config.ENSEMBLE_PLATFORM:
+            self._build_ensemble(built, config, selected)
+            return
+        try:
+            backend, backend_ctx = self._backend_for(config, source.path, selected)
+        except BackendUnavailable as exc:
+            built.error = str(exc)
+            return
+        for number in selected:
+            version = ModelVersion(source.name, number)
+            built.versions[number] = version
+            self._load_version(source, config, number, version, backend, backend_ctx)
+
+    def _build_ensemble(self, built: _Built, config: Any, selected: list[int]) -> None:
+        source = built.source
+        problems = model_config.validate(config, source.path)
+        for number in selected:
+            version = ModelVersion(source.name, number)
+            built.versions[number] = version
+            if problems:
+                version.fail(f"{source.config_path}: " + "; ".join(problems))
+                continue
+            version.config = config
+            version.io = model_config.model_io(config, source.path)
+            try:
+                steps = build_plan(config, version.io, self.get)
+            except ValueError as exc:
+                version.fail(f"{source.config_path}: invalid ensemble: " + "; ".join(str(exc).splitlines()))
+                continue
+            version.scheduler = EnsembleScheduler(source.name, steps, version.io, self.get)
+            version.state = ModelState.READY
+
+    def _commit(self, name: str, built: _Built) -> str:
+        """Make a built model visible: swap its versions in, retire the ones they replace.
+
+        A version that failed to load where the previous one of the same number is READY
+        leaves the previous one serving; a model-level failure leaves every READY version
+        serving. Runs the swap on the event loop, then drains the retired versions here.
+
+        :returns: "" on success, else why the load failed.
+        """
+        record = self.records.get(name)
+        old = dict(record.versions) if record is not None else {}
+        old_ready = {n: v for n, v in old.items() if v.ready}
+        failures = [v for v in built.versions.values() if not v.ready]
+        for version in failures:
+            log.error("model '%s' version %d is UNAVAILABLE: %s", name, version.version, version.reason)
+        if built.error:
+            log.error("model '%s' is UNAVAILABLE: %s", name, built.error)
+        if built.error and old_ready:
+            log.error("model '%s': the reload failed; the loaded versions keep serving", name)
+            assert record is not None
+            record.fingerprint = built.fingerprint
+            self._remove_override(built.override_dir)
+            return built.error
+        versions: dict[int, ModelVersion] = {}
+        retired: list[ModelVersion] = []
+        for number, version in sorted(built.versions.items()):
+            previous = old_ready.get(number)
+            if previous is not None and not version.ready:
+                log.error("model '%s' version %d: the reload failed; the loaded version keeps serving", name, number)
+                versions[number] = previous
+                continue
+            versions[number] = version
+            if previous is not None:
+                retired.append(previous)
+        if not built.error:
+            for number, previous in sorted(old.items()):
+                if number in built.versions:
+                    continue
+                if previous.ready:
+                    retired.append(previous)
+                    versions[number] = previous  # listed as unloaded once drained
+                elif previous.reason == "unloaded":
+                    versions[number] = previous
+        previous_dir = record.override_dir if record is not None else None
+        keeps_previous_dir = previous_dir is not None and any(
+            v in old_ready.values() for v in versions.values() if v.ready
+        )
+        record_dir = previous_dir if keeps_previous_dir else built.override_dir
+        stale_dir = None if keeps_previous_dir or previous_dir == built.override_dir else previous_dir
+        if keeps_previous_dir and built.override_dir is not None:
+            with self._lock:  # both copies serve now; the newer one goes at shutdown at the latest
+                self._leftover_dirs.append(built.override_dir)
+        target = record if record is not None else ModelRecord(name, built.source)
+        ready_now = [v for v in versions.values() if v.ready]
+
+        def swap() -> None:
+            target.source = built.source
+            target.fingerprint = built.fingerprint
+            target.override_dir = record_dir
+            target.versions = versions
+            if built.error:
+                target.fail(built.error)
+            else:
+                target.state = ModelState.READY if ready_now else ModelState.UNAVAILABLE
+                target.reason = ""
+            for version in retired:
+                version.successor = _successor(version, ready_now)
+                self._retire(version)
+            self.records[name] = target
+
+        with self._lock:
+            self._load_order.extend(v for v in built.versions.values() if v.ready and v in ready_now)
+        self._on_loop(swap)
+        for version in retired:
+            self._drain(version)
+        self._remove_override(stale_dir)
+        if built.error:
+            return built.error
+        if failures:
+            return "; ".join(f"version {v.version} is at UNAVAILABLE state: {v.reason}" for v in failures)
+        return ""
+
+    def read_config(self, source: ModelSource) -> Any:
+        """Parse and normalize a model's config.pbtxt (or start an empty one to auto-complete).
+
+        :raises ModelConfigError: syntax, unknown field, missing config in strict mode, or a
+            config that cannot be normalized.
+        """
+        path = source.config_path
+        if path.is_file():
+            config = model_config.parse_config(path.read_text(encoding="utf-8"), path)
+        elif self.auto_complete:
+            config = ModelConfig()
+        else:
+            raise ModelConfigError(
+                f"{path}: file not found, and auto-complete is disabled (--strict-model-config / "
+                "--disable-auto-complete-config)"
+            )
+        model_config.normalize(config, source.path, self.host.platform_backend)
+        return config
+
+    def _backend_for(self, config: Any, model_path: Path, versions: list[int]) -> tuple[LoadedBackend, BackendContext]:
+        name = config.backend
+        backend = self.host.resolve(
+            name,
+            runtime=config.runtime,
+            model_path=model_path,
+            version_paths=[model_path / str(v) for v in versions],
+            backend_directory=self.backend_directory,
+        )
+        with backend.lock:
+            context = self._backend_contexts.get(backend)
+            if context is None:
+                settings = {
+                    "auto-complete-config": "true" if self.auto_complete else "false",
+                    "default-max-batch-size": "4",
+                    **self.backend_config.get("", {}),
+                    **self.backend_config.get(name, {}),
+                }
+                context = BackendContext(name=name, config=settings, metrics=self.custom_metrics)
+                self._backend_contexts[backend] = context
+            if backend.init_error is not None:
+                raise BackendUnavailable(backend.init_error)
+            if not backend.initialized:
+                try:
+                    backend.hooks.backend_initialize(backend=context)
+                except Exception as exc:
+                    backend.init_error = f"backend '{name}' failed to initialize: {type(exc).__name__}: {exc}"
+                    log.error("%s", backend.init_error)
+                    raise BackendUnavailable(backend.init_error) from exc
+                backend.initialized = True
+                with self._lock:
+                    self._initialized_backends.append((backend, context))
+        return backend, context
+
+    def _load_version(
+        self,
+        source: ModelSource,
+        base_config: Any,
+        number: int,
+        version: ModelVersion,
+        backend: LoadedBackend,
+        backend_ctx: BackendContext,
+    ) -> None:
+        config = ModelConfig()
+        config.CopyFrom(base_config)
+        context = ModelContext(
+            name=source.name,
+            version=number,
+            config=config,
+            path=source.path,
+            backend=backend_ctx,
+            parameters=model_config.parameters(config),
+            auto_complete=self.auto_complete,
+            server=self.server_handle,
+            metrics=self.custom_metrics,
+        )
+        hooks = backend.hooks
+        if self.auto_complete:
+            try:
+                if hooks.model_auto_complete(model=context):
+                    model_config.normalize(config, source.path, self.host.platform_backend)
+            except Exception as exc:
+                version.fail(f"auto-complete of the config failed: {_describe(exc)}")
+                return
+        problems = model_config.validate(config, source.path)
+        if problems:
+            where = source.config_path if source.config_path.exists() else source.path
+            version.fail(f"{where}: " + "; ".join(problems))
+            return
+        version.config = config
+        version.io = model_config.model_io(config, source.path)
+        version.context = context
+        version.backend = backend
+        try:
+            context.state = hooks.model_create(model=context)
+        except Exception as exc:
+            version.fail(f"backend '{backend.info.name}' failed to create the model: {_describe(exc)}")
+            return
+        try:
+            self._create_instances(version, context, backend)
+        except Exception as exc:
+            self._finalize_instances(version)
+            self._finalize_model(version)
+            version.fail(f"backend '{backend.info.name}' failed to create an instance: {_describe(exc)}")
+            return
+        try:
+            scheduler = scheduler_for(config, version.io, len(version.instances), source.path)
+        except ValueError as exc:
+            self._finalize_instances(version)
+            self._finalize_model(version)
+            version.fail(f"{source.config_path}: {exc}")
+            return
+        version.scheduler = scheduler
+        version.workers = [
+            InstanceWorker(inst, backend, scheduler.batch_source(i), version.io, scheduler.observe)
+            for i, inst in enumerate(version.instances)
+        ]
+        for worker in version.workers:
+            worker.start()
+        if config.model_warmup:
+            try:
+                run_warmup(version, source.path)
+            except WarmupError as exc:
+                version.state = ModelState.UNLOADING
+                self._stop_workers(version, None)
+                self._finalize_instances(version)
+                self._finalize_model(version)
+                version.fail(str(exc))
+                return
+        version.state = ModelState.READY
+        self._notify("pyserve_model_ready", context)
+
+    def _create_instances(self, version: ModelVersion, context: ModelContext, backend: LoadedBackend) -> None:
+        index = 0
+        for group in context.config.instance_group:
+            kind = model_config.instance_kind(group)
+            devices = list(group.gpus) if kind == "GPU" else [0]
+            in_group = 0
+            for device in devices:
+                for _ in range(group.count):
+                    instance = InstanceContext(
+                        name=f"{group.name}_{in_group}", kind=kind, device_id=device, index=index, model=context
+                    )
+                    instance.state = backend.hooks.instance_create(instance=instance)
+                    version.instances.append(instance)
+                    index += 1
+                    in_group += 1
+
+    # -- unloading ---------------------------------------------------------------------------
+    def unload_version(self, version: ModelVersion, deadline: float | None = None) -> bool:
+        """Stop a version's workers after queued work, then finalize instances and model.
+
+        :param deadline: ``time.monotonic()`` value after which running executes are not
+            waited for any more; ``None`` waits for them.
+        :returns: False if an instance was still executing at the deadline; the version is
+            then not finalized.
+        """
+        if version.state is not ModelState.READY:
+            return True
+        self._on_loop(lambda: self._retire(version))
+        return self._drain(version, deadline)
+
+    def _retire(self, version: ModelVersion) -> None:
+        """Stop a READY version taking requests and let its workers finish what is queued.
+
+        Called on the event loop, where requests are enqueued, so no request can reach the
+        scheduler after it was told to stop.
+        """
+        if version.state is not ModelState.READY:
+            return
+        version.state = ModelState.UNLOADING
+        if version.scheduler is not None:
+            version.scheduler.stop(len(version.workers))
+        with self._lock:
+            with contextlib.suppress(ValueError):
+                self._load_order.remove(version)
+
+    def _drain(self, version: ModelVersion, deadline: float | None = None) -> bool:
+        """Wait for a retired version's workers, then finalize its instances and model.
+
+        :returns: False if an instance was still executing at the deadline (not finalized).
+        """
+        if not self._join_workers(version, deadline):
+            return False
+        if version.backend is not None:  # ensembles have no backend
+            self._finalize_instances(version)
+            self._finalize_model(version)
+        version.state = ModelState.UNAVAILABLE
+        version.reason = "unloaded"
+        if version.context is not None:
+            self._notify("pyserve_model_unloaded", version.context)
+        return True
+
+    def _stop_workers(self, version: ModelVersion, deadline: float | None) -> bool:
+        """Stop a version that never became READY (failed warmup) and wait for its workers."""
+        if version.scheduler is not None:
+            version.scheduler.stop(len(version.workers))
+        return self._join_workers(version, deadline)
+
+    def _join_workers(self, version: ModelVersion, deadline: float | None) -> bool:
+        for worker in version.workers:
+            worker.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        busy = [w.instance.name for w in version.workers if w.is_alive()]
+        if busy:
+            log.error(
+                "model '%s' version %d: instance(s) %s still executing at the exit timeout; "
+                "not finalized", version.name, version.version, ", ".join(busy),
+            )
+            return False
+        return True
+
+    def _on_loop(self, action: Callable[[], None]) -> None:
+        """Run ``action`` on the server's event loop and wait for it (inline without a loop,
+        on the loop itself, or once the loop stopped)."""
+        loop = self.loop
+        if loop is None or loop.is_closed() or _running_on(loop):
+            action()
+            return
+        done = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                action()
+            except BaseException as exc:  # re-raised on the calling thread
+                failure.append(exc)
+            finally:
+                done.set()
+
+        try:
+            loop.call_soon_threadsafe(run)
+        except RuntimeError:  # closed meanwhile
+            action()
+            return
+        while not done.wait(0.05):
+            if not loop.is_running():
+                if not done.is_set():
+                    run()
+                break
+        if failure:
+            raise failure[0]
+
+    def _unload_record(self, record: ModelRecord, forget: bool) -> None:
+        retiring = [v for v in record.versions.values() if v.ready]
+
+        def swap() -> None:
+            kept = {n: v for n, v in record.versions.items() if v.ready or v.reason == "unloaded"}
+            record.versions = kept
+            record.state = ModelState.UNAVAILABLE
+            record.reason = "unloaded" if not kept else ""
+            for version in retiring:
+                self._retire(version)
+            if forget or not kept:
+                self.records.pop(record.name, None)
+
+        self._on_loop(swap)
+        for version in retiring:
+            self._drain(version)
+        if retiring:
+            log.info("model '%s' unloaded", record.name)
+        self._remove_override(record.override_dir)
+        record.override_dir = None
+
+    @staticmethod
+    def _remove_override(path: Path | None) -> None:
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _finalize_instances(self, version: ModelVersion) -> None:
+        assert version.backend is not None
+        for instance in reversed(version.instances):
+            try:
+                version.backend.hooks.instance_finalize(instance=instance)
+            except Exception:
+                log.exception("model '%s' instance '%s' failed to finalize", version.name, instance.name)
+        version.instances.clear()
+
+    def _finalize_model(self, version: ModelVersion) -> None:
+        assert version.backend is not None and version.context is not None
+        try:
+            version.backend.hooks.model_finalize(model=version.context)
+        except Exception:
+            log.exception("model '%s' version %d failed to finalize", version.name, version.version)
+
+    def _notify(self, hook_name: str, context: ModelContext) -> None:
+        try:
+            self.host.server_hook(hook_name)(model=context)
+        except Exception:
+            log.exception("a server plugin failed in %s for model '%s'", hook_name, context.name)
+
+
+def _successor(version: ModelVersion, ready: Sequence[ModelVersion]) -> ModelVersion | None:
+    """The new version that takes requests still holding a replaced ``version``: the one
+    with the same number, else the latest, provided it has the same inputs, outputs and
+    transaction policy (those requests were checked against the old ones)."""
+    candidates = [v for v in ready if v is not version]
+    same = [v for v in candidates if v.version == version.version]
+    chosen = same[0] if same else (max(candidates, key=lambda v: v.version) if candidates else None)
+    if chosen is None or chosen.io != version.io or chosen.decoupled != version.decoupled:
+        return None
+    return chosen
+
+
+def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as one reason string: type, message and the innermost frame."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"

@@ -1,0 +1,95 @@
+"""Starting servers on loopback, writing model folders, recording batch sizes."""
+
+from __future__ import annotations
+
+import contextlib
+import textwrap
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pyserve_hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from pyserve.server import ServerThread
+
+
+ServerFactory = Callable[..., "ServerThread"]
+"""The type of the ``pyserve_server_factory`` fixture."""
+
+
+@contextlib.contextmanager
+def serve(
+    *repositories: Path | str,
+    backends: Mapping[str, object] | None = None,
+    server_plugins: Sequence[object] = (),
+    use_entry_points: bool = True,
+    **options: Any,
+) -> Iterator[ServerThread]:
+    """Run a server on loopback (HTTP and gRPC on free ports) for the ``with`` block.
+
+    :param repositories: the model repositories.
+    :param backends: backend name → plugin object, registered as if installed.
+    :param server_plugins: server-wide plugins (e.g. ``pyserve_execute`` wrappers).
+    :param use_entry_points: also find installed backends and plugins by entry point.
+    :param options: any other ``pyserve.server.ServerOptions`` field.
+    :raises pyserve.server.StartupError: the server could not start.
+    """
+    from pyserve.plugins import PluginHost
+    from pyserve.server import Server, ServerOptions, ServerThread
+
+    host = PluginHost(
+        extra_backends=backends, server_plugins=server_plugins, use_entry_points=use_entry_points
+    )
+    options.setdefault("host", "127.0.0.1")
+    options.setdefault("http_port", 0)
+    options.setdefault("grpc_port", 0)
+    options.setdefault("metrics_port", 0)
+    settings = ServerOptions(model_repositories=[Path(r) for r in repositories], **options)
+    thread = ServerThread(Server(settings, host))
+    thread.start()
+    try:
+        yield thread
+    finally:
+        thread.stop()
+
+
+# -- model folders and batch sizes ------------------------------------------------------------------
+
+
+def write_model(
+    repo: Path,
+    name: str,
+    config: str | None = None,
+    files: Mapping[str, bytes | str] | None = None,
+    versions: Sequence[int] = (1,),
+) -> Path:
+    """Create ``repo/name``: a dedented ``config.pbtxt`` (none if ``config`` is ``None``),
+    the version folders and ``files`` (relative path → ``bytes`` or text); returns the folder."""
+    model_dir = repo / name
+    model_dir.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (model_dir / "config.pbtxt").write_text(textwrap.dedent(config))
+    for version in versions:
+        (model_dir / str(version)).mkdir(exist_ok=True)
+    for rel, data in (files or {}).items():
+        path = model_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(data, bytes):
+            path.write_bytes(data)
+        else:
+            path.write_text(data)
+    return model_dir
+
+
+class BatchRecorder:
+    """A server plugin that records how many requests each execute of a model received."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[str, list[int]] = {}
+        """Model name → the number of requests of each execute, in order."""
+
+    @hookimpl(wrapper=True)
+    def pyserve_execute(self, instance: Any, requests: Sequence[Any]) -> Any:
+        self.sizes.setdefault(instance.model.name, []).append(len(requests))
+        return (yield)
