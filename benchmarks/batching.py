@@ -116,17 +116,22 @@ class Server:
     log: Path
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
     def cpu_seconds(self) -> float | None:
         """User + system CPU of the process and its live descendants (Linux ``/proc``)."""
         return _tree_cpu_seconds(self.process.pid)
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """Terminate a server process; kill it if it has not exited after 30 s."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _log_tail(log: Path, lines: int = 15) -> str:
@@ -293,7 +298,7 @@ def measure(server: Server, model: str, body_file: Path, args: argparse.Namespac
 
 
 def _fmt(value: float | None, spec: str) -> str:
-    return "—" if value is None else format(value, spec)
+    return "—" if value is None or value != value else format(value, spec)  # None or NaN
 
 
 def report(results: dict[tuple[str, str], Summary], args: argparse.Namespace, notes: list[str]) -> str:

@@ -50,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _triton  # noqa: E402  sibling helper module
-from batching import _log_tail, _tree_cpu_seconds, free_port  # noqa: E402
+from batching import _fmt, _log_tail, _percentile, _tree_cpu_seconds, free_port, stop_process  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -243,13 +243,7 @@ class Server:
         return (self.http_port if spec.protocol == "http" else self.grpc_port) is not None
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
     def cpu_seconds(self) -> float | None:
         return _tree_cpu_seconds(self.process.pid)
@@ -442,12 +436,6 @@ def _load_command(server: Server, spec: CellSpec, files: RequestFiles, duration:
     return command + [f"http://127.0.0.1:{server.grpc_port}{GRPC_PATH}"]
 
 
-def _percentile(ordered: list[float], q: float) -> float:
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
-
-
 def measure(server: Server, spec: CellSpec, files: RequestFiles, duration: float, work: Path) -> Measurement:
     log_file = work / "h2load.log"
     with suppress(FileNotFoundError):
@@ -628,10 +616,6 @@ def measure_startup(args: argparse.Namespace, work: Path, install: _triton.Trito
 
 
 # --------------------------------------------------------------------------- report
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "—" if value is None or value != value else format(value, spec)
 
 
 def cell_table(results: Results, cells: list[CellSpec], server_names: list[str]) -> list[str]:
