@@ -165,7 +165,7 @@ def start_pyserve(repository: Path, work: Path, timeout: float) -> Server:
     command = [
         sys.executable, "-m", "pyserve", "run", "--model-repository", str(repository),
         "--http-port", str(port), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
-    ]
+    ] + os.environ.get("PYSERVE_BENCH_PYSERVE_ARGS", "").split()  # e.g. --frontend-processes 1
     return start_server("pyserve", command, port, work / "pyserve.log", None, timeout)
 
 

@@ -318,6 +318,7 @@ def start_pyserve(repository: Path, work: Path, timeout: float, models: Iterable
     http, grpc_port = free_port(), free_port()
     command = [sys.executable, "-m", "pyserve", "run", "--model-repository", str(repository),
                "--http-port", str(http), "--grpc-port", str(grpc_port), "--metrics-port", str(free_port())]
+    command += os.environ.get("PYSERVE_BENCH_PYSERVE_ARGS", "").split()  # e.g. --frontend-processes 1
     return spawn("pyserve", command, http, grpc_port, work / f"pyserve{tag}.log", None, timeout, models)
 
 

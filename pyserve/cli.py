@@ -140,6 +140,15 @@ def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                      help="largest request body accepted (default 64 MiB)")
     run.add_argument("--http-server", choices=["pyserve", "uvicorn"], default="pyserve",
                      help="the HTTP/1.1 server on --http-port: pyserve's own (default) or uvicorn")
+    run.add_argument("--frontend-processes", type=int, default=0, metavar="N",
+                     help="extra processes that serve the HTTP and gRPC ports beside this one and hand "
+                          "decoded requests to it (models stay in this process); 0 = none (default). "
+                          "Use the machine's spare cores: e.g. 1 on 2 cores")
+    run.add_argument("--replicate-models", default="none", metavar="none|auto|NAMES",
+                     help="models that frontend processes load replicas of and answer themselves: none "
+                          "(default: every request is handed to this process), auto (every model that can "
+                          "be: no sequence batcher, decoupled, ensemble, GPU instances, response cache or "
+                          "BLS / custom metrics in model.py), or comma-separated model names")
     _add_operations(run)
 
 
@@ -261,6 +270,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         backend_config=_backend_config(args.backend_config),
         http_max_input_size=args.http_max_input_size,
         http_server=args.http_server,
+        frontend_processes=args.frontend_processes,
+        replicate_models=args.replicate_models,
         model_load_thread_count=args.model_load_thread_count,
         model_control_mode=args.model_control_mode,
         load_models=args.load_model,

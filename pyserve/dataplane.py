@@ -55,6 +55,12 @@ class DataPlane:
         """Trace settings and export; the server replaces it with one built from ``--trace-config``."""
         self.cache: ResponseCache | None = None
         """The response cache (``--cache-config``), or None."""
+        self.model_control_listeners: list[Any] = []
+        """Async callables awaited after a load or unload, before it is answered (frontend
+        processes apply the change first: ``pyserve.handoff``)."""
+        self.stats_sources: list[Any] = []
+        """Async callables run before statistics are read: replicas in frontend processes
+        report their counts (``pyserve.handoff``)."""
         self.extensions = list(EXTENSIONS) + (["cuda_shared_memory"] if cuda_available() else [])
         """What server metadata reports: ``EXTENSIONS``, plus CUDA shared memory when usable."""
 
@@ -118,20 +124,33 @@ class DataPlane:
         """
         return statistics_json(select_versions(self.models.records, name, version))
 
+    async def collect_statistics(self) -> None:
+        """Bring in counts kept elsewhere (frontend replicas) before statistics are read."""
+        for source in self.stats_sources:
+            await source()
+
     async def load_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:
         """Load or reload a model (explicit mode), off the event loop; returns once READY.
 
         :param parameters: ``config`` and ``file:<path>`` load parameters.
         :raises InferError: with Triton's messages and codes.
         """
-        await self.models.load_model_async(name, parameters)
+        try:
+            await self.models.load_model_async(name, parameters)
+        finally:
+            for listener in self.model_control_listeners:
+                await listener()
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         """Unload a model (explicit mode), off the event loop; returns once it is unloaded.
 
         :raises InferError: with Triton's messages and codes.
         """
-        await self.models.unload_model_async(name, unload_dependents)
+        try:
+            await self.models.unload_model_async(name, unload_dependents)
+        finally:
+            for listener in self.model_control_listeners:
+                await listener()
 
     # -- inference -------------------------------------------------------------------------------
     def submit(self, model: ModelVersion, request: InferRequest) -> InferError | None:

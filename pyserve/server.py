@@ -12,8 +12,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +31,14 @@ from pyserve.grpc.server import GrpcOptions
 from pyserve.grpc.server import create_server as create_grpc_server
 from pyserve.http.app import create_app
 from pyserve.http.body import DEFAULT_MAX_INPUT_SIZE
+from pyserve.handoff.owner import HandoffServer
+from pyserve.handoff.replicas import ReplicationMode
+from pyserve.handoff.supervisor import (
+    MAX_FRONTEND_PROCESSES,
+    FrontendStartError,
+    FrontendSupervisor,
+    ModelChangeObserver,
+)
 from pyserve.http.server import HttpServer
 from pyserve.inprocess import ServerHandle
 from pyserve.metrics import MetricsService, MetricsSettings, MetricsStartError, ServerMetrics, SystemMonitor
@@ -77,6 +88,12 @@ class ServerOptions:
     metrics_interval_ms: int = 2000  # how often CPU/GPU gauges are refreshed
     metrics_config: Mapping[str, str] = field(default_factory=dict)  # --metrics-config key=value
     http_server: str = "pyserve"  # --http-server: "pyserve" (native HTTP/1.1) or "uvicorn"
+    # --frontend-processes: extra processes serving the HTTP/gRPC ports (SO_REUSEPORT) that
+    # decode requests and hand them to this process, which owns the models (pyserve.handoff)
+    frontend_processes: int = 0
+    # --replicate-models: none | auto | NAME[,NAME...]: models frontend processes load replicas
+    # of and answer themselves (pyserve.handoff.replicas)
+    replicate_models: str = "none"
 
 
 class _NoSignalUvicorn(uvicorn.Server):
@@ -87,14 +104,25 @@ class _NoSignalUvicorn(uvicorn.Server):
         yield
 
 
+def _log_settings() -> dict[str, object]:
+    """``logs.configure`` arguments repeating this process's log settings (for frontends)."""
+    current = logs.SETTINGS
+    return {
+        "verbose": current.log_verbose_level, "info": current.log_info, "warning": current.log_warning,
+        "error": current.log_error, "log_format": current.log_format, "log_file": current.log_file or None,
+    }
+
+
 class StartupError(RuntimeError):
     """The server could not start (e.g. ``--exit-on-error`` with a model that failed)."""
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, reuse_port: bool = False, service: str = "HTTP") -> socket.socket:
     """A socket bound to ``host:port`` for the HTTP server (pyserve's or uvicorn) to listen on.
 
-    Bound here rather than by uvicorn, which calls ``sys.exit`` when the port is taken.
+    Bound here rather than by uvicorn, which calls ``sys.exit`` when the port is taken. With
+    ``reuse_port`` (frontend processes), the frontends bind the same port and the kernel
+    spreads new connections over every process listening on it.
 
     :raises StartupError: the address cannot be resolved or bound (e.g. the port is in use).
     """
@@ -104,11 +132,13 @@ def _bind(host: str, port: int) -> socket.socket:
     listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:  # frontend processes listen on the same port
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         listener.bind((host, port))
     except OSError as exc:
         listener.close()
         reason = exc.strerror or str(exc)
-        raise StartupError(f"HTTP service cannot listen on {host}:{port}: {reason}") from exc
+        raise StartupError(f"{service} service cannot listen on {host}:{port}: {reason}") from exc
     return listener
 
 
@@ -161,6 +191,11 @@ class Server:
         self._uvicorn: _NoSignalUvicorn | None = None
         self._http: HttpServer | None = None
         self._serve_task: asyncio.Task[None] | None = None
+        self._handoff: HandoffServer | None = None
+        self._handoff_dir: str | None = None
+        self._owner_http: HttpServer | None = None
+        self.frontends: FrontendSupervisor | None = None
+        """The frontend processes (``--frontend-processes``), once started."""
         self._stop = asyncio.Event()
         self._stopped = False
 
@@ -183,12 +218,67 @@ class Server:
         self.dataplane.live = True
         self.dataplane.accepting = True
         self.models.start_polling()
+        if self.options.frontend_processes:
+            await self._start_handoff()
         if self.options.allow_http:
             await self._start_http()
         if self.options.allow_grpc:
             await self._start_grpc()
         if self.options.allow_metrics:
             await self._start_metrics()
+        if self.options.frontend_processes:
+            await self._start_frontends()
+
+    async def _start_handoff(self) -> None:
+        count = self.options.frontend_processes
+        if not 0 < count <= MAX_FRONTEND_PROCESSES:
+            raise StartupError(f"--frontend-processes must be between 0 and {MAX_FRONTEND_PROCESSES}, got {count}")
+        if not (self.options.allow_http or self.options.allow_grpc):
+            raise StartupError("--frontend-processes needs the HTTP or the gRPC service")
+        if self.options.allow_http and self.options.http_server != "pyserve":
+            raise StartupError("--frontend-processes needs --http-server pyserve")
+        self._handoff_dir = tempfile.mkdtemp(prefix="pyserve-handoff-")  # mode 0700: this user only
+        try:
+            replication = ReplicationMode(self.options.replicate_models)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        self._handoff = HandoffServer(self.dataplane, self.options.http_max_input_size, replication)
+        await self._handoff.start(os.path.join(self._handoff_dir, "handoff.sock"))
+        self.dataplane.stats_sources.append(self._handoff.collect_stats)
+        self.dataplane.model_control_listeners.append(self._handoff.sync_frontends)
+        self.plugins.add_server_plugin(ModelChangeObserver(self._handoff), name="pyserve-handoff")
+
+    async def _start_frontends(self) -> None:
+        assert self._handoff is not None and self._handoff_dir is not None
+        options = self.options
+        grpc_settings = dataclasses.asdict(options.grpc)
+        grpc_settings["restrictions"] = {k: [r.key, r.value] for k, r in options.grpc.restrictions.items()}
+        settings = {
+            "handoff": os.path.join(self._handoff_dir, "handoff.sock"),
+            "owner_http": os.path.join(self._handoff_dir, "http.sock"),
+            "owner_grpc": os.path.join(self._handoff_dir, "grpc.sock"),
+            "host": options.host,
+            "http_port": self.http_port,
+            "grpc_port": self.grpc_port,
+            "http_max_input_size": options.http_max_input_size,
+            "http_restricted_api": {k: [r.key, r.value] for k, r in options.http_restricted_api.items()},
+            "grpc": grpc_settings,
+            "max_tensor_elements": options.max_tensor_elements,
+            "exit_timeout_secs": options.exit_timeout_secs,
+            "log": _log_settings(),
+            "replicate": options.replicate_models,
+            "repositories": [str(Path(p).resolve()) for p in options.model_repositories],
+            "auto_complete": options.auto_complete,
+            "backend_config": {k: dict(v) for k, v in options.backend_config.items()},
+            "backend_directory": options.backend_directory,
+        }
+        self.frontends = FrontendSupervisor(options.frontend_processes, settings, self._handoff)
+        try:
+            await self.frontends.start()
+        except FrontendStartError as exc:
+            raise StartupError(str(exc)) from None
+        log.info("Started %d frontend process(es): pids %s", len(self.frontends.pids),
+                 ", ".join(str(p) for p in self.frontends.pids))
 
     async def _start_metrics(self) -> None:
         settings = self.metrics.settings
@@ -203,6 +293,8 @@ class Server:
         except MetricsStartError as exc:
             raise StartupError(str(exc)) from None
         self.metrics_port = self._metrics_service.port
+        if self._handoff is not None:
+            self._metrics_service.before_render = self._handoff.collect_stats
 
     async def _start_grpc(self) -> None:
         settings = dataclasses.replace(self.options.grpc, port=self.options.grpc_port)
@@ -210,6 +302,8 @@ class Server:
             settings.host = self.options.host
         try:
             self._grpc, self.grpc_port = create_grpc_server(self.dataplane, settings)
+            if self._handoff_dir is not None:  # frontend processes relay other RPCs here
+                self._grpc.add_insecure_port("unix:" + os.path.join(self._handoff_dir, "grpc.sock"))
         except RuntimeError as exc:
             raise StartupError(str(exc)) from None
         await self._grpc.start()
@@ -223,8 +317,17 @@ class Server:
         )
         if self.options.http_server not in ("pyserve", "uvicorn"):
             raise StartupError(f"unknown HTTP server '{self.options.http_server}' (expected pyserve or uvicorn)")
+        if self._handoff_dir is not None:  # frontend processes relay other routes here
+            self._owner_http = HttpServer(
+                app, self.dataplane, max_input_size=self.options.http_max_input_size,
+                restrictions=self.options.http_restricted_api,
+            )
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.bind(os.path.join(self._handoff_dir, "http.sock"))
+            unix.listen(2048)
+            await self._owner_http.start(unix)
         if self.options.http_server == "pyserve":
-            listener = _bind(self.options.host, self.options.http_port)
+            listener = _bind(self.options.host, self.options.http_port, reuse_port=self._handoff_dir is not None)
             self._http = HttpServer(
                 app,
                 self.dataplane,
@@ -293,9 +396,15 @@ class Server:
         timeout = self.options.exit_timeout_secs
         deadline = loop.time() + timeout
         log.info("Shutting down: waiting up to %.0f s for in-flight requests", timeout)
-        drained = await self.dataplane.drain(timeout)
+        if self.frontends is not None:  # they finish their in-flight requests, executed here
+            await self.frontends.stop(timeout)
+        drained = await self.dataplane.drain(max(deadline - loop.time(), 0.0))
         if self._http is not None:  # the exit timeout spent: give open answers 1 s more at most
             await self._http.shutdown(max(deadline - loop.time(), 0.0) if drained else 1.0)
+        if self._owner_http is not None:
+            await self._owner_http.shutdown(1.0)
+        if self._handoff is not None:
+            await self._handoff.close()
         if self._uvicorn is not None and self._serve_task is not None:
             if not drained:  # the exit timeout is spent: do not let uvicorn wait that long again
                 self._uvicorn.config.timeout_graceful_shutdown = 1
@@ -312,6 +421,8 @@ class Server:
             await self._metrics_service.stop()
         if self._saved_element_limit is not None:
             validation.LIMITS.max_tensor_elements = self._saved_element_limit
+        if self._handoff_dir is not None:
+            shutil.rmtree(self._handoff_dir, ignore_errors=True)
         log.info("Server stopped")
 
     async def run(self) -> None:

@@ -52,9 +52,11 @@ def _pass_bytes(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
     return serializer
 
 
-def _handlers(service: Any, servicer: object) -> grpc.GenericRpcHandler:
+def _handlers(service: Any, servicer: object, only: frozenset[str] | None = None) -> grpc.GenericRpcHandler:
     methods = {}
     for method in service.methods:
+        if only is not None and method.name not in only:
+            continue
         request_class = pb.message_class(method.input_type.full_name)
         response_class = pb.message_class(method.output_type.full_name)
         behaviour = getattr(servicer, method.name)
@@ -77,13 +79,9 @@ def _handlers(service: Any, servicer: object) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(service.full_name, methods)
 
 
-def create_server(dataplane: DataPlane, options: GrpcOptions) -> tuple[grpc.aio.Server, int]:
-    """A grpc.aio server bound to ``host:port`` (not started).
-
-    :returns: the server and the port actually bound (for port 0).
-    :raises RuntimeError: the port could not be bound.
-    """
-    channel_options = [
+def channel_options(options: GrpcOptions) -> list[tuple[str, Any]]:
+    """The grpc core options for ``options`` (message caps, keepalive, HTTP/2 pings)."""
+    return [
         ("grpc.max_send_message_length", options.max_message_bytes),
         ("grpc.max_receive_message_length", options.max_message_bytes),
         ("grpc.keepalive_time_ms", options.keepalive_time_ms),
@@ -93,13 +91,13 @@ def create_server(dataplane: DataPlane, options: GrpcOptions) -> tuple[grpc.aio.
         ("grpc.http2.min_recv_ping_interval_without_data_ms", options.http2_min_recv_ping_interval_without_data_ms),
         ("grpc.http2.max_ping_strikes", options.http2_max_ping_strikes),
     ]
-    interceptors = [grpc_interceptor(options.restrictions)] if options.restrictions else None
-    server = grpc.aio.server(options=channel_options, interceptors=interceptors)
-    servicer = InferenceServicer(dataplane, compress_infer=options.infer_compression != "none")
-    server.add_generic_rpc_handlers((
-        _handlers(pb.SERVICE_DESCRIPTOR, servicer),
-        _handlers(pb.HEALTH_SERVICE_DESCRIPTOR, HealthServicer(dataplane)),
-    ))
+
+
+def bind(server: grpc.aio.Server, options: GrpcOptions) -> int:
+    """Bind ``server`` to ``options.host:options.port``; the port actually bound (for port 0).
+
+    :raises RuntimeError: the port could not be bound.
+    """
     address = f"[{options.host}]:{options.port}" if ":" in options.host else f"{options.host}:{options.port}"
     try:
         port = server.add_insecure_port(address)
@@ -107,4 +105,20 @@ def create_server(dataplane: DataPlane, options: GrpcOptions) -> tuple[grpc.aio.
         raise RuntimeError(f"gRPC service could not bind {address}: {exc}") from None
     if port == 0:
         raise RuntimeError(f"gRPC service could not bind {address}")
-    return server, port
+    return port
+
+
+def create_server(dataplane: DataPlane, options: GrpcOptions) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server bound to ``host:port`` (not started).
+
+    :returns: the server and the port actually bound (for port 0).
+    :raises RuntimeError: the port could not be bound.
+    """
+    interceptors = [grpc_interceptor(options.restrictions)] if options.restrictions else None
+    server = grpc.aio.server(options=channel_options(options), interceptors=interceptors)
+    servicer = InferenceServicer(dataplane, compress_infer=options.infer_compression != "none")
+    server.add_generic_rpc_handlers((
+        _handlers(pb.SERVICE_DESCRIPTOR, servicer),
+        _handlers(pb.HEALTH_SERVICE_DESCRIPTOR, HealthServicer(dataplane)),
+    ))
+    return server, bind(server, options)

@@ -179,6 +179,7 @@ class InferenceServicer:
     # -- features owned by later work ------------------------------------------------------------
     async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            await self.dataplane.collect_statistics()
             stats = self.dataplane.model_statistics(request.name, request.version or None)
         except InferError as exc:
             await _abort(context, exc)

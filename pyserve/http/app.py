@@ -120,6 +120,7 @@ def create_app(
     async def model_stats(request: Request) -> Response:
         try:
             name = request.path_params.get("model_name", "")
+            await dataplane.collect_statistics()
             return _json(dataplane.model_statistics(name, _version(request)))
         except InferError as exc:
             return error_response(exc)

@@ -720,15 +720,22 @@ class HttpServer:
         self._server: asyncio.base_events.Server | None = None
         self._all_closed: asyncio.Event | None = None
 
+    protocol_class: type[HttpProtocol] = HttpProtocol
+    """The connection class (a frontend process answers infer requests its own way)."""
+
     async def start(self, sock: socket.socket) -> None:
-        """Listen on an already bound socket."""
+        """Listen on an already bound socket (TCP, or a Unix socket for frontend processes)."""
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: HttpProtocol(self), sock=sock, backlog=2048)
+        factory = self.protocol_class
+        if sock.family == socket.AF_UNIX:
+            self._server = await loop.create_unix_server(lambda: factory(self), sock=sock, backlog=2048)
+        else:
+            self._server = await loop.create_server(lambda: factory(self), sock=sock, backlog=2048)
 
     @property
     def port(self) -> int:
-        """The port listened on."""
+        """The port listened on (TCP only)."""
         assert self._server is not None
         return int(self._server.sockets[0].getsockname()[1])
 

@@ -51,6 +51,8 @@ class MetricsService:
         self._server: Any = None
         self._serve_task: asyncio.Task[None] | None = None
         self._sampler: asyncio.Task[None] | None = None
+        self.before_render: Any = None
+        """An async callable run before each scrape (frontend replicas report their counts)."""
         if monitor is not None:
             metrics.registry.register(monitor)  # type: ignore[arg-type]
 
@@ -63,6 +65,8 @@ class MetricsService:
         elif scope["method"] not in ("GET", "HEAD"):
             status, body, media = 405, b"Method Not Allowed", b"text/plain; charset=utf-8"
         else:
+            if self.before_render is not None:
+                await self.before_render()
             status, body, media = 200, self.metrics.render(), CONTENT_TYPE.encode()
         headers = [(b"content-type", media), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -250,6 +250,39 @@ class ModelStats:
                 self.cache_miss_count += 1
                 self.cache_miss_ns += duration_ns
 
+    # -- replicas in frontend processes ----------------------------------------------------------
+    _ADDITIVE = (
+        "success_count", "success_ns", "fail_count", "fail_ns", "queue_ns", "compute_count", "input_ns",
+        "infer_ns", "output_ns", "backend_input_ns", "backend_output_ns", "cache_hit_count", "cache_hit_ns",
+        "cache_miss_count", "cache_miss_ns", "inference_count", "execution_count", "enqueued", "dequeued",
+        "first_count", "first_sum_ms",
+    )
+
+    def counters(self) -> dict[str, Any]:
+        """Every counter, copied (for ``counters_delta``: a replica reporting to the owner)."""
+        with self.lock:
+            values: dict[str, Any] = {name: getattr(self, name) for name in self._ADDITIVE}
+            values["failures"] = list(self.failures)
+            values["first_buckets"] = list(self.first_buckets)
+            values["batches"] = {size: list(entry) for size, entry in self.batches.items()}
+            values["last_inference_ns"] = self.last_inference_ns
+        return values
+
+    def absorb(self, delta: Mapping[str, Any]) -> None:
+        """Add what a replica of this version counted (a ``counters_delta``) to these counters."""
+        with self.lock:
+            for name in self._ADDITIVE:
+                setattr(self, name, getattr(self, name) + delta.get(name, 0))
+            for index, value in enumerate(delta.get("failures", ())):
+                self.failures[index] += value
+            for index, value in enumerate(delta.get("first_buckets", ())):
+                self.first_buckets[index] += value
+            for size, entry in delta.get("batches", {}).items():
+                mine = self.batches.setdefault(int(size), [0, 0, 0, 0])
+                for index, value in enumerate(entry):
+                    mine[index] += value
+            self.last_inference_ns = max(self.last_inference_ns, delta.get("last_inference_ns", 0))
+
     # -- reading -------------------------------------------------------------------------------
     @property
     def pending(self) -> int:
@@ -285,6 +318,21 @@ class ModelStats:
                 first_count=self.first_count,
                 first_sum_ms=self.first_sum_ms,
             )
+
+
+def counters_delta(now: Mapping[str, Any], before: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What was counted between two ``ModelStats.counters`` readings (``before`` None: all)."""
+    if before is None:
+        return dict(now)
+    delta: dict[str, Any] = {name: now[name] - before[name] for name in ModelStats._ADDITIVE}
+    delta["failures"] = [a - b for a, b in zip(now["failures"], before["failures"])]
+    delta["first_buckets"] = [a - b for a, b in zip(now["first_buckets"], before["first_buckets"])]
+    old = before["batches"]
+    delta["batches"] = {
+        size: [a - b for a, b in zip(entry, old.get(size, (0, 0, 0, 0)))] for size, entry in now["batches"].items()
+    }
+    delta["last_inference_ns"] = now["last_inference_ns"]
+    return delta
 
 
 @dataclass(frozen=True)

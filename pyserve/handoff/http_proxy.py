@@ -1,0 +1,128 @@
+"""Relays an HTTP request to the owner's HTTP server on a Unix socket (frontend processes).
+
+Every route but infer (health, metadata, config, repository, statistics, shared memory,
+trace, logging, generate) is answered by the owner, so a frontend never holds state of its
+own. The request body streams to the owner with chunked transfer encoding; the answer streams
+back as it arrives (server-sent events included). Idle connections to the owner are reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import httptools
+
+_HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+    b"proxy-connection", b"content-length", b"expect",
+})
+_MAX_IDLE = 16
+
+
+class _Answer:
+    """httptools callbacks collecting one response."""
+
+    def __init__(self) -> None:
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.events: list[tuple[str, Any]] = []
+        self.parser = httptools.HttpResponseParser(self)
+        self.complete = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.events.append(("start", (self.parser.get_status_code(), self.headers)))
+
+    def on_body(self, body: bytes) -> None:
+        self.events.append(("body", body))
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+
+class OwnerHttpProxy:
+    """An ASGI application relaying each request to ``path`` (the owner's HTTP Unix socket)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        while self._idle:
+            reader, writer = self._idle.pop()
+            if not writer.is_closing() and not reader.at_eof():
+                return reader, writer
+            writer.close()
+        return await asyncio.open_unix_connection(self.path, limit=1 << 20)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        reader, writer = await self._connect()
+        reusable = False
+        try:
+            reusable = await self._relay(scope, receive, send, reader, writer)
+        finally:
+            if reusable and len(self._idle) < _MAX_IDLE:
+                self._idle.append((reader, writer))
+            else:
+                writer.close()
+
+    async def _relay(self, scope: dict[str, Any], receive: Any, send: Any,
+                     reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        target = scope["raw_path"] + (b"?" + scope["query_string"] if scope["query_string"] else b"")
+        head = [scope["method"].encode("ascii"), b" ", target, b" HTTP/1.1\r\n"]
+        for name, value in scope["headers"]:
+            if name not in _HOP_BY_HOP:
+                head += (name, b": ", value, b"\r\n")
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return False
+        body = message.get("body", b"")
+        if not message.get("more_body", False):  # the whole body is here: one write, with its length
+            head.append(b"content-length: %d\r\n\r\n" % len(body))
+            writer.write(b"".join(head) + body)
+        else:  # stream it: the owner may answer before reading all of it only on errors
+            head.append(b"transfer-encoding: chunked\r\n\r\n")
+            writer.write(b"".join(head) + (b"%x\r\n%s\r\n" % (len(body), body) if body else b""))
+            while True:
+                await writer.drain()
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return False
+                body = message.get("body", b"")
+                if body:
+                    writer.write(b"%x\r\n%s\r\n" % (len(body), body))
+                if not message.get("more_body", False):
+                    break
+            writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        answer = _Answer()
+        head_only = scope["method"] == "HEAD"
+        while not answer.complete:
+            data = await reader.read(1 << 16)
+            if not data:
+                answer.parser.feed_data(b"")  # may complete a body that ends with the connection
+                if not answer.complete:
+                    raise ConnectionError("the model owner closed the connection mid-answer")
+                break
+            answer.parser.feed_data(data)
+            events, answer.events = answer.events, []
+            for kind, value in events:
+                if kind == "start":
+                    status, headers = value
+                    await send({
+                        "type": "http.response.start", "status": status,
+                        "headers": [(k, v) for k, v in headers if k not in _HOP_BY_HOP or k == b"content-length"],
+                    })
+                    if head_only:
+                        answer.complete = True
+                else:
+                    await send({"type": "http.response.body", "body": value, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        with contextlib.suppress(Exception):
+            return answer.parser.should_keep_alive() and not head_only
+        return False

@@ -1,0 +1,264 @@
+"""Model replicas in frontend processes (``--replicate-models``).
+
+Handing every request to the owner costs two process wake-ups per request; on small
+machines that is more than a small model's execute. A frontend process may therefore load
+its own replica of a model and answer that model's requests itself. Which models: the owner
+decides (``replicable``) and marks them in the snapshot it sends; a frontend loads each marked
+version with the owner's exact config (``load`` with a ``config`` override), and uses the
+replica only while the owner still serves that same version (its generation) and the replica
+is READY with the same inputs and outputs. Until then, and for every other model, requests
+are handed to the owner as before, so answers never depend on which process took the
+connection.
+
+What a replica changes, and why the rules below exist:
+
+* each replica has its own dynamic batcher and its own instances (``instance_group.count``
+  is per process), so batches form per process;
+* state lives per process: sequence-batched models, decoupled models and ensembles are never
+  replicated (they stay with the owner, whose sequence slots and stream state are unique);
+* a Python model that calls other models (BLS) or defines custom metrics would call or count
+  in its own process: ``auto`` skips Python models whose ``model.py`` uses those APIs;
+* GPU instance groups are not replicated by ``auto`` (one copy of the weights per process);
+* statistics and ``nv_inference_*`` metrics stay whole: the owner pulls each replica's
+  counters (``counters_delta``) before it answers a statistics request or a metrics scrape.
+
+A model's config parameter ``pyserve_replicate`` (``"true"`` / ``"false"``) overrides the
+mode for that model, within the structural rules.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from pyserve.models import ModelVersion
+
+log = logging.getLogger("pyserve.handoff")
+
+REPLICATE_PARAMETER = "pyserve_replicate"
+"""Config parameter forcing (``"true"``) or forbidding (``"false"``) a model's replicas."""
+
+_PYTHON_MARKERS = ("exec(", "async_exec", "MetricFamily")
+"""``model.py`` text that means BLS calls or custom metrics: not replicated by ``auto``."""
+
+
+class ReplicationMode:
+    """``--replicate-models``: ``none``, ``auto``, or a comma-separated list of model names.
+
+    :raises ValueError: an empty name in the list.
+    """
+
+    def __init__(self, value: str) -> None:
+        self.value = value.strip()
+        self.auto = self.value == "auto"
+        self.none = self.value in ("none", "")
+        names = () if self.auto or self.none else tuple(n.strip() for n in self.value.split(","))
+        if any(not n for n in names):
+            raise ValueError(f"--replicate-models: expected none, auto or model names, got '{value}'")
+        self.names = frozenset(names)
+
+
+def _structural_reason(version: ModelVersion) -> str | None:
+    config = version.config
+    if config is None:
+        return "no config"
+    if config.HasField("sequence_batching"):
+        return "it uses the sequence batcher (sequence state lives in one process)"
+    if config.model_transaction_policy.decoupled:
+        return "it is decoupled (streams are served by the owner)"
+    if config.platform == "ensemble" or config.HasField("ensemble_scheduling"):
+        return "it is an ensemble"
+    return None
+
+
+def _auto_reason(version: ModelVersion) -> str | None:
+    config = version.config
+    if any(group.kind == 1 for group in config.instance_group):  # KIND_GPU
+        return "it has GPU instances"
+    if config.response_cache.enable:
+        return "it uses the response cache"
+    if config.backend == "python" and version.context is not None:
+        filename = config.default_model_filename or "model.py"
+        source = Path(version.context.version_path) / filename
+        try:
+            text = source.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return None
+        for marker in _PYTHON_MARKERS:
+            if marker in text:
+                return f"its {filename} uses '{marker.rstrip('(')}' (BLS or custom metrics)"
+    return None
+
+
+def replicable(version: ModelVersion, mode: ReplicationMode, repositories: Any = ()) -> tuple[bool, str]:
+    """Whether frontends may load a replica of ``version``, and why not.
+
+    :param repositories: the owner's repository folders: a version loaded from elsewhere (files
+        sent with a load request) cannot be loaded again by a frontend.
+    """
+    parameter = version.config.parameters.get(REPLICATE_PARAMETER) if version.config is not None else None
+    override = parameter.string_value.strip().lower() if parameter is not None else ""
+    if override == "false":
+        return False, f"parameter '{REPLICATE_PARAMETER}' is false"
+    structural = _structural_reason(version)
+    if structural is not None:
+        return False, structural
+    if version.context is not None and repositories:
+        folders = {Path(r).resolve() for r in repositories}
+        if Path(version.context.path).resolve().parent not in folders:
+            return False, "it was loaded from files sent with the load request"
+    if override == "true" or version.name in mode.names:
+        return True, ""
+    if not mode.auto:
+        return False, "not selected by --replicate-models"
+    reason = _auto_reason(version)
+    return (False, reason) if reason is not None else (True, "")
+
+
+def describe(versions: list[tuple[ModelVersion, bool, str]]) -> None:
+    """Log once per version which models frontends replicate and why others are not."""
+    for version, chosen, reason in versions:
+        if chosen:
+            log.info("model '%s' version %d: replicated in frontend processes", version.name, version.version)
+        else:
+            log.info("model '%s' version %d: served by the owner process only: %s", version.name, version.version, reason)
+
+
+class ReplicaSet:
+    """A frontend's own replicas of the versions the owner marked replicable.
+
+    Event loop only; loads and unloads run on a worker thread. ``local_for`` is the hot-path
+    lookup: the READY replica standing for one owner version, or None.
+
+    :param settings: the frontend settings (``repositories``, ``backend_config``, ...).
+    """
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        import asyncio
+
+        from pyserve import __version__
+        from pyserve.dataplane import DataPlane
+        from pyserve.inprocess import ServerHandle
+        from pyserve.model_manager import ModelManager
+        from pyserve.plugins import PluginHost
+
+        self.loop = asyncio.get_running_loop()
+        self.models = ModelManager(
+            [Path(p) for p in settings["repositories"]],
+            PluginHost(),
+            auto_complete=settings["auto_complete"],
+            backend_config=settings["backend_config"],
+            load_threads=1,
+            control_mode="explicit",
+            backend_directory=settings["backend_directory"],
+        )
+        self.dataplane = DataPlane(self.models, "pyserve", __version__)
+        self.dataplane.live = self.dataplane.accepting = True
+        self.models.server_handle = ServerHandle(self.dataplane, self.loop)
+        self.models.loop = self.loop
+        self.by_generation: dict[int, ModelVersion] = {}
+        self._loaded_config: dict[str, bytes] = {}  # model name → the owner config it was loaded with
+        self._wanted: dict[str, tuple[bytes, Any, dict[int, tuple[int, Any]]]] = {}
+        self._sync: asyncio.Task[None] | None = None
+        self._again = False
+        self._sent: dict[int, dict[str, Any]] = {}
+        self._unsent: list[list[Any]] = []
+        self.on_change: Any = None  # called with the READY generations after each sync
+
+    def local_for(self, generation: int) -> ModelVersion | None:
+        """The READY replica of owner version ``generation``, or None."""
+        replica = self.by_generation.get(generation)
+        return replica if replica is not None and replica.ready else None
+
+    def follow(self, entries: list[tuple[str, int, int, bytes, Any]]) -> None:
+        """A new owner snapshot: ``(name, version, generation, config bytes, io)`` of every
+        replicable READY version. Loads, reloads and unloads follow in the background."""
+        wanted: dict[str, tuple[bytes, Any, dict[int, tuple[int, Any]]]] = {}
+        for name, version, generation, config, io in entries:
+            entry = wanted.setdefault(name, (config, io, {}))
+            entry[2][version] = (generation, io)
+        self._wanted = wanted
+        known = {g for entry in wanted.values() for g, _ in entry[2].values()}
+        for generation in [g for g in self.by_generation if g not in known]:
+            self._retire(generation)
+        if self._sync is None or self._sync.done():
+            import asyncio
+
+            self._sync = asyncio.ensure_future(self._run_sync())
+        else:
+            self._again = True
+
+    async def _run_sync(self) -> None:
+        while True:
+            self._again = False
+            await self._apply(dict(self._wanted))
+            if not self._again:
+                break
+        if self.on_change is not None:
+            self.on_change(sorted(self.by_generation))
+
+    async def _apply(self, wanted: dict[str, tuple[bytes, Any, dict[int, tuple[int, Any]]]]) -> None:
+        from pyserve import protocol as pb
+        from pyserve.errors import InferError
+        from pyserve.protocol.config_json import model_config_to_dict
+
+        import orjson
+
+        loop = self.loop
+        for name in [n for n in self._loaded_config if n not in wanted]:
+            del self._loaded_config[name]
+            await loop.run_in_executor(None, self.models.unload_model, name)
+        for name, (config, _, versions) in wanted.items():
+            if self._loaded_config.get(name) != config:
+                text = orjson.dumps(model_config_to_dict(pb.ModelConfig.FromString(config))).decode()
+                try:
+                    await loop.run_in_executor(None, self.models.load_model, name, text)
+                except InferError as exc:
+                    log.warning("frontend: no replica of model '%s': %s", name, exc.message)
+                    self._loaded_config[name] = config  # do not retry the same config
+                    continue
+                self._loaded_config[name] = config
+            record = self.models.records.get(name)
+            for version, (generation, io) in versions.items():
+                replica = record.versions.get(version) if record is not None else None
+                if replica is None or not replica.ready:
+                    continue
+                if replica.io != io:
+                    log.warning("frontend: replica of model '%s' version %d differs from the owner's; "
+                                "its requests go to the owner", name, version)
+                    continue
+                self.by_generation[generation] = replica
+
+    def _retire(self, generation: int) -> None:
+        replica = self.by_generation.pop(generation, None)
+        if replica is not None:  # what it counted since the last pull still reaches the owner
+            delta = self._delta(generation, replica)
+            if delta is not None:
+                self._unsent.append([generation, delta])
+            self._sent.pop(generation, None)
+
+    def _delta(self, generation: int, replica: ModelVersion) -> dict[str, Any] | None:
+        from pyserve.metrics.stats import counters_delta
+
+        now = replica.stats.counters()
+        delta = counters_delta(now, self._sent.get(generation))
+        self._sent[generation] = now
+        if not any(delta[k] for k in ("success_count", "fail_count", "enqueued", "dequeued", "execution_count")):
+            return None
+        delta["batches"] = {str(size): entry for size, entry in delta["batches"].items() if entry[0]}
+        return delta
+
+    def stats_deltas(self) -> list[list[Any]]:
+        """``[generation, counters delta]`` for every replica that counted something since the
+        last call."""
+        deltas, self._unsent = self._unsent, []
+        for generation, replica in list(self.by_generation.items()):
+            delta = self._delta(generation, replica)
+            if delta is not None:
+                deltas.append([generation, delta])
+        return deltas
+
+    async def close(self, timeout: float) -> None:
+        """Unload every replica (finishing what they have queued)."""
+        await self.loop.run_in_executor(None, self.models.unload_all, timeout)

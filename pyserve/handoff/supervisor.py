@@ -1,0 +1,160 @@
+"""Starts, watches and stops the frontend processes of ``pyserve run --frontend-processes N``.
+
+A frontend that dies is started again (after 1 s, doubling up to 30 s while it keeps dying
+within a minute of starting), with its exit status in the owner's log; the owner itself
+keeps serving on its own listeners meanwhile. On shutdown the frontends get SIGTERM first and
+finish what they have in flight while the owner still executes it; any still running after
+the exit timeout are killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from pyserve.handoff.owner import HandoffServer
+from pyserve_hookspecs import hookimpl
+
+log = logging.getLogger("pyserve.handoff")
+
+MAX_FRONTEND_PROCESSES = 64
+_RESTART_DELAY = 1.0
+_RESTART_DELAY_MAX = 30.0
+_STABLE_AFTER = 60.0
+
+
+class FrontendStartError(RuntimeError):
+    """A frontend process exited or did not report ready in time while the server started."""
+
+
+class ModelChangeObserver:
+    """A server plugin telling the hand-off server that the READY models changed."""
+
+    def __init__(self, handoff: HandoffServer) -> None:
+        self.handoff = handoff
+
+    @hookimpl
+    def pyserve_model_ready(self, model: Any) -> None:
+        self.handoff.models_changed()
+
+    @hookimpl
+    def pyserve_model_unloaded(self, model: Any) -> None:
+        self.handoff.models_changed()
+
+
+class _Slot:
+    """One frontend position: its current process and restart bookkeeping."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.process: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+        self.delay = _RESTART_DELAY
+        self.restart: asyncio.TimerHandle | None = None
+
+
+class FrontendSupervisor:
+    """Runs ``count`` frontend processes with ``settings`` (see ``pyserve.handoff.frontend``).
+
+    Event loop only, except the per-process watcher threads, which only post to the loop.
+    """
+
+    def __init__(self, count: int, settings: dict[str, Any], handoff: HandoffServer) -> None:
+        self.settings = settings
+        self.handoff = handoff
+        self.slots = [_Slot(i) for i in range(count)]
+        self.stopping = False
+        self.restarts = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def pids(self) -> list[int]:
+        """The process ids of the running frontends."""
+        return [s.process.pid for s in self.slots if s.process is not None and s.process.poll() is None]
+
+    async def start(self, timeout: float = 60.0) -> None:
+        """Start every frontend and wait until each listens.
+
+        :raises FrontendStartError: one exited or did not report ready within ``timeout``.
+        """
+        self._loop = asyncio.get_running_loop()
+        for slot in self.slots:
+            self._spawn(slot)
+        hello = self.handoff.hello
+
+        def settled() -> bool:
+            if any(s.process is not None and s.process.poll() is not None for s in self.slots):
+                return True
+            return all(s.process is not None and s.process.pid in self.handoff.ready_pids for s in self.slots)
+
+        try:
+            async with hello:
+                await asyncio.wait_for(hello.wait_for(settled), timeout)
+        except asyncio.TimeoutError:
+            raise FrontendStartError(f"frontend processes did not report ready within {timeout:.0f} s") from None
+        for slot in self.slots:
+            assert slot.process is not None
+            status = slot.process.poll()
+            if status is not None:
+                raise FrontendStartError(
+                    f"frontend process {slot.index} exited with status {status} while starting (see its log above)"
+                )
+
+    def _spawn(self, slot: _Slot) -> None:
+        slot.restart = None
+        if self.stopping:
+            return
+        command = [sys.executable, "-m", "pyserve.handoff.frontend", json.dumps(self.settings)]
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, close_fds=True)
+        slot.process = process
+        slot.started_at = time.monotonic()
+        loop = self._loop
+        assert loop is not None
+
+        def watch() -> None:
+            status = process.wait()
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the server is gone
+                loop.call_soon_threadsafe(self._exited, slot, process, status)
+
+        threading.Thread(target=watch, name=f"pyserve-frontend-{slot.index}", daemon=True).start()
+
+    def _exited(self, slot: _Slot, process: subprocess.Popen[bytes], status: int) -> None:
+        if self.stopping or slot.process is not process:
+            return
+        if time.monotonic() - slot.started_at > _STABLE_AFTER:
+            slot.delay = _RESTART_DELAY
+        log.error(
+            "frontend process %d (pid %d) exited with status %d; starting it again in %.0f s",
+            slot.index, process.pid, status, slot.delay,
+        )
+        self.restarts += 1
+        assert self._loop is not None
+        slot.restart = self._loop.call_later(slot.delay, self._spawn, slot)
+        slot.delay = min(slot.delay * 2, _RESTART_DELAY_MAX)
+
+    async def stop(self, timeout: float) -> None:
+        """SIGTERM every frontend, wait up to ``timeout`` s for them to finish, kill the rest."""
+        self.stopping = True
+        processes = []
+        for slot in self.slots:
+            if slot.restart is not None:
+                slot.restart.cancel()
+            if slot.process is not None and slot.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    slot.process.terminate()
+                processes.append(slot.process)
+        deadline = time.monotonic() + max(timeout, 0.0)
+        for process in processes:
+            while process.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if process.poll() is None:
+                log.warning("frontend process %d did not stop within the exit timeout; killing it", process.pid)
+                process.kill()
+                await asyncio.get_running_loop().run_in_executor(None, process.wait)

@@ -1,0 +1,408 @@
+"""``pyserve run --frontend-processes N``: frontend processes sharing the HTTP and gRPC ports,
+handing requests to the model owner or answering them with their own replicas.
+
+A real server with one frontend process (a separate ``python -m pyserve.handoff.frontend``)
+and installed backends only, driven with tritonclient over many fresh connections: the
+kernel spreads connections over both processes, so every check holds whichever process took
+the connection. Sequences, shared memory, streams, model control, statistics and metrics
+must behave as in a single process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
+
+from pyserve.server import ServerThread, StartupError
+from pyserve.testing import serve, write_model
+
+CONNECTIONS = 16
+"""Fresh connections per check: all landing on one of two processes has odds 2**-15."""
+
+ECHO = """
+name: "echo"
+backend: "identity"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+dynamic_batching { }
+"""
+
+PYECHO = """
+name: "pyecho"
+backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+
+PYECHO_PY = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())])
+            for r in requests
+        ]
+"""
+
+BLS = """
+name: "bls"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1, -1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1, -1 ] } ]
+"""
+
+BLS_PY = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            call = pb_utils.InferenceRequest(
+                model_name="pyecho", requested_output_names=["OUTPUT0"],
+                inputs=[pb_utils.get_input_tensor_by_name(request, "INPUT0")],
+            )
+            answer = call.exec()
+            out = pb_utils.get_output_tensor_by_name(answer, "OUTPUT0").as_numpy() * 2
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", out)]))
+        return responses
+"""
+
+ACCUMULATE = """
+name: "accumulate"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]
+sequence_batching {
+  max_sequence_idle_microseconds: 10000000
+  control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]
+}
+"""
+
+ACCUMULATE_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sums = {}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value = int(pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()[0])
+            key = request.correlation_id()
+            if pb_utils.get_input_tensor_by_name(request, "START").as_numpy()[0]:
+                self.sums[key] = 0
+            self.sums[key] = self.sums.get(key, 0) + value
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", np.array([self.sums[key]], dtype=np.int32))]))
+        return responses
+"""
+
+SQUARE = """
+name: "square"
+backend: "square"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+
+def _repository(root: Path) -> Path:
+    repo = root / "repo"
+    write_model(repo, "echo", ECHO)
+    write_model(repo, "pyecho", PYECHO, {"1/model.py": PYECHO_PY})
+    write_model(repo, "bls", BLS, {"1/model.py": BLS_PY})
+    write_model(repo, "accumulate", ACCUMULATE, {"1/model.py": ACCUMULATE_PY})
+    write_model(repo, "square", SQUARE)
+    return repo
+
+
+def _wait_for_replicas(server: ServerThread, count: int, timeout: float = 60.0) -> None:
+    handoff = server.server._handoff
+    assert handoff is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(len(g) >= count for g in handoff.replicas.values()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"frontend replicas did not become ready: {handoff.replicas}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    repo = _repository(tmp_path_factory.mktemp("frontends"))
+    with serve(
+        repo, frontend_processes=1, replicate_models="auto", model_control_mode="explicit", load_models=["*"],
+        allow_metrics=True,
+    ) as thread:
+        _wait_for_replicas(thread, 2)  # echo and pyecho (their default and numbered entries share one)
+        yield thread
+
+
+def _http(server: ServerThread) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(server.url)
+
+
+def _grpc(server: ServerThread) -> grpcclient.InferenceServerClient:
+    return grpcclient.InferenceServerClient(server.grpc_url)
+
+
+def _fp32(values: np.ndarray, module: object = httpclient) -> object:
+    tensor = module.InferInput("INPUT0", list(values.shape), "FP32")  # type: ignore[attr-defined]
+    tensor.set_data_from_numpy(values)
+    return tensor
+
+
+def _pids(server: ServerThread) -> list[int]:
+    assert server.server.frontends is not None
+    return server.server.frontends.pids
+
+
+# -- answers ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["echo", "pyecho"])
+def test_replicated_models_answer_on_every_connection(server: ServerThread, model: str) -> None:
+    for i in range(CONNECTIONS):
+        values = np.arange(8, dtype=np.float32).reshape(1, 8) + i
+        with _http(server) as client:
+            assert np.array_equal(client.infer(model, [_fp32(values)]).as_numpy("OUTPUT0"), values)
+        grpc = _grpc(server)
+        try:
+            answer = grpc.infer(model, [_fp32(values, grpcclient)])
+            assert np.array_equal(answer.as_numpy("OUTPUT0"), values)
+        finally:
+            grpc.close()
+
+
+def test_models_left_with_the_owner_answer_on_every_connection(server: ServerThread) -> None:
+    """``bls`` calls another model (not replicated by ``auto``): handed to the owner."""
+    handoff = server.server._handoff
+    assert handoff is not None
+    before = handoff.requests
+    values = np.ones((1, 4), dtype=np.float32)
+    for _ in range(CONNECTIONS):
+        with _http(server) as client:
+            assert np.array_equal(client.infer("bls", [_fp32(values)]).as_numpy("OUTPUT0"), values * 2)
+    assert handoff.requests > before, "no request came through a frontend process"
+
+
+def test_statistics_and_metrics_count_every_replica(server: ServerThread) -> None:
+    with _http(server) as client:
+        before = client.get_inference_statistics("echo")["model_stats"][0]["inference_count"]
+    values = np.ones((1, 3), dtype=np.float32)
+    for _ in range(CONNECTIONS):
+        with _http(server) as client:
+            client.infer("echo", [_fp32(values)])
+    with _http(server) as client:
+        stats = client.get_inference_statistics("echo")["model_stats"][0]
+    assert stats["inference_count"] == before + CONNECTIONS
+    assert stats["inference_stats"]["success"]["count"] == before + CONNECTIONS
+    grpc = _grpc(server)
+    try:
+        grpc_stats = grpc.get_inference_statistics("echo", as_json=True)["model_stats"][0]
+    finally:
+        grpc.close()
+    assert int(grpc_stats["inference_count"]) == before + CONNECTIONS
+    page = httpx.get(f"http://127.0.0.1:{server.server.metrics_port}/metrics").text
+    line = next(x for x in page.splitlines() if x.startswith('nv_inference_request_success{model="echo"'))
+    assert float(line.split()[-1]) == before + CONNECTIONS
+    handoff = server.server._handoff
+    assert handoff is not None and handoff.absorbed > 0, "no replica in a frontend answered a request"
+
+
+def test_bad_requests_get_the_owners_error_texts(server: ServerThread) -> None:
+    messages = set()
+    unknown = set()
+    for _ in range(CONNECTIONS):
+        with _http(server) as client:
+            with pytest.raises(InferenceServerException) as bad:
+                client.infer("echo", [_fp32(np.ones((9, 2), dtype=np.float32))])  # batch 9 > 8
+            messages.add(str(bad.value))
+            with pytest.raises(InferenceServerException) as missing:
+                client.infer("nope", [_fp32(np.ones((1, 2), dtype=np.float32))])
+            unknown.add(str(missing.value))
+    assert messages == {"[400] inference request batch-size must be <= 8 for 'echo' (input 'INPUT0' has batch size 9)"}
+    assert unknown == {"[404] Request for unknown model: 'nope' is not found"}
+
+
+def test_decoupled_model_refused_over_http_and_streamed_over_grpc(server: ServerThread) -> None:
+    for _ in range(4):
+        reply = httpx.post(
+            f"http://{server.url}/v2/models/square/infer",
+            json={"inputs": [{"name": "IN", "shape": [1], "datatype": "INT32", "data": [3]}]},
+        )
+        assert reply.status_code == 501 and "decoupled" in reply.json()["error"]
+    for _ in range(4):
+        results: list[object] = []
+        client = _grpc(server)
+        try:
+            client.start_stream(callback=lambda result, error: results.append(error or result))
+            tensor = grpcclient.InferInput("IN", [1], "INT32")
+            tensor.set_data_from_numpy(np.array([3], dtype=np.int32))
+            client.async_stream_infer("square", [tensor])
+            deadline = time.monotonic() + 10
+            while len(results) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            client.stop_stream()
+        finally:
+            client.close()
+        assert [r.as_numpy("OUT")[0] for r in results] == [3, 3, 3]  # type: ignore[union-attr]
+
+
+# -- state that must stay in one process -----------------------------------------------------
+
+
+def test_a_sequence_keeps_its_state_across_connections(server: ServerThread) -> None:
+    sums = []
+    for step in range(8):
+        tensor_values = np.array([step + 1], dtype=np.int32)
+        if step % 2:
+            client = _grpc(server)
+            tensor = grpcclient.InferInput("INPUT0", [1], "INT32")
+            tensor.set_data_from_numpy(tensor_values)
+            try:
+                answer = client.infer("accumulate", [tensor], sequence_id=4242, sequence_start=step == 0,
+                                      sequence_end=step == 7)
+            finally:
+                client.close()
+        else:
+            with _http(server) as http:
+                tensor = httpclient.InferInput("INPUT0", [1], "INT32")
+                tensor.set_data_from_numpy(tensor_values)
+                answer = http.infer("accumulate", [tensor], sequence_id=4242, sequence_start=step == 0,
+                                    sequence_end=step == 7)
+        sums.append(int(answer.as_numpy("OUTPUT0")[0]))
+    assert sums == [1, 3, 6, 10, 15, 21, 28, 36]
+
+
+def test_shared_memory_requests_are_served_on_every_connection(server: ServerThread) -> None:
+    key = f"/pyserve-fp-{uuid.uuid4().hex[:8]}"
+    values = np.arange(6, dtype=np.float32).reshape(1, 6)
+    handle = shm.create_shared_memory_region("fp_region", key, 2 * values.nbytes)
+    try:
+        shm.set_shared_memory_region(handle, [values])
+        with _http(server) as client:
+            client.register_system_shared_memory("fp_region", key, 2 * values.nbytes)
+        try:
+            for i in range(CONNECTIONS):
+                with _http(server) as client:
+                    tensor = httpclient.InferInput("INPUT0", [1, 6], "FP32")
+                    tensor.set_shared_memory("fp_region", values.nbytes)
+                    output = httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)
+                    output.set_shared_memory("fp_region", values.nbytes, offset=values.nbytes)
+                    client.infer("echo", [tensor], outputs=[output])
+                    got = shm.get_contents_as_numpy(handle, np.float32, [1, 6], offset=values.nbytes)
+                    assert np.array_equal(got, values)
+                    shm.set_shared_memory_region(handle, [np.zeros_like(values)], offset=values.nbytes)
+        finally:
+            with _http(server) as client:
+                client.unregister_system_shared_memory("fp_region")
+    finally:
+        shm.destroy_shared_memory_region(handle)
+
+
+# -- model control ---------------------------------------------------------------------------
+
+
+def test_unload_and_load_reach_every_process(server: ServerThread) -> None:
+    values = np.ones((1, 2), dtype=np.float32)
+    with _http(server) as client:
+        client.unload_model("pyecho")
+    for _ in range(CONNECTIONS):
+        with _http(server) as client:
+            with pytest.raises(InferenceServerException) as gone:
+                client.infer("pyecho", [_fp32(values)])
+            assert "pyecho" in str(gone.value)
+            assert not client.is_model_ready("pyecho")
+    with _http(server) as client:
+        client.load_model("pyecho")
+    for _ in range(CONNECTIONS):
+        with _http(server) as client:
+            assert np.array_equal(client.infer("pyecho", [_fp32(values)]).as_numpy("OUTPUT0"), values)
+    _wait_for_replicas(server, 2)
+
+
+# -- processes -------------------------------------------------------------------------------
+
+
+def test_a_killed_frontend_is_started_again(server: ServerThread) -> None:
+    supervisor = server.server.frontends
+    assert supervisor is not None
+    [old] = supervisor.pids
+    restarts = supervisor.restarts
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (supervisor.restarts == restarts or not supervisor.pids
+                                             or old in supervisor.pids):
+        time.sleep(0.05)
+    assert supervisor.restarts == restarts + 1 and supervisor.pids and old not in supervisor.pids
+    handoff = server.server._handoff
+    assert handoff is not None
+    while time.monotonic() < deadline and supervisor.pids[0] not in handoff.ready_pids:
+        time.sleep(0.05)
+    values = np.ones((1, 2), dtype=np.float32)
+    for _ in range(CONNECTIONS):  # the owner kept serving meanwhile; now both processes do again
+        with _http(server) as client:
+            assert np.array_equal(client.infer("echo", [_fp32(values)]).as_numpy("OUTPUT0"), values)
+
+
+def test_handoff_without_replicas(tmp_path: Path) -> None:
+    repo = _repository(tmp_path)
+    with serve(repo, frontend_processes=1) as thread:
+        handoff = thread.server._handoff
+        assert handoff is not None
+        values = np.arange(4, dtype=np.float32).reshape(1, 4)
+        for _ in range(CONNECTIONS):
+            with _http(thread) as client:
+                assert np.array_equal(client.infer("echo", [_fp32(values)]).as_numpy("OUTPUT0"), values)
+                assert client.get_model_metadata("echo")["name"] == "echo"
+            grpc = _grpc(thread)
+            try:
+                assert np.array_equal(grpc.infer("pyecho", [_fp32(values, grpcclient)]).as_numpy("OUTPUT0"), values)
+                assert grpc.is_server_ready()
+            finally:
+                grpc.close()
+        assert handoff.requests > 0
+        assert handoff.replicas == {}
+        folder = thread.server._handoff_dir
+        assert folder is not None and Path(folder).is_dir()
+    assert not Path(folder).exists()  # the sockets' folder is removed at shutdown
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"frontend_processes": 1, "http_server": "uvicorn"}, "needs --http-server pyserve"),
+        ({"frontend_processes": -1}, "--frontend-processes must be between"),
+        ({"frontend_processes": 1, "replicate_models": "echo,,pyecho"}, "--replicate-models"),
+        ({"frontend_processes": 1, "allow_http": False, "allow_grpc": False}, "needs the HTTP or the gRPC service"),
+    ],
+)
+def test_bad_settings_are_refused(tmp_path: Path, options: dict[str, object], message: str) -> None:
+    write_model(tmp_path / "repo", "echo", ECHO)
+    with pytest.raises(StartupError, match=message):
+        with serve(tmp_path / "repo", **options):
+            pass

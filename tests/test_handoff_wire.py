@@ -1,0 +1,144 @@
+"""The hand-off frames between frontend processes and the owner, and the replication rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from pyserve import protocol as pb
+from pyserve.errors import ErrorCode, InferError
+from pyserve.handoff import wire
+from pyserve.handoff.replicas import ReplicationMode, replicable
+from pyserve.handoff.wire import Kind
+from pyserve.inference import InferRequest, InferResponse
+from pyserve.metrics.stats import ModelStats, counters_delta
+from pyserve.models import ModelVersion
+
+
+def _frames(parts_list: list[list[Any]], chunk: int) -> list[tuple[int, int, bytes]]:
+    stream = b"".join(bytes(p) for parts in parts_list for p in parts)
+    got: list[tuple[int, int, bytes]] = []
+    reader = wire.FrameReader(lambda kind, rid, payload: got.append((kind, rid, bytes(payload))))
+    for start in range(0, len(stream), chunk):
+        reader.feed(stream[start : start + chunk])
+    return got
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 22])
+def test_frames_survive_any_split_of_the_stream(chunk: int) -> None:
+    big = np.arange(600_000, dtype=np.float32)  # 2.4 MB: collected into its own buffer
+    frames = [
+        wire.frame(Kind.HELLO, 0, {"pid": 1}),
+        wire.frame(Kind.CANCEL, 7),
+        wire.frame(Kind.INFER, 9, {"x": 1}, [memoryview(big).cast("B")]),
+        wire.frame(Kind.RESULT, 10, {"y": [1, 2]}, [b"abc"]),
+    ]
+    got = _frames(frames, chunk)
+    assert [(k, r) for k, r, _ in got] == [(Kind.HELLO, 0), (Kind.CANCEL, 7), (Kind.INFER, 9), (Kind.RESULT, 10)]
+    header, data = wire.split_payload(got[2][2])
+    assert header == {"x": 1} and np.array_equal(np.frombuffer(data, np.float32), big)
+    assert got[1][2] == b""
+    assert wire.split_payload(got[3][2])[0] == {"y": [1, 2]}
+
+
+def test_an_unknown_frame_kind_is_refused() -> None:
+    reader = wire.FrameReader(lambda *a: None)
+    with pytest.raises(ValueError, match="unknown frame kind 99"):
+        reader.feed(bytes(wire.retarget(wire.frame(Kind.HELLO, 0)[0], 0))[:4] + b"\x63" + b"\0\0\0\0")
+
+
+def test_a_request_round_trips_with_every_datatype() -> None:
+    inputs = {
+        "f32": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "i64": np.array([[-(2**62), 2**62]], dtype=np.int64),
+        "u8": np.array([], dtype=np.uint8).reshape(0, 4),
+        "b": np.array([True, False]),
+        "bf16": np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16),
+        "bytes": np.array([[b"a", b""], [b"\xff\x00", "text"]], dtype=object),
+        "strided": np.arange(10, dtype=np.int16)[::2],
+        "big_endian": np.arange(3, dtype=">f8"),
+    }
+    request = InferRequest("m", 1, inputs, ("out",), id="r1", parameters={"k": "v", "n": 2**63},
+                           flags=1, correlation_id="seq-1", priority=2, timeout_us=5, batch_size=2)
+    request.trace_parent = "00-abc"
+    [(kind, rid, payload)] = _frames([wire.request_frame(3, request, 42, ("m", None))], 1 << 20)
+    header, data = wire.split_payload(payload)
+    assert (kind, rid, header["g"], header["m"]) == (Kind.INFER, 3, 42, ["m", None])
+    assert (header["id"], header["p"], header["f"], header["c"], header["pr"], header["t"], header["b"], header["tp"]) == (
+        "r1", {"k": "v", "n": 2**63}, 1, "seq-1", 2, 5, 2, "00-abc")
+    arrays = wire.read_tensors(header["i"], data)
+    for name, original in inputs.items():
+        assert arrays[name].shape == original.shape, name
+        if original.dtype == object:
+            expected = [x if isinstance(x, bytes) else x.encode() for x in original.reshape(-1)]
+            assert list(arrays[name].reshape(-1)) == expected
+        else:
+            assert arrays[name].dtype == original.dtype.newbyteorder("=") and np.array_equal(arrays[name], original), name
+
+
+def test_results_and_errors_round_trip() -> None:
+    response = InferResponse({"out": np.array([[1, 2]], dtype=np.int32)}, {"p": True})
+    [(_, _, payload)] = _frames([wire.result_frame(5, response)], 64)
+    header, data = wire.split_payload(payload)
+    assert header["p"] == {"p": True}
+    assert np.array_equal(wire.read_tensors(header["o"], data)["out"], [[1, 2]])
+    [(_, _, payload)] = _frames([wire.result_frame(6, InferError("queue full", ErrorCode.UNAVAILABLE))], 64)
+    assert wire.split_payload(payload)[0] == {"e": "queue full", "c": int(ErrorCode.UNAVAILABLE)}
+
+
+def test_tensors_running_past_their_frame_are_refused() -> None:
+    with pytest.raises(ValueError, match="runs past the end"):
+        wire.read_tensors([["x", "float32", [4], 16]], memoryview(b"\0" * 8))
+
+
+def test_replica_counters_add_up_in_the_owner() -> None:
+    replica, owner = ModelStats(), ModelStats()
+    before = replica.counters()
+    replica.success_count, replica.inference_count, replica.execution_count = 5, 5, 2
+    replica.batches = {1: [1, 10, 20, 30], 4: [1, 1, 2, 3]}
+    replica.failures[1] = 2
+    replica.last_inference_ns = 123
+    owner.success_count, owner.batches = 1, {1: [1, 1, 1, 1]}
+    owner.absorb(counters_delta(replica.counters(), before))
+    assert (owner.success_count, owner.inference_count, owner.execution_count) == (6, 5, 2)
+    assert owner.batches == {1: [2, 11, 21, 31], 4: [1, 1, 2, 3]} and owner.failures[1] == 2
+    assert owner.last_inference_ns == 123
+    again = counters_delta(replica.counters(), replica.counters())
+    assert again["success_count"] == 0 and again["batches"] == {1: [0, 0, 0, 0], 4: [0, 0, 0, 0]}
+
+
+def _version(config: str, tmp_path: Path | None = None) -> ModelVersion:
+    message = text_format.Parse(config, pb.ModelConfig())
+    return ModelVersion(name=message.name, version=1, config=message)
+
+
+@pytest.mark.parametrize(
+    ("config", "mode", "expected", "reason"),
+    [
+        ('name: "a" backend: "identity"', "auto", True, ""),
+        ('name: "a" backend: "identity"', "none", False, "not selected"),
+        ('name: "a" backend: "identity"', "a,b", True, ""),
+        ('name: "a" backend: "identity" sequence_batching {}', "auto", False, "sequence batcher"),
+        ('name: "a" backend: "identity" model_transaction_policy { decoupled: true }', "a", False, "decoupled"),
+        ('name: "a" platform: "ensemble"', "auto", False, "ensemble"),
+        ('name: "a" backend: "identity" instance_group [ { kind: KIND_GPU } ]', "auto", False, "GPU"),
+        ('name: "a" backend: "identity" response_cache { enable: true }', "auto", False, "response cache"),
+        ('name: "a" backend: "identity" parameters { key: "pyserve_replicate" value { string_value: "false" } }',
+         "auto", False, "is false"),
+        ('name: "a" backend: "identity" instance_group [ { kind: KIND_GPU } ] '
+         'parameters { key: "pyserve_replicate" value { string_value: "true" } }', "none", True, ""),
+    ],
+)
+def test_replication_rules(config: str, mode: str, expected: bool, reason: str) -> None:
+    chosen, why = replicable(_version(config), ReplicationMode(mode))
+    assert chosen is expected and reason in why
+
+
+def test_bad_replication_mode() -> None:
+    with pytest.raises(ValueError, match="--replicate-models"):
+        ReplicationMode("a,,b")
