@@ -355,3 +355,33 @@ def test_extra_sequence_waits_in_the_backlog(start_server: StartServer, make_rep
     assert waited["at"] >= ended_at
     order = [s.correlation_id for s in backend.of("m")]
     assert order == [1, 1, 1, 2, 2], order
+
+
+@pytest.mark.parametrize("preserve", [True, False])
+def test_oldest_preserve_ordering(start_server: StartServer, make_repo: MakeRepo, preserve: bool) -> None:
+    """``oldest { preserve_ordering }``: a fast request of one sequence is answered only after a
+    slow, earlier request of another sequence on another instance; without it, at once."""
+    strategy = f"oldest {{ max_candidate_sequences: 1 max_queue_delay_microseconds: 0 preserve_ordering: {str(preserve).lower()} }}"
+    server, backend = serve(start_server, make_repo, {"m": config(strategy, instances=2)})
+    done: dict[str, float] = {}
+
+    def send(name: str, sequence_id: int, delay_ms: int, after: float) -> None:
+        time.sleep(after)
+        client = Client(server, "m", batching=False)
+        try:
+            client.send(sequence_id, 1, start=True, parameters={"delay_ms": delay_ms})
+        finally:
+            client.close()
+        done[name] = time.monotonic()
+
+    threads = [threading.Thread(target=send, args=("slow", 11, 600, 0.0)),
+               threading.Thread(target=send, args=("fast", 12, 0, 0.15))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len({s.instance for s in backend.of("m")}) == 2  # the two sequences ran on different instances
+    if preserve:
+        assert done["fast"] > done["slow"] - 0.1, done["fast"] - done["slow"]  # released together
+    else:
+        assert done["fast"] < done["slow"] - 0.2, done["fast"] - done["slow"]

@@ -78,7 +78,7 @@ class _OrderedSender:
 
     __slots__ = ("_gate", "_inner", "_seq")
 
-    def __init__(self, gate: _OrderGate, seq: int, inner: ResponseSender) -> None:
+    def __init__(self, gate: OrderGate, seq: int, inner: ResponseSender) -> None:
         self._gate = gate
         self._seq = seq
         self._inner = inner
@@ -90,8 +90,12 @@ class _OrderedSender:
         return self._inner.is_cancelled()
 
 
-class _OrderGate:
-    """Releases responses in sequence-number order (``preserve_ordering``)."""
+class OrderGate:
+    """Releases responses in sequence-number order (``preserve_ordering``).
+
+    ``wrap`` (under the scheduler's lock, in arrival order) numbers a request; its responses
+    are held until every earlier request got its final response. Any thread may deliver.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -154,7 +158,7 @@ class DynamicBatcher:
         self._delayed: deque[_Queued] = deque()
         self._cond = threading.Condition(threading.Lock())
         self._stopping = False
-        self._order = _OrderGate() if batching.preserve_ordering else None
+        self._order = OrderGate() if batching.preserve_ordering else None
 
     # -- event loop side ---------------------------------------------------------------------
     def enqueue(self, request: InferRequest) -> None:

@@ -12,7 +12,8 @@ instance that holds its state.
   ``max_queue_delay_microseconds``.
 * ``oldest``: an instance holds up to ``max_candidate_sequences`` sequences; batches take
   the oldest requests across them, honouring ``preferred_batch_size`` and
-  ``max_queue_delay_microseconds`` like the dynamic batcher.
+  ``max_queue_delay_microseconds`` like the dynamic batcher; with ``preserve_ordering``
+  responses leave in the order their requests arrived, whichever instance ran them.
 
 Control inputs (``control_input``: START, READY, END, CORRID) are added to each request's
 inputs as tensors with the configured datatype and false/true values. Implicit state
@@ -37,6 +38,7 @@ from pyserve.errors import ErrorCode, InferError
 from pyserve.inference import SEQUENCE_END, SEQUENCE_START, InferRequest, InferResponse
 from pyserve.model_config import ModelIO
 from pyserve.protocol import data_type_name
+from pyserve.scheduling.dynamic import OrderGate
 from pyserve.scheduling.instance import STOP, Batch
 
 _CONTROL_FLAG = {"CONTROL_SEQUENCE_START": SEQUENCE_START, "CONTROL_SEQUENCE_END": SEQUENCE_END}
@@ -166,6 +168,8 @@ class SequenceBatcher:
         self._cond = threading.Condition(threading.Lock())
         self._stopping = False
         self._stopped_workers = 0
+        # oldest.preserve_ordering: responses leave in arrival order, across sequences too
+        self._order = OrderGate() if strategy == "oldest" and seq.oldest.preserve_ordering else None
 
     # -- event loop side ---------------------------------------------------------------------
     def enqueue(self, request: InferRequest) -> None:
@@ -202,6 +206,8 @@ class SequenceBatcher:
                 )
             if request.flags & SEQUENCE_END:
                 sequence.ended = True
+            if self._order is not None:
+                self._order.wrap(request)
             sequence.pending.append(request)
             sequence.last_active_ns = now
             self._cond.notify_all()
