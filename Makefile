@@ -34,7 +34,7 @@ $(VENV)/.installed: $(BIN)/python $(PYPROJECTS)
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install --quiet $(PACKAGES) $(FRAMEWORK_PACKAGES) -e '.[test]'
+	$(BIN)/python -m pip install --quiet $(PACKAGES) $(FRAMEWORK_PACKAGES) -e '.[test,ray]'
 	# Triton's own compiled Python backend, hosted by pyserve-backend-native's tests. --no-deps:
 	# its requirements would replace the server's numpy.
 	$(BIN)/python -m pip install --quiet --no-deps nvidia-pytriton==0.7.0

@@ -385,7 +385,64 @@ def build_parser() -> argparse.ArgumentParser:
     from pyserve.bench import add_bench_parser  # standard library only: keeps --help fast
 
     add_bench_parser(sub)
+    ray = sub.add_parser("ray-deploy", help="deploy a model repository as a Ray Serve application (pyserve[ray])")
+    ray.add_argument("--model-repository", action="append", required=True, metavar="PATH",
+                     help="model repository (repeatable); every Ray node must reach it at the same path")
+    ray.add_argument("--address", default="auto", help="the Ray cluster to join (default auto: the running one)")
+    ray.add_argument("--name", default="pyserve", help="the Serve application name (default pyserve)")
+    ray.add_argument("--per-repository", action="store_true",
+                     help="one deployment holding every model instead of one deployment per model")
+    ray.add_argument("--num-replicas", type=int, default=None, metavar="N",
+                     help="replicas for models whose config sets no ray_num_replicas (default 1)")
+    ray.add_argument("--http-host", default="0.0.0.0", help="Serve's HTTP proxy address (default 0.0.0.0)")
+    ray.add_argument("--http-port", type=int, default=8000, help="Serve's HTTP proxy port (default 8000)")
+    ray.add_argument("--grpc-port", type=int, default=9000, help="Serve's gRPC proxy port (default 9000)")
+    ray.add_argument("--backend-config", action="append", default=[], type=_backend_setting, metavar="<backend>,<key>=<value>",
+                     help="backend settings passed to every replica, as pyserve run's")
+    ray.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the application (300)")
     return parser
+
+
+def cmd_ray_deploy(args: argparse.Namespace) -> int:
+    """Deploy to Ray Serve; returns once the application is RUNNING (it keeps running)."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        print("pyserve: error: Ray Serve is not installed: pip install 'pyserve[ray]'", file=sys.stderr)
+        return 1
+    from pyserve.ray_serve import GRPC_SERVICER_FUNCTION, RayConfigError, build_app
+
+    if args.num_replicas is not None and args.num_replicas < 1:
+        print("pyserve: error: --num-replicas must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        backend_config = {k: dict(v) for k, v in _backend_config(args.backend_config).items()}
+        app = build_app(args.model_repository, per_repository=args.per_repository, num_replicas=args.num_replicas,
+                        backend_config=backend_config)
+    except (RayConfigError, ValueError) as exc:
+        print(f"pyserve: error: {exc}", file=sys.stderr)
+        return 2
+    ray.init(address=args.address, log_to_driver=False)
+    serve.start(
+        http_options={"host": args.http_host, "port": args.http_port},
+        grpc_options={"port": args.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION]},
+    )
+    serve.run(app, name=args.name, route_prefix="/", blocking=False)
+    import time
+
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(args.name)
+        if status is not None and status.status == "RUNNING":
+            print(f"pyserve: application '{args.name}' RUNNING: HTTP :{args.http_port}, gRPC :{args.grpc_port}")
+            return 0
+        if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            print(f"pyserve: error: application '{args.name}' {status.status}: {status.message}", file=sys.stderr)
+            return 1
+        time.sleep(0.5)
+    print(f"pyserve: error: application '{args.name}' not RUNNING after {args.timeout:.0f} s", file=sys.stderr)
+    return 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -397,5 +454,5 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"run": cmd_run, "validate": cmd_validate, "backends": cmd_backends, "new-backend": cmd_new_backend,
-                "bench": cmd_bench}
+                "bench": cmd_bench, "ray-deploy": cmd_ray_deploy}
     return handlers[args.command](args)

@@ -1,0 +1,172 @@
+"""Run pyserve on Ray Serve: the same model repository, KServe v2 over Serve's proxies.
+
+``pyserve ray-deploy --model-repository REPO`` (or a Serve config whose ``import_path`` is
+``pyserve.ray_serve:app_builder``) builds one Serve application:
+
+* one deployment per model (``pyserve-<model>``), or one for the whole repository
+  (``per_repository``), each replica running pyserve's in-process core
+  (``pyserve.ray_serve.replica``) with its dynamic and sequence batchers;
+* an ingress deployment (``pyserve.ray_serve.ingress``) answering KServe v2 over Serve's HTTP
+  proxy and ``inference.GRPCInferenceService`` over Serve's gRPC proxy (started with
+  ``add_inference_servicer``), so tritonclient talks to Serve as to Triton.
+
+Deployment options come from each model's ``config.pbtxt``: ``ray_actor_options.num_cpus``
+is the number of its CPU instances, ``num_gpus`` 1 when it has GPU instances; config
+``parameters`` override them and add replica settings: ``ray_num_replicas``,
+``ray_num_cpus``, ``ray_num_gpus`` (fractions allowed), ``ray_min_replicas`` /
+``ray_max_replicas`` / ``ray_target_ongoing_requests`` (autoscaling) and
+``ray_max_ongoing_requests``.
+
+Ray is imported only here (``pip install 'pyserve[ray]'``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import text_format
+
+from pyserve import protocol as pb
+
+ROUTER = "pyserve.ray_serve.routing:SequenceAffinityRouter"
+"""The request router of model deployments: a sequence's requests stay on one replica."""
+
+DEFAULT_MAX_ONGOING = 64
+"""Requests in flight per replica unless ``ray_max_ongoing_requests`` says otherwise: enough for
+the dynamic batcher to form batches."""
+
+_INT_PARAMETERS = ("ray_num_replicas", "ray_min_replicas", "ray_max_replicas", "ray_max_ongoing_requests")
+_FLOAT_PARAMETERS = ("ray_num_cpus", "ray_num_gpus", "ray_target_ongoing_requests")
+
+
+class RayConfigError(ValueError):
+    """A model's ``ray_*`` parameter is malformed (the message names file and parameter)."""
+
+
+def _models(repositories: list[Path]) -> dict[str, Any]:
+    """Model name → its parsed ``config.pbtxt`` (an empty config when there is none)."""
+    found: dict[str, Any] = {}
+    for repository in repositories:
+        for folder in sorted(p for p in repository.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            config = pb.ModelConfig()
+            path = folder / "config.pbtxt"
+            if path.exists():
+                try:
+                    text_format.Parse(path.read_text(encoding="utf-8"), config)
+                except text_format.ParseError as exc:
+                    raise RayConfigError(f"{path}: {exc}") from None
+            found.setdefault(folder.name, (config, path))
+    return found
+
+
+def deployment_options(config: Any, path: Path | str = "config.pbtxt", num_replicas: int | None = None) -> dict[str, Any]:
+    """Serve deployment options for one model's config (see the module docstring).
+
+    :raises RayConfigError: a ``ray_*`` parameter that is not a number.
+    """
+    values: dict[str, float] = {}
+    for key in _INT_PARAMETERS + _FLOAT_PARAMETERS:
+        parameter = config.parameters.get(key)
+        if parameter is None:
+            continue
+        text = parameter.string_value.strip()
+        try:
+            values[key] = int(text) if key in _INT_PARAMETERS else float(text)
+        except ValueError:
+            raise RayConfigError(f"{path}: parameter '{key}' must be a number, got '{text}'") from None
+        if values[key] < 0:
+            raise RayConfigError(f"{path}: parameter '{key}' must not be negative, got '{text}'")
+    cpu_instances = sum(max(g.count, 1) for g in config.instance_group if g.kind in (0, 2))  # AUTO, CPU
+    gpu_groups = [g for g in config.instance_group if g.kind == 1]
+    actor: dict[str, Any] = {
+        "num_cpus": values.get("ray_num_cpus", float(cpu_instances or 1)),
+        "num_gpus": values.get("ray_num_gpus", 1.0 if gpu_groups else 0.0),
+    }
+    options: dict[str, Any] = {
+        "ray_actor_options": actor,
+        "max_ongoing_requests": int(values.get("ray_max_ongoing_requests", DEFAULT_MAX_ONGOING)),
+    }
+    if "ray_min_replicas" in values or "ray_max_replicas" in values:
+        low = int(values.get("ray_min_replicas", 1))
+        high = int(values.get("ray_max_replicas", max(low, 1)))
+        if high < low:
+            raise RayConfigError(f"{path}: 'ray_max_replicas' ({high}) is below 'ray_min_replicas' ({low})")
+        options["autoscaling_config"] = {
+            "min_replicas": low, "max_replicas": high,
+            "target_ongoing_requests": values.get("ray_target_ongoing_requests", 2.0),
+        }
+    else:
+        options["num_replicas"] = int(values.get("ray_num_replicas", num_replicas or 1))
+    return options
+
+
+def build_app(
+    repositories: list[str | Path],
+    *,
+    per_repository: bool = False,
+    num_replicas: int | None = None,
+    backend_config: dict[str, dict[str, str]] | None = None,
+) -> Any:
+    """The Serve application (a bound ingress) for a model repository.
+
+    :param per_repository: one deployment holding every model, instead of one per model.
+    :param num_replicas: replicas for models whose config sets none (default 1).
+    :raises RayConfigError: a bad config or ``ray_*`` parameter; no model found.
+    """
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from pyserve.ray_serve.ingress import PyserveIngress
+    from pyserve.ray_serve.replica import PyserveModel
+
+    folders = [Path(r).resolve() for r in repositories]
+    for folder in folders:
+        if not folder.is_dir():
+            raise RayConfigError(f"model repository '{folder}' is not a directory")
+    models = _models(folders)
+    if not models:
+        raise RayConfigError("no models found in " + ", ".join(str(f) for f in folders))
+    settings = {"repositories": [str(f) for f in folders], "backend_config": backend_config or {}}
+    model_deployment = serve.deployment(PyserveModel).options(
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER),  # sequences stay put
+    )
+    handles: dict[str, Any] = {}
+    if per_repository:
+        bound = model_deployment.options(
+            name="pyserve-repository", num_replicas=num_replicas or 1, max_ongoing_requests=DEFAULT_MAX_ONGOING,
+        ).bind(models=["*"], **settings)
+        handles = {name: bound for name in models}
+    else:
+        for name, (config, path) in models.items():
+            options = deployment_options(config, path, num_replicas)
+            handles[name] = model_deployment.options(name=f"pyserve-{name}", **options).bind(models=[name], **settings)
+    ingress = serve.deployment(PyserveIngress).options(
+        name="pyserve-ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
+    )
+    return ingress.bind(handles=handles)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """For Serve config files: ``import_path: pyserve.ray_serve:app_builder`` with ``args``
+    ``model_repository`` (a path or a list), ``per_repository``, ``num_replicas``."""
+    repositories = args["model_repository"]
+    if isinstance(repositories, str):
+        repositories = [repositories]
+    return build_app(repositories, per_repository=bool(args.get("per_repository", False)),
+                     num_replicas=args.get("num_replicas"))
+
+
+def add_inference_servicer(servicer: Any, server: Any) -> None:
+    """Register ``inference.GRPCInferenceService`` with a gRPC server (Serve's gRPC proxy).
+
+    Pass ``"pyserve.ray_serve:add_inference_servicer"`` in ``grpc_servicer_functions``; Serve
+    routes each RPC to the ingress method of the same name.
+    """
+    from pyserve.grpc.server import _handlers
+
+    server.add_generic_rpc_handlers((_handlers(pb.SERVICE_DESCRIPTOR, servicer),))
+
+
+GRPC_SERVICER_FUNCTION = "pyserve.ray_serve:add_inference_servicer"
+"""The import path to give Serve's ``grpc_options.grpc_servicer_functions``."""

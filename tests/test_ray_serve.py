@@ -1,0 +1,304 @@
+"""pyserve on Ray Serve: a real local Ray cluster of two nodes, ``pyserve ray-deploy``, and
+tritonclient over Serve's HTTP and gRPC proxies.
+
+The cluster is two ``ray start`` nodes on this machine with one logical CPU each; the ``echo``
+model asks for two replicas of one CPU, so Serve places one on each node. One replica is
+killed while requests flow (clients retry, as against any replicated service), and a
+sequence-batched model with two replicas keeps each sequence's state across requests sent
+on fresh connections, over both protocols.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install 'pyserve[ray]')")
+import tritonclient.grpc as grpcclient  # noqa: E402
+import tritonclient.http as httpclient  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from pyserve import protocol as pb  # noqa: E402
+from pyserve.ray_serve import RayConfigError, deployment_options  # noqa: E402
+from pyserve.testing import write_model  # noqa: E402
+
+BIN = Path(sys.executable).parent
+
+ECHO = """
+name: "echo"
+backend: "identity"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+dynamic_batching { }
+parameters { key: "ray_num_replicas" value { string_value: "2" } }
+parameters { key: "ray_num_cpus" value { string_value: "1" } }
+"""
+
+ACCUMULATE = """
+name: "accumulate"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]
+sequence_batching {
+  max_sequence_idle_microseconds: 60000000
+  control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]
+}
+parameters { key: "ray_num_replicas" value { string_value: "2" } }
+parameters { key: "ray_num_cpus" value { string_value: "0" } }
+"""
+
+ACCUMULATE_PY = """
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sums = {}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value = int(pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()[0])
+            key = request.correlation_id()
+            if pb_utils.get_input_tensor_by_name(request, "START").as_numpy()[0]:
+                self.sums[key] = 0
+            self.sums[key] = self.sums.get(key, 0) + value
+            out = pb_utils.Tensor("OUTPUT0", np.array([self.sums[key]], dtype=np.int32))
+            responses.append(pb_utils.InferenceResponse([out]))
+        return responses
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ray(*args: str, env: dict[str, str]) -> None:
+    subprocess.run([str(BIN / "ray"), *args], check=True, env=env, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.PIPE, timeout=180)
+
+
+class Cluster:
+    def __init__(self, address: str, http: int, grpc: int) -> None:
+        self.address = address
+        self.http = f"127.0.0.1:{http}"
+        self.grpc = f"127.0.0.1:{grpc}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    repo = tmp_path_factory.mktemp("ray") / "repo"
+    write_model(repo, "echo", ECHO)
+    write_model(repo, "accumulate", ACCUMULATE, {"1/model.py": ACCUMULATE_PY})
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    common = ["--include-dashboard", "false", "--object-store-memory", str(100 * 1024 * 1024), "--disable-usage-stats"]
+    try:
+        _ray("start", "--head", "--port", str(port), "--num-cpus", "1", *common, env=env)
+        _ray("start", "--address", address, "--num-cpus", "1", "--resources", json.dumps({"second_node": 1}),
+             "--object-store-memory", str(100 * 1024 * 1024), "--disable-usage-stats", env=env)
+        http, grpc = _free_port(), _free_port()
+        deploy = subprocess.run(
+            [str(BIN / "pyserve"), "ray-deploy", "--model-repository", str(repo), "--address", address,
+             "--http-host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc), "--timeout", "240"],
+            env=env, capture_output=True, text=True, timeout=300,
+        )
+        assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+        assert "RUNNING" in deploy.stdout
+        ray.init(address=address, namespace="serve", log_to_driver=False)
+        yield Cluster(address, http, grpc)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def _replica_actors(deployment: str) -> list[dict[str, str]]:
+    """The ALIVE replica actors of a deployment and their nodes (from the GCS actor table;
+    the state API would need the dashboard, which the test cluster does not run)."""
+    from ray._private import state
+
+    return [
+        {"name": a["Name"], "node": a["Address"]["NodeID"]}
+        for a in state.actors().values()
+        if a.get("State") == "ALIVE" and a.get("Name", "").startswith("SERVE_REPLICA::")
+        and f"#{deployment}#" in a["Name"]
+    ]
+
+
+def _fp32(values: np.ndarray, module: object) -> object:
+    tensor = module.InferInput("INPUT0", list(values.shape), "FP32")  # type: ignore[attr-defined]
+    tensor.set_data_from_numpy(values)
+    return tensor
+
+
+# -- serving -----------------------------------------------------------------------------------
+
+
+def test_tritonclient_over_serve_http_and_grpc(cluster: Cluster) -> None:
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)
+    with httpclient.InferenceServerClient(cluster.http) as http:
+        assert http.is_server_live() and http.is_server_ready()
+        assert http.is_model_ready("echo") and not http.is_model_ready("nope")
+        meta = http.get_model_metadata("echo")
+        assert meta["inputs"] == [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, -1]}]
+        assert http.get_model_config("echo")["max_batch_size"] == 8
+        assert np.array_equal(http.infer("echo", [_fp32(values, httpclient)]).as_numpy("OUTPUT0"), values)
+        with pytest.raises(InferenceServerException, match="Request for unknown model: 'nope' is not found"):
+            http.infer("nope", [_fp32(values, httpclient)])
+        with pytest.raises(InferenceServerException, match="batch-size must be <= 8"):
+            http.infer("echo", [_fp32(np.ones((9, 1), dtype=np.float32), httpclient)])
+    grpc = grpcclient.InferenceServerClient(cluster.grpc)
+    try:
+        assert grpc.is_server_live() and grpc.is_server_ready() and grpc.is_model_ready("echo")
+        assert grpc.get_model_metadata("echo").name == "echo"
+        assert grpc.get_model_config("echo").config.max_batch_size == 8
+        assert np.array_equal(grpc.infer("echo", [_fp32(values, grpcclient)]).as_numpy("OUTPUT0"), values)
+        with pytest.raises(InferenceServerException) as missing:
+            grpc.infer("nope", [_fp32(values, grpcclient)])
+        assert missing.value.status() == "StatusCode.NOT_FOUND"
+        assert "Request for unknown model: 'nope' is not found" in str(missing.value)
+    finally:
+        grpc.close()
+
+
+def test_replicas_run_on_both_nodes(cluster: Cluster) -> None:
+    replicas = _replica_actors("pyserve-echo")
+    assert len(replicas) == 2, replicas
+    assert len({r["node"] for r in replicas}) == 2, replicas
+
+
+def test_a_sequence_stays_on_one_replica(cluster: Cluster) -> None:
+    assert len(_replica_actors("pyserve-accumulate")) == 2
+    for sequence_id in (101, 202, 303, 404):
+        sums = []
+        for step in range(6):
+            data = np.array([step + 1], dtype=np.int32)
+            kwargs = {"sequence_id": sequence_id, "sequence_start": step == 0, "sequence_end": step == 5}
+            if step % 2:
+                client = grpcclient.InferenceServerClient(cluster.grpc)
+                tensor = grpcclient.InferInput("INPUT0", [1], "INT32")
+                tensor.set_data_from_numpy(data)
+                try:
+                    answer = client.infer("accumulate", [tensor], **kwargs)
+                finally:
+                    client.close()
+            else:
+                with httpclient.InferenceServerClient(cluster.http) as http:
+                    tensor = httpclient.InferInput("INPUT0", [1], "INT32")
+                    tensor.set_data_from_numpy(data)
+                    answer = http.infer("accumulate", [tensor], **kwargs)
+            sums.append(int(answer.as_numpy("OUTPUT0")[0]))
+        assert sums == [1, 3, 6, 10, 15, 21], (sequence_id, sums)
+
+
+def test_requests_keep_succeeding_when_a_replica_is_killed(cluster: Cluster) -> None:
+    stop = threading.Event()
+    outcomes = {"ok": 0, "retried": 0, "failed": 0}
+    values = np.ones((1, 4), dtype=np.float32)
+
+    def load() -> None:
+        client = httpclient.InferenceServerClient(cluster.http, connection_timeout=10, network_timeout=30)
+        while not stop.is_set():
+            for attempt in range(5):  # a client of a replicated service retries
+                try:
+                    answer = client.infer("echo", [_fp32(values, httpclient)])
+                    assert np.array_equal(answer.as_numpy("OUTPUT0"), values)
+                    outcomes["ok"] += 1
+                    break
+                except Exception:  # noqa: BLE001 - the killed replica's requests fail
+                    outcomes["retried"] += 1
+                    client.close()
+                    client = httpclient.InferenceServerClient(cluster.http, connection_timeout=10, network_timeout=30)
+                    time.sleep(0.2)
+            else:
+                outcomes["failed"] += 1
+        client.close()
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.5)
+    before = outcomes["ok"]
+    victim = _replica_actors("pyserve-echo")[0]["name"]
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    time.sleep(4)
+    stop.set()
+    for thread in threads:
+        thread.join(60)
+    assert outcomes["failed"] == 0, outcomes
+    assert outcomes["ok"] > before + 10, outcomes
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # Serve replaces the killed replica
+        replicas = _replica_actors("pyserve-echo")
+        if len(replicas) == 2 and victim not in {r["name"] for r in replicas}:
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError(f"the killed replica was not replaced: {_replica_actors('pyserve-echo')}")
+
+
+# -- options and the command line ---------------------------------------------------------------
+
+
+def _config(text: str) -> pb.ModelConfig:
+    return text_format.Parse(text, pb.ModelConfig())
+
+
+def test_deployment_options_follow_instance_groups_and_parameters() -> None:
+    cpu = deployment_options(_config('instance_group [ { count: 3 kind: KIND_CPU } ]'))
+    assert cpu["ray_actor_options"] == {"num_cpus": 3.0, "num_gpus": 0.0} and cpu["num_replicas"] == 1
+    gpu = deployment_options(_config('instance_group [ { kind: KIND_GPU gpus: [ 0 ] } ]'), num_replicas=3)
+    assert gpu["ray_actor_options"]["num_gpus"] == 1.0 and gpu["num_replicas"] == 3
+    fractional = deployment_options(_config(
+        'instance_group [ { kind: KIND_GPU } ] '
+        'parameters { key: "ray_num_gpus" value { string_value: "0.5" } } '
+        'parameters { key: "ray_min_replicas" value { string_value: "1" } } '
+        'parameters { key: "ray_max_replicas" value { string_value: "4" } }'
+    ))
+    assert fractional["ray_actor_options"]["num_gpus"] == 0.5
+    assert fractional["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 2.0}
+    assert "num_replicas" not in fractional
+    with pytest.raises(RayConfigError, match="m/config.pbtxt: parameter 'ray_num_replicas' must be a number"):
+        deployment_options(_config('parameters { key: "ray_num_replicas" value { string_value: "two" } }'),
+                           "m/config.pbtxt")
+    with pytest.raises(RayConfigError, match="below 'ray_min_replicas'"):
+        deployment_options(_config(
+            'parameters { key: "ray_min_replicas" value { string_value: "3" } } '
+            'parameters { key: "ray_max_replicas" value { string_value: "2" } }'))
+
+
+def test_ray_deploy_refuses_a_bad_repository(tmp_path: Path) -> None:
+    write_model(tmp_path / "repo", "m", 'name: "m" backend: "identity" parameters { key: "ray_num_cpus" '
+                                        'value { string_value: "lots" } }')
+    result = subprocess.run([str(BIN / "pyserve"), "ray-deploy", "--model-repository", str(tmp_path / "repo")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "config.pbtxt: parameter 'ray_num_cpus' must be a number, got 'lots'" in result.stderr
+    missing = subprocess.run([str(BIN / "pyserve"), "ray-deploy", "--model-repository", str(tmp_path / "none")],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "is not a directory" in missing.stderr
+
+
+def test_no_ray_cluster_is_left_running_by_the_bad_cases() -> None:
+    assert shutil.which("ray") or (BIN / "ray").exists()
