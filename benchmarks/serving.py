@@ -83,6 +83,9 @@ def config_pbtxt(name: str) -> str:
         'input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]',
         'output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]',
         "instance_group [ { count: 1, kind: KIND_CPU } ]",
+        # e.g. parameters { key: "pyserve_inline_execute" value { string_value: "true" } }
+        # (the same config for every server: Triton ignores parameters it does not know)
+        os.environ.get("PYSERVE_BENCH_CONFIG_EXTRA", ""),
     ]) + "\n"
 
 

@@ -8,6 +8,7 @@ path and (later) decoupled models deliver results from any thread.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -291,6 +292,9 @@ class FutureSender:
     def send(self, response: InferResponse | InferError | None, final: bool) -> None:
         if response is None:
             response = InferError("model sent no response for the request", ErrorCode.INTERNAL)
+        if getattr(_delivery, "inline", False) and asyncio._get_running_loop() is self._loop:
+            _resolve(self._future, response)  # executed on the loop itself: no wake-up needed
+            return
         pending: list[tuple[Any, Any, Any]] | None = getattr(_delivery, "pending", None)
         if pending is not None:
             pending.append((self._loop, self._future, response))
@@ -331,6 +335,18 @@ def coalesced_delivery() -> Iterator[None]:
             by_loop.setdefault(loop, []).append((future, response))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_resolve_many, items)
+
+
+@contextlib.contextmanager
+def inline_delivery() -> Iterator[None]:
+    """Results sent inside the block from the thread running their loop resolve at once
+    (a model executed on the event loop: ``pyserve.scheduling.InlineScheduler``)."""
+    outer = getattr(_delivery, "inline", False)
+    _delivery.inline = True
+    try:
+        yield
+    finally:
+        _delivery.inline = outer
 
 
 def _resolve_many(items: list[tuple[Any, InferResponse | InferError]]) -> None:

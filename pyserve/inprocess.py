@@ -108,7 +108,11 @@ class ServerHandle:
             and an UNAVAILABLE error is yielded.
         """
         if _on_loop(self._loop):
-            raise InferError("blocking in-process calls cannot be made on the server's event loop", ErrorCode.INTERNAL)
+            raise InferError(
+                "blocking in-process calls cannot be made on the server's event loop (a model with "
+                "parameter 'pyserve_inline_execute' runs there: use the default instance threads for BLS)",
+                ErrorCode.INTERNAL,
+            )
         sender = _QueueSender()
         self._submit(request, sender)
         while True:

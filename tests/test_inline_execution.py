@@ -1,0 +1,127 @@
+"""Config parameter ``pyserve_inline_execute``: a cheap model's execute runs on the event loop.
+
+Checked with a real server and tritonclient: the execute runs on the server's loop thread (not
+an instance thread) and answers HTTP, gRPC and concurrent clients; statistics count it; warm-up
+runs; an exception becomes an error response; a blocking BLS call is refused with a message that
+names the parameter; combinations that need queues or threads are refused at load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.http.aio as aioclient
+from tritonclient.utils import InferenceServerException
+
+from pyserve import InferRequest, InferResponse, InstanceContext
+from pyserve.backend import Backend
+
+INLINE = 'parameters { key: "pyserve_inline_execute" value { string_value: "true" } }'
+
+
+def config(extra: str = INLINE) -> str:
+    return f"""
+    backend: "recorder"
+    max_batch_size: 4
+    input [ {{ name: "IN" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+    output [ {{ name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+    {extra}
+    """
+
+
+class Recorder(Backend):
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
+        self.threads.append(threading.current_thread().name)
+        out = []
+        for request in requests:
+            if request.parameters.get("fail"):
+                raise RuntimeError("asked to fail")
+            if request.parameters.get("bls"):
+                call = InferRequest("plain", -1, {"IN": request.inputs["IN"]}, ("OUT",))
+                answer = instance.model.server.infer(call)
+                raise answer if not isinstance(answer, InferResponse) else RuntimeError("BLS was not refused")
+            out.append(InferResponse({"OUT": request.inputs["IN"] * 2}))
+        return out
+
+
+def _input(values: np.ndarray, module: object = httpclient) -> object:
+    tensor = module.InferInput("IN", list(values.shape), "FP32")  # type: ignore[attr-defined]
+    tensor.set_data_from_numpy(values)
+    return tensor
+
+
+def test_inline_model_runs_on_the_event_loop(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
+    backend = Recorder()
+    server = start_server(make_repo({"inline": config(), "plain": config("")}), backends={"recorder": backend})
+    values = np.array([[1, 2]], dtype=np.float32)
+    with httpclient.InferenceServerClient(server.url) as client:
+        assert np.array_equal(client.infer("inline", [_input(values)]).as_numpy("OUT"), values * 2)
+        assert backend.threads[-1] == "pyserve-server"  # ServerThread's loop thread
+        client.infer("plain", [_input(values)])
+        assert backend.threads[-1].startswith("pyserve-instance-")
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        assert np.array_equal(grpc.infer("inline", [_input(values, grpcclient)]).as_numpy("OUT"), values * 2)
+    finally:
+        grpc.close()
+
+    async def many() -> list[np.ndarray]:
+        async with aioclient.InferenceServerClient(server.url) as aio:
+            answers = await asyncio.gather(*(
+                aio.infer("inline", [_input(np.full((1, 2), i, dtype=np.float32))]) for i in range(20)
+            ))
+        return [a.as_numpy("OUT") for a in answers]
+
+    results = asyncio.run(many())
+    assert [float(r[0, 0]) for r in results] == [2.0 * i for i in range(20)]
+    with httpclient.InferenceServerClient(server.url) as client:
+        stats = client.get_inference_statistics("inline")["model_stats"][0]
+    assert stats["inference_count"] == 22 and stats["execution_count"] == 22
+
+
+def test_errors_and_blocking_bls_are_answered(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
+    server = start_server(make_repo({"inline": config(), "plain": config("")}), backends={"recorder": Recorder()})
+    values = np.array([[1, 2]], dtype=np.float32)
+    with httpclient.InferenceServerClient(server.url) as client:
+        with pytest.raises(InferenceServerException, match="asked to fail"):
+            client.infer("inline", [_input(values)], parameters={"fail": True})
+        with pytest.raises(InferenceServerException, match="pyserve_inline_execute"):
+            client.infer("inline", [_input(values)], parameters={"bls": True})
+        assert np.array_equal(client.infer("inline", [_input(values)]).as_numpy("OUT"), values * 2)
+
+
+def test_warmup_of_an_inline_model(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
+    warmup = INLINE + """
+    model_warmup [ { name: "w" batch_size: 1 inputs { key: "IN" value: { data_type: TYPE_FP32 dims: [ 2 ] zero_data: true } } } ]
+    """
+    backend = Recorder()
+    server = start_server(make_repo({"inline": config(warmup)}), backends={"recorder": backend})
+    assert backend.threads, "warm-up did not execute"
+    with httpclient.InferenceServerClient(server.url) as client:
+        assert client.is_model_ready("inline")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (INLINE + " dynamic_batching { }", "cannot be combined with dynamic batching"),
+        (INLINE + " sequence_batching { }", "cannot be combined with the sequence batcher"),
+        (INLINE + " model_transaction_policy { decoupled: true }", "cannot be used by a decoupled model"),
+        ('parameters { key: "pyserve_inline_execute" value { string_value: "yes" } }', "must be \"true\" or \"false\""),
+    ],
+)
+def test_refused_combinations(start_server, make_repo, extra: str, message: str) -> None:  # type: ignore[no-untyped-def]
+    server = start_server(make_repo({"m": config(extra)}), backends={"recorder": Recorder()})
+    with httpclient.InferenceServerClient(server.url) as client:
+        index = {m["name"]: m for m in client.get_model_repository_index()}
+    assert index["m"]["state"] == "UNAVAILABLE" and message in index["m"]["reason"]
+    assert "pyserve_inline_execute" in index["m"]["reason"]
