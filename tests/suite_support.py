@@ -85,3 +85,44 @@ def identity_config(name: str, datatype: str, max_batch_size: int = 4, dims: str
         input [ {{ name: "IN" data_type: {config_type} dims: {dims} }} ]
         output [ {{ name: "OUT" data_type: {config_type} dims: {dims} }} ]
     """
+
+
+# -- a Python-backend model summing the inputs of each sequence (frontend processes, Ray Serve) ------
+
+ACCUMULATE_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sums = {}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value = int(pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()[0])
+            key = request.correlation_id()
+            if pb_utils.get_input_tensor_by_name(request, "START").as_numpy()[0]:
+                self.sums[key] = 0
+            self.sums[key] = self.sums.get(key, 0) + value
+            out = pb_utils.Tensor("OUTPUT0", np.array([self.sums[key]], dtype=np.int32))
+            responses.append(pb_utils.InferenceResponse([out]))
+        return responses
+"""
+
+
+def accumulate_config(extra: str = "") -> str:
+    """``accumulate``: INT32 ``INPUT0`` [1] added to its sequence's sum, returned as ``OUTPUT0``."""
+    return f"""
+name: "accumulate"
+backend: "python"
+max_batch_size: 0
+input [ {{ name: "INPUT0" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+sequence_batching {{
+  max_sequence_idle_microseconds: 60000000
+  control_input [ {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }} ]
+}}
+{extra}
+"""

@@ -27,6 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 from pyserve.server import ServerThread, StartupError
 from pyserve.testing import serve, write_model
+from suite_support import ACCUMULATE_PY, accumulate_config
 
 CONNECTIONS = 16
 """Fresh connections per check: all landing on one of two processes has odds 2**-15."""
@@ -86,38 +87,7 @@ class TritonPythonModel:
         return responses
 """
 
-ACCUMULATE = """
-name: "accumulate"
-backend: "python"
-max_batch_size: 0
-input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]
-sequence_batching {
-  max_sequence_idle_microseconds: 10000000
-  control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]
-}
-"""
-
-ACCUMULATE_PY = """
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def initialize(self, args):
-        self.sums = {}
-
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            value = int(pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()[0])
-            key = request.correlation_id()
-            if pb_utils.get_input_tensor_by_name(request, "START").as_numpy()[0]:
-                self.sums[key] = 0
-            self.sums[key] = self.sums.get(key, 0) + value
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", np.array([self.sums[key]], dtype=np.int32))]))
-        return responses
-"""
+ACCUMULATE = accumulate_config()
 
 SQUARE = """
 name: "square"

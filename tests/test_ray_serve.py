@@ -33,6 +33,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from pyserve import protocol as pb  # noqa: E402
 from pyserve.ray_serve import RayConfigError, deployment_options  # noqa: E402
 from pyserve.testing import write_model  # noqa: E402
+from suite_support import ACCUMULATE_PY, accumulate_config  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
@@ -47,43 +48,10 @@ parameters { key: "ray_num_replicas" value { string_value: "2" } }
 parameters { key: "ray_num_cpus" value { string_value: "1" } }
 """
 
-ACCUMULATE = """
-name: "accumulate"
-backend: "python"
-max_batch_size: 0
-input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]
-sequence_batching {
-  max_sequence_idle_microseconds: 60000000
-  control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]
-}
+ACCUMULATE = accumulate_config("""
 parameters { key: "ray_num_replicas" value { string_value: "2" } }
 parameters { key: "ray_num_cpus" value { string_value: "0" } }
-"""
-
-ACCUMULATE_PY = """
-import os
-
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def initialize(self, args):
-        self.sums = {}
-
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            value = int(pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()[0])
-            key = request.correlation_id()
-            if pb_utils.get_input_tensor_by_name(request, "START").as_numpy()[0]:
-                self.sums[key] = 0
-            self.sums[key] = self.sums.get(key, 0) + value
-            out = pb_utils.Tensor("OUTPUT0", np.array([self.sums[key]], dtype=np.int32))
-            responses.append(pb_utils.InferenceResponse([out]))
-        return responses
-"""
+""")
 
 
 def _free_port() -> int:

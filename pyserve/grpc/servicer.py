@@ -37,6 +37,22 @@ GRPC_STATUS: dict[ErrorCode, grpc.StatusCode] = {
 """Triton's error code → gRPC status mapping."""
 
 
+DECOUPLED_MESSAGE = (
+    "ModelInfer RPC doesn't support models with decoupled transaction policy; use ModelStreamInfer"
+)
+
+
+def infer_model(dataplane: Any, request: Any) -> Any:
+    """The model a ``ModelInferRequest`` targets (``dataplane.model``), refusing decoupled ones.
+
+    :raises InferError: unknown model or version, a bad version string, or a decoupled model.
+    """
+    model = dataplane.model(request.model_name, model_version(request.model_version))
+    if model.decoupled:
+        raise InferError.unsupported(DECOUPLED_MESSAGE)
+    return model
+
+
 async def _abort(context: grpc.aio.ServicerContext, error: InferError) -> None:
     await context.abort(GRPC_STATUS[error.code], error.message)
 
@@ -126,12 +142,7 @@ class InferenceServicer:
         protobuf copies of large outputs (``encode_infer_wire``)."""
         dataplane = self.dataplane
         try:
-            model = dataplane.model(request.model_name, model_version(request.model_version))
-            if model.decoupled:
-                raise InferError.unsupported(
-                    "ModelInfer RPC doesn't support models with decoupled transaction policy; "
-                    "use ModelStreamInfer"
-                )
+            model = infer_model(dataplane, request)
             decode_start = monotonic_ns()
             decoded = decode_infer(request, model, shm=dataplane.shared_memory)
             decode_ns = monotonic_ns() - decode_start

@@ -36,9 +36,9 @@ import grpc
 
 from pyserve import logs, validation
 from pyserve.errors import ErrorCode, InferError
-from pyserve.grpc.codec import decode_infer as grpc_decode, encode_infer_wire, model_version
+from pyserve.grpc.codec import decode_infer as grpc_decode, encode_infer_wire
 from pyserve.grpc.server import GrpcOptions, channel_options
-from pyserve.grpc.servicer import InferenceServicer, _abort, _trace_parent
+from pyserve.grpc.servicer import InferenceServicer, _abort, _trace_parent, infer_model
 from pyserve.handoff import wire
 from pyserve.handoff.http_proxy import OwnerHttpProxy
 from pyserve.handoff.wire import Kind
@@ -411,12 +411,7 @@ class FrontendServicer(InferenceServicer):
         dataplane: FrontendDataPlane = self.dataplane  # type: ignore[assignment]
         try:
             try:
-                model = dataplane.model(request.model_name, model_version(request.model_version))
-                if model.decoupled:
-                    raise InferError.unsupported(
-                        "ModelInfer RPC doesn't support models with decoupled transaction policy; "
-                        "use ModelStreamInfer"
-                    )
+                model = infer_model(dataplane, request)
                 decoded = grpc_decode(request, model, shm=dataplane.shared_memory)
             except NeedsOwner:
                 response = await self._raw(dataplane.link, request, context)

@@ -30,7 +30,8 @@ from typing import Any
 
 from pyserve.dataplane import DataPlane
 from pyserve.errors import ErrorCode, InferError
-from pyserve.grpc.codec import decode_infer as grpc_decode, encode_infer_wire, model_version
+from pyserve.grpc.codec import decode_infer as grpc_decode, encode_infer_wire
+from pyserve.grpc.servicer import infer_model as grpc_infer_model
 from pyserve.handoff import wire
 from pyserve.handoff.wire import Kind
 from pyserve.http.fast_infer import (
@@ -414,12 +415,7 @@ class _FrontendConnection(asyncio.Protocol):
         dataplane = self.dataplane
         try:
             message = pb.ModelInferRequest.FromString(bytes(data))
-            model = dataplane.model(message.model_name, model_version(message.model_version))
-            if model.decoupled:
-                raise InferError.unsupported(
-                    "ModelInfer RPC doesn't support models with decoupled transaction policy; "
-                    "use ModelStreamInfer"
-                )
+            model = grpc_infer_model(dataplane, message)
             decoded = grpc_decode(message, model, shm=dataplane.shared_memory)
             decoded.request.trace_parent = header.get("tp")
             result = await dataplane.infer(model, decoded.request)

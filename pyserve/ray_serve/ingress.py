@@ -23,12 +23,13 @@ from pyserve import __version__
 from pyserve import protocol as pb
 from pyserve.errors import ErrorCode, InferError
 from pyserve.grpc.codec import decode_infer as grpc_decode, encode_infer, model_version
-from pyserve.grpc.servicer import GRPC_STATUS
+from pyserve.grpc.servicer import DECOUPLED_MESSAGE, GRPC_STATUS
 from pyserve.handoff import wire
 from pyserve.handoff.frontend import RemoteModel
 from pyserve.http.body import DEFAULT_MAX_INPUT_SIZE, decode_content, too_large
 from pyserve.http.codec import decode_infer as http_decode, encode_infer as http_encode, parse_header_length
 from pyserve.http.errors import HTTP_STATUS, error_body
+from pyserve.http.fast_infer import DECOUPLED_MESSAGE as HTTP_DECOUPLED_MESSAGE
 from pyserve.inference import InferRequest, InferResponse
 from pyserve.models import ModelState
 from pyserve.protocol.config_json import model_config_to_dict
@@ -155,7 +156,7 @@ class PyserveIngress:
             raise too_large(DEFAULT_MAX_INPUT_SIZE)
         model = await self._model(name, version)
         if model.decoupled:
-            raise InferError.unsupported("HTTP end point doesn't support models with decoupled transaction policy")
+            raise InferError.unsupported(HTTP_DECOUPLED_MESSAGE)
         body = await request.body()
         if len(body) > DEFAULT_MAX_INPUT_SIZE:
             raise too_large(DEFAULT_MAX_INPUT_SIZE)
@@ -220,9 +221,7 @@ class PyserveIngress:
         try:
             model = await self._model(request.model_name, model_version(request.model_version))
             if model.decoupled:
-                raise InferError.unsupported(
-                    "ModelInfer RPC doesn't support models with decoupled transaction policy; use ModelStreamInfer"
-                )
+                raise InferError.unsupported(DECOUPLED_MESSAGE)
             decoded = grpc_decode(request, model)
             result = await self._run(model, decoded.request)
             if isinstance(result, InferError):
