@@ -96,9 +96,14 @@ def build_torch_mlp(path: Path, weights: dict[str, np.ndarray]) -> None:
         torch.jit.trace(MLP().eval(), torch.zeros(2, 4)).save(str(path))
 
 
-def write_repository(repo: Path, store: Path, backends: tuple[str, ...]) -> dict[str, Path]:
+INLINE = 'parameters { key: "pyserve_inline_execute" value { string_value: "true" } }\n'
+
+
+def write_repository(repo: Path, store: Path, backends: tuple[str, ...], inline: bool = False) -> dict[str, Path]:
     """Two models per backend, ``<backend>`` and ``<backend>_batched``, linking to one model file
-    in ``store``; returns backend → model file."""
+    in ``store``; returns backend → model file. ``inline``: the batch-1 models execute on the
+    event loop (``pyserve_inline_execute``)."""
+    extra = INLINE if inline else ""
     builders = _load_builders()
     files: dict[str, Path] = {}
     for backend in backends:
@@ -108,7 +113,7 @@ def write_repository(repo: Path, store: Path, backends: tuple[str, ...]) -> dict
                 (repo / name / "config.pbtxt").write_text(
                     'backend: "identity"\nmax_batch_size: 16\n'
                     'input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]\n'
-                    'output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]\n' + batching
+                    'output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]\n' + (batching or extra)
                 )
             continue
         source = store / backend / FILES[backend]
@@ -129,7 +134,7 @@ def write_repository(repo: Path, store: Path, backends: tuple[str, ...]) -> dict
                 f'platform: "{PLATFORMS[backend]}"\nmax_batch_size: 16\n'
                 f'input [ {{ name: "{inp}", data_type: TYPE_FP32, dims: [ 4 ] }} ]\n'
                 f'output [ {{ name: "{out}", data_type: TYPE_FP32, dims: [ 3 ] }} ]\n'
-                "instance_group [ { kind: KIND_CPU, count: 1 } ]\n" + batching
+                "instance_group [ { kind: KIND_CPU, count: 1 } ]\n" + (batching or extra)
             )
     return files
 
@@ -285,6 +290,8 @@ def main() -> None:
     parser.add_argument("--concurrent-requests", type=int, default=150, help="requests per client at concurrency 16")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--inline", action="store_true",
+                        help="batch-1 models execute on the event loop (config parameter pyserve_inline_execute)")
     args = parser.parse_args()
     backends = tuple(b for b in args.backends.split(",") if b)
     x1 = np.random.default_rng(0).standard_normal((1, 4)).astype(np.float32)
@@ -293,7 +300,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pyserve-frameworks-") as tmp:
         repo = Path(tmp) / "repository"
         progress("building the models")
-        files = write_repository(repo, Path(tmp) / "files", backends)
+        files = write_repository(repo, Path(tmp) / "files", backends, inline=args.inline)
         directs = {b: direct_caller(b, files.get(b, Path())) for b in backends}
         progress("starting pyserve")
         with pyserve(repo, Path(tmp) / "pyserve.log") as (http_url, grpc_url):
