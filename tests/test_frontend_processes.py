@@ -11,6 +11,8 @@ must behave as in a single process.
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import signal
 import time
 import uuid
@@ -376,3 +378,116 @@ def test_bad_settings_are_refused(tmp_path: Path, options: dict[str, object], me
     with pytest.raises(StartupError, match=message):
         with serve(tmp_path / "repo", **options):
             pass
+
+
+# -- large tensors, disconnects and the owner going away --------------------------------------
+
+
+def test_large_tensors_cross_the_handoff(tmp_path: Path) -> None:
+    """8 MB tensors over HTTP binary and gRPC, handed to the owner (no replicas), on every
+    connection: a frame that large is collected into one buffer of its own size."""
+    repo = _repository(tmp_path)
+    values = np.random.default_rng(0).standard_normal((1, 2_000_000)).astype(np.float32)
+    with serve(repo, frontend_processes=1) as thread:
+        for _ in range(6):
+            with _http(thread) as client:
+                answer = client.infer("echo", [_fp32(values)], outputs=[httpclient.InferRequestedOutput("OUTPUT0")])
+                assert np.array_equal(answer.as_numpy("OUTPUT0"), values)
+            grpc = _grpc(thread)
+            try:
+                assert np.array_equal(grpc.infer("echo", [_fp32(values, grpcclient)]).as_numpy("OUTPUT0"), values)
+            finally:
+                grpc.close()
+        assert thread.server._handoff is not None and thread.server._handoff.requests > 0
+
+
+def test_frontends_exit_when_the_owner_dies(tmp_path: Path) -> None:
+    """A frontend whose owner is killed (no graceful shutdown) exits by itself: no orphans."""
+    import subprocess
+    import sys
+
+    repo = _repository(tmp_path)
+    owner = subprocess.Popen(
+        [sys.executable, "-m", "pyserve", "run", "--model-repository", str(repo), "--http-port", "0",
+         "--grpc-port", "0", "--allow-metrics", "false", "--frontend-processes", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        frontend = None
+        while time.monotonic() < deadline and frontend is None:
+            line = owner.stderr.readline() if owner.stderr else ""
+            if "Started 1 frontend process(es): pids" in line:
+                frontend = int(line.rsplit("pids", 1)[1].strip())
+            elif not line and owner.poll() is not None:
+                break
+        assert frontend is not None, "the owner did not report its frontend"
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and _running(frontend):
+            time.sleep(0.1)
+        if _running(frontend):
+            os.kill(frontend, signal.SIGKILL)
+            raise AssertionError("the frontend outlived its owner")
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(10)
+        if owner.stderr is not None:
+            owner.stderr.close()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited process left unreaped by its new parent does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+SLOW = """
+name: "slow"
+backend: "identity"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+parameters { key: "execute_delay_ms" value { string_value: "600" } }
+"""
+
+
+def _connect_to_frontend(server: ServerThread) -> socket.socket:
+    """A connection the kernel gave to the frontend process (not one of the owner's)."""
+    http = server.server._http
+    assert http is not None
+    for _ in range(200):
+        sock = socket.create_connection(("127.0.0.1", server.server.http_port))
+        port = sock.getsockname()[1]
+        time.sleep(0.02)
+        if not any(c.client is not None and c.client[1] == port for c in list(http.connections)):
+            return sock
+        sock.close()
+    raise AssertionError("no connection reached the frontend process")
+
+
+def test_a_client_that_goes_away_cancels_the_handed_off_request(tmp_path: Path) -> None:
+    write_model(tmp_path / "repo", "slow", SLOW)
+    with serve(tmp_path / "repo", frontend_processes=1) as thread:
+        values = np.ones((2,), dtype=np.float32)
+        busy = threading.Thread(target=lambda: _http(thread).infer("slow", [_fp32(values)]))
+        busy.start()
+        time.sleep(0.15)  # the one instance is busy for 600 ms: what comes next waits in the owner's queue
+        sock = _connect_to_frontend(thread)
+        body = b'{"inputs":[{"name":"INPUT0","shape":[2],"datatype":"FP32","data":[1,2]}]}'
+        sock.sendall(b"POST /v2/models/slow/infer HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.15)
+        sock.close()  # gone before its turn: the frontend tells the owner, which drops it
+        busy.join(10)
+        time.sleep(0.3)
+        with _http(thread) as client:
+            stats = client.get_inference_statistics("slow")["model_stats"][0]
+        assert stats["execution_count"] == 1, stats  # the abandoned request never executed
+        assert stats["inference_stats"]["fail"]["count"] == 1, stats
+        assert thread.server.dataplane.in_flight == 0
