@@ -228,3 +228,76 @@ def test_decoupled_refused_and_model_errors_reported_in_process_mode(serve: Serv
     with pytest.raises(InferenceServerException, match="exec_err_proc.*execute exploded"):
         _infer(server, "exec_err_proc", [1])
     assert _state(server, "exec_err_proc")[0] == "READY"
+
+
+DOUBLE_SOURCE = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() * 2)])
+                for r in requests]
+"""
+
+REPEAT_CONFIG = IO + "model_transaction_policy { decoupled: true }\n"
+REPEAT_SOURCE = """
+import threading
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            for i in range(3):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", values + i)]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+BLS_SOURCE = """
+import os
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.pid = os.getpid()
+
+    async def execute(self, requests):
+        out = []
+        for request in requests:
+            values = pb_utils.get_input_tensor_by_name(request, "IN")
+            mode = int(values.as_numpy()[0])
+            if mode == 0:  # blocking exec
+                answer = pb_utils.InferenceRequest(model_name="double", inputs=[values], requested_output_names=["OUT"]).exec()
+                result = pb_utils.get_output_tensor_by_name(answer, "OUT").as_numpy()
+            elif mode == 1:  # awaitable exec
+                answer = await pb_utils.InferenceRequest(model_name="double", inputs=[values], requested_output_names=["OUT"]).async_exec()
+                result = pb_utils.get_output_tensor_by_name(answer, "OUT").as_numpy()
+            elif mode == 2:  # decoupled BLS: every response of the called model
+                parts = [pb_utils.get_output_tensor_by_name(r, "OUT").as_numpy()
+                         for r in pb_utils.InferenceRequest(model_name="repeat", inputs=[values], requested_output_names=["OUT"]).exec(decoupled=True)
+                         if r.output_tensors()]
+                result = np.concatenate(parts)
+            else:  # a call that fails comes back as an error response
+                answer = pb_utils.InferenceRequest(model_name="missing", inputs=[values], requested_output_names=["OUT"]).exec()
+                raise pb_utils.TritonModelException(answer.error().message())
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.append(result, self.pid).astype(np.int32))]))
+        return out
+"""
+
+
+def test_bls_and_async_execute_in_process_mode(serve: Serve) -> None:
+    server = serve({
+        "double": (IO, DOUBLE_SOURCE),
+        "repeat": (REPEAT_CONFIG, REPEAT_SOURCE),
+        "bls_proc": (IO + PROCESS, BLS_SOURCE),
+    })
+    assert _state(server, "bls_proc")[0] == "READY"
+    blocking = _infer(server, "bls_proc", [0, 5])
+    assert list(blocking[:2]) == [0, 10] and blocking[2] != os.getpid()  # ran in the worker process
+    assert list(_infer(server, "bls_proc", [1, 7])[:2]) == [2, 14]
+    assert list(_infer(server, "bls_proc", [2, 1])[:6]) == [2, 1, 3, 2, 4, 3]
+    with pytest.raises(InferenceServerException, match="Request for unknown model: 'missing' is not found"):
+        _infer(server, "bls_proc", [3])

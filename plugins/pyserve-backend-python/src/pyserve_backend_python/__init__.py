@@ -137,7 +137,7 @@ def pyserve_model_create(model: ModelContext) -> PythonModelState:
         _preloaded.pop(model, None)
         raise PythonModelError(
             f"model '{model.name}': decoupled models are not supported with execution_mode 'process' "
-            "yet (response senders and BLS need the server process); use execution_mode 'thread'"
+            "yet (response senders run in the server process); use execution_mode 'thread'"
         )
     context.remember(model)
     return PythonModelState(_load(model), mode)

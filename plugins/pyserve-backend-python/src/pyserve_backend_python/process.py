@@ -16,9 +16,12 @@ The parent (``ProcessRunner``, in the server) starts the worker with the ``spawn
 
 If the worker dies, the batch in flight fails with "the worker process of model 'x' instance
 'y' exited with code N; restarting" and a new worker (``initialize`` again) serves the next
-batch. Not supported in process mode (first version): decoupled models (refused at load), BLS
-and response senders (raise ``TritonModelException`` in the worker), custom metrics (they stay
-in the worker), ``async def execute``.
+batch. BLS (``exec``, ``async_exec``, decoupled BLS) works from ``execute``: the worker sends the
+request to the parent, which runs it on the server and sends the answers back (tensors pickled
+through the pipe). ``async def execute`` runs on an event loop of the worker. Not supported in
+process mode: decoupled models (refused at load) and response senders (raise
+``TritonModelException`` in the worker), BLS from threads outside ``execute``, custom metrics
+(they stay in the worker).
 """
 
 from __future__ import annotations
@@ -195,7 +198,11 @@ class ProcessRunner:
         """
         try:
             self._conn.send(message)
-            return self._conn.recv()
+            while True:
+                reply = self._conn.recv()
+                if reply[0] != "bls":
+                    return reply  # type: ignore[no-any-return]
+                self._conn.send(self._bls(reply[1], reply[2]))
         except (EOFError, OSError):
             self._process.join(STOP_TIMEOUT_S)
             code = self._process.exitcode
@@ -205,6 +212,30 @@ class ProcessRunner:
                 f"exited with code {code}; restarting",
                 ErrorCode.INTERNAL,
             ) from None
+
+    def _bls(self, fields: dict[str, Any], decoupled: bool) -> tuple:
+        """Run a BLS request of the worker on the server (this is an instance thread)."""
+        request = InferRequest(
+            fields["model_name"], fields["model_version"], dict(fields["inputs"]), tuple(fields["requested_outputs"]),
+            id=fields["id"], parameters=fields["parameters"], flags=fields["flags"],
+            correlation_id=fields["correlation_id"], timeout_us=fields["timeout_us"],
+        )
+        timeout = request.timeout_us / 1e6 if request.timeout_us > 0 else None
+        try:
+            answers: list[Any] = list(self._instance.model.server.stream(request, timeout))
+        except InferError as exc:
+            answers = [exc]
+        except Exception as exc:  # noqa: BLE001 - reported to the calling model as an error response
+            answers = [InferError(f"BLS request to model '{request.model_name}' failed: {exc}", ErrorCode.INTERNAL)]
+        items: list[tuple] = []
+        for answer in answers:
+            if isinstance(answer, InferResponse) and answer.error is not None:
+                answer = answer.error
+            if isinstance(answer, InferError):
+                items.append(("error", answer.message, int(answer.code)))
+            else:
+                items.append(("ok", [(n, np.asarray(a)) for n, a in answer.outputs.items()], dict(answer.parameters)))
+        return ("bls_result", items)
 
     def _reap(self) -> None:
         if self._conn is not None:

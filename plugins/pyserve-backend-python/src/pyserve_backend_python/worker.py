@@ -4,6 +4,10 @@ Messages from the parent: ``("init", args)``, ``("exec", arena_name, arena_size,
 ``("finalize",)``, ``("stop",)``. Replies: ``("ok",)`` / ``("error", message)`` for init and
 finalize; ``("results", segment_name, segment_size, responses)`` or
 ``("batch_error", message, code)`` for exec.
+
+While it executes a batch, the worker may send ``("bls", request fields, decoupled)``; the parent
+runs that request on the server and answers ``("bls_result", responses)`` before it reads the
+batch's reply (BLS from ``execute``; tensors are pickled through the pipe both ways).
 """
 
 from __future__ import annotations
@@ -35,9 +39,55 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
                                        f"'{spec['name']}'); use execution_mode 'thread'")
         return refuse
 
-    InferenceRequest.exec = unsupported("BLS (InferenceRequest.exec)")  # type: ignore[method-assign]
-    InferenceRequest.async_exec = unsupported("BLS (InferenceRequest.async_exec)")  # type: ignore[method-assign]
+    import asyncio
+    import threading
+
+    from pyserve import InferError, InferResponse
+    from pyserve_backend_python.response import ResponseIterator
+
     InferenceRequest.get_response_sender = unsupported("get_response_sender()")  # type: ignore[method-assign]
+    bls_lock = threading.Lock()
+    executing = threading.Event()
+
+    def remote_exec(request: Any, decoupled: bool = False) -> Any:
+        """BLS from the worker: the parent runs the request on the server and sends the answers."""
+        if not executing.is_set():
+            raise TritonModelException(f"BLS outside execute() is not supported in execution_mode 'process' "
+                                       f"(model '{spec['name']}')")
+        call = request._to_server()  # the same checks as in-process BLS
+        fields = {
+            "model_name": call.model_name, "model_version": call.model_version, "inputs": call.inputs,
+            "requested_outputs": list(call.requested_outputs), "id": call.id, "parameters": call.parameters,
+            "flags": call.flags, "correlation_id": call.correlation_id, "timeout_us": call.timeout_us,
+        }
+        with bls_lock:  # one call on the pipe at a time, whichever thread of execute() makes it
+            conn.send(("bls", fields, bool(decoupled)))
+            reply = conn.recv()
+        answers: list[Any] = [
+            InferResponse(dict(item[1]), item[2]) if item[0] == "ok" else InferError(item[1], ErrorCode(item[2]))
+            for item in reply[1]
+        ]
+        if decoupled:
+            iterator = ResponseIterator(call)
+            for answer in answers:
+                iterator.put(InferenceResponse.from_server(answer), False)
+            iterator.put(None, True)
+            return iterator
+        errors = [a for a in answers if isinstance(a, InferError)]
+        if errors:
+            return InferenceResponse.from_server(errors[0])
+        if len(answers) != 1:
+            return InferenceResponse.from_server(InferError(
+                f"model '{call.model_name}' sent {len(answers)} responses to a non-decoupled BLS request; "
+                "use exec(decoupled=True) to receive them all", ErrorCode.INTERNAL))
+        return InferenceResponse.from_server(answers[0])
+
+    async def remote_async_exec(request: Any, decoupled: bool = False) -> Any:
+        return remote_exec(request, decoupled)
+
+    InferenceRequest.exec = remote_exec  # type: ignore[method-assign]
+    InferenceRequest.async_exec = remote_async_exec  # type: ignore[method-assign]
+    async_loop = asyncio.new_event_loop()  # runs ``async def execute`` (one batch at a time)
 
     model = process.model_stub(spec)
     name, instance_name = spec["name"], spec["instance_name"]
@@ -75,13 +125,16 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
             arena = process._open_segment(arena_msg[0], arena_msg[1]) if arena_msg[0] else None
             arena_name = arena_msg[0]
         requests = [make_request(m, process._unpack(m["inputs"], arena, False)) for m in metas]
+        executing.set()
         try:
             outcome = obj.execute(requests)
             if inspect.isawaitable(outcome):
-                raise TritonModelException("async def execute is not supported in execution_mode 'process'")
+                outcome = async_loop.run_until_complete(outcome)
         except Exception as exc:
             error = results.execute_failure(name, instance_name, exc)
             return ("batch_error", error.message, int(error.code))
+        finally:
+            executing.clear()
         if not isinstance(outcome, (list, tuple)):
             return ("batch_error", f"Python model '{name}': execute() must return a list of "
                     f"pb_utils.InferenceResponse, got {type(outcome).__name__}", int(ErrorCode.INTERNAL))
