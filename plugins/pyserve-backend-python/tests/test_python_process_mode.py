@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -207,21 +208,16 @@ def test_worker_exit_fails_the_request_and_the_worker_restarts(serve: Serve) -> 
     assert _segments() - before == set()
 
 
-def test_decoupled_refused_and_model_errors_reported_in_process_mode(serve: Serve) -> None:
-    source = "class TritonPythonModel:\n    def execute(self, requests):\n        return None\n"
+def test_model_errors_reported_in_process_mode(serve: Serve) -> None:
     init_error = ("class TritonPythonModel:\n    def initialize(self, args):\n"
                   "        raise ValueError('no weights for ' + args['model_name'])\n")
     exec_error = ("import triton_python_backend_utils as pb_utils\n"
                   "class TritonPythonModel:\n    def execute(self, requests):\n"
                   "        raise pb_utils.TritonModelException('execute exploded')\n")
     server = serve({
-        "dec_proc": (DECOUPLED_CONFIG + PROCESS, source),
         "init_err_proc": (IO + PROCESS, init_error),
         "exec_err_proc": (IO + PROCESS, exec_error),
     })
-    state, reason = _state(server, "dec_proc")
-    assert state == "UNAVAILABLE"
-    assert "decoupled models are not supported with execution_mode 'process'" in reason
     state, reason = _state(server, "init_err_proc")
     assert state == "UNAVAILABLE"
     assert "initialize() failed" in reason and "ValueError: no weights for init_err_proc" in reason
@@ -301,3 +297,73 @@ def test_bls_and_async_execute_in_process_mode(serve: Serve) -> None:
     assert list(_infer(server, "bls_proc", [2, 1])[:6]) == [2, 1, 3, 2, 4, 3]
     with pytest.raises(InferenceServerException, match="Request for unknown model: 'missing' is not found"):
         _infer(server, "bls_proc", [3])
+
+
+STREAM_SOURCE = """
+import os
+import threading
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            sender = request.get_response_sender()
+            if values[0] == 9:  # the worker dies with the request open
+                os._exit(9)
+            def stream(values=values, sender=sender):  # after execute returned, from a thread
+                if values[0] == 8:  # one response, then the worker dies with the request open
+                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([0, 0], dtype=np.int32))]))
+                    time.sleep(0.3)  # execute() has returned and its reply went out
+                    os._exit(8)
+                for i in range(int(values[0])):
+                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([i, os.getpid()], dtype=np.int32))]))
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            threading.Thread(target=stream).start()
+        return None
+"""
+
+
+def _stream(server: ServerThread, model: str, value: int) -> list[object]:
+    import tritonclient.grpc as grpcclient
+
+    results: list[object] = []
+    done = threading.Event()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        def callback(result: object, error: object) -> None:
+            results.append(error or result)
+            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:  # type: ignore[union-attr]
+                done.set()
+
+        client.start_stream(callback=callback)
+        item = grpcclient.InferInput("IN", [1], "INT32")
+        item.set_data_from_numpy(np.array([value], dtype=np.int32))
+        client.async_stream_infer(model, [item], enable_empty_final_response=True)
+        assert done.wait(30), results
+        client.stop_stream()
+    finally:
+        client.close()
+    return results
+
+
+def _text(result: object) -> str:
+    message = getattr(result, "message", None)
+    return message() if callable(message) else str(result)
+
+
+def test_decoupled_model_streams_from_the_worker(serve: Serve) -> None:
+    server = serve({"stream_proc": (DECOUPLED_CONFIG + PROCESS, STREAM_SOURCE)})
+    assert _state(server, "stream_proc")[0] == "READY"
+    results = _stream(server, "stream_proc", 4)
+    outputs = [r.as_numpy("OUT") for r in results if r.as_numpy("OUT") is not None]  # type: ignore[union-attr]
+    assert [int(o[0]) for o in outputs] == [0, 1, 2, 3]
+    assert all(int(o[1]) != os.getpid() for o in outputs)  # sent by the worker process
+    died = [_text(r) for r in _stream(server, "stream_proc", 9)]
+    assert any("exited with code 9" in t for t in died), died
+    late = [_text(r) for r in _stream(server, "stream_proc", 8)]  # died after execute returned
+    assert any("exited before ending the request" in t for t in late), late
+    assert [int(r.as_numpy("OUT")[0]) for r in _stream(server, "stream_proc", 2)  # type: ignore[union-attr]
+            if r.as_numpy("OUT") is not None] == [0, 1]  # a new worker took over

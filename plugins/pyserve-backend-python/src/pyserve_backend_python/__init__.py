@@ -133,12 +133,6 @@ def pyserve_model_create(model: ModelContext) -> PythonModelState:
             f"model '{model.name}': execution_mode '{mode}' is not supported; use one of "
             f"{', '.join(EXECUTION_MODES)}"
         )
-    if mode == "process" and model.config.model_transaction_policy.decoupled:
-        _preloaded.pop(model, None)
-        raise PythonModelError(
-            f"model '{model.name}': decoupled models are not supported with execution_mode 'process' "
-            "yet (response senders run in the server process); use execution_mode 'thread'"
-        )
     context.remember(model)
     return PythonModelState(_load(model), mode)
 

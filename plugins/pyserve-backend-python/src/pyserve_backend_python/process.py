@@ -18,10 +18,12 @@ If the worker dies, the batch in flight fails with "the worker process of model 
 'y' exited with code N; restarting" and a new worker (``initialize`` again) serves the next
 batch. BLS (``exec``, ``async_exec``, decoupled BLS) works from ``execute``: the worker sends the
 request to the parent, which runs it on the server and sends the answers back (tensors pickled
-through the pipe). ``async def execute`` runs on an event loop of the worker. Not supported in
-process mode: decoupled models (refused at load) and response senders (raise
-``TritonModelException`` in the worker), BLS from threads outside ``execute``, custom metrics
-(they stay in the worker).
+through the pipe). Decoupled models work: their response senders send each response to the
+parent as it comes, from any thread of the worker, also after ``execute`` returned (a reader
+thread in the parent forwards them; a worker that dies ends its open requests with an error).
+``async def execute`` runs on an event loop of the worker. Not supported in process mode:
+response senders of non-decoupled models, BLS from threads outside ``execute``, cancellation
+seen from the worker (``is_cancelled()`` stays False), custom metrics (they stay in the worker).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ import itertools
 import logging
 import mmap
 import os
+import queue
 import secrets
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -141,6 +145,54 @@ def _unpack(entries: Sequence[tuple], segment: mmap.mmap | None, writeable: bool
 
 
 # -- parent side ------------------------------------------------------------------------------------
+_EOF = object()
+
+
+class _Link:
+    """The pipe to one worker. A reader thread sorts what the worker sends: responses of
+    decoupled requests and BLS calls are handled as they come (``on_send``, ``on_bls``), every
+    other message is a reply to ``call`` (one outstanding call at a time)."""
+
+    def __init__(self, conn: Any, on_send: Any, on_bls: Any, on_eof: Any) -> None:
+        self.conn = conn
+        self.replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._send_lock = threading.Lock()
+        self._on_send, self._on_bls, self._on_eof = on_send, on_bls, on_eof
+        self._thread = threading.Thread(target=self._read, name="pyserve-python-link", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                self.replies.put(_EOF)
+                self._on_eof()
+                return
+            kind = message[0]
+            if kind == "send":
+                self._on_send(message)
+            elif kind == "bls":
+                self._on_bls(message)
+            else:
+                self.replies.put(message)
+
+    def send(self, message: tuple) -> None:
+        with self._send_lock:
+            self.conn.send(message)
+
+    def reply(self, timeout: float | None = None) -> tuple:
+        """The worker's next reply. :raises EOFError: the worker is gone. :raises queue.Empty: timeout."""
+        item = self.replies.get(timeout=timeout)
+        if item is _EOF:
+            self.replies.put(_EOF)  # every later call sees it too
+            raise EOFError
+        return item  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 class ProcessRunner:
     """Runs one instance's ``TritonPythonModel`` in a worker process (see the module docstring)."""
 
@@ -155,7 +207,15 @@ class ProcessRunner:
             "version_path": str(model.version_path),
             "default_model_filename": model.config.default_model_filename,
             "instance_name": instance.name,
+            "decoupled": bool(model.config.model_transaction_policy.decoupled),
         }
+        self._decoupled = self._spec["decoupled"]
+        self._open: dict[int, InferRequest] = {}  # decoupled requests not yet ended, by key
+        self._open_lock = threading.Lock()
+        self._in_batch: set[int] = set()
+        self._keys = itertools.count(1)
+        self._bls_pool: ThreadPoolExecutor | None = None
+        self._link: _Link | None = None
         self._args = initialize_args(instance)
         self._prefix = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(4)}_"
         self._counter = itertools.count()
@@ -179,6 +239,7 @@ class ProcessRunner:
         process.start()
         child.close()
         self._process, self._conn = process, parent
+        self._link = _Link(parent, self._on_send, self._on_bls, self._on_eof)
         reply = self._call(("init", self._args))
         if reply[0] != "ok":
             self._stop(kill=True)
@@ -196,13 +257,11 @@ class ProcessRunner:
 
         :raises InferError: the worker exited (it is reaped; the next call restarts it).
         """
+        link = self._link
+        assert link is not None
         try:
-            self._conn.send(message)
-            while True:
-                reply = self._conn.recv()
-                if reply[0] != "bls":
-                    return reply  # type: ignore[no-any-return]
-                self._conn.send(self._bls(reply[1], reply[2]))
+            link.send(message)
+            return link.reply()
         except (EOFError, OSError):
             self._process.join(STOP_TIMEOUT_S)
             code = self._process.exitcode
@@ -212,6 +271,64 @@ class ProcessRunner:
                 f"exited with code {code}; restarting",
                 ErrorCode.INTERNAL,
             ) from None
+
+    # messages the reader thread hands over
+    def _on_send(self, message: tuple) -> None:
+        """A response of a decoupled request, from the worker's response sender."""
+        _, key, payload, final = message
+        with self._open_lock:
+            request = self._open.pop(key, None) if final else self._open.get(key)
+        if request is None:
+            return
+        response: Any = None
+        if payload is not None:
+            if payload[0] == "error":
+                response = InferError(payload[1], _code(payload[2]))
+            else:
+                response = InferResponse(dict(payload[1]), payload[2] or None)
+        try:
+            request.response_sender().send(response, final)
+        except InferError as exc:
+            log.error("model '%s': a response of the worker could not be sent: %s", self._model_name, exc.message)
+
+    def _on_bls(self, message: tuple) -> None:
+        """A BLS call of the worker: run it on a pool thread, answer on the pipe."""
+        link = self._link
+        if self._bls_pool is None:
+            self._bls_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pyserve-python-bls")
+
+        def run() -> None:
+            reply = self._bls(message[1], message[2])
+            if link is not None:
+                try:
+                    link.send(reply)
+                except (OSError, ValueError):
+                    pass  # the worker is gone
+
+        self._bls_pool.submit(run)
+
+    def _forget(self, keys: list[int]) -> None:
+        with self._open_lock:
+            for key in keys:
+                self._open.pop(key, None)
+
+    def _on_eof(self) -> None:
+        """The worker is gone: end every decoupled request it had not ended (those of a batch
+        still executing fail with the batch)."""
+        with self._open_lock:
+            pending = {k: r for k, r in self._open.items() if k not in self._in_batch}
+            for key in pending:
+                del self._open[key]
+        error = InferError(
+            f"the worker process of model '{self._model_name}' instance '{self._instance.name}' exited "
+            "before ending the request", ErrorCode.INTERNAL,
+        )
+        for request in pending.values():
+            if not request.final_sent:
+                try:
+                    request.response_sender().send(error, True)
+                except InferError:
+                    pass
 
     def _bls(self, fields: dict[str, Any], decoupled: bool) -> tuple:
         """Run a BLS request of the worker on the server (this is an instance thread)."""
@@ -238,9 +355,9 @@ class ProcessRunner:
         return ("bls_result", items)
 
     def _reap(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-        self._process = self._conn = None
+        if self._link is not None:
+            self._link.close()
+        self._process = self._conn = self._link = None
         _unlink_prefix(self._prefix + "o")
 
     def execute(self, requests: Sequence[InferRequest]) -> results.ServerResults:
@@ -282,7 +399,12 @@ class ProcessRunner:
         metas = []
         offset = 0
         for request, inputs in zip(requests, arrays):
+            key = next(self._keys)
+            if self._decoupled:
+                with self._open_lock:
+                    self._open[key] = request
             metas.append({
+                "key": key,
                 "model_name": request.model_name,
                 "model_version": int(request.model_version),
                 "id": request.id,
@@ -294,10 +416,21 @@ class ProcessRunner:
                 "inputs": _pack(inputs, self._arena, offset),
             })
             offset += _fixed_size(inputs)
-        reply = self._call(("exec", self._arena_name, self._arena_size, metas))
+        keys = [m["key"] for m in metas]
+        self._in_batch = set(keys)  # failed by the caller, not by _on_eof, if the worker dies now
+        try:
+            reply = self._call(("exec", self._arena_name, self._arena_size, metas))
+        except InferError:
+            self._forget(keys)
+            raise
+        finally:
+            self._in_batch = set()
         if reply[0] == "batch_error":
+            self._forget(keys)
             raise InferError(reply[1], ErrorCode(reply[2]))
         _, segment_name, segment_size, responses = reply
+        if responses is None:  # a decoupled model: its response senders answer
+            return None
         segment = None
         if segment_name:
             segment = _open_segment(segment_name, segment_size)
@@ -313,14 +446,15 @@ class ProcessRunner:
     def finalize(self) -> None:
         with self._lock:
             try:
-                if self._process is not None and self._process.is_alive():
-                    self._conn.send(("finalize",))
-                    if not self._conn.poll(STOP_TIMEOUT_S):
+                if self._process is not None and self._process.is_alive() and self._link is not None:
+                    self._link.send(("finalize",))
+                    try:
+                        reply = self._link.reply(STOP_TIMEOUT_S)
+                    except queue.Empty:
                         log.error("model '%s' instance '%s': finalize() did not return within %.0f s; "
                                   "killing the worker", self._model_name, self._instance.name, STOP_TIMEOUT_S)
                         self._stop(kill=True)
                         return
-                    reply = self._conn.recv()
                     if reply[0] != "ok":
                         log.error("%s", reply[1])
             except (EOFError, OSError) as exc:
@@ -329,14 +463,17 @@ class ProcessRunner:
             finally:
                 self._stop(kill=False)
                 self._release_arena()
+                if self._bls_pool is not None:
+                    self._bls_pool.shutdown(wait=False)
+                    self._bls_pool = None
 
     def _stop(self, kill: bool) -> None:
         process = self._process
         if process is None:
             return
-        if not kill:
+        if not kill and self._link is not None:
             try:
-                self._conn.send(("stop",))
+                self._link.send(("stop",))
             except (OSError, ValueError):
                 pass
             process.join(STOP_TIMEOUT_S)

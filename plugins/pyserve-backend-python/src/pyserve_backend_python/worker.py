@@ -6,8 +6,9 @@ finalize; ``("results", segment_name, segment_size, responses)`` or
 ``("batch_error", message, code)`` for exec.
 
 While it executes a batch, the worker may send ``("bls", request fields, decoupled)``; the parent
-runs that request on the server and answers ``("bls_result", responses)`` before it reads the
-batch's reply (BLS from ``execute``; tensors are pickled through the pipe both ways).
+runs that request on the server and answers ``("bls_result", responses)`` (BLS from
+``execute``; tensors are pickled through the pipe both ways). A decoupled model's response
+senders send ``("send", request key, response or None, final)`` at any time, from any thread.
 """
 
 from __future__ import annotations
@@ -42,10 +43,59 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
     import asyncio
     import threading
 
+    import numpy as np
+
     from pyserve import InferError, InferResponse
     from pyserve_backend_python.response import ResponseIterator
 
-    InferenceRequest.get_response_sender = unsupported("get_response_sender()")  # type: ignore[method-assign]
+    send_lock = threading.Lock()  # the main loop, BLS calls and response senders all send
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    class PipeSender:
+        """A decoupled request's responses, sent to the parent as they come (any thread)."""
+
+        def __init__(self, key: int) -> None:
+            self.key = key
+            self.final_sent = False
+
+        def send(self, response: Any, final: bool) -> None:
+            if self.final_sent:
+                raise InferError("the final response was already sent", ErrorCode.INTERNAL)
+            if isinstance(response, InferError):
+                payload: Any = ("error", response.message, int(response.code))
+            elif response is not None:
+                payload = ("ok", [(n, np.asarray(a)) for n, a in response.outputs.items()],
+                           dict(response.parameters))
+            else:
+                payload = None
+            if final:
+                self.final_sent = True
+            send(("send", self.key, payload, bool(final)))
+
+        def is_cancelled(self) -> bool:
+            return False
+
+    class WorkerRequest:
+        """What ``InferenceResponseSender`` needs of a server request, in the worker."""
+
+        def __init__(self, key: int) -> None:
+            self._sender = PipeSender(key)
+
+        def response_sender(self) -> PipeSender:
+            return self._sender
+
+        def is_cancelled(self) -> bool:
+            return False
+
+        @property
+        def final_sent(self) -> bool:
+            return self._sender.final_sent
+
+    if not spec.get("decoupled"):
+        InferenceRequest.get_response_sender = unsupported("get_response_sender()")  # type: ignore[method-assign]
     bls_lock = threading.Lock()
     executing = threading.Event()
 
@@ -61,7 +111,7 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
             "flags": call.flags, "correlation_id": call.correlation_id, "timeout_us": call.timeout_us,
         }
         with bls_lock:  # one call on the pipe at a time, whichever thread of execute() makes it
-            conn.send(("bls", fields, bool(decoupled)))
+            send(("bls", fields, bool(decoupled)))
             reply = conn.recv()
         answers: list[Any] = [
             InferResponse(dict(item[1]), item[2]) if item[0] == "ok" else InferError(item[1], ErrorCode(item[2]))
@@ -109,7 +159,7 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
         request._preferred_memory = None
         request._trace = None
         request._parameters = meta["parameters"]
-        request._server_request = None
+        request._server_request = WorkerRequest(meta["key"]) if spec.get("decoupled") else None
         request._sender = None
         request._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         return request
@@ -135,6 +185,8 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
             return ("batch_error", error.message, int(error.code))
         finally:
             executing.clear()
+        if outcome is None and spec.get("decoupled"):
+            return ("results", "", 0, None)  # the responses go through the response senders
         if not isinstance(outcome, (list, tuple)):
             return ("batch_error", f"Python model '{name}': execute() must return a list of "
                     f"pb_utils.InferenceResponse, got {type(outcome).__name__}", int(ErrorCode.INTERNAL))
@@ -190,11 +242,11 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
                     initialize = getattr(obj, "initialize", None)
                     if initialize is not None:
                         initialize(message[1])
-                conn.send(("ok",))
+                send(("ok",))
             except loader.PythonModelError as exc:
-                conn.send(("error", str(exc)))
+                send(("error", str(exc)))
             except Exception as exc:
-                conn.send(("error", loader.format_failure(
+                send(("error", loader.format_failure(
                     f"model '{name}' version {spec['version']} instance '{instance_name}': "
                     "initialize() failed (worker process)", exc)))
         elif kind == "exec":
@@ -203,15 +255,15 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
             except Exception as exc:  # a failure of this worker's own code: fail the batch, keep serving
                 error = results.execute_failure(name, instance_name, exc)
                 reply = ("batch_error", error.message, int(error.code))
-            conn.send(reply)
+            send(reply)
         elif kind == "finalize":
             try:
                 finalize = getattr(obj, "finalize", None)
                 if finalize is not None:
                     finalize()
-                conn.send(("ok",))
+                send(("ok",))
             except Exception as exc:
-                conn.send(("error", loader.format_failure(f"model '{name}': finalize() failed", exc)))
+                send(("error", loader.format_failure(f"model '{name}': finalize() failed", exc)))
         elif kind == "stop":
             break
     if arena is not None:
