@@ -491,3 +491,34 @@ def test_a_client_that_goes_away_cancels_the_handed_off_request(tmp_path: Path) 
         assert stats["execution_count"] == 1, stats  # the abandoned request never executed
         assert stats["inference_stats"]["fail"]["count"] == 1, stats
         assert thread.server.dataplane.in_flight == 0
+
+
+def test_generate_stream_is_relayed_as_it_streams(server: ServerThread) -> None:
+    """Server-sent events of a decoupled model, on every connection (relayed by frontends)."""
+    for _ in range(CONNECTIONS):
+        with httpx.Client(base_url=f"http://{server.url}") as http:
+            with http.stream("POST", "/v2/models/square/generate_stream", json={"IN": 3, "id": "s"}) as response:
+                assert response.status_code == 200
+                assert response.headers["content-type"].startswith("text/event-stream")
+                text = "".join(response.iter_text())
+        events = [e for e in text.split("\n\n") if e]
+        assert len(events) == 3 and all(e.startswith("data: ") and '"OUT":3' in e for e in events), text
+
+
+def test_restricted_apis_hold_on_every_process(tmp_path: Path) -> None:
+    from pyserve.restricted import parse_restrictions
+
+    write_model(tmp_path / "repo", "echo", ECHO)
+    rules = parse_restrictions(["inference,metadata:api-key=s3cret"])
+    with serve(tmp_path / "repo", frontend_processes=1, http_restricted_api=rules) as thread:
+        body = {"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}
+        for _ in range(CONNECTIONS):
+            with httpx.Client(base_url=f"http://{thread.url}") as http:
+                refused = http.post("/v2/models/echo/infer", json=body)
+                assert refused.status_code == 403
+                assert refused.json() == {"error": "This API is restricted, expecting header 'api-key'"}
+                assert http.get("/v2/models/echo").status_code == 403  # relayed: the owner refuses
+                allowed = http.post("/v2/models/echo/infer", json=body, headers={"api-key": "s3cret"})
+                assert allowed.status_code == 200 and allowed.json()["outputs"][0]["data"] == [1, 2]
+                assert http.get("/v2/models/echo", headers={"api-key": "s3cret"}).status_code == 200
+                assert http.get("/v2/health/ready").status_code == 200  # not restricted
