@@ -367,3 +367,38 @@ def test_decoupled_model_streams_from_the_worker(serve: Serve) -> None:
     assert any("exited before ending the request" in t for t in late), late
     assert [int(r.as_numpy("OUT")[0]) for r in _stream(server, "stream_proc", 2)  # type: ignore[union-attr]
             if r.as_numpy("OUT") is not None] == [0, 1]  # a new worker took over
+
+
+METRICS_CONFIG = IO + "instance_group [ { kind: KIND_CPU count: 2 } ]\n" + PROCESS
+METRICS_SOURCE = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        family = pb_utils.MetricFamily("pyserve_proc_requests", "requests seen", pb_utils.MetricFamily.COUNTER)
+        self.requests = family.Metric(labels={"model": args["model_name"]})
+        sizes = pb_utils.MetricFamily("pyserve_proc_sizes", "input sizes", pb_utils.MetricFamily.HISTOGRAM)
+        self.sizes = sizes.Metric(labels={}, buckets=[1.0, 4.0])
+
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            self.requests.increment(1)
+            self.sizes.observe(len(values))
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", values)]))
+        return out
+"""
+
+
+def test_custom_metrics_of_workers_reach_the_server(serve: Serve) -> None:
+    from pyserve_backend_python.metrics import REGISTRY
+
+    server = serve({"metrics_proc": (METRICS_CONFIG, METRICS_SOURCE)})
+    with ThreadPoolExecutor(4) as pool:  # both instances (workers) take requests
+        list(pool.map(lambda n: _infer(server, "metrics_proc", list(range(n % 6 + 1))), range(24)))
+    assert REGISTRY.get_sample_value("pyserve_proc_requests", {"model": "metrics_proc"}) == 24
+    assert REGISTRY.get_sample_value("pyserve_proc_sizes_count", {}) == 24
+    assert REGISTRY.get_sample_value("pyserve_proc_sizes_bucket", {"le": "1.0"}) == 4  # sizes 1 of 1..6
+    server.stop()
+    assert REGISTRY.get_sample_value("pyserve_proc_requests", {"model": "metrics_proc"}) is None  # unloaded

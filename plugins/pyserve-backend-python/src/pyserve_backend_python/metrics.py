@@ -51,7 +51,7 @@ class _Values:
 
 
 class _Family:
-    __slots__ = ("description", "kind", "metrics", "name", "owners")
+    __slots__ = ("description", "kind", "metrics", "name", "owners", "remote")
 
     def __init__(self, name: str, description: str, kind: int) -> None:
         self.name = name
@@ -59,6 +59,8 @@ class _Family:
         self.kind = kind
         self.metrics: dict[tuple[tuple[str, str], ...], _Values] = {}
         self.owners: set[tuple[str, int]] = set()
+        self.remote: dict[str, dict[tuple[tuple[str, str], ...], tuple]] = {}
+        """Worker (``execution_mode: "process"``) → its last reported values, by label set."""
 
 
 class _Collector:
@@ -70,22 +72,34 @@ class _Collector:
 
     def collect(self) -> Iterator[_PromMetric]:
         with self.lock:
-            families = list(self.families.values())
-        for family in families:
+            families = [(f, [dict(r) for r in f.remote.values()]) for f in self.families.values()]
+        for family, reports in families:
             metric = _PromMetric(family.name, family.description, _KIND_NAMES[family.kind])
+            merged: dict[tuple[tuple[str, str], ...], list[Any]] = {}
             for labels_key, values in list(family.metrics.items()):
-                labels = dict(labels_key)
                 with values.lock:
-                    if family.kind == MetricFamily.HISTOGRAM:
-                        cumulative = 0
-                        for bound, count in zip(values.buckets, values.bucket_counts):
-                            cumulative += count
-                            metric.add_sample(f"{family.name}_bucket", {**labels, "le": _le(bound)}, cumulative)
-                        metric.add_sample(f"{family.name}_bucket", {**labels, "le": "+Inf"}, values.count)
-                        metric.add_sample(f"{family.name}_sum", labels, values.sum)
-                        metric.add_sample(f"{family.name}_count", labels, values.count)
-                    else:
-                        metric.add_sample(family.name, labels, values.value)
+                    merged[labels_key] = [values.value, list(values.buckets), list(values.bucket_counts),
+                                          values.sum, values.count]
+            for report in reports:  # process-mode workers: counters and histograms add up, gauges too
+                for labels_key, (value, buckets, counts, total, count) in report.items():
+                    entry = merged.setdefault(labels_key, [0.0, list(buckets), [0] * len(counts), 0.0, 0])
+                    entry[0] += value
+                    if entry[1] == list(buckets):
+                        entry[2] = [a + b for a, b in zip(entry[2], counts)]
+                    entry[3] += total
+                    entry[4] += count
+            for labels_key, (value, buckets, counts, total, count) in merged.items():
+                labels = dict(labels_key)
+                if family.kind == MetricFamily.HISTOGRAM:
+                    cumulative = 0
+                    for bound, bucket_count in zip(buckets, counts):
+                        cumulative += bucket_count
+                        metric.add_sample(f"{family.name}_bucket", {**labels, "le": _le(bound)}, cumulative)
+                    metric.add_sample(f"{family.name}_bucket", {**labels, "le": "+Inf"}, count)
+                    metric.add_sample(f"{family.name}_sum", labels, total)
+                    metric.add_sample(f"{family.name}_count", labels, count)
+                else:
+                    metric.add_sample(family.name, labels, value)
             yield metric
 
     def release(self, owner: tuple[str, int]) -> None:
@@ -103,6 +117,45 @@ def _le(bound: float) -> str:
 
 _COLLECTOR = _Collector()
 REGISTRY.register(_COLLECTOR)  # type: ignore[arg-type]
+
+
+def snapshot() -> list[tuple[Any, ...]]:
+    """Every family of this process with its values (what a process-mode worker reports)."""
+    with _COLLECTOR.lock:
+        families = list(_COLLECTOR.families.values())
+    report = []
+    for family in families:
+        values = []
+        for labels_key, current in list(family.metrics.items()):
+            with current.lock:
+                values.append((labels_key, current.value, list(current.buckets), list(current.bucket_counts),
+                               current.sum, current.count))
+        report.append((family.name, family.description, family.kind, values))
+    return report
+
+
+def mirror(source: str, owner: tuple[str, int], report: list[tuple[Any, ...]]) -> None:
+    """Show the families a worker reported (``snapshot``), replacing its previous report; a
+    family name taken by another kind keeps its own and the report's values are ignored."""
+    with _COLLECTOR.lock:
+        for name, description, kind, values in report:
+            family = _COLLECTOR.families.get(name)
+            if family is None:
+                family = _COLLECTOR.families[name] = _Family(name, description, kind)
+            elif family.kind != kind:
+                continue
+            family.owners.add(owner)
+            family.remote[source] = {
+                tuple(tuple(pair) for pair in labels_key): (value, buckets, counts, total, count)
+                for labels_key, value, buckets, counts, total, count in values
+            }
+
+
+def forget(source: str) -> None:
+    """Drop what a worker reported (it exited: its successor starts from zero, as a new Triton stub)."""
+    with _COLLECTOR.lock:
+        for family in _COLLECTOR.families.values():
+            family.remote.pop(source, None)
 
 
 def release_model(name: str, version: int) -> None:

@@ -23,7 +23,9 @@ parent as it comes, from any thread of the worker, also after ``execute`` return
 thread in the parent forwards them; a worker that dies ends its open requests with an error).
 ``async def execute`` runs on an event loop of the worker. Not supported in process mode:
 response senders of non-decoupled models, BLS from threads outside ``execute``, cancellation
-seen from the worker (``is_cancelled()`` stays False), custom metrics (they stay in the worker).
+seen from the worker (``is_cancelled()`` stays False). Custom metrics (``pb_utils.MetricFamily``)
+are reported by the worker after ``initialize`` and after each batch when they changed, and the
+server shows them on its metrics page (values of several workers add up).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import numpy as np
 
 from pyserve import ErrorCode, InferError, InferRequest, InferResponse, InstanceContext
 
-from pyserve_backend_python import results
+from pyserve_backend_python import metrics, results
 from pyserve_backend_python.loader import PythonModelError
 from pyserve_backend_python.runner import initialize_args
 
@@ -153,11 +155,11 @@ class _Link:
     decoupled requests and BLS calls are handled as they come (``on_send``, ``on_bls``), every
     other message is a reply to ``call`` (one outstanding call at a time)."""
 
-    def __init__(self, conn: Any, on_send: Any, on_bls: Any, on_eof: Any) -> None:
+    def __init__(self, conn: Any, on_send: Any, on_bls: Any, on_eof: Any, on_metrics: Any) -> None:
         self.conn = conn
         self.replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._send_lock = threading.Lock()
-        self._on_send, self._on_bls, self._on_eof = on_send, on_bls, on_eof
+        self._on_send, self._on_bls, self._on_eof, self._on_metrics = on_send, on_bls, on_eof, on_metrics
         self._thread = threading.Thread(target=self._read, name="pyserve-python-link", daemon=True)
         self._thread.start()
 
@@ -174,6 +176,8 @@ class _Link:
                 self._on_send(message)
             elif kind == "bls":
                 self._on_bls(message)
+            elif kind == "metrics":
+                self._on_metrics(message[1])
             else:
                 self.replies.put(message)
 
@@ -239,7 +243,7 @@ class ProcessRunner:
         process.start()
         child.close()
         self._process, self._conn = process, parent
-        self._link = _Link(parent, self._on_send, self._on_bls, self._on_eof)
+        self._link = _Link(parent, self._on_send, self._on_bls, self._on_eof, self._on_metrics)
         reply = self._call(("init", self._args))
         if reply[0] != "ok":
             self._stop(kill=True)
@@ -307,6 +311,10 @@ class ProcessRunner:
 
         self._bls_pool.submit(run)
 
+    def _on_metrics(self, report: list[Any]) -> None:
+        """The worker's custom metrics: shown on the server's metrics page."""
+        metrics.mirror(self._prefix, (self._model_name, int(self._spec["version"])), report)
+
     def _forget(self, keys: list[int]) -> None:
         with self._open_lock:
             for key in keys:
@@ -355,6 +363,7 @@ class ProcessRunner:
         return ("bls_result", items)
 
     def _reap(self) -> None:
+        metrics.forget(self._prefix)  # a new worker starts its metrics from zero
         if self._link is not None:
             self._link.close()
         self._process = self._conn = self._link = None

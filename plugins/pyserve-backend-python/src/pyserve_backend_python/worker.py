@@ -9,6 +9,7 @@ While it executes a batch, the worker may send ``("bls", request fields, decoupl
 runs that request on the server and answers ``("bls_result", responses)`` (BLS from
 ``execute``; tensors are pickled through the pipe both ways). A decoupled model's response
 senders send ``("send", request key, response or None, final)`` at any time, from any thread.
+Before a reply, the worker sends ``("metrics", families)`` when its custom metrics changed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
 
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [{spec['name']} worker %(process)d] %(message)s")
-    from pyserve_backend_python import loader, process, results
+    from pyserve_backend_python import loader, metrics, process, results
     from pyserve_backend_python.constants import TRITONSERVER_REQUEST_RELEASE_ALL
     from pyserve_backend_python.errors import TritonModelException
     from pyserve_backend_python.request import InferenceRequest
@@ -138,6 +139,14 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
     InferenceRequest.exec = remote_exec  # type: ignore[method-assign]
     InferenceRequest.async_exec = remote_async_exec  # type: ignore[method-assign]
     async_loop = asyncio.new_event_loop()  # runs ``async def execute`` (one batch at a time)
+    reported: list[Any] = []
+
+    def report_metrics() -> None:
+        """Send the model's custom metrics to the server when they changed (before a reply)."""
+        current = metrics.snapshot()
+        if current != reported:
+            reported[:] = current
+            send(("metrics", current))
 
     model = process.model_stub(spec)
     name, instance_name = spec["name"], spec["instance_name"]
@@ -242,6 +251,7 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
                     initialize = getattr(obj, "initialize", None)
                     if initialize is not None:
                         initialize(message[1])
+                report_metrics()
                 send(("ok",))
             except loader.PythonModelError as exc:
                 send(("error", str(exc)))
@@ -255,6 +265,7 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
             except Exception as exc:  # a failure of this worker's own code: fail the batch, keep serving
                 error = results.execute_failure(name, instance_name, exc)
                 reply = ("batch_error", error.message, int(error.code))
+            report_metrics()
             send(reply)
         elif kind == "finalize":
             try:
