@@ -402,3 +402,53 @@ def test_custom_metrics_of_workers_reach_the_server(serve: Serve) -> None:
     assert REGISTRY.get_sample_value("pyserve_proc_sizes_bucket", {"le": "1.0"}) == 4  # sizes 1 of 1..6
     server.stop()
     assert REGISTRY.get_sample_value("pyserve_proc_requests", {"model": "metrics_proc"}) is None  # unloaded
+
+
+CANCEL_SOURCE = """
+import threading
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            def stream(request=request, sender=sender):
+                sent = 0
+                while sent < 200 and not request.is_cancelled():
+                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([sent], dtype=np.int32))]))
+                    sent += 1
+                    time.sleep(0.02)
+                with open(__import__("json").loads(request.parameters())["path"], "w") as f:
+                    f.write(f"{sent} {request.is_cancelled()} {sender.is_cancelled()}")
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            threading.Thread(target=stream).start()
+        return None
+"""
+
+
+def test_a_cancelled_stream_is_seen_by_the_worker(serve: Serve, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import tritonclient.grpc as grpcclient
+
+    server = serve({"cancel_proc": (DECOUPLED_CONFIG + PROCESS, CANCEL_SOURCE)})
+    record = tmp_path / "sent.txt"
+    received: list[object] = []
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: received.append(error or result))
+        item = grpcclient.InferInput("IN", [1], "INT32")
+        item.set_data_from_numpy(np.array([1], dtype=np.int32))
+        client.async_stream_infer("cancel_proc", [item], parameters={"path": str(record)})
+        deadline = time.monotonic() + 10
+        while len(received) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        client.stop_stream(cancel_requests=True)  # the client goes away mid-stream
+    finally:
+        client.close()
+    deadline = time.monotonic() + 10
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sent, request_cancelled, sender_cancelled = record.read_text().split()
+    assert int(sent) < 100, sent  # stopped long before its 200 responses (4 s)
+    assert request_cancelled == "True" and sender_cancelled == "True"

@@ -22,8 +22,8 @@ through the pipe). Decoupled models work: their response senders send each respo
 parent as it comes, from any thread of the worker, also after ``execute`` returned (a reader
 thread in the parent forwards them; a worker that dies ends its open requests with an error).
 ``async def execute`` runs on an event loop of the worker. Not supported in process mode:
-response senders of non-decoupled models, BLS from threads outside ``execute``, cancellation
-seen from the worker (``is_cancelled()`` stays False). Custom metrics (``pb_utils.MetricFamily``)
+response senders of non-decoupled models, BLS from threads outside ``execute``. A request
+whose client goes away is reported to the worker within ~50 ms (``is_cancelled()``). Custom metrics (``pb_utils.MetricFamily``)
 are reported by the worker after ``initialize`` and after each batch when they changed, and the
 server shows them on its metrics page (values of several workers add up).
 """
@@ -217,6 +217,10 @@ class ProcessRunner:
         self._open: dict[int, InferRequest] = {}  # decoupled requests not yet ended, by key
         self._open_lock = threading.Lock()
         self._in_batch: set[int] = set()
+        self._batch: dict[int, InferRequest] = {}  # the batch executing now, by key
+        self._notified: set[int] = set()  # keys whose cancellation the worker was told
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
         self._keys = itertools.count(1)
         self._bls_pool: ThreadPoolExecutor | None = None
         self._link: _Link | None = None
@@ -244,6 +248,10 @@ class ProcessRunner:
         child.close()
         self._process, self._conn = process, parent
         self._link = _Link(parent, self._on_send, self._on_bls, self._on_eof, self._on_metrics)
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch_cancellations, daemon=True,
+                                             name=f"pyserve-python-cancel-{self._instance.name}")
+            self._watcher.start()
         reply = self._call(("init", self._args))
         if reply[0] != "ok":
             self._stop(kill=True)
@@ -310,6 +318,24 @@ class ProcessRunner:
                     pass  # the worker is gone
 
         self._bls_pool.submit(run)
+
+    def _watch_cancellations(self) -> None:
+        """Tell the worker, within ~50 ms, about requests whose client went away."""
+        while not self._closing.wait(0.05):
+            with self._open_lock:
+                watched = list(self._open.items()) + list(self._batch.items())
+            live = set()
+            for key, request in watched:
+                live.add(key)
+                if key not in self._notified and request.is_cancelled():
+                    self._notified.add(key)
+                    link = self._link
+                    if link is not None:
+                        try:
+                            link.send(("cancel", key))
+                        except (OSError, ValueError):
+                            pass
+            self._notified &= live
 
     def _on_metrics(self, report: list[Any]) -> None:
         """The worker's custom metrics: shown on the server's metrics page."""
@@ -427,6 +453,8 @@ class ProcessRunner:
             offset += _fixed_size(inputs)
         keys = [m["key"] for m in metas]
         self._in_batch = set(keys)  # failed by the caller, not by _on_eof, if the worker dies now
+        with self._open_lock:
+            self._batch = dict(zip(keys, requests))
         try:
             reply = self._call(("exec", self._arena_name, self._arena_size, metas))
         except InferError:
@@ -434,6 +462,8 @@ class ProcessRunner:
             raise
         finally:
             self._in_batch = set()
+            with self._open_lock:
+                self._batch = {}
         if reply[0] == "batch_error":
             self._forget(keys)
             raise InferError(reply[1], ErrorCode(reply[2]))
@@ -475,6 +505,7 @@ class ProcessRunner:
                 if self._bls_pool is not None:
                     self._bls_pool.shutdown(wait=False)
                     self._bls_pool = None
+                self._closing.set()
 
     def _stop(self, kill: bool) -> None:
         process = self._process

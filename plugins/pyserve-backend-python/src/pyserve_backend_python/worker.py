@@ -9,7 +9,8 @@ While it executes a batch, the worker may send ``("bls", request fields, decoupl
 runs that request on the server and answers ``("bls_result", responses)`` (BLS from
 ``execute``; tensors are pickled through the pipe both ways). A decoupled model's response
 senders send ``("send", request key, response or None, final)`` at any time, from any thread.
-Before a reply, the worker sends ``("metrics", families)`` when its custom metrics changed.
+Before a reply, the worker sends ``("metrics", families)`` when its custom metrics changed. The
+parent sends ``("cancel", request key)`` when a request's client went away (``is_cancelled()``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,28 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
         with send_lock:
             conn.send(message)
 
+    import queue
+
+    inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # the main loop's messages
+    bls_replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    cancelled: set[int] = set()  # keys of requests whose client went away
+
+    def read() -> None:
+        """Sort what the parent sends: BLS answers, cancellations, and the main loop's work."""
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                inbox.put(None)
+                bls_replies.put(None)
+                return
+            if message[0] == "bls_result":
+                bls_replies.put(message)
+            elif message[0] == "cancel":
+                cancelled.add(message[1])
+            else:
+                inbox.put(message)
+
     class PipeSender:
         """A decoupled request's responses, sent to the parent as they come (any thread)."""
 
@@ -74,10 +97,11 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
                 payload = None
             if final:
                 self.final_sent = True
+                cancelled.discard(self.key)
             send(("send", self.key, payload, bool(final)))
 
         def is_cancelled(self) -> bool:
-            return False
+            return self.key in cancelled
 
     class WorkerRequest:
         """What ``InferenceResponseSender`` needs of a server request, in the worker."""
@@ -89,7 +113,7 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
             return self._sender
 
         def is_cancelled(self) -> bool:
-            return False
+            return self._sender.key in cancelled
 
         @property
         def final_sent(self) -> bool:
@@ -113,7 +137,9 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
         }
         with bls_lock:  # one call on the pipe at a time, whichever thread of execute() makes it
             send(("bls", fields, bool(decoupled)))
-            reply = conn.recv()
+            reply = bls_replies.get()
+        if reply is None:
+            raise TritonModelException("the server process went away during a BLS call")
         answers: list[Any] = [
             InferResponse(dict(item[1]), item[2]) if item[0] == "ok" else InferError(item[1], ErrorCode(item[2]))
             for item in reply[1]
@@ -168,7 +194,7 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
         request._preferred_memory = None
         request._trace = None
         request._parameters = meta["parameters"]
-        request._server_request = WorkerRequest(meta["key"]) if spec.get("decoupled") else None
+        request._server_request = WorkerRequest(meta["key"])  # is_cancelled(); the sender if decoupled
         request._sender = None
         request._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         return request
@@ -194,6 +220,9 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
             return ("batch_error", error.message, int(error.code))
         finally:
             executing.clear()
+        if not spec.get("decoupled"):
+            for meta in metas:
+                cancelled.discard(meta["key"])
         if outcome is None and spec.get("decoupled"):
             return ("results", "", 0, None)  # the responses go through the response senders
         if not isinstance(outcome, (list, tuple)):
@@ -237,10 +266,13 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
             segment.close()
         return ("results", segment_name, total, replies)
 
+    threading.Thread(target=read, name="pyserve-python-worker-reader", daemon=True).start()
     while True:
         try:
-            message = conn.recv()
-        except (EOFError, OSError, KeyboardInterrupt):
+            message = inbox.get()
+        except KeyboardInterrupt:
+            break
+        if message is None:  # the parent went away
             break
         kind = message[0]
         if kind == "init":
