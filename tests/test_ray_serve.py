@@ -66,8 +66,9 @@ def _ray(*args: str, env: dict[str, str]) -> None:
 
 
 class Cluster:
-    def __init__(self, address: str, http: int, grpc: int) -> None:
+    def __init__(self, address: str, http: int, grpc: int, repo: Path) -> None:
         self.address = address
+        self.repo = repo
         self.http = f"127.0.0.1:{http}"
         self.grpc = f"127.0.0.1:{grpc}"
 
@@ -94,7 +95,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         assert deploy.returncode == 0, deploy.stdout + deploy.stderr
         assert "RUNNING" in deploy.stdout
         ray.init(address=address, namespace="serve", log_to_driver=False)
-        yield Cluster(address, http, grpc)
+        yield Cluster(address, http, grpc, repo)
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -224,6 +225,31 @@ def test_requests_keep_succeeding_when_a_replica_is_killed(cluster: Cluster) -> 
         time.sleep(1)
     else:
         raise AssertionError(f"the killed replica was not replaced: {_replica_actors('pyserve-echo')}")
+
+
+def test_one_deployment_for_the_whole_repository(cluster: Cluster) -> None:
+    """``--per-repository`` (run last: it replaces the application) serves every model from
+    one deployment."""
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    http_port, grpc_port = (int(a.rsplit(":", 1)[1]) for a in (cluster.http, cluster.grpc))
+    deploy = subprocess.run(
+        [str(BIN / "pyserve"), "ray-deploy", "--model-repository", str(cluster.repo), "--address", cluster.address,
+         "--per-repository", "--http-host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port",
+         str(grpc_port), "--timeout", "240"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (_replica_actors("pyserve-echo") or not _replica_actors("pyserve-repository")):
+        time.sleep(1)
+    assert len(_replica_actors("pyserve-repository")) == 1 and not _replica_actors("pyserve-echo")
+    values = np.ones((1, 3), dtype=np.float32)
+    with httpclient.InferenceServerClient(cluster.http) as http:
+        assert np.array_equal(http.infer("echo", [_fp32(values, httpclient)]).as_numpy("OUTPUT0"), values)
+        tensor = httpclient.InferInput("INPUT0", [1], "INT32")
+        tensor.set_data_from_numpy(np.array([5], dtype=np.int32))
+        answer = http.infer("accumulate", [tensor], sequence_id=77, sequence_start=True, sequence_end=True)
+        assert int(answer.as_numpy("OUTPUT0")[0]) == 5
 
 
 # -- options and the command line ---------------------------------------------------------------
