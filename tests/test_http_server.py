@@ -363,3 +363,38 @@ def test_uvicorn_remains_available(tmp_path: Path) -> None:
             sock.sendall(_infer_request(_body("uv")))
             status, _, body = Reader(sock).response()
             assert status == 200 and orjson.loads(body)["id"] == "uv"
+
+
+def test_a_request_that_stops_arriving_gets_408(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A client that sends part of a request and stalls is answered 408 and disconnected; one
+    that sends slowly but steadily is not."""
+    import socket as socket_module
+
+    from pyserve.http import server as http_server
+    from pyserve.testing import serve, write_model
+
+    monkeypatch.setattr(http_server, "READ_TIMEOUT", 0.4)
+    write_model(tmp_path / "repo", "echo", 'backend: "identity" max_batch_size: 0 '
+                'input [ { name: "I" data_type: TYPE_FP32 dims: [ 2 ] } ] output [ { name: "O" data_type: TYPE_FP32 dims: [ 2 ] } ]')
+    with serve(tmp_path / "repo") as thread:
+        port = thread.server.http_port
+        for partial in (b"GET /v2/hea", b"POST /v2/models/echo/infer HTTP/1.1\r\nhost: x\r\ncontent-length: 200\r\n\r\n{\"in"):
+            with socket_module.create_connection(("127.0.0.1", port)) as sock:
+                sock.settimeout(5)
+                sock.sendall(partial)
+                answer = b""
+                while True:
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        break
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408 "), answer
+            assert b'{"error":"the request was not received within 0.4 s"}' in answer
+        body = b'{"inputs":[{"name":"I","shape":[2],"datatype":"FP32","data":[1,2]}]}'
+        request = b"POST /v2/models/echo/infer HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+        with socket_module.create_connection(("127.0.0.1", port)) as sock:
+            sock.settimeout(5)
+            for i in range(0, len(request), 8):  # 8 bytes every 0.1 s: ~1.2 s in all, never 0.4 s idle
+                sock.sendall(request[i:i + 8])
+                time.sleep(0.1)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")

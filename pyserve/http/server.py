@@ -59,6 +59,9 @@ ASGIApp = Callable[..., Any]
 
 KEEP_ALIVE_TIMEOUT = 5.0
 """Seconds an idle keep-alive connection stays open (uvicorn's default)."""
+READ_TIMEOUT = 60.0
+"""Seconds a partly received request may go without a byte before it is answered 408 and the
+connection closed (a client that stalls mid-request must not hold the connection for ever)."""
 MAX_PIPELINED = 16
 """Reading pauses while more requests than this wait on one connection."""
 BODY_HIGH_WATER = 1 << 20
@@ -209,6 +212,8 @@ class HttpProtocol(asyncio.Protocol):
             bad.complete = True
             self.pipeline.append(bad)
             self._next()
+        if self.current is not None and not self.closed:
+            self._arm_read_timer()
         self._update_reading()
 
     # -- parser callbacks (httptools) ------------------------------------------------------
@@ -489,6 +494,29 @@ class HttpProtocol(asyncio.Protocol):
         self.idle_timer = None
         if not self.pipeline and self.current is None:
             self.close()
+
+    def _arm_read_timer(self) -> None:
+        self._cancel_idle_timer()
+        self.idle_timer = self.loop.call_later(READ_TIMEOUT, self._read_timeout)
+
+    def _read_timeout(self) -> None:
+        """A request stopped arriving half-way: answer 408 (when nothing else is being
+        answered on the connection) and close."""
+        self.idle_timer = None
+        if self.closed or self.current is None:
+            return
+        if self.reading_paused:  # we stopped reading, not the client: wait on
+            self._arm_read_timer()
+            return
+        self.ignore_input = True
+        transport = self.transport
+        if transport is not None and not any(r.started for r in self.pipeline):
+            body = error_body(f"the request was not received within {READ_TIMEOUT:g} s")
+            transport.write(
+                _status_line(408) + b"content-type: application/json\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n" % len(body) + body
+            )
+        self.close()
 
 
 class _AsgiCycle:
