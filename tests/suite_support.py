@@ -126,3 +126,16 @@ sequence_batching {{
 }}
 {extra}
 """
+
+
+def echo_config(extra: str = "") -> str:
+    """``echo``: the identity backend on FP32 ``INPUT0`` [-1] → ``OUTPUT0``, batching up to 8."""
+    return f"""
+name: "echo"
+backend: "identity"
+max_batch_size: 8
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+dynamic_batching {{ }}
+{extra}
+"""

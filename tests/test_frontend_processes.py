@@ -29,19 +29,12 @@ from tritonclient.utils import InferenceServerException
 
 from pyserve.server import ServerThread, StartupError
 from pyserve.testing import serve, write_model
-from suite_support import ACCUMULATE_PY, accumulate_config
+from suite_support import ACCUMULATE_PY, accumulate_config, echo_config
 
 CONNECTIONS = 16
 """Fresh connections per check: all landing on one of two processes has odds 2**-15."""
 
-ECHO = """
-name: "echo"
-backend: "identity"
-max_batch_size: 8
-input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
-dynamic_batching { }
-"""
+ECHO = echo_config()
 
 PYECHO = """
 name: "pyecho"

@@ -33,20 +33,14 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from pyserve import protocol as pb  # noqa: E402
 from pyserve.ray_serve import RayConfigError, deployment_options  # noqa: E402
 from pyserve.testing import write_model  # noqa: E402
-from suite_support import ACCUMULATE_PY, accumulate_config  # noqa: E402
+from suite_support import ACCUMULATE_PY, accumulate_config, echo_config  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
-ECHO = """
-name: "echo"
-backend: "identity"
-max_batch_size: 8
-input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
-dynamic_batching { }
+ECHO = echo_config("""
 parameters { key: "ray_num_replicas" value { string_value: "2" } }
 parameters { key: "ray_num_cpus" value { string_value: "1" } }
-"""
+""")
 
 ACCUMULATE = accumulate_config("""
 parameters { key: "ray_num_replicas" value { string_value: "2" } }

@@ -146,20 +146,28 @@ class InferenceServicer:
             decode_start = monotonic_ns()
             decoded = decode_infer(request, model, shm=dataplane.shared_memory)
             decode_ns = monotonic_ns() - decode_start
-            infer_request = decoded.request
-            if dataplane.tracing.active:
-                infer_request.trace_parent = _trace_parent(context)
-            result = await dataplane.infer(model, infer_request)
-            if isinstance(result, InferError):
-                raise result
-            encode_start = monotonic_ns()
-            response = encode_infer_wire(result, decoded, model)
-            if infer_request.stats is not None and infer_request.exec_start_ns >= 0:  # not for cache hits
-                infer_request.stats.codec(decode_ns, monotonic_ns() - encode_start)
+            response = await self.infer_decoded(model, decoded, decode_ns, context)
         except InferError as exc:
             await _abort(context, exc)
         if self.compress_infer:
             context.set_compression(grpc.Compression.Gzip)
+        return response
+
+    async def infer_decoded(self, model: Any, decoded: Any, decode_ns: int, context: grpc.aio.ServicerContext) -> bytes:
+        """Run a decoded ``ModelInfer`` request and encode its answer (``ModelInferResponse`` bytes).
+
+        :raises InferError: the model answered an error.
+        """
+        infer_request = decoded.request
+        if self.dataplane.tracing.active:
+            infer_request.trace_parent = _trace_parent(context)
+        result = await self.dataplane.infer(model, infer_request)
+        if isinstance(result, InferError):
+            raise result
+        encode_start = monotonic_ns()
+        response = encode_infer_wire(result, decoded, model)
+        if infer_request.stats is not None and infer_request.exec_start_ns >= 0:  # not for cache hits
+            infer_request.stats.codec(decode_ns, monotonic_ns() - encode_start)
         return response
 
     async def ModelStreamInfer(

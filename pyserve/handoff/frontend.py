@@ -29,14 +29,13 @@ import os
 import signal
 import socket
 import sys
-from time import monotonic_ns
 from typing import Any
 
 import grpc
 
 from pyserve import logs, validation
 from pyserve.errors import ErrorCode, InferError
-from pyserve.grpc.codec import decode_infer as grpc_decode, encode_infer_wire
+from pyserve.grpc.codec import decode_infer as grpc_decode
 from pyserve.grpc.server import GrpcOptions, channel_options
 from pyserve.grpc.servicer import InferenceServicer, _abort, _trace_parent, infer_model
 from pyserve.handoff import wire
@@ -44,7 +43,7 @@ from pyserve.handoff.http_proxy import OwnerHttpProxy
 from pyserve.handoff.wire import Kind
 from pyserve.http.fast_infer import check_declared_length, decode_request, error_reply, submit_request
 from pyserve.handoff.replicas import ReplicaSet
-from pyserve.http.server import HttpProtocol, HttpServer, _internal_error, _Request
+from pyserve.http.server import HttpProtocol, HttpServer, _Request
 from pyserve.inference import InferRequest, InferResponse
 from pyserve.models import ModelState, ModelVersion
 from pyserve import protocol as pb
@@ -341,11 +340,8 @@ class FrontendHttpProtocol(HttpProtocol):
         except NeedsOwner:
             self._start_raw(request, link, body)
             return
-        except InferError as exc:
-            self._write_reply(request, *error_reply(exc))
-            return
-        except Exception as exc:  # noqa: BLE001 - a bug: answer 500, keep serving
-            self._write_reply(request, *_internal_error(request, exc))
+        except Exception as exc:  # noqa: BLE001 - InferError, or a bug: answered, the server goes on
+            self._answer_failure(request, exc)
             return
         request.future = future
         if request_id:
@@ -416,15 +412,7 @@ class FrontendServicer(InferenceServicer):
             except NeedsOwner:
                 response = await self._raw(dataplane.link, request, context)
             else:
-                infer_request = decoded.request
-                infer_request.trace_parent = _trace_parent(context)
-                result = await dataplane.infer(model, infer_request)
-                if isinstance(result, InferError):
-                    raise result
-                encode_start = monotonic_ns()
-                response = encode_infer_wire(result, decoded, model)
-                if infer_request.stats is not None and infer_request.exec_start_ns >= 0:  # a local replica
-                    infer_request.stats.codec(0, monotonic_ns() - encode_start)
+                response = await self.infer_decoded(model, decoded, 0, context)
         except InferError as exc:
             await _abort(context, exc)
         if self.compress_infer:

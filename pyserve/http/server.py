@@ -354,17 +354,21 @@ class HttpProtocol(asyncio.Protocol):
         try:
             decoded, decode_ns = decode_request(server.dataplane, model, body, headers, server.max_input_size)
             future = submit_request(server.dataplane, model, decoded.request, self.loop)
-        except InferError as exc:
-            self._write_reply(request, *error_reply(exc))
-            return
-        except Exception as exc:  # noqa: BLE001 - a bug: answer 500, keep serving
-            self._write_reply(request, *_internal_error(request, exc))
+        except Exception as exc:  # noqa: BLE001 - InferError, or a bug: answered, the server goes on
+            self._answer_failure(request, exc)
             return
         request.infer_request = decoded.request
         request.future = future
         future.add_done_callback(
             lambda done: self._infer_done(request, model, decoded, decode_ns, headers, done)
         )
+
+    def _answer_failure(self, request: _Request, exc: Exception) -> None:
+        """Answer a request that failed before reaching a model: its error, or 500 for a bug."""
+        if isinstance(exc, InferError):
+            self._write_reply(request, *error_reply(exc))
+        else:
+            self._write_reply(request, *_internal_error(request, exc))
 
     def _infer_done(
         self, request: _Request, model: ModelVersion, decoded: DecodedRequest, decode_ns: int,
