@@ -515,3 +515,37 @@ def test_restricted_apis_hold_on_every_process(tmp_path: Path) -> None:
                 assert allowed.status_code == 200 and allowed.json()["outputs"][0]["data"] == [1, 2]
                 assert http.get("/v2/models/echo", headers={"api-key": "s3cret"}).status_code == 200
                 assert http.get("/v2/health/ready").status_code == 200  # not restricted
+
+
+def test_classification_labels_reach_the_frontends(tmp_path: Path) -> None:
+    """Top-k classification is encoded by whichever process answers, with the model's labels
+    (the owner sends them with each snapshot); the same over gRPC."""
+    import shutil as shutil_module
+
+    from suite_support import EXAMPLE_REPOSITORY
+
+    repo = tmp_path / "repo"
+    shutil_module.copytree(Path(EXAMPLE_REPOSITORY) / "classifier", repo / "classifier")
+    labels = (repo / "classifier" / "labels.txt").read_text().split()
+    scores = np.array([[0.1, 0.7, 0.05, 0.9, 0.2]], dtype=np.float32)
+    expected = [f"{scores[0, i]:f}:{i}:{labels[i]}" for i in (3, 1)]
+    for replicate in ("none", "auto"):
+        with serve(repo, frontend_processes=1, replicate_models=replicate) as thread:
+            if replicate == "auto":
+                _wait_for_replicas(thread, 1)
+            for _ in range(CONNECTIONS):
+                with _http(thread) as client:
+                    tensor = httpclient.InferInput("INPUT0", [1, 5], "FP32")
+                    tensor.set_data_from_numpy(scores)
+                    output = httpclient.InferRequestedOutput("OUTPUT0", class_count=2)
+                    got = client.infer("classifier", [tensor], outputs=[output]).as_numpy("OUTPUT0")
+                    assert [v.decode() for v in got.reshape(-1)] == expected
+                grpc = _grpc(thread)
+                try:
+                    tensor = grpcclient.InferInput("INPUT0", [1, 5], "FP32")
+                    tensor.set_data_from_numpy(scores)
+                    output = grpcclient.InferRequestedOutput("OUTPUT0", class_count=2)
+                    got = grpc.infer("classifier", [tensor], outputs=[output]).as_numpy("OUTPUT0")
+                    assert [v.decode() for v in got.reshape(-1)] == expected
+                finally:
+                    grpc.close()
