@@ -346,6 +346,9 @@ class FrontendHttpProtocol(HttpProtocol):
         request.future = future
         if request_id:
             self.handoff_ids[id(request)] = request_id
+        elif future.done():  # a local replica answered during submit (inline): no extra loop turn
+            self._handed_back(request, model, decoded, decode_ns, headers, future)
+            return
         future.add_done_callback(
             lambda done: self._handed_back(request, model, decoded, decode_ns, headers, done)
         )

@@ -359,6 +359,9 @@ class HttpProtocol(asyncio.Protocol):
             return
         request.infer_request = decoded.request
         request.future = future
+        if future.done():  # answered during submit (an inline model, a cache hit): no extra loop turn
+            self._infer_done(request, model, decoded, decode_ns, headers, future)
+            return
         future.add_done_callback(
             lambda done: self._infer_done(request, model, decoded, decode_ns, headers, done)
         )
