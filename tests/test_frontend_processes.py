@@ -549,3 +549,26 @@ def test_classification_labels_reach_the_frontends(tmp_path: Path) -> None:
                     assert [v.decode() for v in got.reshape(-1)] == expected
                 finally:
                     grpc.close()
+
+
+def test_shutdown_lets_handed_off_requests_finish(tmp_path: Path) -> None:
+    """SIGTERM-style shutdown: a request in flight through a frontend still gets its answer."""
+    write_model(tmp_path / "repo", "slow", SLOW)
+    with serve(tmp_path / "repo", frontend_processes=1) as thread:
+        sock = _connect_to_frontend(thread)
+        body = b'{"inputs":[{"name":"INPUT0","shape":[2],"datatype":"FP32","data":[1,2]}]}'
+        sock.sendall(b"POST /v2/models/slow/infer HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.15)  # executing in the owner now (600 ms)
+        stopper = threading.Thread(target=thread.stop)
+        stopper.start()
+        sock.settimeout(10)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+        sock.close()
+        stopper.join(30)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer
+    assert b'"data":[1.0,2.0]' in answer
