@@ -69,6 +69,33 @@ class ServerHandle:
     def is_decoupled(self, name: str, version: str | None = None) -> bool:
         return bool(self._dataplane.model(name, version).decoupled)
 
+    def load_model(self, name: str, parameters: dict[str, Any] | None = None, timeout: float | None = None) -> None:
+        """Load or reload a model, as the repository API does (explicit mode); blocks until READY.
+
+        :param parameters: ``config`` (ModelConfig JSON) and ``file:<path>`` contents (bytes).
+        :raises InferError: not in explicit mode, bad parameters, the load failed, or called on
+            the server's event loop.
+        """
+        self._blocking_call(self._dataplane.load_model(name, parameters or {}), timeout)
+
+    def unload_model(self, name: str, unload_dependents: bool = False, timeout: float | None = None) -> None:
+        """Unload a model (explicit mode); blocks until it is unloaded.
+
+        :raises InferError: not in explicit mode, or called on the server's event loop.
+        """
+        self._blocking_call(self._dataplane.unload_model(name, unload_dependents), timeout)
+
+    def _blocking_call(self, coroutine: Any, timeout: float | None) -> None:
+        if _on_loop(self._loop):
+            coroutine.close()
+            raise InferError("blocking in-process calls cannot be made on the server's event loop", ErrorCode.INTERNAL)
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise InferError.unavailable("the model control call did not finish in time") from None
+
     def submit(self, request: InferRequest, sender: ResponseSender) -> None:
         """Send a request without waiting; its responses go to ``sender`` (any thread).
 

@@ -9,9 +9,10 @@ signatures and behaviour follow Triton's Python backend. pyserve specifics:
   in-process (see ``pyserve_backend_python.context``).
 * Custom metrics are collected in ``REGISTRY`` (a ``prometheus_client.CollectorRegistry``).
 * ``Logger`` writes to Python's ``logging`` (logger ``pyserve.python_model``).
-* Not available in pyserve yet: request rescheduling (``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``),
-  the model loading API (``load_model`` / ``unload_model`` / ``is_model_ready``) and tracing
-  contexts.
+* ``load_model`` / ``unload_model`` / ``is_model_ready`` act on the server that runs the calling
+  model (loading and unloading need ``--model-control-mode explicit``, as in Triton).
+* Not available in pyserve yet: request rescheduling (``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``)
+  and tracing contexts.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pyserve_backend_python.constants import (
 from pyserve_backend_python.errors import TritonError, TritonModelException
 from pyserve_backend_python.logger import Logger, LogLevel
 from pyserve_backend_python.metrics import REGISTRY, Metric, MetricFamily
+from pyserve_backend_python.model_control import is_model_ready, load_model, unload_model
 from pyserve_backend_python.request import InferenceRequest, InferenceTrace, PreferredMemory
 from pyserve_backend_python.response import InferenceResponse, InferenceResponseSender, ResponseIterator
 from pyserve_backend_python.tensor import (
@@ -94,9 +96,12 @@ __all__ = [
     "get_input_tensor_by_name",
     "get_output_config_by_name",
     "get_output_tensor_by_name",
+    "is_model_ready",
+    "load_model",
     "numpy_to_triton_type",
     "serialize_byte_tensor",
     "triton_string_to_numpy",
     "triton_to_numpy_type",
+    "unload_model",
     "using_decoupled_model_transaction_policy",
 ]

@@ -46,6 +46,10 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
     import threading
 
     import numpy as np
+    import triton_python_backend_utils
+
+    for function in ("load_model", "unload_model", "is_model_ready"):  # they need the server process
+        setattr(triton_python_backend_utils, function, unsupported(f"pb_utils.{function}()"))
 
     from pyserve import InferError, InferResponse
     from pyserve_backend_python.response import ResponseIterator

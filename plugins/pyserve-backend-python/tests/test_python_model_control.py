@@ -1,0 +1,116 @@
+"""``pb_utils.load_model`` / ``unload_model`` / ``is_model_ready`` from a model's ``execute``,
+on a real server in explicit model-control mode, driven with tritonclient."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from python_backend_helpers import start, write_python_model
+
+IO = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+TARGET_SOURCE = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() + 100)])
+                for r in requests]
+"""
+
+CONTROL_SOURCE = """
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            action = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            target = request.parameters() and json.loads(request.parameters()).get("target", "target") or "target"
+            if action == 0:
+                value = int(pb_utils.is_model_ready(target))
+            elif action == 1:
+                pb_utils.load_model(target)
+                value = int(pb_utils.is_model_ready(target, "1"))
+            elif action == 2:
+                pb_utils.unload_model(target)
+                value = int(pb_utils.is_model_ready(target))
+            else:
+                config = json.loads(json.loads(request.parameters())["config"])
+                pb_utils.load_model(target, config=json.dumps(config))
+                value = int(pb_utils.is_model_ready(target))
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([value], dtype=np.int32))]))
+        return out
+"""
+
+
+def _call(client: httpclient.InferenceServerClient, action: int, **parameters: str) -> int:
+    tensor = httpclient.InferInput("IN", [1], "INT32")
+    tensor.set_data_from_numpy(np.array([action], dtype=np.int32))
+    return int(client.infer("control", [tensor], parameters=parameters or None).as_numpy("OUT")[0])
+
+
+def test_a_model_loads_and_unloads_another(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    write_python_model(repo, "control", IO, CONTROL_SOURCE)
+    write_python_model(repo, "target", IO, TARGET_SOURCE)
+    server = start(repo, model_control_mode="explicit", load_models=["control"])
+    try:
+        with httpclient.InferenceServerClient(server.url) as client:
+            assert not client.is_model_ready("target")
+            assert _call(client, 0) == 0
+            assert _call(client, 1) == 1  # load_model, then is_model_ready(target, "1")
+            assert client.is_model_ready("target")
+            tensor = httpclient.InferInput("IN", [1], "INT32")
+            tensor.set_data_from_numpy(np.array([5], dtype=np.int32))
+            assert int(client.infer("target", [tensor]).as_numpy("OUT")[0]) == 105
+            config = client.get_model_config("target")
+            config["parameters"] = {"marker": {"string_value": "reloaded"}}
+            assert _call(client, 3, config=json.dumps(config)) == 1  # reload with a config override
+            assert client.get_model_config("target")["parameters"]["marker"]["string_value"] == "reloaded"
+            assert _call(client, 2) == 0  # unload_model
+            assert not client.is_model_ready("target")
+            with pytest.raises(InferenceServerException, match="failed to load 'missing'"):
+                _call(client, 1, target="missing")
+    finally:
+        server.stop()
+
+
+def test_loading_needs_explicit_mode(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    write_python_model(repo, "control", IO, CONTROL_SOURCE)
+    write_python_model(repo, "target", IO, TARGET_SOURCE)
+    server = start(repo)  # model control mode "none"
+    try:
+        with httpclient.InferenceServerClient(server.url) as client:
+            assert _call(client, 0) == 1  # is_model_ready works in every mode
+            with pytest.raises(InferenceServerException, match="explicit"):
+                _call(client, 2)
+    finally:
+        server.stop()
+
+
+def test_process_mode_refuses_the_loading_api(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    process = IO + 'parameters { key: "execution_mode" value { string_value: "process" } }\n'
+    write_python_model(repo, "control", process, CONTROL_SOURCE)
+    server = start(repo)
+    try:
+        with httpclient.InferenceServerClient(server.url) as client:
+            with pytest.raises(InferenceServerException, match=r"pb_utils.is_model_ready\(\) is not supported in execution_mode 'process'"):
+                _call(client, 0)
+    finally:
+        server.stop()
