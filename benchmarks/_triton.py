@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 PYTRITON_REQUIREMENT = "nvidia-pytriton==0.7.0"
@@ -194,3 +195,21 @@ class TritonPythonModel:
             for r in requests
         ]
 '''
+
+
+def install_for(args: Any, work: Path) -> tuple[TritonInstall | None, str]:
+    """The Triton a benchmark run uses (``--no-triton`` / ``--with-triton`` / ``--triton-venv``),
+    or None with the reason it is skipped."""
+    if args.no_triton:
+        return None, "Triton skipped: --no-triton"
+    found = find(args.triton_venv)
+    if found is not None:
+        return found, ""
+    if not args.with_triton:
+        return None, (f"Triton skipped: nvidia-pytriton is not installed here nor in {args.triton_venv}; "
+                      "pass --with-triton to install it there")
+    print(f"installing {PYTRITON_REQUIREMENT} into {args.triton_venv} ...", file=sys.stderr)
+    try:
+        return install(args.triton_venv, work / "triton-install.log"), ""
+    except RuntimeError as error:
+        return None, f"Triton skipped: install failed: {error}"

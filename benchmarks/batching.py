@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -360,22 +361,6 @@ def running(servers: list[Server]) -> Iterator[None]:
             server.stop()
 
 
-def _triton_install(args: argparse.Namespace, work: Path) -> tuple[_triton.TritonInstall | None, str]:
-    if args.no_triton:
-        return None, "Triton skipped: --no-triton"
-    install = _triton.find(args.triton_venv)
-    if install is not None:
-        return install, ""
-    if not args.with_triton:
-        return None, (f"Triton skipped: nvidia-pytriton is not installed here nor in {args.triton_venv}; "
-                      "pass --with-triton to install it there")
-    print(f"installing {_triton.PYTRITON_REQUIREMENT} into {args.triton_venv} ...", file=sys.stderr)
-    try:
-        return _triton.install(args.triton_venv, work / "triton-install.log"), ""
-    except RuntimeError as error:
-        return None, f"Triton skipped: install failed: {error}"
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds measured per cell (5)")
@@ -413,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                                              args.start_timeout))
             except RuntimeError as error:
                 notes.append(f"pyserve could not be started: {error}")
-            install, why = _triton_install(args, work)
+            install, why = _triton.install_for(args, work)
             if install is not None:
                 try:
                     servers.append(start_triton(install, write_triton_repository(work / "triton-repo", args),
@@ -438,11 +423,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run_report(main: Any) -> None:
+    """Run a benchmark's ``main`` as a report, not a test: say what broke and still exit 0."""
     try:
         main()
     except KeyboardInterrupt:
         pass
-    except Exception:  # noqa: BLE001  a report, not a test: say what broke and still exit 0
+    except Exception:  # noqa: BLE001
         traceback.print_exc()
     sys.exit(0)
+
+
+if __name__ == "__main__":
+    run_report(main)

@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from batching import stop_process  # sibling benchmark module
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,12 +201,7 @@ def pyserve(repo: Path, log_path: Path) -> Iterator[tuple[str, str]]:
             time.sleep(0.2)
         yield f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
         log_file.close()
 
 

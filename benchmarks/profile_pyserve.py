@@ -20,12 +20,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serving  # noqa: E402  sibling benchmark module
+from batching import run_report  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "profiles"
 LOADS = {
@@ -117,10 +117,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        pass
-    except Exception:  # noqa: BLE001
-        traceback.print_exc()
-    sys.exit(0)
+    run_report(main)

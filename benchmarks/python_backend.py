@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serving  # noqa: E402  sibling benchmark module
+from batching import run_report  # noqa: E402
 
 THROUGHPUT_TARGET = 1.5
 P99_TARGET = 1.0
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     names = ["pyserve"]
     with tempfile.TemporaryDirectory(prefix="pyserve-pybackend-") as temp:
         work = Path(temp)
-        install, why = serving.triton_install(args, work)
+        install, why = serving._triton.install_for(args, work)
         if why:
             results.notes.append(why)
             serving._log(why)
@@ -78,10 +78,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        pass
-    except Exception:  # noqa: BLE001  a report, not a test: say what broke and still exit 0
-        traceback.print_exc()
-    sys.exit(0)
+    run_report(main)

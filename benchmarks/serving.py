@@ -39,7 +39,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
@@ -50,7 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _triton  # noqa: E402  sibling helper module
-from batching import _fmt, _log_tail, _percentile, _tree_cpu_seconds, free_port, stop_process  # noqa: E402
+from batching import _fmt, _log_tail, _percentile, _tree_cpu_seconds, free_port, run_report, stop_process  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -499,22 +498,6 @@ class Results:
         return statistics.median(values) if values else None
 
 
-def triton_install(args: argparse.Namespace, work: Path) -> tuple[_triton.TritonInstall | None, str]:
-    if args.no_triton:
-        return None, "Triton skipped: --no-triton"
-    install = _triton.find(args.triton_venv)
-    if install is not None:
-        return install, ""
-    if not args.with_triton:
-        return None, (f"Triton skipped: nvidia-pytriton is not installed here nor in {args.triton_venv}; "
-                      "pass --with-triton to install it there")
-    print(f"installing {_triton.PYTRITON_REQUIREMENT} into {args.triton_venv} ...", file=sys.stderr)
-    try:
-        return _triton.install(args.triton_venv, work / "triton-install.log"), ""
-    except RuntimeError as error:
-        return None, f"Triton skipped: install failed: {error}"
-
-
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -760,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = [c for c in cells if c not in missing]
     with tempfile.TemporaryDirectory(prefix="pyserve-serving-") as temp:
         work = Path(temp)
-        install, why = triton_install(args, work)
+        install, why = _triton.install_for(args, work)
         if why:
             results.notes.append(why)
             _log(why)
@@ -788,10 +771,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        pass
-    except Exception:  # noqa: BLE001  a report, not a test: say what broke and still exit 0
-        traceback.print_exc()
-    sys.exit(0)
+    run_report(main)
