@@ -112,6 +112,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     grpc_flags.add_argument("--grpc-http2-min-recv-ping-interval-without-data", type=int, default=300_000,
                             metavar="MS")
     grpc_flags.add_argument("--grpc-http2-max-ping-strikes", type=int, default=2, metavar="N")
+    grpc_flags.add_argument("--grpc-server", choices=["pyserve", "grpcio"], default="pyserve",
+                            help="gRPC server: pyserve's own HTTP/2 server (default) or grpc.aio")
     run.add_argument("--id", dest="server_id", default="pyserve", help="server name in server metadata")
     run.add_argument("--log-verbose", type=int, default=0, metavar="N", help="verbose logging level (0 = off)")
     run.add_argument("--strict-model-config", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
@@ -261,6 +263,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             http2_max_pings_without_data=args.grpc_http2_max_pings_without_data,
             http2_min_recv_ping_interval_without_data_ms=args.grpc_http2_min_recv_ping_interval_without_data,
             http2_max_ping_strikes=args.grpc_http2_max_ping_strikes,
+            implementation=args.grpc_server,
             **grpc_operations,
         ),
         server_id=args.server_id,

@@ -21,8 +21,8 @@ import threading
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import grpc
 import uvicorn
 
 from pyserve import __version__, logs
@@ -187,7 +187,7 @@ class Server:
         self._saved_element_limit: int | None = None
         self.http_port: int | None = None
         self.grpc_port: int | None = None
-        self._grpc: grpc.aio.Server | None = None
+        self._grpc: Any = None  # grpc.aio.Server or pyserve.grpc.listener.GrpcServer
         self._uvicorn: _NoSignalUvicorn | None = None
         self._http: HttpServer | None = None
         self._serve_task: asyncio.Task[None] | None = None
@@ -301,7 +301,8 @@ class Server:
         if not settings.host:
             settings.host = self.options.host
         try:
-            self._grpc, self.grpc_port = create_grpc_server(self.dataplane, settings)
+            self._grpc, self.grpc_port = create_grpc_server(
+                self.dataplane, settings, reuse_port=self._handoff_dir is not None)
             if self._handoff_dir is not None:  # frontend processes relay other RPCs here
                 self._grpc.add_insecure_port("unix:" + os.path.join(self._handoff_dir, "grpc.sock"))
         except RuntimeError as exc:

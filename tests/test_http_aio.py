@@ -80,7 +80,7 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     (repo / "cls" / "labels.txt").write_text("red\ngreen\nblue\n")
     host = PluginHost(extra_backends={"params": ParamsBackend()})
     thread = ServerThread(
-        Server(ServerOptions(model_repositories=[repo], host="127.0.0.1", http_port=0), host)
+        Server(ServerOptions(model_repositories=[repo], host="127.0.0.1", http_port=0, grpc_port=0), host)
     )
     thread.start()
     yield thread.url

@@ -68,7 +68,7 @@ MODELS = {
 
 def _start(repo: Any, **options: Any) -> ServerThread:
     thread = ServerThread(
-        Server(ServerOptions(model_repositories=[repo], host="127.0.0.1", http_port=0, **options))
+        Server(ServerOptions(model_repositories=[repo], host="127.0.0.1", http_port=0, grpc_port=0, **options))
     )
     thread.start()
     return thread

@@ -1,8 +1,10 @@
-"""Building the grpc.aio server: generic handlers from our own service descriptors.
+"""Building the gRPC server: generic handlers from our own service descriptors.
 
 The handlers are made from ``pyserve.protocol.SERVICE_DESCRIPTOR`` (our .proto files in a
 private descriptor pool), so no generated ``_pb2_grpc`` module is needed and Triton's own
-generated modules can be imported in the same process without a conflict.
+generated modules can be imported in the same process without a conflict. They are served by
+pyserve's own HTTP/2 server (:mod:`pyserve.grpc.listener`, the default) or by ``grpc.aio``
+(``--grpc-server grpcio``); both run the same servicer.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ class GrpcOptions:
     http2_min_recv_ping_interval_without_data_ms: int = 300_000
     http2_max_ping_strikes: int = 2
     restrictions: Mapping[str, Restriction] = field(default_factory=dict)  # --grpc-restricted-protocol
+    implementation: str = "pyserve"  # --grpc-server: pyserve (own HTTP/2) | grpcio (grpc.aio)
+
+
+GRPC_SERVERS = ("pyserve", "grpcio")
+"""The gRPC server implementations ``--grpc-server`` chooses from."""
 
 
 PRESERIALIZED = frozenset({"ModelInfer"})
@@ -93,7 +100,7 @@ def channel_options(options: GrpcOptions) -> list[tuple[str, Any]]:
     ]
 
 
-def bind(server: grpc.aio.Server, options: GrpcOptions) -> int:
+def bind(server: Any, options: GrpcOptions) -> int:
     """Bind ``server`` to ``options.host:options.port``; the port actually bound (for port 0).
 
     :raises RuntimeError: the port could not be bound.
@@ -108,14 +115,30 @@ def bind(server: grpc.aio.Server, options: GrpcOptions) -> int:
     return port
 
 
-def create_server(dataplane: DataPlane, options: GrpcOptions) -> tuple[grpc.aio.Server, int]:
-    """A grpc.aio server bound to ``host:port`` (not started).
+def new_server(options: GrpcOptions, reuse_port: bool = False) -> Any:
+    """An empty gRPC server of ``options.implementation`` (handlers and ports not added yet).
+
+    Both kinds take ``add_generic_rpc_handlers``, ``add_insecure_port``, ``start`` and ``stop``.
+    ``reuse_port`` lets several processes listen on one port (grpc.aio always does).
+    """
+    interceptors = [grpc_interceptor(options.restrictions)] if options.restrictions else None
+    if options.implementation == "grpcio":
+        extra = [("grpc.so_reuseport", 1)] if reuse_port else []
+        return grpc.aio.server(options=channel_options(options) + extra, interceptors=interceptors)
+    if options.implementation != "pyserve":
+        raise RuntimeError(f"unknown gRPC server '{options.implementation}' (choose from {', '.join(GRPC_SERVERS)})")
+    from pyserve.grpc.listener import GrpcServer
+
+    return GrpcServer(options, interceptors=interceptors, reuse_port=reuse_port)
+
+
+def create_server(dataplane: DataPlane, options: GrpcOptions, reuse_port: bool = False) -> tuple[Any, int]:
+    """A gRPC server bound to ``host:port`` (not started).
 
     :returns: the server and the port actually bound (for port 0).
     :raises RuntimeError: the port could not be bound.
     """
-    interceptors = [grpc_interceptor(options.restrictions)] if options.restrictions else None
-    server = grpc.aio.server(options=channel_options(options), interceptors=interceptors)
+    server = new_server(options, reuse_port)
     servicer = InferenceServicer(dataplane, compress_infer=options.infer_compression != "none")
     server.add_generic_rpc_handlers((
         _handlers(pb.SERVICE_DESCRIPTOR, servicer),

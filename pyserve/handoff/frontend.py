@@ -36,7 +36,7 @@ import grpc
 from pyserve import logs, validation
 from pyserve.errors import ErrorCode, InferError
 from pyserve.grpc.codec import decode_infer as grpc_decode
-from pyserve.grpc.server import GrpcOptions, channel_options
+from pyserve.grpc.server import GrpcOptions
 from pyserve.grpc.servicer import InferenceServicer, _abort, _trace_parent, infer_model
 from pyserve.handoff import wire
 from pyserve.handoff.http_proxy import OwnerHttpProxy
@@ -47,7 +47,7 @@ from pyserve.http.server import HttpProtocol, HttpServer, _Request
 from pyserve.inference import InferRequest, InferResponse
 from pyserve.models import ModelState, ModelVersion
 from pyserve import protocol as pb
-from pyserve.restricted import Restriction, grpc_interceptor
+from pyserve.restricted import Restriction
 
 log = logging.getLogger("pyserve.frontend")
 
@@ -482,14 +482,11 @@ def relay_handlers(service: Any, channel: grpc.aio.Channel, skip: frozenset[str]
     return grpc.method_handlers_generic_handler(service.full_name, methods)
 
 
-def create_grpc(dataplane: FrontendDataPlane, options: GrpcOptions, owner_address: str) -> tuple[grpc.aio.Server, grpc.aio.Channel]:
+def create_grpc(dataplane: FrontendDataPlane, options: GrpcOptions, owner_address: str) -> tuple[Any, grpc.aio.Channel]:
     """The frontend's gRPC server (bound, not started) and its channel to the owner."""
-    from pyserve.grpc.server import _handlers, bind
+    from pyserve.grpc.server import _handlers, bind, new_server
 
-    server = grpc.aio.server(
-        options=channel_options(options) + [("grpc.so_reuseport", 1)],
-        interceptors=[grpc_interceptor(options.restrictions)] if options.restrictions else None,
-    )
+    server = new_server(options, reuse_port=True)
     channel = grpc.aio.insecure_channel(owner_address, options=[
         ("grpc.max_send_message_length", options.max_message_bytes),
         ("grpc.max_receive_message_length", options.max_message_bytes),
@@ -544,7 +541,7 @@ async def serve(settings: dict[str, Any]) -> int:
         validation.LIMITS.max_tensor_elements = settings["max_tensor_elements"]
     dataplane = FrontendDataPlane(link)
     http: FrontendHttpServer | None = None
-    grpc_server: grpc.aio.Server | None = None
+    grpc_server: Any = None
     channel: grpc.aio.Channel | None = None
     host = settings["host"]
     if settings.get("http_port") is not None:

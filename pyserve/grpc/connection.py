@@ -1,0 +1,960 @@
+"""One HTTP/2 connection of pyserve's gRPC server: frames in, calls out (RFC 9113, gRPC over HTTP/2).
+
+The protocol object parses frames as bytes arrive, keeps the streams and both directions of
+flow control, and runs each call as a task on the event loop (the servicer functions are
+``async``; model execution itself happens on instance threads). Replies written during one
+loop turn leave in one ``writelines``.
+
+What a peer may rely on:
+
+* a request message larger than ``max_message_bytes`` is refused with RESOURCE_EXHAUSTED as
+  soon as its 5-byte prefix arrives, before any memory is set aside for it;
+* frames larger than the advertised ``SETTINGS_MAX_FRAME_SIZE``, header lists above
+  ``max_header_list_size``, invalid HPACK and other protocol violations end the connection
+  with GOAWAY and the matching error code; other connections and calls are not disturbed;
+* RST_STREAM or a lost connection cancels the call's task (a queued inference is withdrawn);
+  ``grpc-timeout`` ends the call with DEADLINE_EXCEEDED;
+* data is never sent beyond the peer's flow-control windows; trailers follow the last DATA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from pyserve.grpc import http2 as h2
+from pyserve.grpc.call import AbortError, CallCancelled, CallContext, RequestMessages, encode_metadata, metadata_from_headers
+
+if TYPE_CHECKING:
+    from pyserve.grpc.listener import GrpcServer
+
+log = logging.getLogger("pyserve.grpc")
+
+RECEIVE_WINDOW = 16 * 1024 * 1024
+"""Flow-control window granted to each stream, and to the connection (fewer WINDOW_UPDATEs)."""
+RECEIVE_FRAME = 1024 * 1024
+"""``SETTINGS_MAX_FRAME_SIZE`` advertised: large DATA frames mean fewer frames to parse."""
+MAX_CONCURRENT_STREAMS = 4096
+MAX_HEADER_LIST = 64 * 1024
+MAX_MESSAGE_DETAILS = 8192
+"""``grpc-message`` is cut to this many bytes: a header list must fit the peer's limit."""
+DRAIN_ABOVE = 4 * 1024 * 1024
+"""A streaming reply waits for the peer once this much of it is queued behind flow control."""
+
+_CONTENT_TYPE = h2.literal(b"content-type", b"application/grpc")
+_RESPONSE_HEADERS = h2.STATUS_200 + _CONTENT_TYPE
+_ENCODINGS = {"identity", "gzip", "deflate"}
+_ACCEPT_ENCODING = h2.literal(b"grpc-accept-encoding", b"identity,deflate,gzip")
+_TRAILERS_OK = h2.literal(b"grpc-status", b"0")
+_PREFIX_PLAIN = 0
+
+
+class Stream:
+    """One call's stream: its state on this connection (owned by the connection)."""
+
+    __slots__ = (
+        "id", "connection", "handler", "context", "task", "messages", "message", "filled", "head",
+        "compressed", "unary_request", "send_window", "pending", "headers_sent", "remote_closed",
+        "finished", "cancelled", "deadline_handle", "deadline_hit", "encoding", "accept_gzip",
+        "accept_deflate", "unacked", "drain_waiter", "initial_metadata", "path",
+    )
+
+    def __init__(self, stream_id: int, connection: GrpcConnection, send_window: int) -> None:
+        self.id = stream_id
+        self.connection = connection
+        self.handler: Any = None
+        self.context: CallContext | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.messages: RequestMessages | None = None  # client-streaming calls
+        self.message: bytearray | None = None  # a message being filled across DATA frames
+        self.filled = 0
+        self.head = b""  # a message prefix split across DATA frames
+        self.compressed = False
+        self.unary_request: Any = None  # the one request message of a unary call
+        self.send_window = send_window
+        self.pending: deque[Any] = deque()  # data (memoryview) and frames (bytes) behind flow control
+        self.headers_sent = False
+        self.remote_closed = False
+        self.finished = False  # trailers (or a reset) are queued: the call is over
+        self.cancelled = False
+        self.deadline_handle: asyncio.TimerHandle | None = None
+        self.deadline_hit = False
+        self.encoding = "identity"
+        self.accept_gzip = False
+        self.accept_deflate = False
+        self.unacked = 0
+        self.drain_waiter: asyncio.Future[None] | None = None
+        self.initial_metadata: list[tuple[bytes, bytes]] | None = None
+        self.path = ""
+
+
+class GrpcConnection(asyncio.Protocol):
+    """The server side of one HTTP/2 connection carrying gRPC calls.
+
+    :param server: the listening server (handlers, options, the set of open connections).
+    """
+
+    def __init__(self, server: GrpcServer) -> None:
+        self.server = server
+        options = server.options
+        self.max_message = options.max_message_bytes
+        self.loop = asyncio.get_event_loop()
+        self.transport: asyncio.Transport | None = None
+        self.peer = ""
+        self._buffer: bytearray | None = None
+        self._preface = False
+        self._decoder = h2.HeaderDecoder(MAX_HEADER_LIST)
+        self._streams: dict[int, Stream] = {}
+        self._last_stream_id = 0
+        self._continuation: tuple[int, int, bytearray] | None = None  # stream id, flags, block so far
+        self._data_left = 0  # bytes of a DATA frame still to arrive
+        self._data_stream: Stream | None = None
+        self._data_end = False
+        self._data_id = 0
+        # sending
+        self._out: list[Any] = []
+        self._flush_scheduled = False
+        self._paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self.send_window = h2.DEFAULT_WINDOW
+        self.peer_initial_window = h2.DEFAULT_WINDOW
+        self.peer_max_frame = h2.DEFAULT_MAX_FRAME
+        self._blocked: dict[int, Stream] = {}  # streams waiting for the connection window
+        self._unacked = 0  # received bytes not yet returned to the peer's connection window
+        # lifetime
+        self.closing = False  # GOAWAY sent: no new streams
+        self._closed = False
+        self._ping_strikes = 0
+        self._last_ping = 0.0
+        self._data_since_ping = True
+        self._keepalive_handle: asyncio.TimerHandle | None = None
+        self._keepalive_timeout: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.peer = _peer_string(transport)
+        self.server.connections.add(self)
+        self._out.append(h2.settings({
+            h2.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
+            h2.INITIAL_WINDOW_SIZE: RECEIVE_WINDOW,
+            h2.MAX_FRAME_SIZE: RECEIVE_FRAME,
+            h2.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
+        }))
+        self._out.append(h2.window_update(0, RECEIVE_WINDOW - h2.DEFAULT_WINDOW))
+        self._flush()
+        self._arm_keepalive()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self.server.connections.discard(self)
+        for handle in (self._keepalive_handle, self._keepalive_timeout):
+            if handle is not None:
+                handle.cancel()
+        for stream in list(self._streams.values()):
+            self._cancel_stream(stream)
+        self._streams.clear()
+        self._blocked.clear()
+        self._wake_drain()
+        self.server.connection_closed(self)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake_drain()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport
+
+    # -- receiving -------------------------------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        if self._buffer:
+            self._buffer += data
+            buffer: bytes | bytearray = self._buffer
+        else:
+            buffer = data
+        view = memoryview(buffer)
+        end = len(buffer)
+        position = 0
+        try:
+            if not self._preface:
+                if end < len(h2.PREFACE):
+                    if not h2.PREFACE.startswith(bytes(view[:end])):
+                        self._not_http2()
+                        return
+                    self._buffer = bytearray(buffer)
+                    return
+                if view[:len(h2.PREFACE)] != h2.PREFACE:
+                    self._not_http2()
+                    return
+                self._preface = True
+                position = len(h2.PREFACE)
+            while position < end:
+                if self._data_left:
+                    take = min(self._data_left, end - position)
+                    self._data_left -= take
+                    self._receive_data(view[position:position + take], take, self._data_left == 0 and self._data_end)
+                    position += take
+                    continue
+                if end - position < 9:
+                    break
+                length = (buffer[position] << 16) | (buffer[position + 1] << 8) | buffer[position + 2]
+                kind = buffer[position + 3]
+                flags = buffer[position + 4]
+                stream_id = int.from_bytes(view[position + 5:position + 9], "big") & 0x7FFFFFFF
+                if length > RECEIVE_FRAME:
+                    raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, f"frame of {length} bytes exceeds {RECEIVE_FRAME}")
+                if kind == h2.DATA and not flags & h2.PADDED and end - position - 9 < length:
+                    position += 9  # a large DATA frame: its payload is taken as it arrives
+                    self._begin_data(stream_id, flags, length)
+                    continue
+                if end - position - 9 < length:
+                    break
+                payload = view[position + 9:position + 9 + length]
+                position += 9 + length
+                self._frame(kind, flags, stream_id, payload)
+                if self._closed:
+                    return
+        except h2.ConnectionError_ as exc:
+            self._connection_error(exc.code, str(exc))
+            return
+        finally:
+            if not self._closed:
+                self._flush()
+        if position < end:
+            self._buffer = bytearray(view[position:])
+        else:
+            self._buffer = None
+        if self._unacked >= RECEIVE_WINDOW // 4:
+            self._write(h2.window_update(0, self._unacked))
+            self._unacked = 0
+            self._flush()
+
+    def _not_http2(self) -> None:
+        """Bytes that are not the HTTP/2 preface: an HTTP/1 client on the gRPC port."""
+        assert self.transport is not None
+        body = b'{"error":"this port serves gRPC (HTTP/2); HTTP/1.x requests belong on the HTTP port"}'
+        self.transport.write(b"HTTP/1.1 505 HTTP Version Not Supported\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        self._closed = True
+        self.transport.close()
+
+    def _frame(self, kind: int, flags: int, stream_id: int, payload: memoryview) -> None:
+        if self._continuation is not None and kind != h2.CONTINUATION:
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "expected CONTINUATION")
+        if kind == h2.DATA:
+            if flags & h2.PADDED:
+                payload = _unpad(payload)
+            self._begin_data(stream_id, flags, len(payload))
+            self._data_left = 0
+            self._receive_data(payload, len(payload), bool(flags & h2.END_STREAM))
+        elif kind == h2.HEADERS:
+            if stream_id == 0:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "HEADERS on stream 0")
+            if flags & h2.PADDED:
+                payload = _unpad(payload)
+            if flags & h2.PRIORITY_FLAG:
+                payload = payload[5:]
+            if flags & h2.END_HEADERS:
+                self._headers(stream_id, flags, bytes(payload))
+            else:
+                self._continuation = (stream_id, flags, bytearray(payload))
+        elif kind == h2.CONTINUATION:
+            if self._continuation is None or self._continuation[0] != stream_id:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "unexpected CONTINUATION")
+            block = self._continuation[2]
+            block += payload
+            if len(block) > MAX_HEADER_LIST:
+                raise h2.ConnectionError_(h2.ENHANCE_YOUR_CALM, f"header block larger than {MAX_HEADER_LIST} bytes")
+            if flags & h2.END_HEADERS:
+                _, first_flags, _ = self._continuation
+                self._continuation = None
+                self._headers(stream_id, first_flags, bytes(block))
+        elif kind == h2.SETTINGS:
+            self._settings(flags, stream_id, payload)
+        elif kind == h2.WINDOW_UPDATE:
+            self._window_update(stream_id, payload)
+        elif kind == h2.PING:
+            self._ping(flags, stream_id, payload)
+        elif kind == h2.RST_STREAM:
+            if stream_id == 0 or len(payload) != 4:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "malformed RST_STREAM")
+            stream = self._streams.pop(stream_id, None)
+            if stream is not None:
+                self._blocked.pop(stream_id, None)
+                self._cancel_stream(stream)
+        elif kind == h2.GOAWAY:
+            self.closing = True
+            if not self._streams:
+                self._close()
+        elif kind == h2.PUSH_PROMISE:
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "a client cannot push")
+        elif kind == h2.PRIORITY:
+            if len(payload) != 5:
+                raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "malformed PRIORITY")
+        # unknown frame types are ignored (RFC 9113 §4.1)
+
+    def _settings(self, flags: int, stream_id: int, payload: memoryview) -> None:
+        if stream_id != 0:
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & h2.ACK:
+            return
+        if len(payload) % 6:
+            raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "malformed SETTINGS")
+        for offset in range(0, len(payload), 6):
+            key = int.from_bytes(payload[offset:offset + 2], "big")
+            value = int.from_bytes(payload[offset + 2:offset + 6], "big")
+            if key == h2.INITIAL_WINDOW_SIZE:
+                if value > h2.MAX_WINDOW:
+                    raise h2.ConnectionError_(h2.FLOW_CONTROL_ERROR, "initial window size too large")
+                delta, self.peer_initial_window = value - self.peer_initial_window, value
+                for stream in self._streams.values():
+                    stream.send_window += delta
+            elif key == h2.MAX_FRAME_SIZE:
+                if not h2.DEFAULT_MAX_FRAME <= value <= 16_777_215:
+                    raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "invalid max frame size")
+                self.peer_max_frame = value
+        self._write(h2.frame(h2.SETTINGS, h2.ACK, 0))
+        for stream in list(self._streams.values()):
+            if stream.pending:
+                self._send_pending(stream)
+
+    def _window_update(self, stream_id: int, payload: memoryview) -> None:
+        if len(payload) != 4:
+            raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "malformed WINDOW_UPDATE")
+        increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        if stream_id == 0:
+            if increment == 0:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+            self.send_window += increment
+            if self.send_window > h2.MAX_WINDOW:
+                raise h2.ConnectionError_(h2.FLOW_CONTROL_ERROR, "connection window overflow")
+            blocked, self._blocked = self._blocked, {}
+            for stream in blocked.values():
+                self._send_pending(stream)
+            return
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return  # a stream that already ended
+        if increment == 0:
+            self._reset(stream, h2.PROTOCOL_ERROR)
+            return
+        stream.send_window += increment
+        if stream.pending:
+            self._send_pending(stream)
+
+    def _ping(self, flags: int, stream_id: int, payload: memoryview) -> None:
+        if stream_id != 0 or len(payload) != 8:
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "malformed PING")
+        if flags & h2.ACK:
+            if self._keepalive_timeout is not None:
+                self._keepalive_timeout.cancel()
+                self._keepalive_timeout = None
+            return
+        options = self.server.options
+        now = self.loop.time()
+        if not self._data_since_ping and options.http2_max_ping_strikes > 0:
+            idle = not self._streams and not options.keepalive_permit_without_calls
+            interval = 7200.0 if idle else options.http2_min_recv_ping_interval_without_data_ms / 1000.0
+            if now - self._last_ping < interval:
+                self._ping_strikes += 1
+                if self._ping_strikes > options.http2_max_ping_strikes:
+                    raise h2.ConnectionError_(h2.ENHANCE_YOUR_CALM, "too_many_pings")
+        self._last_ping = now
+        self._data_since_ping = False
+        self._write(h2.frame(h2.PING, h2.ACK, 0, bytes(payload)))
+
+    # -- streams ---------------------------------------------------------------------------------
+    def _headers(self, stream_id: int, flags: int, block: bytes) -> None:
+        headers = self._decoder.decode(block)  # always: the HPACK table must follow every block
+        stream = self._streams.get(stream_id)
+        if stream is not None:  # trailers from the client end its stream
+            if not flags & h2.END_STREAM:
+                self._reset(stream, h2.PROTOCOL_ERROR)
+                return
+            self._remote_end(stream)
+            return
+        if stream_id <= self._last_stream_id:
+            return  # a stream that already ended here
+        if not stream_id & 1:
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "even stream id from a client")
+        self._last_stream_id = stream_id
+        stream = Stream(stream_id, self, self.peer_initial_window)
+        if self.closing or len(self._streams) >= MAX_CONCURRENT_STREAMS:
+            self._write(h2.rst_stream(stream_id, h2.REFUSED_STREAM))
+            return
+        path = method = content_type = ""
+        timeout: float | None = None
+        for name, value in headers:
+            if name == ":path":
+                path = value
+            elif name == ":method":
+                method = value
+            elif name == "content-type":
+                content_type = value
+            elif name == "grpc-timeout":
+                timeout = h2.parse_timeout(value)
+            elif name == "grpc-encoding":
+                stream.encoding = value
+            elif name == "grpc-accept-encoding":
+                accepted = {item.strip() for item in value.split(",")}
+                stream.accept_gzip = "gzip" in accepted
+                stream.accept_deflate = "deflate" in accepted
+        self._streams[stream_id] = stream
+        stream.path = path
+        deadline = None if timeout is None else self.loop.time() + timeout
+        context = stream.context = CallContext(stream, metadata_from_headers(headers), deadline, self.peer)
+        if flags & h2.END_STREAM:
+            stream.remote_closed = True
+        if method != "POST" or not content_type.startswith("application/grpc"):
+            self._http_error(stream, 405 if method != "POST" else 415)
+            return
+        handler = self.server.lookup(path)
+        if handler is None:
+            self._fail(stream, grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path}")
+            return
+        if stream.encoding not in _ENCODINGS:
+            self._fail(stream, grpc.StatusCode.UNIMPLEMENTED,
+                       f"Compression algorithm '{stream.encoding}' is not supported (identity, deflate, gzip)")
+            return
+        stream.handler = handler
+        if timeout is not None:
+            stream.deadline_handle = self.loop.call_later(timeout, self._deadline, stream)
+        if handler.request_streaming:
+            stream.messages = RequestMessages(handler.request_deserializer)
+            context.attach_messages(stream.messages)
+            stream.task = self.loop.create_task(self._run(stream))
+        if stream.remote_closed:
+            self._remote_end(stream)
+
+    def _begin_data(self, stream_id: int, flags: int, length: int) -> None:
+        if stream_id == 0:
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "DATA on stream 0")
+        stream = self._streams.get(stream_id)
+        if stream is None and stream_id > self._last_stream_id:
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "DATA on an idle stream")
+        if stream is not None and stream.remote_closed:
+            self._reset(stream, h2.STREAM_CLOSED)
+            stream = None
+        self._data_stream = stream
+        self._data_id = stream_id
+        self._data_left = length
+        self._data_end = bool(flags & h2.END_STREAM)
+
+    def _receive_data(self, chunk: memoryview, length: int, ends: bool) -> None:
+        self._unacked += length
+        stream = self._data_stream
+        if stream is None or stream.finished:
+            return
+        if chunk:
+            stream.unacked += length
+            self._stream_bytes(stream, chunk)
+            if stream.unacked >= RECEIVE_WINDOW // 4 and not stream.finished:
+                self._write(h2.window_update(stream.id, stream.unacked))
+                stream.unacked = 0
+        if ends and not stream.finished:
+            self._remote_end(stream)
+
+    def _stream_bytes(self, stream: Stream, chunk: memoryview) -> None:
+        """Cut a stream's DATA bytes into gRPC messages (5-byte prefix + message)."""
+        position, end = 0, len(chunk)
+        while position < end:
+            message = stream.message
+            if message is not None:
+                take = min(len(message) - stream.filled, end - position)
+                message[stream.filled:stream.filled + take] = chunk[position:position + take]
+                stream.filled += take
+                position += take
+                if stream.filled == len(message):
+                    stream.message = None
+                    self._message(stream, message)
+                continue
+            if stream.head or end - position < 5:
+                take = min(5 - len(stream.head), end - position)
+                stream.head += bytes(chunk[position:position + take])
+                position += take
+                if len(stream.head) < 5:
+                    return
+                prefix, stream.head = stream.head, b""
+            else:
+                prefix = chunk[position:position + 5]
+                position += 5
+            flag = prefix[0]
+            length = int.from_bytes(prefix[1:5], "big")
+            if flag > 1:
+                self._fail(stream, grpc.StatusCode.INTERNAL, f"invalid gRPC message flag {flag}")
+                return
+            if length > self.max_message:
+                self._fail(stream, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"Received message larger than max ({length} vs. {self.max_message})")
+                return
+            stream.compressed = flag == 1
+            if end - position >= length:
+                self._message(stream, bytes(chunk[position:position + length]))
+                position += length
+                if stream.finished:
+                    return
+            else:
+                stream.message = bytearray(length)
+                stream.filled = 0
+
+    def _message(self, stream: Stream, message: bytes | bytearray) -> None:
+        if stream.compressed:
+            try:
+                message = _decompress(message, stream.encoding, self.max_message)
+            except ValueError as exc:
+                self._fail(stream, grpc.StatusCode.INTERNAL if "larger" not in str(exc) else grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                return
+        if stream.messages is not None:
+            stream.messages.push(message)
+        elif stream.unary_request is None:
+            stream.unary_request = message
+        else:
+            self._fail(stream, grpc.StatusCode.UNIMPLEMENTED, "a unary call got more than one request message")
+
+    def _remote_end(self, stream: Stream) -> None:
+        stream.remote_closed = True
+        if stream.finished:
+            self._forget(stream)
+            return
+        if stream.message is not None or stream.head:
+            self._fail(stream, grpc.StatusCode.INTERNAL, "the request ended inside a message")
+            return
+        if stream.messages is not None:
+            stream.messages.end()
+        elif stream.handler is not None and stream.task is None:
+            if stream.unary_request is None:
+                self._fail(stream, grpc.StatusCode.UNIMPLEMENTED, "a unary call got no request message")
+                return
+            stream.task = self.loop.create_task(self._run(stream))
+
+    def _deadline(self, stream: Stream) -> None:
+        stream.deadline_handle = None
+        if stream.finished:
+            return
+        stream.deadline_hit = True
+        if stream.task is not None and not stream.task.done():
+            stream.task.cancel()
+        else:
+            self._fail(stream, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    def _cancel_stream(self, stream: Stream) -> None:
+        """The peer reset the stream or went away: the call is cancelled."""
+        stream.cancelled = True
+        was_finished, stream.finished = stream.finished, True
+        stream.pending.clear()
+        if stream.deadline_handle is not None:
+            stream.deadline_handle.cancel()
+        if stream.messages is not None:
+            stream.messages.fail(CallCancelled("the call was cancelled"))
+        if stream.task is not None and not stream.task.done():
+            stream.task.cancel()
+        elif not was_finished and stream.context is not None:
+            stream.context.run_done_callbacks()
+        self._wake_stream(stream)
+
+    def _reset(self, stream: Stream, code: int) -> None:
+        """Reset a stream from this side (RST_STREAM ``code``) and cancel its call."""
+        self._streams.pop(stream.id, None)
+        self._blocked.pop(stream.id, None)
+        self._write(h2.rst_stream(stream.id, code))
+        self._cancel_stream(stream)
+
+    def _forget(self, stream: Stream) -> None:
+        """Drop a finished stream once its last frames are out and the client ended its side."""
+        if stream.pending:
+            return
+        if not stream.remote_closed:
+            stream.remote_closed = True  # the call is over: the rest of the request is not wanted
+            self._write(h2.rst_stream(stream.id, h2.NO_ERROR))
+        self._streams.pop(stream.id, None)
+        if self.closing and not self._streams:
+            self._close()
+
+    # -- running a call --------------------------------------------------------------------------
+    async def _run(self, stream: Stream) -> None:
+        context = stream.context
+        assert context is not None
+        handler = stream.handler
+        try:
+            if self.server.interceptors:
+                handler = await self.server.intercept(handler, stream, context)
+                if handler is None:
+                    context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+                    context.set_details("Method not found")
+                    self._finish(stream)
+                    return
+            if handler.request_streaming:
+                request: Any = stream.messages
+            else:
+                deserialize = handler.request_deserializer
+                try:
+                    request = stream.unary_request if deserialize is None else deserialize(stream.unary_request)
+                except Exception:
+                    context.set_code(grpc.StatusCode.INTERNAL)
+                    context.set_details("Exception deserializing request!")
+                    self._finish(stream)
+                    return
+                stream.unary_request = None
+            if handler.response_streaming:
+                behaviour = handler.stream_stream if handler.request_streaming else handler.unary_stream
+                result = behaviour(request, context)
+                if hasattr(result, "__aiter__"):
+                    async for item in result:
+                        await self.write_message(stream, item)
+                elif inspect.isawaitable(result):
+                    await result
+                else:
+                    for item in result:
+                        await self.write_message(stream, item)
+            else:
+                behaviour = handler.stream_unary if handler.request_streaming else handler.unary_unary
+                response = behaviour(request, context)
+                if inspect.isawaitable(response):
+                    response = await response
+                if context.code() == grpc.StatusCode.OK:
+                    if response is None:
+                        context.set_code(grpc.StatusCode.INTERNAL)
+                        context.set_details("the servicer returned no response")
+                    else:
+                        self._send_message(stream, response, handler.response_serializer)
+            self._finish(stream)
+        except AbortError:
+            self._finish(stream)
+        except asyncio.CancelledError:
+            if stream.deadline_hit and not stream.finished:
+                context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+                context.set_details("Deadline Exceeded")
+                self._finish(stream)
+            elif not stream.finished and not self._closed:
+                self._reset(stream, h2.CANCEL)  # the server is stopping
+        except CallCancelled:
+            pass
+        except Exception as exc:
+            if not stream.finished:
+                log.exception("gRPC method %s failed", _method_name(handler))
+                context.set_code(grpc.StatusCode.UNKNOWN)
+                context.set_details(f"Unexpected {type(exc)}: {exc}")
+                self._finish(stream)
+        finally:
+            if stream.deadline_handle is not None:
+                stream.deadline_handle.cancel()
+                stream.deadline_handle = None
+            context.run_done_callbacks()
+
+    def send_initial_metadata(self, stream: Stream, metadata: Sequence[tuple[str, str | bytes]]) -> None:
+        if stream.headers_sent:
+            raise RuntimeError("initial metadata was already sent")
+        stream.initial_metadata = encode_metadata(metadata)
+        self._send_headers(stream, stream.context.compression if stream.context else None)
+
+    async def write_message(self, stream: Stream, message: Any) -> None:
+        """Send one message of a streaming reply, waiting while the peer is not reading."""
+        if stream.finished:
+            raise CallCancelled("the call has ended")
+        serializer = stream.handler.response_serializer if stream.handler is not None else None
+        self._send_message(stream, message, serializer)
+        self._schedule_flush()
+        while (self._paused or sum(len(item) for item in stream.pending) > DRAIN_ABOVE) and not stream.finished:
+            waiter = self.loop.create_future()
+            stream.drain_waiter = waiter
+            self._drain_waiters.append(waiter)
+            await waiter
+        if stream.finished and stream.cancelled:
+            raise CallCancelled("the call was cancelled")
+
+    def _send_message(self, stream: Stream, message: Any, serializer: Any) -> None:
+        payload = message if serializer is None else serializer(message)
+        context = stream.context
+        compression = context.compression if context is not None else None
+        if not stream.headers_sent:
+            self._send_headers(stream, compression)
+        flag = _PREFIX_PLAIN
+        if stream.accept_gzip and compression == grpc.Compression.Gzip and not (context and context.next_uncompressed):
+            payload, flag = _gzip(payload), 1
+        elif stream.accept_deflate and compression == grpc.Compression.Deflate and not (context and context.next_uncompressed):
+            payload, flag = zlib.compress(payload), 1
+        if context is not None:
+            context.next_uncompressed = False
+        length = len(payload)
+        prefix = bytes((flag,)) + length.to_bytes(4, "big")
+        total = length + 5
+        if not stream.pending and total <= self.send_window and total <= stream.send_window and total <= self.peer_max_frame:
+            self.send_window -= total
+            stream.send_window -= total
+            if length < 4096:
+                self._out.append(h2.frame_header(h2.DATA, 0, stream.id, total) + prefix + payload)
+            else:
+                self._out.append(h2.frame_header(h2.DATA, 0, stream.id, total) + prefix)
+                self._out.append(payload)
+            self._data_since_ping = True
+            return
+        stream.pending.append(memoryview(prefix))
+        stream.pending.append(memoryview(payload).cast("B") if length else memoryview(b""))
+        self._send_pending(stream)
+
+    def _send_headers(self, stream: Stream, compression: grpc.Compression | None) -> None:
+        stream.headers_sent = True
+        block = _RESPONSE_HEADERS
+        encoding = _response_encoding(stream, compression)
+        if encoding is not None:
+            block += h2.literal(b"grpc-encoding", encoding) + _ACCEPT_ENCODING
+        if stream.initial_metadata:
+            block += b"".join(h2.literal(name, value) for name, value in stream.initial_metadata)
+        self._queue_frames(stream, _header_frames(stream.id, block, False, self.peer_max_frame))
+
+    def _finish(self, stream: Stream) -> None:
+        """Send the call's status (trailers, or a trailers-only reply) and end the stream."""
+        if stream.finished:
+            return
+        context = stream.context
+        code = context.code() if context is not None else grpc.StatusCode.OK
+        details = context.details() if context is not None else ""
+        trailing = context.trailing_metadata() if context is not None else ()
+        stream.finished = True
+        if stream.deadline_handle is not None:
+            stream.deadline_handle.cancel()
+            stream.deadline_handle = None
+        if code == grpc.StatusCode.OK and not trailing and not details:
+            block = _TRAILERS_OK
+        else:
+            block = h2.literal(b"grpc-status", str(code.value[0]).encode("ascii"))
+            if details:
+                block += h2.literal(b"grpc-message", h2.percent_encode(details)[:MAX_MESSAGE_DETAILS])
+            if trailing:
+                block += b"".join(h2.literal(name, value) for name, value in encode_metadata(trailing))
+        if not stream.headers_sent:
+            stream.headers_sent = True
+            block = _RESPONSE_HEADERS + block  # trailers-only reply
+        self._queue_frames(stream, _header_frames(stream.id, block, True, self.peer_max_frame))
+        self._data_since_ping = True
+        if stream.messages is not None and not stream.remote_closed:
+            stream.messages.fail(CallCancelled("the call has ended"))
+        self._forget(stream)
+        self._schedule_flush()
+
+    def _fail(self, stream: Stream, code: grpc.StatusCode, details: str) -> None:
+        """End a call with ``code`` before (or instead of) its servicer function."""
+        if stream.finished:
+            return
+        if stream.context is not None:
+            stream.context.set_code(code)
+            stream.context.set_details(details)
+        task = stream.task
+        self._finish(stream)
+        if task is not None and not task.done():
+            task.cancel()
+        elif task is None and stream.context is not None:
+            stream.context.run_done_callbacks()
+
+    def _http_error(self, stream: Stream, status: int) -> None:
+        """A request that is not gRPC at all: an HTTP status, as gRPC servers answer it."""
+        stream.finished = True
+        block = h2.literal(b":status", str(status).encode("ascii"))
+        self._queue_frames(stream, _header_frames(stream.id, block, True, self.peer_max_frame))
+        self._forget(stream)
+
+    # -- sending ---------------------------------------------------------------------------------
+    def _queue_frames(self, stream: Stream, frames: bytes) -> None:
+        if stream.pending:
+            stream.pending.append(frames)
+        else:
+            self._out.append(frames)
+
+    def _send_pending(self, stream: Stream) -> None:
+        """Send what flow control allows of a stream's queued data (frames follow in order)."""
+        pending = stream.pending
+        while pending:
+            item = pending[0]
+            if type(item) is bytes:
+                self._out.append(item)
+                pending.popleft()
+                continue
+            allowed = min(self.send_window, stream.send_window, self.peer_max_frame)
+            if not item:
+                pending.popleft()
+                continue
+            if allowed <= 0:
+                if self.send_window <= 0:
+                    self._blocked[stream.id] = stream
+                break
+            chunk = item[:allowed]
+            size = len(chunk)
+            self._out.append(h2.frame_header(h2.DATA, 0, stream.id, size))
+            self._out.append(chunk)
+            self.send_window -= size
+            stream.send_window -= size
+            self._data_since_ping = True
+            if size < len(item):
+                pending[0] = item[size:]
+            else:
+                pending.popleft()
+        self._schedule_flush()
+        if not pending:
+            self._wake_stream(stream)
+            if stream.finished and stream.id in self._streams:
+                self._forget(stream)
+
+    def _write(self, data: bytes) -> None:
+        self._out.append(data)
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled and self._out:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._out and self.transport is not None and not self._closed:
+            out, self._out = self._out, []
+            self.transport.writelines(out)
+
+    def _wake_stream(self, stream: Stream) -> None:
+        waiter = stream.drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _wake_drain(self) -> None:
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # -- lifetime --------------------------------------------------------------------------------
+    def _connection_error(self, code: int, message: str) -> None:
+        log.debug("gRPC connection from %s closed: %s", self.peer, message)
+        self._write(h2.goaway(self._last_stream_id, code, message.encode("utf-8", "replace")[:256]))
+        self._flush()
+        self._close()
+
+    def goaway(self) -> None:
+        """Refuse new streams (GOAWAY, NO_ERROR) and close once the open ones are done."""
+        if self._closed or self.closing:
+            return
+        self.closing = True
+        self._write(h2.goaway(self._last_stream_id, h2.NO_ERROR))
+        self._flush()
+        if not self._streams:
+            self._close()
+
+    def abort(self) -> None:
+        """Close now, cancelling the calls still open."""
+        if self.transport is not None:
+            self.transport.abort()
+
+    @property
+    def idle(self) -> bool:
+        return not self._streams
+
+    def _close(self) -> None:
+        if self.transport is not None and not self._closed:
+            self._flush()
+            self._closed = True
+            self.transport.close()
+
+    def _arm_keepalive(self) -> None:
+        interval = self.server.options.keepalive_time_ms / 1000.0
+        if interval > 0 and interval < 10**8:
+            self._keepalive_handle = self.loop.call_later(interval, self._keepalive)
+
+    def _keepalive(self) -> None:
+        self._keepalive_handle = None
+        if self._closed:
+            return
+        options = self.server.options
+        if self._streams or options.keepalive_permit_without_calls:
+            self._write(h2.frame(h2.PING, 0, 0, b"pyserve\x00"))
+            self._flush()
+            if self._keepalive_timeout is None:
+                self._keepalive_timeout = self.loop.call_later(
+                    options.keepalive_timeout_ms / 1000.0, self._keepalive_expired)
+        self._arm_keepalive()
+
+    def _keepalive_expired(self) -> None:
+        self._keepalive_timeout = None
+        log.debug("gRPC connection from %s: keepalive ping not answered", self.peer)
+        self.abort()
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _header_frames(stream_id: int, block: bytes, end_stream: bool, max_frame: int) -> bytes:
+    """HEADERS (+ CONTINUATION) frames carrying ``block``."""
+    flags = h2.END_STREAM if end_stream else 0
+    if len(block) <= max_frame:
+        return h2.frame(h2.HEADERS, flags | h2.END_HEADERS, stream_id, block)
+    pieces = [block[offset:offset + max_frame] for offset in range(0, len(block), max_frame)]
+    frames = [h2.frame(h2.HEADERS, flags, stream_id, pieces[0])]
+    for index, piece in enumerate(pieces[1:], start=1):
+        frames.append(h2.frame(h2.CONTINUATION, h2.END_HEADERS if index == len(pieces) - 1 else 0, stream_id, piece))
+    return b"".join(frames)
+
+
+def _response_encoding(stream: Stream, compression: grpc.Compression | None) -> bytes | None:
+    if compression == grpc.Compression.Gzip and stream.accept_gzip:
+        return b"gzip"
+    if compression == grpc.Compression.Deflate and stream.accept_deflate:
+        return b"deflate"
+    return None
+
+
+def _gzip(payload: bytes) -> bytes:
+    compressor = zlib.compressobj(wbits=31)
+    return compressor.compress(payload) + compressor.flush()
+
+
+def _decompress(message: bytes | bytearray, encoding: str, limit: int) -> bytes:
+    """A compressed request message, inflated to at most ``limit`` bytes.
+
+    :raises ValueError: an unknown encoding, corrupt data, or more than ``limit`` bytes.
+    """
+    if encoding == "gzip":
+        wbits = 31
+    elif encoding == "deflate":
+        wbits = 15
+    else:
+        raise ValueError(f"a compressed message without a grpc-encoding (got '{encoding}')")
+    inflater = zlib.decompressobj(wbits)
+    try:
+        data = inflater.decompress(message, limit + 1)
+    except zlib.error as exc:
+        raise ValueError(f"cannot decompress the request message: {exc}") from None
+    if len(data) > limit:
+        raise ValueError(f"Received message larger than max (more than {limit} bytes once decompressed)")
+    return data
+
+
+def _unpad(payload: memoryview) -> memoryview:
+    if not payload:
+        raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "padded frame without a pad length")
+    pad = payload[0]
+    if pad >= len(payload):
+        raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "padding longer than the frame")
+    return payload[1:len(payload) - pad]
+
+
+def _peer_string(transport: asyncio.BaseTransport) -> str:
+    """The peer as grpc writes it: ``ipv4:host:port``, ``ipv6:[host]:port`` or ``unix:path``."""
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        host, port = peer[0], peer[1]
+        return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
+    return f"unix:{peer or ''}"
+
+
+def _method_name(handler: Any) -> str:
+    for attribute in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+        function = getattr(handler, attribute, None)
+        if function is not None:
+            return getattr(function, "__qualname__", repr(function))
+    return "?"

@@ -1,0 +1,195 @@
+"""pyserve's own gRPC server: ``grpc.aio``-style handlers served over :mod:`pyserve.grpc.connection`.
+
+It takes the same generic RPC handlers and ``grpc.aio.ServerInterceptor`` objects as a
+``grpc.aio`` server and offers the calls pyserve makes on one (``add_generic_rpc_handlers``,
+``add_insecure_port``, ``start``, ``stop``), so either server runs the same servicer. Calls run as
+tasks on the event loop that started the server; one process, one loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import grpc
+
+from pyserve.grpc.connection import GrpcConnection
+
+if TYPE_CHECKING:
+    from pyserve.grpc.call import CallContext
+    from pyserve.grpc.connection import Stream
+    from pyserve.grpc.server import GrpcOptions
+
+
+class _CallDetails(NamedTuple):
+    """``grpc.HandlerCallDetails`` as interceptors and generic handlers read it."""
+
+    method: str
+    invocation_metadata: Any
+
+
+class GrpcServer:
+    """A gRPC server on asyncio (HTTP/2 with prior knowledge, no TLS).
+
+    :param options: message size cap, keepalive and ping policy (``GrpcOptions``).
+    :param interceptors: ``grpc.aio.ServerInterceptor`` objects, applied per call in order.
+    :param reuse_port: bind TCP ports with ``SO_REUSEPORT`` (processes sharing a port).
+    """
+
+    def __init__(self, options: GrpcOptions, interceptors: Sequence[Any] | None = None, reuse_port: bool = False) -> None:
+        self.options = options
+        self.interceptors = tuple(interceptors or ())
+        self.reuse_port = reuse_port
+        self.connections: set[GrpcConnection] = set()
+        self._handlers: list[grpc.GenericRpcHandler] = []
+        self._methods: dict[str, Any] = {}
+        self._sockets: list[socket.socket] = []
+        self._servers: list[asyncio.base_events.Server] = []
+        self._unix_paths: list[str] = []
+        self._all_closed: asyncio.Event | None = None
+        self._stopped = asyncio.Event() if _has_loop() else None
+
+    # -- handlers ---------------------------------------------------------------------------------
+    def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
+        self._handlers.extend(handlers)
+        self._methods.clear()
+
+    def lookup(self, path: str) -> Any:
+        """The method handler serving ``path`` (``/package.Service/Method``), or None."""
+        handler = self._methods.get(path)
+        if handler is None and path not in self._methods:
+            details = _CallDetails(path, ())
+            for generic in self._handlers:
+                handler = generic.service(details)
+                if handler is not None:
+                    break
+            if len(self._methods) < 1024:  # unknown paths are remembered too, but not without bound
+                self._methods[path] = handler
+        return handler
+
+    async def intercept(self, handler: Any, stream: Stream, context: CallContext) -> Any:
+        """The handler after the interceptors have seen the call (None: method not found)."""
+        details = _CallDetails(stream.path, context.invocation_metadata())
+
+        async def innermost(_: Any) -> Any:
+            return handler
+
+        continuation = innermost
+        for interceptor in reversed(self.interceptors):
+            continuation = _chain(interceptor, continuation)
+        return await continuation(details)
+
+    # -- ports ------------------------------------------------------------------------------------
+    def add_insecure_port(self, address: str) -> int:
+        """Bind ``address`` (``host:port``, ``[v6]:port``, ``:port`` or ``unix:PATH``); the port bound.
+
+        :raises RuntimeError: the address cannot be bound.
+        """
+        if address.startswith("unix:"):
+            path = address[len("unix:"):]
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                listener.bind(path)
+            except OSError as exc:
+                listener.close()
+                raise RuntimeError(exc.strerror or str(exc)) from None
+            self._unix_paths.append(path)
+            self._sockets.append(listener)
+            return 0
+        host, _, port_text = address.rpartition(":")
+        host = host.strip("[]")
+        try:
+            port = int(port_text)
+        except ValueError:
+            raise RuntimeError("not HOST:PORT") from None
+        listener = _tcp_listener(host, port, self.reuse_port, address)
+        self._sockets.append(listener)
+        return int(listener.getsockname()[1])
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._stopped is None:
+            self._stopped = asyncio.Event()
+        for listener in self._sockets:
+            listener.setblocking(False)
+            if listener.family == socket.AF_UNIX:
+                server = await loop.create_unix_server(lambda: GrpcConnection(self), sock=listener, backlog=2048)
+            else:
+                server = await loop.create_server(lambda: GrpcConnection(self), sock=listener, backlog=2048)
+            self._servers.append(server)
+
+    def connection_closed(self, connection: GrpcConnection) -> None:
+        if not self.connections and self._all_closed is not None:
+            self._all_closed.set()
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop listening; let open calls finish for ``grace`` seconds (None or 0: cancel them now)."""
+        for server in self._servers:
+            server.close()
+        self._servers.clear()
+        self._all_closed = asyncio.Event()
+        for connection in list(self.connections):
+            connection.goaway()
+        if grace and self.connections:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._all_closed.wait(), grace)
+        for connection in list(self.connections):
+            connection.abort()
+        await asyncio.sleep(0)
+        for path in self._unix_paths:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def wait_for_termination(self, timeout: float | None = None) -> bool:
+        assert self._stopped is not None
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stopped.wait(), timeout)
+        return self._stopped.is_set()
+
+
+def _chain(interceptor: Any, continuation: Any) -> Any:
+    async def call(details: Any) -> Any:
+        return await interceptor.intercept_service(continuation, details)
+
+    return call
+
+
+def _has_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _tcp_listener(host: str, port: int, reuse_port: bool, address: str) -> socket.socket:
+    """A bound TCP socket; ``""``/``"::"`` listen on IPv6 and IPv4 (as grpc does for ``:port``)."""
+    dual_stack = host in ("", "::") and socket.has_ipv6
+    family = socket.AF_INET6 if (":" in host or dual_stack) else socket.AF_INET
+    try:
+        listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    except OSError:  # no IPv6 in this kernel: all IPv4 addresses
+        if not dual_stack:
+            raise RuntimeError("no IPv6 on this machine") from None
+        dual_stack, host = False, "0.0.0.0"
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if dual_stack:
+            listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        listener.bind(("::" if dual_stack else (host or "0.0.0.0"), port))
+    except OSError as exc:
+        listener.close()
+        raise RuntimeError(exc.strerror or str(exc)) from None
+    return listener
