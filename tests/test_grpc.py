@@ -35,6 +35,7 @@ from tritonclient.utils import InferenceServerException
 from pyserve import Backend, InferRequest, InferResponse, InstanceContext
 from pyserve import protocol as pb
 from pyserve.plugins import PluginHost
+from pyserve.grpc.server import GRPC_SERVERS, GrpcOptions
 from pyserve.server import Server, ServerOptions, ServerThread
 
 # -- datatypes -------------------------------------------------------------------------------
@@ -131,14 +132,15 @@ MODELS: dict[str, str] = {
 LABELS = ["cat", "dog", "bird", "fish"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+@pytest.fixture(scope="module", params=GRPC_SERVERS)
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     repo = tmp_path_factory.mktemp("grpc")
     for name, config in MODELS.items():
         write_model(repo, name, config)
     (repo / "cls" / "labels.txt").write_text("\n".join(LABELS) + "\n")
     host = PluginHost(extra_backends={"echo": EchoBackend()})
-    options = ServerOptions(model_repositories=[repo], host="127.0.0.1", http_port=0, grpc_port=0)
+    options = ServerOptions(model_repositories=[repo], host="127.0.0.1", http_port=0, grpc_port=0,
+                            grpc=GrpcOptions(implementation=request.param))  # both gRPC servers
     thread = ServerThread(Server(options, host))
     thread.start()
     yield thread

@@ -25,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 from pyserve import Backend, InferError, InferRequest, InferResponse, InstanceContext
 from pyserve.plugins import PluginHost
+from pyserve.grpc.server import GRPC_SERVERS, GrpcOptions
 from pyserve.server import Server, ServerOptions, ServerThread
 
 TIMEOUT = 10.0
@@ -105,18 +106,24 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module")
-def counter() -> CounterBackend:
-    return CounterBackend()
+@pytest.fixture(scope="module", params=GRPC_SERVERS)
+def grpc_server_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, counter: CounterBackend) -> Iterator[ServerThread]:
+def counter(grpc_server_kind: str) -> CounterBackend:
+    return CounterBackend()  # one per server: request ids repeat across the two
+
+
+@pytest.fixture(scope="module")
+def server(grpc_server_kind: str, tmp_path_factory: pytest.TempPathFactory, counter: CounterBackend) -> Iterator[ServerThread]:
     repo = tmp_path_factory.mktemp("grpc_stream")
     for name, config in MODELS.items():
         write_model(repo, name, config)
     host = PluginHost(extra_backends={"counter": counter})
-    options = ServerOptions(model_repositories=[repo], host="127.0.0.1", http_port=0, grpc_port=0)
+    options = ServerOptions(model_repositories=[repo], host="127.0.0.1", http_port=0, grpc_port=0,
+                            grpc=GrpcOptions(implementation=grpc_server_kind))  # both gRPC servers
     thread = ServerThread(Server(options, host))
     thread.start()
     yield thread

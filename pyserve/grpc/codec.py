@@ -17,7 +17,7 @@ from pyserve.classification import classify
 from pyserve.errors import InferError
 from pyserve.inference import InferRequest, InferResponse, ParameterValue
 from pyserve.models import ModelVersion
-from pyserve.protocol import ModelInferResponse
+from pyserve.protocol import ModelInferRequest, ModelInferResponse
 from pyserve.shared_memory import SharedMemoryManager, ShmTarget, write_output
 from pyserve.validation import (
     check_input,
@@ -282,24 +282,135 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def encode_infer_wire(response: InferResponse, decoded: DecodedGrpcRequest, model: ModelVersion) -> bytes:
-    """``encode_infer(...).SerializeToString()``, byte for byte, with one copy of each output.
+class WireParts(list):  # type: ignore[type-arg]
+    """A serialized message as consecutive pieces (``bytes`` / ``memoryview``), not joined.
+
+    pyserve's gRPC server writes the pieces as they are; anything else calls :meth:`join`.
+    """
+
+    __slots__ = ("nbytes",)
+
+    def join(self) -> bytes:
+        return b"".join(self)
+
+
+UNJOINED_ABOVE = 64 * 1024
+"""Replies with more output bytes than this stay :class:`WireParts` when the caller allows it."""
+
+
+def encode_infer_wire(
+    response: InferResponse, decoded: DecodedGrpcRequest, model: ModelVersion, join: bool = True
+) -> bytes | WireParts:
+    """``encode_infer(...).SerializeToString()``, byte for byte, with at most one copy of each output.
 
     upb only stores ``bytes`` in a repeated bytes field, so the message path copies every
     output three times (``tobytes``, ``append``, serialize). Here the message is serialized
     without its ``raw_output_contents`` — field 6, the highest, which the serializer emits
-    last — and each output's tag, length and data (a view of the array) are joined after it.
+    last — and each output's tag, length and data (a view of the array) follow it. With
+    ``join=False`` a large reply is returned as :class:`WireParts` and no output is copied here.
     """
     raw: list[bytes | memoryview] = []
     head = _encode_head(response, decoded, model, raw).SerializeToString()
     if not raw:
         return head
-    parts: list[bytes | memoryview] = [head]
+    parts = WireParts([head])
+    total = len(head)
     for payload in raw:
+        size = len(payload) if type(payload) is bytes else payload.nbytes
+        length = _varint(size)
         parts.append(_RAW_OUTPUT_TAG)
-        parts.append(_varint(len(payload) if type(payload) is bytes else payload.nbytes))
+        parts.append(length)
         parts.append(payload)
-    return b"".join(parts)
+        total += 1 + len(length) + size
+    if join or total <= UNJOINED_ABOVE:
+        return b"".join(parts)
+    parts.nbytes = total
+    return parts
+
+
+SPLIT_ABOVE = 64 * 1024
+"""Requests larger than this are parsed by :func:`parse_infer_request` without copying tensors."""
+
+
+class SplitInferRequest:
+    """A ``ModelInferRequest`` whose ``raw_input_contents`` are views of the received bytes.
+
+    Every other field is the parsed message's (attribute access is passed on to it);
+    ``SerializeToString`` gives the original wire bytes.
+    """
+
+    __slots__ = ("message", "raw_input_contents", "_wire")
+
+    def __init__(self, message: Any, raw: list[memoryview], wire: bytes | bytearray | memoryview) -> None:
+        self.message = message
+        self.raw_input_contents = raw
+        self._wire = wire
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.message, name)
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf method name
+        return bytes(self._wire)
+
+
+def parse_infer_request(data: bytes | bytearray | memoryview) -> Any:
+    """Parse a serialized ``ModelInferRequest``; large ones keep their tensors in ``data``.
+
+    protobuf copies a bytes field into its arena and again into every ``bytes`` object read
+    from it: a 16 MB tensor would be copied twice more after arriving. Above
+    :data:`SPLIT_ABOVE` bytes the top-level fields are walked here instead: each
+    ``raw_input_contents`` entry (field 7) becomes a ``memoryview`` of ``data``, and only the
+    other fields go through protobuf.
+
+    :raises ValueError: the bytes are not a valid message (truncated, bad wire type).
+    """
+    if len(data) <= SPLIT_ABOVE:
+        return ModelInferRequest.FromString(data)
+    view = memoryview(data)
+    end = len(view)
+    position = 0
+    keep: list[memoryview] = []
+    raw: list[memoryview] = []
+    while position < end:
+        start = position
+        tag, position = _read_varint(view, position, end)
+        wire_type = tag & 7
+        if wire_type == 2:
+            length, position = _read_varint(view, position, end)
+            stop = position + length
+            if stop > end:
+                raise ValueError("truncated ModelInferRequest")
+            if tag >> 3 == 7:
+                raw.append(view[position:stop])
+                position = stop
+                continue
+            position = stop
+        elif wire_type == 0:
+            _, position = _read_varint(view, position, end)
+        elif wire_type == 1:
+            position += 8
+        elif wire_type == 5:
+            position += 4
+        else:
+            raise ValueError(f"wire type {wire_type} in ModelInferRequest")
+        if position > end:
+            raise ValueError("truncated ModelInferRequest")
+        keep.append(view[start:position])
+    message = ModelInferRequest.FromString(b"".join(keep))
+    return SplitInferRequest(message, raw, data)
+
+
+def _read_varint(view: memoryview, position: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if position >= end or shift > 63:
+            raise ValueError("truncated varint in ModelInferRequest")
+        byte = view[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position
+        shift += 7
 
 
 def _encode_head(

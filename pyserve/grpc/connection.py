@@ -31,6 +31,7 @@ import grpc
 
 from pyserve.grpc import http2 as h2
 from pyserve.grpc.call import AbortError, CallCancelled, CallContext, RequestMessages, encode_metadata, metadata_from_headers
+from pyserve.grpc.codec import WireParts
 
 if TYPE_CHECKING:
     from pyserve.grpc.listener import GrpcServer
@@ -142,14 +143,6 @@ class GrpcConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         self.peer = _peer_string(transport)
         self.server.connections.add(self)
-        self._out.append(h2.settings({
-            h2.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
-            h2.INITIAL_WINDOW_SIZE: RECEIVE_WINDOW,
-            h2.MAX_FRAME_SIZE: RECEIVE_FRAME,
-            h2.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
-        }))
-        self._out.append(h2.window_update(0, RECEIVE_WINDOW - h2.DEFAULT_WINDOW))
-        self._flush()
         self._arm_keepalive()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -177,14 +170,14 @@ class GrpcConnection(asyncio.Protocol):
 
     # -- receiving -------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        position = 0
         if self._buffer:
-            self._buffer += data
-            buffer: bytes | bytearray = self._buffer
-        else:
-            buffer = data
+            position = self._complete_leftover(data)
+            if position < 0:
+                return
+        buffer: bytes | bytearray = data
         view = memoryview(buffer)
         end = len(buffer)
-        position = 0
         try:
             if not self._preface:
                 if end < len(h2.PREFACE):
@@ -198,6 +191,14 @@ class GrpcConnection(asyncio.Protocol):
                     return
                 self._preface = True
                 position = len(h2.PREFACE)
+                # the server's preface follows the client's (an HTTP/1 client gets a readable answer)
+                self._out.append(h2.settings({
+                    h2.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
+                    h2.INITIAL_WINDOW_SIZE: RECEIVE_WINDOW,
+                    h2.MAX_FRAME_SIZE: RECEIVE_FRAME,
+                    h2.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
+                }))
+                self._out.append(h2.window_update(0, RECEIVE_WINDOW - h2.DEFAULT_WINDOW))
             while position < end:
                 if self._data_left:
                     take = min(self._data_left, end - position)
@@ -238,6 +239,56 @@ class GrpcConnection(asyncio.Protocol):
             self._write(h2.window_update(0, self._unacked))
             self._unacked = 0
             self._flush()
+
+    def _complete_leftover(self, data: bytes) -> int:
+        """Finish the frame (or frame header) left over from the last read with the start of
+        ``data``; the offset in ``data`` where parsing goes on, or -1 if ``data`` was all used.
+
+        Only the missing bytes are copied: the rest of ``data`` is parsed where it lies.
+        """
+        leftover = self._buffer
+        assert leftover is not None
+        if not self._preface:
+            self._buffer = None
+            merged = bytes(leftover) + data
+            self.data_received(merged)
+            return -1
+        if len(leftover) < 9:
+            take = 9 - len(leftover)
+            if len(data) < take:
+                leftover += data
+                return -1
+            leftover += data[:take]
+            length = (leftover[0] << 16) | (leftover[1] << 8) | leftover[2]
+            kind, flags = leftover[3], leftover[4]
+            if kind == h2.DATA and not flags & h2.PADDED and length <= RECEIVE_FRAME:
+                self._buffer = None
+                stream_id = int.from_bytes(leftover[5:9], "big") & 0x7FFFFFFF
+                try:
+                    if self._continuation is not None:
+                        raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "expected CONTINUATION")
+                    self._begin_data(stream_id, flags, length)
+                    if length == 0:
+                        self._receive_data(memoryview(b""), 0, self._data_end)
+                except h2.ConnectionError_ as exc:
+                    self._connection_error(exc.code, str(exc))
+                    return -1
+                return take
+            consumed = take
+        else:
+            consumed = 0
+            length = (leftover[0] << 16) | (leftover[1] << 8) | leftover[2]
+        if length > RECEIVE_FRAME:
+            self._buffer = None
+            self._connection_error(h2.FRAME_SIZE_ERROR, f"frame of {length} bytes exceeds {RECEIVE_FRAME}")
+            return -1
+        missing = 9 + length - len(leftover)
+        if len(data) - consumed < missing:
+            leftover += data[consumed:]
+            return -1
+        self._buffer = None
+        self.data_received(bytes(leftover) + data[consumed:consumed + missing])
+        return -1 if self._closed else consumed + missing
 
     def _not_http2(self) -> None:
         """Bytes that are not the HTTP/2 preface: an HTTP/1 client on the gRPC port."""
@@ -673,18 +724,20 @@ class GrpcConnection(asyncio.Protocol):
             raise CallCancelled("the call was cancelled")
 
     def _send_message(self, stream: Stream, message: Any, serializer: Any) -> None:
-        payload = message if serializer is None else serializer(message)
         context = stream.context
         compression = context.compression if context is not None else None
         if not stream.headers_sent:
             self._send_headers(stream, compression)
-        flag = _PREFIX_PLAIN
-        if stream.accept_gzip and compression == grpc.Compression.Gzip and not (context and context.next_uncompressed):
-            payload, flag = _gzip(payload), 1
-        elif stream.accept_deflate and compression == grpc.Compression.Deflate and not (context and context.next_uncompressed):
-            payload, flag = zlib.compress(payload), 1
+        compress = _response_encoding(stream, compression) is not None and not (context and context.next_uncompressed)
         if context is not None:
             context.next_uncompressed = False
+        if type(message) is WireParts and not compress:
+            self._send_parts(stream, message)
+            return
+        payload = message if serializer is None else serializer(message)
+        flag = _PREFIX_PLAIN
+        if compress:
+            payload, flag = (_gzip(payload) if compression == grpc.Compression.Gzip else zlib.compress(payload)), 1
         length = len(payload)
         prefix = bytes((flag,)) + length.to_bytes(4, "big")
         total = length + 5
@@ -700,6 +753,15 @@ class GrpcConnection(asyncio.Protocol):
             return
         stream.pending.append(memoryview(prefix))
         stream.pending.append(memoryview(payload).cast("B") if length else memoryview(b""))
+        self._send_pending(stream)
+
+    def _send_parts(self, stream: Stream, parts: WireParts) -> None:
+        """A large serialized message whose pieces (views of the output arrays) are not joined."""
+        pending = stream.pending
+        pending.append(memoryview(b"\x00" + parts.nbytes.to_bytes(4, "big")))
+        for part in parts:
+            if len(part):
+                pending.append(part if type(part) is memoryview else memoryview(part))
         self._send_pending(stream)
 
     def _send_headers(self, stream: Stream, compression: grpc.Compression | None) -> None:
@@ -871,7 +933,7 @@ class GrpcConnection(asyncio.Protocol):
         if self._closed:
             return
         options = self.server.options
-        if self._streams or options.keepalive_permit_without_calls:
+        if self._preface and (self._streams or options.keepalive_permit_without_calls):
             self._write(h2.frame(h2.PING, 0, 0, b"pyserve\x00"))
             self._flush()
             if self._keepalive_timeout is None:

@@ -17,6 +17,7 @@ import grpc
 
 from pyserve import protocol as pb
 from pyserve.dataplane import DataPlane
+from pyserve.grpc.codec import WireParts, parse_infer_request
 from pyserve.grpc.servicer import HealthServicer, InferenceServicer
 from pyserve.restricted import Restriction, grpc_interceptor
 
@@ -51,12 +52,22 @@ PRESERIALIZED = frozenset({"ModelInfer"})
 
 
 def _pass_bytes(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
-    """A response serializer that sends ``bytes`` as they are and serializes messages."""
+    """A response serializer that sends ``bytes`` as they are, joins ``WireParts`` and
+    serializes messages (pyserve's own server sends ``WireParts`` without joining them)."""
 
     def serializer(response: Any) -> bytes:
-        return response if type(response) is bytes else serialize(response)
+        kind = type(response)
+        if kind is bytes:
+            return response  # type: ignore[no-any-return]
+        if kind is WireParts:
+            return response.join()  # type: ignore[no-any-return]
+        return serialize(response)
 
     return serializer
+
+
+REQUEST_PARSERS: dict[str, Callable[[Any], Any]] = {"ModelInfer": parse_infer_request}
+"""RPCs whose requests are parsed by pyserve rather than by protobuf alone (large tensors stay views)."""
 
 
 def _handlers(service: Any, servicer: object, only: frozenset[str] | None = None) -> grpc.GenericRpcHandler:
@@ -77,7 +88,7 @@ def _handlers(service: Any, servicer: object, only: frozenset[str] | None = None
             make = grpc.unary_unary_rpc_method_handler
         methods[method.name] = make(
             behaviour,
-            request_deserializer=request_class.FromString,
+            request_deserializer=REQUEST_PARSERS.get(method.name, request_class.FromString),
             response_serializer=(
                 _pass_bytes(response_class.SerializeToString) if method.name in PRESERIALIZED
                 else response_class.SerializeToString

@@ -153,8 +153,9 @@ class InferenceServicer:
             context.set_compression(grpc.Compression.Gzip)
         return response
 
-    async def infer_decoded(self, model: Any, decoded: Any, decode_ns: int, context: grpc.aio.ServicerContext) -> bytes:
-        """Run a decoded ``ModelInfer`` request and encode its answer (``ModelInferResponse`` bytes).
+    async def infer_decoded(self, model: Any, decoded: Any, decode_ns: int, context: grpc.aio.ServicerContext) -> Any:
+        """Run a decoded ``ModelInfer`` request and encode its answer (``ModelInferResponse`` bytes,
+        or ``WireParts`` for a large one).
 
         :raises InferError: the model answered an error.
         """
@@ -165,7 +166,7 @@ class InferenceServicer:
         if isinstance(result, InferError):
             raise result
         encode_start = monotonic_ns()
-        response = encode_infer_wire(result, decoded, model)
+        response = encode_infer_wire(result, decoded, model, join=False)
         if infer_request.stats is not None and infer_request.exec_start_ns >= 0:  # not for cache hits
             infer_request.stats.codec(decode_ns, monotonic_ns() - encode_start)
         return response
