@@ -8,6 +8,9 @@
 ``python _echo.py grpc PORT``: ``grpc.aio`` (default asyncio loop, one process) serving
 ``inference.GRPCInferenceService/ModelInfer`` (echo of ``raw_input_contents``) and
 ``ServerReady``, with pyserve's generated protobuf messages.
+
+``python _echo.py h2-floor PORT``: no server library at all, one asyncio protocol answering
+``ModelInfer`` over HTTP/2 (``frameworks.py`` measures the loopback + client floor with it).
 """
 
 from __future__ import annotations
@@ -94,9 +97,74 @@ def serve_grpc(port: int) -> None:
     asyncio.run(main())
 
 
+def serve_h2_floor(port: int) -> None:
+    """The transport floor: one asyncio protocol answering every ``ModelInfer`` on an HTTP/2
+    connection with the echo, no gRPC server at all (settings acknowledged, pings answered,
+    small single-frame messages only). What remains of a latency measured against it is the
+    loopback round trip and the client."""
+    import uvloop
+
+    from pyserve.grpc import http2 as h2
+    from pyserve.protocol import ModelInferRequest, ModelInferResponse
+
+    headers = h2.STATUS_200 + h2.literal(b"content-type", b"application/grpc")
+    trailers = h2.literal(b"grpc-status", b"0")
+
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+            self.buffer = b""
+            self.bodies: dict[int, bytes] = {}
+
+        def data_received(self, data: bytes) -> None:
+            buffer = self.buffer + data
+            if buffer.startswith(h2.PREFACE):
+                buffer = buffer[len(h2.PREFACE):]
+                self.transport.write(h2.settings({}) + h2.window_update(0, 1 << 30))  # type: ignore[attr-defined]
+            out, position = [], 0
+            while len(buffer) - position >= 9:
+                length = int.from_bytes(buffer[position:position + 3], "big")
+                if len(buffer) - position - 9 < length:
+                    break
+                kind, flags = buffer[position + 3], buffer[position + 4]
+                stream = int.from_bytes(buffer[position + 5:position + 9], "big") & 0x7FFFFFFF
+                payload = buffer[position + 9:position + 9 + length]
+                position += 9 + length
+                if kind == h2.DATA:
+                    body = self.bodies.get(stream, b"") + payload
+                    if not flags & h2.END_STREAM:
+                        self.bodies[stream] = body
+                        continue
+                    self.bodies.pop(stream, None)
+                    request = ModelInferRequest.FromString(body[5:])
+                    response = ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+                    for tensor in request.inputs:
+                        response.outputs.add(name="OUTPUT0", datatype=tensor.datatype, shape=tensor.shape)
+                    response.raw_output_contents.extend(request.raw_input_contents)
+                    message = response.SerializeToString()
+                    out.append(h2.frame(h2.HEADERS, h2.END_HEADERS, stream, headers)
+                               + h2.frame(h2.DATA, 0, stream, b"\x00" + len(message).to_bytes(4, "big") + message)
+                               + h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, stream, trailers))
+                elif kind == h2.SETTINGS and not flags & h2.ACK:
+                    out.append(h2.frame(h2.SETTINGS, h2.ACK, 0))
+                elif kind == h2.PING and not flags & h2.ACK:
+                    out.append(h2.frame(h2.PING, h2.ACK, 0, payload))
+            self.buffer = buffer[position:]
+            if out:
+                self.transport.write(b"".join(out))  # type: ignore[attr-defined]
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(Echo, "127.0.0.1", port)
+        await server.serve_forever()
+
+    uvloop.run(main())
+
+
+SERVERS = {"http": serve_http, "grpc": serve_grpc, "h2-floor": serve_h2_floor}
+
 if __name__ == "__main__":
     kind, port_text = sys.argv[1], sys.argv[2]
     try:
-        (serve_http if kind == "http" else serve_grpc)(int(port_text))
+        SERVERS[kind](int(port_text))
     except KeyboardInterrupt:
         pass

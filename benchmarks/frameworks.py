@@ -13,9 +13,12 @@ requests one after another and the table shows medians:
   with ``dynamic_batching``; the overhead column compares the median latency with one direct
   call on a batch of 16 (what the batcher can at best turn 16 requests into).
 
-The latency through pyserve includes the client library's own work (tritonclient encodes and
-decodes every request), so the numbers are an upper bound on what the server adds. The target
-is < 300 µs at batch 1 over gRPC. The script prints a markdown table and always exits 0.
+The latency through pyserve includes the client's own work. tritonclient (on the grpc C core)
+spends several hundred microseconds per call on its side, so gRPC batch 1 is measured twice:
+with tritonclient, and with ``_h2client.py``, a lean blocking gRPC client (HTTP/2 frames, HPACK,
+a ``ModelInferRequest`` serialized and a ``ModelInferResponse`` parsed per call, status checked)
+whose overhead column is the closer measure of what the server adds; the verdict uses it. The
+target is < 300 µs at batch 1 over gRPC. The script prints a markdown table and always exits 0.
 
 Run: ``.venv/bin/python benchmarks/frameworks.py [--requests 1000] [--backends onnxruntime,pytorch]``
 (needs ``make install-test``: the three framework plugins, torch, onnx, tensorflow-cpu).
@@ -221,6 +224,33 @@ def client_caller(protocol: str, url: str, model: str, inp: str, out: str) -> Ca
     return call
 
 
+@contextmanager
+def h2_floor_server() -> Iterator[str]:
+    """``_echo.py h2-floor``: a bare HTTP/2 echo, the loopback + client floor of a gRPC call."""
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, str(Path(__file__).parent / "_echo.py"), "h2-floor", str(port)])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the h2-floor echo server did not start") from None
+                time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_process(process)
+
+
+def lean_caller(url: str, model: str, inp: str, out: str) -> Callable[[np.ndarray], np.ndarray]:
+    """A real gRPC call without tritonclient's own per-call cost (``_h2client.py``)."""
+    from _h2client import LeanGrpcClient
+
+    return LeanGrpcClient(url, model, inp, out).infer
+
+
 def median_us(call: Callable[[np.ndarray], Any], x: np.ndarray, requests: int) -> float:
     for _ in range(max(requests // 10, 20)):
         call(x)
@@ -275,6 +305,7 @@ class Row:
     backend: str
     direct_1: float
     grpc_1: float
+    lean_1: float
     http_1: float
     direct_16: float
     c16_latency: float
@@ -299,6 +330,9 @@ def main() -> None:
         progress("building the models")
         files = write_repository(repo, Path(tmp) / "files", backends, inline=args.inline)
         directs = {b: direct_caller(b, files.get(b, Path())) for b in backends}
+        progress("measuring the floor: the lean client against a bare HTTP/2 echo")
+        with h2_floor_server() as floor_url:
+            floor_us = median_us(lean_caller(floor_url, "floor", *NAMES["identity"]), x1, args.requests)
         progress("starting pyserve")
         with pyserve(repo, Path(tmp) / "pyserve.log") as (http_url, grpc_url):
             for backend in backends:
@@ -306,6 +340,8 @@ def main() -> None:
                 direct = directs[backend]
                 grpc_call = client_caller("grpc", grpc_url, backend, inp, out)
                 np.testing.assert_allclose(grpc_call(x1), direct(x1), rtol=1e-4, atol=1e-5)
+                lean_call = lean_caller(grpc_url, backend, inp, out)
+                np.testing.assert_allclose(lean_call(x1), direct(x1), rtol=1e-4, atol=1e-5)
                 progress(f"{backend}: concurrency {args.concurrency}")
                 c16 = concurrent_median_us(
                     lambda: client_caller("grpc", grpc_url, f"{backend}_batched", inp, out),
@@ -316,28 +352,34 @@ def main() -> None:
                     backend,
                     direct_1=median_us(direct, x1, args.requests),
                     grpc_1=median_us(grpc_call, x1, args.requests),
+                    lean_1=median_us(lean_call, x1, args.requests),
                     http_1=median_us(client_caller("http", http_url, backend, inp, out), x1, args.requests),
                     direct_16=median_us(direct, x16, args.requests),
                     c16_latency=c16[0],
                     c16_throughput=c16[1],
                 ))
     print(f"\nmedian latencies in µs; {os.cpu_count()} CPU(s); client and server on this machine\n")
-    print("| backend | direct b1 | gRPC b1 | gRPC overhead | HTTP b1 | HTTP overhead "
+    print("| backend | direct b1 | gRPC b1 lean client | gRPC overhead (lean) | gRPC b1 tritonclient "
+          "| gRPC overhead (tritonclient) | HTTP b1 | HTTP overhead "
           "| direct b16 | c16 gRPC latency | c16 overhead vs direct b16 | c16 req/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r.backend} | {r.direct_1:.0f} | {r.grpc_1:.0f} | {r.grpc_1 - r.direct_1:.0f} | {r.http_1:.0f} "
+            f"| {r.backend} | {r.direct_1:.0f} | {r.lean_1:.0f} | {r.lean_1 - r.direct_1:.0f} "
+            f"| {r.grpc_1:.0f} | {r.grpc_1 - r.direct_1:.0f} | {r.http_1:.0f} "
             f"| {r.http_1 - r.direct_1:.0f} | {r.direct_16:.0f} | {r.c16_latency:.0f} "
             f"| {r.c16_latency - r.direct_16:.0f} | {r.c16_throughput:.0f} |"
         )
-    print()
+    print(f"\nfloor: the lean client against a bare HTTP/2 echo (`_echo.py h2-floor`, no server library): "
+          f"{floor_us:.0f} µs median, the loopback round trip and the client's own work\n")
     for r in rows:
         if r.backend == "identity":
             continue
-        overhead = r.grpc_1 - r.direct_1
+        overhead = r.lean_1 - r.direct_1
         verdict = "meets" if overhead < TARGET_GRPC_US else "misses"
-        print(f"{r.backend}: gRPC batch-1 overhead {overhead:.0f} µs {verdict} the < {TARGET_GRPC_US:.0f} µs target")
+        print(f"{r.backend}: gRPC batch-1 overhead {overhead:.0f} µs with the lean client {verdict} the "
+              f"< {TARGET_GRPC_US:.0f} µs target (tritonclient: {r.grpc_1 - r.direct_1:.0f} µs; "
+              f"above the floor: {overhead - floor_us:.0f} µs)")
 
 
 if __name__ == "__main__":

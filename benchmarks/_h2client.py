@@ -1,0 +1,97 @@
+"""A lean blocking gRPC client for ``ModelInfer``: one HTTP/2 connection, one call at a time.
+
+Used by ``frameworks.py`` to measure what the *server* adds to a request: tritonclient (and
+the grpc C core under it) spends several hundred microseconds per call on its own side, which
+would otherwise be counted as server overhead. This client still does a real gRPC call (HTTP/2
+frames, HPACK headers, length-prefixed protobuf, ``grpc-status`` checked) but nothing more:
+it serializes a ``ModelInferRequest`` per call and parses the ``ModelInferResponse`` into numpy.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import hpack
+import numpy as np
+
+from pyserve import protocol as pb
+from pyserve.grpc import http2 as h2
+
+PATH = "/inference.GRPCInferenceService/ModelInfer"
+
+
+class LeanGrpcClient:
+    """``infer(x) -> output array`` over one connection (not thread-safe: one per thread)."""
+
+    def __init__(self, address: str, model: str, input_name: str, output_name: str) -> None:
+        host, _, port = address.rpartition(":")
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.model, self.input_name, self.output_name = model, input_name, output_name
+        self.encoder = hpack.Encoder()
+        self.decoder = hpack.Decoder()
+        self.buffer = b""
+        self.stream_id = 1
+        self._block: bytes | None = None  # the request headers once they encode to table references
+        self._decoded: dict[bytes, dict[str, str]] = {}
+        self.sock.sendall(h2.PREFACE + h2.settings({h2.INITIAL_WINDOW_SIZE: 1 << 30}) + h2.window_update(0, 1 << 30))
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def infer(self, x: np.ndarray) -> np.ndarray:
+        request = pb.ModelInferRequest(model_name=self.model)
+        request.inputs.add(name=self.input_name, datatype="FP32", shape=list(x.shape))
+        request.outputs.add(name=self.output_name)
+        request.raw_input_contents.append(np.ascontiguousarray(x, dtype=np.float32).tobytes())
+        message = request.SerializeToString()
+        stream_id, self.stream_id = self.stream_id, self.stream_id + 2
+        block = self._block
+        if block is None:  # the first call adds the headers to the table; later ones only refer to it
+            block = self.encoder.encode([
+                (":method", "POST"), (":scheme", "http"), (":path", PATH), (":authority", "pyserve"),
+                ("content-type", "application/grpc"), ("te", "trailers"),
+            ])
+            if stream_id > 1:
+                self._block = block
+        self.sock.sendall(
+            h2.frame(h2.HEADERS, h2.END_HEADERS, stream_id, block)
+            + h2.frame(h2.DATA, h2.END_STREAM, stream_id, b"\x00" + len(message).to_bytes(4, "big") + message)
+        )
+        body = b""
+        while True:
+            kind, flags, sid, payload = self._frame()
+            if kind == h2.DATA and sid == stream_id:
+                body += payload
+            elif kind == h2.HEADERS:
+                headers = self._decoded.get(payload)
+                if headers is None:
+                    headers = dict(self.decoder.decode(payload))
+                    if not self.decoder.header_table.dynamic_entries:  # literals only: same bytes, same headers
+                        self._decoded[payload] = headers
+                if sid == stream_id and flags & h2.END_STREAM:
+                    if headers.get("grpc-status") != "0":
+                        raise RuntimeError(f"gRPC status {headers.get('grpc-status')}: {headers.get('grpc-message')}")
+                    break
+            elif kind == h2.SETTINGS and not flags & h2.ACK:
+                self.sock.sendall(h2.frame(h2.SETTINGS, h2.ACK, 0))
+            elif kind == h2.PING and not flags & h2.ACK:
+                self.sock.sendall(h2.frame(h2.PING, h2.ACK, 0, payload))
+            elif kind in (h2.GOAWAY, h2.RST_STREAM):
+                raise RuntimeError(f"the server ended the call (frame type {kind})")
+        response = pb.ModelInferResponse.FromString(body[5:])
+        shape = list(response.outputs[0].shape)
+        return np.frombuffer(response.raw_output_contents[0], dtype=np.float32).reshape(shape)
+
+    def _frame(self) -> tuple[int, int, int, bytes]:
+        while True:
+            if len(self.buffer) >= 9:
+                length = int.from_bytes(self.buffer[:3], "big")
+                if len(self.buffer) >= 9 + length:
+                    header, payload = self.buffer[:9], self.buffer[9:9 + length]
+                    self.buffer = self.buffer[9 + length:]
+                    return header[3], header[4], int.from_bytes(header[5:9], "big") & 0x7FFFFFFF, payload
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                raise ConnectionError("the server closed the connection")
+            self.buffer += chunk
