@@ -10,9 +10,10 @@ A worker runs one asyncio loop (uvloop when installed) and talks to the parent o
 * ``("stop",)`` — close everything, answer ``("stopped",)`` and exit.
 
 HTTP goes over raw keep-alive HTTP/1.1 connections (``asyncio.Protocol``) with pre-encoded
-requests; only the status line and ``Content-Length`` of each response are parsed. gRPC uses
-``grpc.aio`` with pre-serialized ``ModelInferRequest`` bytes (no (de)serializers), or one
-``ModelStreamInfer`` stream per request slot with ``--streaming``.
+requests; only the status line and ``Content-Length`` of each response are parsed. Unary gRPC
+goes over one HTTP/2 connection per worker with pyserve's lean client
+(:mod:`pyserve.bench.h2client`, pre-serialized ``ModelInferRequest`` bytes, replies counted not
+parsed); ``--streaming`` uses ``grpc.aio``, one ``ModelStreamInfer`` stream per request slot.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, cast
+
+from pyserve.bench.h2client import CallFailed, LeanChannel
 
 _HEADER_END = b"\r\n\r\n"
 _INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -401,8 +404,8 @@ class GrpcDriver:
         self.requests = _Requests(config.requests)
         options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
         self.channel = grpc.aio.insecure_channel(f"{config.host}:{config.port}", options=options)
-        self.unary = self.channel.unary_unary(_INFER_METHOD)
         self.stream = self.channel.stream_stream(_STREAM_METHOD)
+        self.lean = LeanChannel(config.host, config.port)  # unary calls: far less CPU than grpc.aio
         self.spec = LoadSpec()
         self.generation = 0
         self.loops: set[int] = set()
@@ -472,10 +475,10 @@ class GrpcDriver:
                 return await self._one_streamed(stream, body)
             started = time.perf_counter()
             try:
-                await self.unary(body)
-            except self.grpc.aio.AioRpcError as exc:
-                self.recorder.fail(f"{exc.code().name}: {exc.details()}")
-                if exc.code() == self.grpc.StatusCode.UNAVAILABLE:
+                await self.lean.unary(_INFER_METHOD, body)
+            except CallFailed as exc:
+                self.recorder.fail(f"{exc.code}: {exc.details}")
+                if exc.code == "UNAVAILABLE":
                     await asyncio.sleep(_RETRY_S)
             else:
                 self.recorder.latencies.append(time.perf_counter() - started)
@@ -520,6 +523,7 @@ class GrpcDriver:
             task.cancel()
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=5)
+        self.lean.close()
         await self.channel.close(grace=None)
 
 
