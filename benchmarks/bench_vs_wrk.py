@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from batching import free_port  # sibling benchmark module
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
@@ -101,10 +103,6 @@ def serve_canned(port: int) -> None:
     uvloop.run(main())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_port(port: int, timeout: float = 60.0) -> None:

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from batching import stop_process  # sibling benchmark module
+from batching import free_port, stop_process  # sibling benchmark module
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -174,15 +174,11 @@ def direct_caller(backend: str, path: Path) -> Callable[[np.ndarray], np.ndarray
 # --------------------------------------------------------------------------- server and clients
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
 def pyserve(repo: Path, log_path: Path) -> Iterator[tuple[str, str]]:
-    http_port, grpc_port, metrics_port = _free_port(), _free_port(), _free_port()
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     command = [
         sys.executable, "-m", "pyserve", "run", "--model-repository", str(repo), "--host", "127.0.0.1",
         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
@@ -227,7 +223,7 @@ def client_caller(protocol: str, url: str, model: str, inp: str, out: str) -> Ca
 @contextmanager
 def h2_floor_server() -> Iterator[str]:
     """``_echo.py h2-floor``: a bare HTTP/2 echo, the loopback + client floor of a gRPC call."""
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([sys.executable, str(Path(__file__).parent / "_echo.py"), "h2-floor", str(port)])
     try:
         deadline = time.monotonic() + 30

@@ -16,13 +16,14 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from batching import free_port  # sibling benchmark module
 
 REPO = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
 BODY = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16],
@@ -33,10 +34,6 @@ wrk.headers["Content-Type"] = "application/json"
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -86,7 +83,7 @@ def main() -> None:
     try:
         for _ in range(args.rounds):
             for server in args.servers.split(","):
-                port = _free_port()
+                port = free_port()
                 proc = _start(server, port)
                 try:
                     _wrk(port, 8, 1, lua.name)  # warm-up
