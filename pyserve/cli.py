@@ -112,6 +112,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     grpc_flags.add_argument("--grpc-http2-min-recv-ping-interval-without-data", type=int, default=300_000,
                             metavar="MS")
     grpc_flags.add_argument("--grpc-http2-max-ping-strikes", type=int, default=2, metavar="N")
+    grpc_flags.add_argument("--reuse-grpc-port", type=_bool, default=False, metavar="BOOL",
+                            help="let other servers listen on the same gRPC port (SO_REUSEPORT)")
     grpc_flags.add_argument("--grpc-server", choices=["pyserve", "grpcio"], default="pyserve",
                             help="gRPC server: pyserve's own HTTP/2 server (default) or grpc.aio")
     run.add_argument("--id", dest="server_id", default="pyserve", help="server name in server metadata")
@@ -142,6 +144,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                      help="largest request body accepted (default 64 MiB)")
     run.add_argument("--http-server", choices=["pyserve", "uvicorn"], default="pyserve",
                      help="the HTTP/1.1 server on --http-port: pyserve's own (default) or uvicorn")
+    run.add_argument("--reuse-http-port", type=_bool, default=False, metavar="BOOL",
+                     help="let other servers listen on the same HTTP port (SO_REUSEPORT)")
     run.add_argument("--frontend-processes", type=int, default=0, metavar="N",
                      help="extra processes that serve the HTTP and gRPC ports beside this one and hand "
                           "decoded requests to it (models stay in this process); 0 = none (default). "
@@ -264,6 +268,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             http2_min_recv_ping_interval_without_data_ms=args.grpc_http2_min_recv_ping_interval_without_data,
             http2_max_ping_strikes=args.grpc_http2_max_ping_strikes,
             implementation=args.grpc_server,
+            reuse_port=args.reuse_grpc_port,
             **grpc_operations,
         ),
         server_id=args.server_id,
@@ -273,6 +278,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         backend_config=_backend_config(args.backend_config),
         http_max_input_size=args.http_max_input_size,
         http_server=args.http_server,
+        reuse_http_port=args.reuse_http_port,
         frontend_processes=args.frontend_processes,
         replicate_models=args.replicate_models,
         model_load_thread_count=args.model_load_thread_count,

@@ -88,6 +88,7 @@ class ServerOptions:
     metrics_interval_ms: int = 2000  # how often CPU/GPU gauges are refreshed
     metrics_config: Mapping[str, str] = field(default_factory=dict)  # --metrics-config key=value
     http_server: str = "pyserve"  # --http-server: "pyserve" (native HTTP/1.1) or "uvicorn"
+    reuse_http_port: bool = False  # --reuse-http-port: SO_REUSEPORT, other servers may share the port
     # --frontend-processes: extra processes serving the HTTP/gRPC ports (SO_REUSEPORT) that
     # decode requests and hand them to this process, which owns the models (pyserve.handoff)
     frontend_processes: int = 0
@@ -302,7 +303,7 @@ class Server:
             settings.host = self.options.host
         try:
             self._grpc, self.grpc_port = create_grpc_server(
-                self.dataplane, settings, reuse_port=self._handoff_dir is not None)
+                self.dataplane, settings, reuse_port=self._handoff_dir is not None or settings.reuse_port)
             if self._handoff_dir is not None:  # frontend processes relay other RPCs here
                 self._grpc.add_insecure_port("unix:" + os.path.join(self._handoff_dir, "grpc.sock"))
         except RuntimeError as exc:
@@ -328,7 +329,8 @@ class Server:
             unix.listen(2048)
             await self._owner_http.start(unix)
         if self.options.http_server == "pyserve":
-            listener = _bind(self.options.host, self.options.http_port, reuse_port=self._handoff_dir is not None)
+            listener = _bind(self.options.host, self.options.http_port,
+                             reuse_port=self._handoff_dir is not None or self.options.reuse_http_port)
             self._http = HttpServer(
                 app,
                 self.dataplane,
@@ -355,7 +357,7 @@ class Server:
             timeout_graceful_shutdown=max(int(self.options.exit_timeout_secs), 1),
             server_header=False,
         )
-        listener = _bind(self.options.host, self.options.http_port)
+        listener = _bind(self.options.host, self.options.http_port, reuse_port=self.options.reuse_http_port)
         self._uvicorn = _NoSignalUvicorn(config)
         self._serve_task = asyncio.create_task(self._uvicorn.serve(sockets=[listener]))
         while not self._uvicorn.started:

@@ -297,3 +297,22 @@ def test_exit_timeout_bounds_shutdown_with_a_stuck_execute(run_server: Any, tmp_
     assert "error" in outcome
     assert "exit timeout reached with 1 request(s) still in flight" in server.stderr
     assert "stuck_0_0 still executing at the exit timeout; not finalized" in server.stderr
+
+
+@pytest.mark.parametrize("implementation", ["pyserve", "grpcio"])
+def test_run_grpc_server_choice_and_port_reuse_flags(run_server: Any, implementation: str) -> None:
+    import tritonclient.grpc as grpcclient
+
+    server = run_server("--grpc-server", implementation, "--reuse-grpc-port", "true", "--reuse-http-port", "true",
+                        "--grpc-address", "127.0.0.1")
+    server.wait_started()
+    deadline = time.monotonic() + 30
+    while not (match := re.search(r"Started GRPCInferenceService at \S+:(\d+)", server.stderr)):
+        assert time.monotonic() < deadline, server.stderr
+        time.sleep(0.05)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{match.group(1)}")
+    try:
+        assert client.is_server_ready()
+    finally:
+        client.close()
+    assert server.stop(timeout=20) == 0, server.stderr

@@ -560,3 +560,20 @@ def test_large_tensors_both_ways_through_tritonclient(repo: Path) -> None:
                 np.testing.assert_array_equal(client.infer("echo", [tensor]).as_numpy("OUTPUT0"), values)
         finally:
             client.close()
+
+
+def test_reuse_grpc_port_lets_two_servers_share_it(repo: Path) -> None:
+    from pyserve.server import StartupError
+
+    with serve(repo, grpc=GrpcOptions(reuse_port=True), reuse_http_port=True) as first:
+        port = first.server.grpc_port
+        with serve(repo, grpc_port=port, grpc=GrpcOptions(reuse_port=True)) as second:
+            assert second.server.grpc_port == port
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+            try:
+                assert client.is_server_ready()
+            finally:
+                client.close()
+        with pytest.raises(StartupError, match=f"gRPC service could not bind 127.0.0.1:{port}"):
+            with serve(repo, grpc_port=port):  # without --reuse-grpc-port the port is taken
+                pass

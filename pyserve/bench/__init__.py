@@ -3,7 +3,8 @@
 * :mod:`pyserve.bench.options` — the command line (standard library only);
 * :mod:`pyserve.bench.control` — model metadata/config, statistics, shared memory registration;
 * :mod:`pyserve.bench.inputs` — input tensors and the pre-encoded requests;
-* :mod:`pyserve.bench.worker` — the load generator processes (asyncio, raw HTTP/1.1 or grpc.aio);
+* :mod:`pyserve.bench.worker` — the load generator processes (asyncio, raw HTTP/1.1, unary gRPC over
+  :mod:`pyserve.bench.h2client`, `grpc.aio` for `--streaming`);
 * :mod:`pyserve.bench.runner` — levels, stability, aggregation;
 * :mod:`pyserve.bench.report` — progress display, summary table, CSV / JSON / PNG.
 """

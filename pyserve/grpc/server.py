@@ -41,6 +41,7 @@ class GrpcOptions:
     http2_max_ping_strikes: int = 2
     restrictions: Mapping[str, Restriction] = field(default_factory=dict)  # --grpc-restricted-protocol
     implementation: str = "pyserve"  # --grpc-server: pyserve (own HTTP/2) | grpcio (grpc.aio)
+    reuse_port: bool = False  # --reuse-grpc-port: SO_REUSEPORT, other servers may share the port
 
 
 GRPC_SERVERS = ("pyserve", "grpcio")

@@ -1,4 +1,4 @@
-"""``inference.GRPCInferenceService`` on grpc.aio: decode → data plane → encode.
+"""``inference.GRPCInferenceService``: decode → data plane → encode (on either gRPC server).
 
 Every RPC of Triton's service is served. Errors carry the same texts as HTTP, mapped to the
 gRPC status codes Triton uses.
