@@ -128,6 +128,15 @@ sequence_batching {{
 """
 
 
+FP32_ECHO_CONFIG = """
+    backend: "identity"
+    max_batch_size: 0
+    input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+    output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+"""The identity backend on FP32 ``INPUT0`` [-1] → ``OUTPUT0``, no batching (gRPC protocol tests)."""
+
+
 def echo_config(extra: str = "") -> str:
     """``echo``: the identity backend on FP32 ``INPUT0`` [-1] → ``OUTPUT0``, batching up to 8."""
     return f"""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from suite_support import write_model
+from suite_support import FP32_ECHO_CONFIG, write_model
 
 from pyserve import protocol as pb
 from pyserve.bench.h2client import CallFailed, LeanChannel
@@ -19,12 +19,7 @@ from pyserve.server import ServerThread
 from pyserve.testing import serve
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
-ECHO = """
-    backend: "identity"
-    max_batch_size: 0
-    input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
-    output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
-"""
+ECHO = FP32_ECHO_CONFIG
 
 
 @pytest.fixture(scope="module", params=GRPC_SERVERS)

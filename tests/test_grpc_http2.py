@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
-from suite_support import write_model
+from suite_support import FP32_ECHO_CONFIG, write_model
 from tritonclient.utils import InferenceServerException
 
 from pyserve import protocol as pb
@@ -32,12 +32,7 @@ from pyserve.testing import serve
 
 INFER_PATH = "/inference.GRPCInferenceService/ModelInfer"
 
-ECHO = """
-    backend: "identity"
-    max_batch_size: 0
-    input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
-    output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
-"""
+ECHO = FP32_ECHO_CONFIG
 SLOW = ECHO + """
     parameters { key: "execute_delay_ms" value { string_value: "300" } }
 """
