@@ -112,6 +112,13 @@ def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     grpc_flags.add_argument("--grpc-http2-min-recv-ping-interval-without-data", type=int, default=300_000,
                             metavar="MS")
     grpc_flags.add_argument("--grpc-http2-max-ping-strikes", type=int, default=2, metavar="N")
+    grpc_flags.add_argument("--grpc-use-ssl", type=_bool, default=False, metavar="BOOL",
+                            help="TLS on the gRPC port (needs --grpc-server-cert and --grpc-server-key)")
+    grpc_flags.add_argument("--grpc-use-ssl-mutual", type=_bool, default=False, metavar="BOOL",
+                            help="TLS, and clients must present a certificate signed by --grpc-root-cert")
+    grpc_flags.add_argument("--grpc-server-cert", default="", metavar="PEM")
+    grpc_flags.add_argument("--grpc-server-key", default="", metavar="PEM")
+    grpc_flags.add_argument("--grpc-root-cert", default="", metavar="PEM")
     grpc_flags.add_argument("--reuse-grpc-port", type=_bool, default=False, metavar="BOOL",
                             help="let other servers listen on the same gRPC port (SO_REUSEPORT)")
     grpc_flags.add_argument("--grpc-server", choices=["pyserve", "grpcio"], default="pyserve",
@@ -269,6 +276,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             http2_max_ping_strikes=args.grpc_http2_max_ping_strikes,
             implementation=args.grpc_server,
             reuse_port=args.reuse_grpc_port,
+            use_ssl=args.grpc_use_ssl,
+            use_ssl_mutual=args.grpc_use_ssl_mutual,
+            server_cert=args.grpc_server_cert,
+            server_key=args.grpc_server_key,
+            root_cert=args.grpc_root_cert,
             **grpc_operations,
         ),
         server_id=args.server_id,

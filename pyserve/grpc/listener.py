@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import ssl
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -48,6 +49,7 @@ class GrpcServer:
         self._handlers: list[grpc.GenericRpcHandler] = []
         self._methods: dict[str, Any] = {}
         self._sockets: list[socket.socket] = []
+        self._tls: dict[int, ssl.SSLContext] = {}  # id(listening socket) → its TLS context
         self._servers: list[asyncio.base_events.Server] = []
         self._unix_paths: list[str] = []
         self._all_closed: asyncio.Event | None = None
@@ -112,6 +114,15 @@ class GrpcServer:
         self._sockets.append(listener)
         return int(listener.getsockname()[1])
 
+    def add_secure_port(self, address: str, context: ssl.SSLContext) -> int:
+        """Bind ``address`` for TLS connections (``context`` offers ALPN ``h2``); the port bound.
+
+        :raises RuntimeError: the address cannot be bound.
+        """
+        port = self.add_insecure_port(address)
+        self._tls[id(self._sockets[-1])] = context
+        return port
+
     # -- lifetime ---------------------------------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -122,7 +133,8 @@ class GrpcServer:
             if listener.family == socket.AF_UNIX:
                 server = await loop.create_unix_server(lambda: GrpcConnection(self), sock=listener, backlog=2048)
             else:
-                server = await loop.create_server(lambda: GrpcConnection(self), sock=listener, backlog=2048)
+                server = await loop.create_server(lambda: GrpcConnection(self), sock=listener, backlog=2048,
+                                                  ssl=self._tls.get(id(listener)))
             self._servers.append(server)
 
     def connection_closed(self, connection: GrpcConnection) -> None:

@@ -42,6 +42,62 @@ class GrpcOptions:
     restrictions: Mapping[str, Restriction] = field(default_factory=dict)  # --grpc-restricted-protocol
     implementation: str = "pyserve"  # --grpc-server: pyserve (own HTTP/2) | grpcio (grpc.aio)
     reuse_port: bool = False  # --reuse-grpc-port: SO_REUSEPORT, other servers may share the port
+    use_ssl: bool = False  # --grpc-use-ssl: TLS with server_cert / server_key
+    use_ssl_mutual: bool = False  # --grpc-use-ssl-mutual: TLS, and clients must present a cert signed by root_cert
+    server_cert: str = ""  # --grpc-server-cert (PEM)
+    server_key: str = ""  # --grpc-server-key (PEM)
+    root_cert: str = ""  # --grpc-root-cert (PEM): the CA client certificates must chain to
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The PEM files of a TLS gRPC port, checked readable."""
+
+    cert: str
+    key: str
+    root: str | None  # set for mutual TLS
+
+
+def tls_files(options: GrpcOptions) -> TlsFiles | None:
+    """The TLS settings of ``options`` (None: plaintext), as Triton's ``--grpc-use-ssl*`` flags.
+
+    :raises RuntimeError: a required file is not given or cannot be read (the message names
+        the flag and the path).
+    """
+    if not (options.use_ssl or options.use_ssl_mutual):
+        return None
+    needed = [("--grpc-server-cert", options.server_cert), ("--grpc-server-key", options.server_key)]
+    if options.use_ssl_mutual:
+        needed.append(("--grpc-root-cert", options.root_cert))
+    for flag, path in needed:
+        if not path:
+            raise RuntimeError(f"{flag} is required with --grpc-use-ssl{'-mutual' if options.use_ssl_mutual else ''}")
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise RuntimeError(f"{flag} '{path}': {exc.strerror or exc}") from None
+    return TlsFiles(options.server_cert, options.server_key, options.root_cert if options.use_ssl_mutual else None)
+
+
+def ssl_context(files: TlsFiles) -> Any:
+    """A server ``ssl.SSLContext`` offering HTTP/2 (ALPN ``h2``) for pyserve's own server.
+
+    :raises RuntimeError: the certificate, key or CA file is not valid PEM or does not match.
+    """
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(["h2"])
+    try:
+        context.load_cert_chain(files.cert, files.key)
+        if files.root is not None:
+            context.load_verify_locations(files.root)
+            context.verify_mode = ssl.CERT_REQUIRED
+    except (ssl.SSLError, OSError) as exc:
+        raise RuntimeError(f"TLS files for the gRPC port cannot be used ({files.cert}, {files.key}): {exc}") from None
+    return context
 
 
 GRPC_SERVERS = ("pyserve", "grpcio")
@@ -118,8 +174,21 @@ def bind(server: Any, options: GrpcOptions) -> int:
     :raises RuntimeError: the port could not be bound.
     """
     address = f"[{options.host}]:{options.port}" if ":" in options.host else f"{options.host}:{options.port}"
+    tls = tls_files(options)
     try:
-        port = server.add_insecure_port(address)
+        if tls is None:
+            port = server.add_insecure_port(address)
+        elif isinstance(server, grpc.aio.Server):
+            with open(tls.cert, "rb") as cert, open(tls.key, "rb") as key:
+                pair = (key.read(), cert.read())
+            root = None
+            if tls.root is not None:
+                with open(tls.root, "rb") as ca:
+                    root = ca.read()
+            credentials = grpc.ssl_server_credentials([pair], root_certificates=root, require_client_auth=root is not None)
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_secure_port(address, ssl_context(tls))
     except RuntimeError as exc:
         raise RuntimeError(f"gRPC service could not bind {address}: {exc}") from None
     if port == 0:
