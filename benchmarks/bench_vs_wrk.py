@@ -11,6 +11,11 @@ The request is the KServe v2 infer request ``pyserve bench`` sends for ``identit
 script. Each cell: ``wrk -t T -c C -d D`` and ``pyserve bench --workers T --concurrency-range C
 -p D*1000 -r 3`` (3 windows, all reported), in alternation. Prints a markdown table on stdout.
 
+gRPC cells (unless ``--no-grpc``, and when ``h2load`` is installed): ``pyserve bench -i grpc``
+against ``h2load`` posting the same ``ModelInferRequest`` to the same pyserve (wrk's column then
+holds h2load's numbers; there is no canned gRPC target, since ``pyserve bench`` reads the model's
+metadata and config over gRPC first).
+
 Usage: ``.venv/bin/python benchmarks/bench_vs_wrk.py [--duration 3] [--concurrency 1,8,32]``
 """
 
@@ -166,12 +171,47 @@ def run_wrk(port: int, threads: int, connections: int, duration: float, script: 
     return {"rps": rate, "p50": ms("50%"), "p99": ms("99%"), "errors": float(errors.group(1)) if errors else 0.0}
 
 
-def run_bench(port: int, workers: int, connections: int, duration: float, directory: Path) -> dict[str, float]:
+def grpc_body(directory: Path) -> Path:
+    """The length-prefixed ``ModelInferRequest`` h2load posts: what ``pyserve bench -i grpc``
+    sends for ``identity_fp32 --shape INPUT0:16`` (one [1,16] FP32 tensor in raw_input_contents)."""
+    import numpy as np
+
+    from pyserve.protocol import ModelInferRequest
+
+    request = ModelInferRequest(model_name="identity_fp32")
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+    request.raw_input_contents.append(np.random.default_rng(0).random(16, dtype=np.float32).tobytes())
+    message = request.SerializeToString()
+    body = directory / "request.grpc"
+    body.write_bytes(b"\x00" + len(message).to_bytes(4, "big") + message)
+    return body
+
+
+def run_h2load(port: int, threads: int, connections: int, duration: float, body: Path) -> dict[str, float]:
+    from serving import GRPC_PATH, parse_h2load  # sibling benchmark module
+
+    log_file = body.with_suffix(".log")
+    log_file.unlink(missing_ok=True)
+    out = subprocess.run(
+        ["h2load", f"-t{threads}", f"-c{connections}", "-m1", f"-D{max(1, round(duration))}", "-d", str(body),
+         "--log-file", str(log_file), "-H", "content-type: application/grpc", "-H", "te: trailers",
+         f"http://127.0.0.1:{port}{GRPC_PATH}"],
+        capture_output=True, text=True, check=False,
+    )
+    parsed = parse_h2load(out.stdout + out.stderr, log_file)
+    if parsed is None:
+        raise RuntimeError(f"h2load failed: {(out.stdout + out.stderr)[-2000:]}")
+    rps, p50, p99, errors = parsed
+    return {"rps": rps, "p50": p50, "p99": p99, "errors": float(errors)}
+
+
+def run_bench(port: int, workers: int, connections: int, duration: float, directory: Path,
+              protocol: str = "http") -> dict[str, float]:
     result_file = directory / "bench.json"
     proc = subprocess.run(
         [PYTHON, "-m", "pyserve", "bench", "-m", "identity_fp32", "-u", f"127.0.0.1:{port}", "--shape", "INPUT0:16",
          "--concurrency-range", str(connections), "-p", str(int(duration * 1000)), "-r", "3",
-         "--workers", str(workers), "-q", "--json", str(result_file)],
+         "--workers", str(workers), "-q", "--json", str(result_file), "-i", protocol],
         capture_output=True, text=True, cwd=REPO_ROOT,
     )
     if proc.returncode != 0:
@@ -187,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per wrk run / per bench window")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--threads", default="1,2", help="wrk threads = bench workers")
+    parser.add_argument("--no-grpc", dest="grpc", action="store_false",
+                        help="skip the gRPC cells (pyserve bench -i grpc against h2load)")
     parser.add_argument("--serve-canned", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_canned:
@@ -195,11 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("wrk") is None:
         print("wrk is not installed (apt-get install -y wrk)", file=sys.stderr)
         return 1
-    canned_port, http_port = free_port(), free_port()
+    canned_port, http_port, grpc_port = free_port(), free_port(), free_port()
+    with_grpc = args.grpc and shutil.which("h2load") is not None
     servers = [
         subprocess.Popen([PYTHON, __file__, "--serve-canned", str(canned_port)]),
-        subprocess.Popen([PYTHON, "-m", "pyserve", "run", "--http-port", str(http_port), "--grpc-port", "0",
-                          "--allow-metrics", "false", "--allow-grpc", "false"],
+        subprocess.Popen([PYTHON, "-m", "pyserve", "run", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+                          "--allow-metrics", "false", "--allow-grpc", str(with_grpc).lower()],
                          cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
     ]
     rows: list[str] = []
@@ -221,6 +264,22 @@ def main(argv: list[str] | None = None) -> int:
                             f"| {target} | {threads} | {connections} | {wrk['rps']:,.0f} | {bench['rps']:,.0f} | "
                             f"{bench['rps'] / wrk['rps']:.2f} | {wrk['p50']:.3f} / {bench['p50']:.3f} | "
                             f"{wrk['p99']:.3f} / {bench['p99']:.3f} | {bench['cpu']:.2f} |"
+                        )
+                        print(rows[-1], file=sys.stderr, flush=True)
+            if with_grpc:  # gRPC: h2load in wrk's place, the same pyserve (no canned gRPC target)
+                wait_port(grpc_port)
+                body = grpc_body(directory)
+                run_h2load(grpc_port, 1, 8, 1.0, body)  # warm-up
+                for threads in [int(t) for t in args.threads.split(",")]:
+                    for connections in [int(c) for c in args.concurrency.split(",")]:
+                        if connections < threads:
+                            continue
+                        h2 = run_h2load(grpc_port, threads, connections, args.duration * 3, body)
+                        bench = run_bench(grpc_port, threads, connections, args.duration, directory, "grpc")
+                        rows.append(
+                            f"| pyserve gRPC (h2load) | {threads} | {connections} | {h2['rps']:,.0f} | "
+                            f"{bench['rps']:,.0f} | {bench['rps'] / h2['rps']:.2f} | {h2['p50']:.3f} / "
+                            f"{bench['p50']:.3f} | {h2['p99']:.3f} / {bench['p99']:.3f} | {bench['cpu']:.2f} |"
                         )
                         print(rows[-1], file=sys.stderr, flush=True)
     finally:

@@ -460,11 +460,21 @@ def measure(server: Server, spec: CellSpec, files: RequestFiles, duration: float
         ok = data["requests"] - data["status"]
         return Measurement(ok / (data["duration_us"] / 1e6), data["p50_us"] / 1000, data["p99_us"] / 1000,
                            errors, server_cpu, load_cpu)
+    parsed = parse_h2load(output, log_file)
+    if parsed is None:
+        return Measurement(0, float("nan"), float("nan"), 1, server_cpu, load_cpu, output[-300:])
+    rps, p50, p99, errors = parsed
+    return Measurement(rps, p50, p99, errors, server_cpu, load_cpu)
+
+
+def parse_h2load(output: str, log_file: Path) -> tuple[float, float, float, int] | None:
+    """(req/s, p50 ms, p99 ms, errors) of an ``h2load ... --log-file LOG`` run, or None if its
+    summary is missing. Latencies come from the per-request log (status 200 only)."""
     requests = re.search(r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded, (\d+) failed, "
                          r"(\d+) errored, (\d+) timeout", output)
     finished = re.search(r"finished in ([\d.]+)(m?s)", output)
     if not requests or not finished:
-        return Measurement(0, float("nan"), float("nan"), 1, server_cpu, load_cpu, output[-300:])
+        return None
     seconds = float(finished.group(1)) / (1000.0 if finished.group(2) == "ms" else 1.0)
     succeeded = int(requests.group(4))
     errors = int(requests.group(5)) + int(requests.group(6)) + int(requests.group(7))
@@ -475,8 +485,8 @@ def measure(server: Server, spec: CellSpec, files: RequestFiles, duration: float
             if len(parts) >= 3 and parts[1] == "200":
                 latencies.append(int(parts[2]) / 1000.0)
     latencies.sort()
-    return Measurement(succeeded / seconds if seconds > 0 else 0.0, _percentile(latencies, 0.5),
-                       _percentile(latencies, 0.99), errors, server_cpu, load_cpu)
+    return (succeeded / seconds if seconds > 0 else 0.0, _percentile(latencies, 0.5),
+            _percentile(latencies, 0.99), errors)
 
 
 # --------------------------------------------------------------------------- running
