@@ -7,6 +7,7 @@ its body is sent, GOAWAY codes. The rest use tritonclient and grpcio as clients.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import socket
 import threading
@@ -572,3 +573,48 @@ def test_reuse_grpc_port_lets_two_servers_share_it(repo: Path) -> None:
         with pytest.raises(StartupError, match=f"gRPC service could not bind 127.0.0.1:{port}"):
             with serve(repo, grpc_port=port):  # without --reuse-grpc-port the port is taken
                 pass
+
+
+def test_no_stream_state_left_after_mixed_traffic(repo: Path) -> None:
+    """Finished, failed, timed-out, reset and streaming calls all leave no stream behind."""
+    import asyncio
+
+    with serve(repo) as server:
+        grpc_server = server.server._grpc
+
+        async def run() -> None:
+            client = aioclient.InferenceServerClient(server.grpc_url)
+            try:
+                tensor = aioclient.InferInput("INPUT0", [2], "FP32")
+                tensor.set_data_from_numpy(np.ones(2, np.float32))
+
+                async def one(i: int) -> None:
+                    with contextlib.suppress(InferenceServerException):
+                        if i % 5 == 0:
+                            await client.infer("slow", [tensor], client_timeout=0.02)  # deadline
+                        elif i % 7 == 0:
+                            await client.infer("no_such_model", [tensor])  # error status
+                        else:
+                            await client.infer("echo", [tensor])
+
+                await asyncio.gather(*(one(i) for i in range(150)))
+
+                async def requests() -> Any:
+                    for i in range(5):
+                        yield {"model_name": "echo", "inputs": [tensor], "request_id": str(i)}
+
+                answers = [result async for result in client.stream_infer(requests())]
+                assert len(answers) == 5
+            finally:
+                await client.close()
+
+        asyncio.run(run())
+        raw = RawClient(server.server.grpc_port)  # a call reset by the client half-way
+        raw.headers(1)
+        raw.send(h2.rst_stream(1, h2.CANCEL))
+        raw.close()
+        deadline = time.monotonic() + 5
+        while any(c._streams for c in list(grpc_server.connections)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(c._streams for c in list(grpc_server.connections))
+        assert server.server.dataplane.in_flight == 0
