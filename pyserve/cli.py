@@ -119,6 +119,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     grpc_flags.add_argument("--grpc-server-cert", default="", metavar="PEM")
     grpc_flags.add_argument("--grpc-server-key", default="", metavar="PEM")
     grpc_flags.add_argument("--grpc-root-cert", default="", metavar="PEM")
+    grpc_flags.add_argument("--grpc-header-forward-pattern", default="", metavar="REGEX",
+                            help="forward gRPC metadata whose key matches REGEX as request parameters")
     grpc_flags.add_argument("--reuse-grpc-port", type=_bool, default=False, metavar="BOOL",
                             help="let other servers listen on the same gRPC port (SO_REUSEPORT)")
     grpc_flags.add_argument("--grpc-server", choices=["pyserve", "grpcio"], default="pyserve",
@@ -151,6 +153,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                      help="largest request body accepted (default 64 MiB)")
     run.add_argument("--http-server", choices=["pyserve", "uvicorn"], default="pyserve",
                      help="the HTTP/1.1 server on --http-port: pyserve's own (default) or uvicorn")
+    run.add_argument("--http-header-forward-pattern", default="", metavar="REGEX",
+                     help="forward HTTP headers whose name matches REGEX as request parameters")
     run.add_argument("--reuse-http-port", type=_bool, default=False, metavar="BOOL",
                      help="let other servers listen on the same HTTP port (SO_REUSEPORT)")
     run.add_argument("--frontend-processes", type=int, default=0, metavar="N",
@@ -281,6 +285,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             server_cert=args.grpc_server_cert,
             server_key=args.grpc_server_key,
             root_cert=args.grpc_root_cert,
+            header_forward_pattern=args.grpc_header_forward_pattern,
             **grpc_operations,
         ),
         server_id=args.server_id,
@@ -291,6 +296,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         http_max_input_size=args.http_max_input_size,
         http_server=args.http_server,
         reuse_http_port=args.reuse_http_port,
+        http_header_forward_pattern=args.http_header_forward_pattern,
         frontend_processes=args.frontend_processes,
         replicate_models=args.replicate_models,
         model_load_thread_count=args.model_load_thread_count,

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from pyserve.errors import ErrorCode, InferError
+from pyserve.header_forwarding import HeaderForwarding
 from pyserve.inference import FutureSender, InferRequest, InferResponse
 from pyserve.metrics import select_versions, statistics_json
 from pyserve.model_manager import ModelManager
@@ -52,6 +53,9 @@ class DataPlane:
         self.shared_memory = SharedMemoryManager()
         """The shared-memory regions clients registered with this server."""
         self.tracing = TraceManager()
+        # --http-header-forward-pattern / --grpc-header-forward-pattern (pyserve.header_forwarding)
+        self.http_forwarding: HeaderForwarding | None = None
+        self.grpc_forwarding: HeaderForwarding | None = None
         """Trace settings and export; the server replaces it with one built from ``--trace-config``."""
         self.cache: ResponseCache | None = None
         """The response cache (``--cache-config``), or None."""

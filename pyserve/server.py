@@ -28,6 +28,7 @@ import uvicorn
 from pyserve import __version__, logs
 from pyserve.dataplane import DataPlane
 from pyserve.grpc.server import GrpcOptions
+from pyserve.header_forwarding import compile_forwarding
 from pyserve.grpc.server import create_server as create_grpc_server
 from pyserve.http.app import create_app
 from pyserve.http.body import DEFAULT_MAX_INPUT_SIZE
@@ -89,6 +90,7 @@ class ServerOptions:
     metrics_config: Mapping[str, str] = field(default_factory=dict)  # --metrics-config key=value
     http_server: str = "pyserve"  # --http-server: "pyserve" (native HTTP/1.1) or "uvicorn"
     reuse_http_port: bool = False  # --reuse-http-port: SO_REUSEPORT, other servers may share the port
+    http_header_forward_pattern: str = ""  # --http-header-forward-pattern (pyserve.header_forwarding)
     # --frontend-processes: extra processes serving the HTTP/gRPC ports (SO_REUSEPORT) that
     # decode requests and hand them to this process, which owns the models (pyserve.handoff)
     frontend_processes: int = 0
@@ -171,6 +173,14 @@ class Server:
                 self.dataplane.cache = create_cache(*options.cache_config)
             except ValueError as exc:
                 raise StartupError(f"--cache-config: {exc}") from None
+        for flag, pattern, attribute in (
+            ("--http-header-forward-pattern", options.http_header_forward_pattern, "http_forwarding"),
+            ("--grpc-header-forward-pattern", options.grpc.header_forward_pattern, "grpc_forwarding"),
+        ):
+            try:
+                setattr(self.dataplane, attribute, compile_forwarding(pattern))
+            except ValueError as exc:
+                raise StartupError(f"{flag}: {exc}") from None
         try:
             metrics_settings = MetricsSettings.from_config(
                 options.metrics_config, cpu=options.allow_cpu_metrics, gpu=options.allow_gpu_metrics,
@@ -265,6 +275,7 @@ class Server:
             "http_restricted_api": {k: [r.key, r.value] for k, r in options.http_restricted_api.items()},
             "grpc": grpc_settings,
             "max_tensor_elements": options.max_tensor_elements,
+            "http_header_forward_pattern": options.http_header_forward_pattern,
             "exit_timeout_secs": options.exit_timeout_secs,
             "log": _log_settings(),
             "replicate": options.replicate_models,

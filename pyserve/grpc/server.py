@@ -47,6 +47,7 @@ class GrpcOptions:
     server_cert: str = ""  # --grpc-server-cert (PEM)
     server_key: str = ""  # --grpc-server-key (PEM)
     root_cert: str = ""  # --grpc-root-cert (PEM): the CA client certificates must chain to
+    header_forward_pattern: str = ""  # --grpc-header-forward-pattern (pyserve.header_forwarding)
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,8 @@ class InferenceServicer:
             model = infer_model(dataplane, request)
             decode_start = monotonic_ns()
             decoded = decode_infer(request, model, shm=dataplane.shared_memory)
+            if dataplane.grpc_forwarding is not None:
+                dataplane.grpc_forwarding.apply(context.invocation_metadata() or (), decoded.request)
             decode_ns = monotonic_ns() - decode_start
             response = await self.infer_decoded(model, decoded, decode_ns, context)
         except InferError as exc:
@@ -178,9 +180,15 @@ class InferenceServicer:
             key == "triton_grpc_error" and str(value).lower() == "true"
             for key, value in (context.invocation_metadata() or ())
         )
+        try:
+            forwarded = (self.dataplane.grpc_forwarding.select(context.invocation_metadata() or ())
+                         if self.dataplane.grpc_forwarding is not None else [])
+        except InferError as exc:
+            await _abort(context, exc)
         session = StreamSession(
             self.dataplane, error_closes=error_closes,
             trace_parent=_trace_parent(context) if self.dataplane.tracing.active else None,
+            forwarded=forwarded,
         )
         reader = asyncio.ensure_future(session.read(request_iterator))
         try:

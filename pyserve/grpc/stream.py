@@ -10,7 +10,7 @@ ends the stream with a status). Closing or cancelling the stream cancels every o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from pyserve import protocol as pb
@@ -66,12 +66,16 @@ class StreamSession:
     :param dataplane: the server's data plane.
     :param error_closes: end the stream with a status on the first error.
     :param trace_parent: the W3C ``traceparent`` the stream was opened with (tracing).
+    :param forwarded: metadata forwarded as parameters of every request on the stream
+        (``--grpc-header-forward-pattern``).
     """
 
-    def __init__(self, dataplane: DataPlane, error_closes: bool = False, trace_parent: str | None = None) -> None:
+    def __init__(self, dataplane: DataPlane, error_closes: bool = False, trace_parent: str | None = None,
+                 forwarded: Sequence[tuple[str, str]] = ()) -> None:
         self.dataplane = dataplane
         self.error_closes = error_closes
         self.trace_parent = trace_parent
+        self.forwarded = forwarded
         self.loop = asyncio.get_running_loop()
         self.closed = False
         self._out: asyncio.Queue[Any] = asyncio.Queue()
@@ -95,6 +99,8 @@ class StreamSession:
             self._emit_error(exc)
             return
         request = decoded.request
+        for name, value in self.forwarded:
+            request.parameters[name] = value
         empty_final = False
         param = message.parameters.get("triton_enable_empty_final_response")
         if param is not None and param.WhichOneof("parameter_choice") == "bool_param":

@@ -47,6 +47,7 @@ from pyserve.http.server import HttpProtocol, HttpServer, _Request
 from pyserve.inference import InferRequest, InferResponse
 from pyserve.models import ModelState, ModelVersion
 from pyserve import protocol as pb
+from pyserve.header_forwarding import HeaderForwarding, compile_forwarding
 from pyserve.restricted import Restriction
 
 log = logging.getLogger("pyserve.frontend")
@@ -219,10 +220,15 @@ class OwnerLink(asyncio.Protocol):
         parts = wire.frame(Kind.RAW_HTTP, request_id, {"n": target[0], "v": target[1], "h": names}, [body])
         return request_id, self._await(request_id, parts)
 
-    def raw_grpc(self, message: bytes, trace_parent: str | None) -> tuple[int, asyncio.Future[Any]]:
-        """Hand a serialized ModelInferRequest to the owner; resolves to the response's bytes."""
+    def raw_grpc(self, message: bytes, trace_parent: str | None,
+                 forwarded: list[tuple[str, str]] | None = None) -> tuple[int, asyncio.Future[Any]]:
+        """Hand a serialized ModelInferRequest to the owner; resolves to the response's bytes.
+
+        :param forwarded: metadata to add as request parameters (``--grpc-header-forward-pattern``).
+        """
         request_id = next(self.ids)
-        return request_id, self._await(request_id, wire.frame(Kind.RAW_GRPC, request_id, {"tp": trace_parent}, [message]))
+        header = {"tp": trace_parent, "fh": [list(pair) for pair in forwarded or ()]}
+        return request_id, self._await(request_id, wire.frame(Kind.RAW_GRPC, request_id, header, [message]))
 
     def _await(self, request_id: int, parts: list[Any]) -> asyncio.Future[Any]:
         self._send(parts)
@@ -247,6 +253,8 @@ class FrontendDataPlane:
         self.accepting = True
         self.shared_memory = _OwnerOnlySharedMemory()
         self.tracing = _PassTraceParent()
+        self.http_forwarding: HeaderForwarding | None = None
+        self.grpc_forwarding: HeaderForwarding | None = None
 
     def model(self, name: str, version: str | None = None) -> ModelVersion:
         """The local replica, else the snapshot's version (a ``RemoteModel``).
@@ -409,12 +417,15 @@ class FrontendServicer(InferenceServicer):
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         dataplane: FrontendDataPlane = self.dataplane  # type: ignore[assignment]
         try:
+            forwarding = dataplane.grpc_forwarding
+            forwarded = forwarding.select(context.invocation_metadata() or ()) if forwarding is not None else []
             try:
                 model = infer_model(dataplane, request)
                 decoded = grpc_decode(request, model, shm=dataplane.shared_memory)
             except NeedsOwner:
-                response = await self._raw(dataplane.link, request, context)
+                response = await self._raw(dataplane.link, request, context, forwarded)
             else:
+                decoded.request.parameters.update(forwarded)
                 response = await self.infer_decoded(model, decoded, 0, context)
         except InferError as exc:
             await _abort(context, exc)
@@ -423,8 +434,9 @@ class FrontendServicer(InferenceServicer):
         return response
 
     @staticmethod
-    async def _raw(link: OwnerLink, request: Any, context: grpc.aio.ServicerContext) -> bytes:
-        request_id, future = link.raw_grpc(request.SerializeToString(), _trace_parent(context))
+    async def _raw(link: OwnerLink, request: Any, context: grpc.aio.ServicerContext,
+                   forwarded: list[tuple[str, str]]) -> bytes:
+        request_id, future = link.raw_grpc(request.SerializeToString(), _trace_parent(context), forwarded)
         try:
             result = await future
         except asyncio.CancelledError:
@@ -540,6 +552,8 @@ async def serve(settings: dict[str, Any]) -> int:
     if settings.get("max_tensor_elements"):
         validation.LIMITS.max_tensor_elements = settings["max_tensor_elements"]
     dataplane = FrontendDataPlane(link)
+    dataplane.http_forwarding = compile_forwarding(settings.get("http_header_forward_pattern", ""))
+    dataplane.grpc_forwarding = compile_forwarding(settings["grpc"].get("header_forward_pattern", ""))
     http: FrontendHttpServer | None = None
     grpc_server: Any = None
     channel: grpc.aio.Channel | None = None

@@ -418,6 +418,8 @@ class _FrontendConnection(asyncio.Protocol):
             model = grpc_infer_model(dataplane, message)
             decoded = grpc_decode(message, model, shm=dataplane.shared_memory)
             decoded.request.trace_parent = header.get("tp")
+            for name, value in header.get("fh", ()):  # forwarded metadata, already checked by the frontend
+                decoded.request.parameters[name] = value
             result = await dataplane.infer(model, decoded.request)
             if isinstance(result, InferError):
                 raise result

@@ -96,6 +96,9 @@ def decode_request(
     )
     decode_start = monotonic_ns()
     decoded = decode_infer(body, header_length, model, dataplane.shared_memory)
+    forwarding = dataplane.http_forwarding
+    if forwarding is not None:
+        forwarding.apply(((k.decode("latin-1"), v) for k, v in headers.items()), decoded.request)
     decode_ns = monotonic_ns() - decode_start
     if dataplane.tracing.active:
         parent = headers.get(b"traceparent")
