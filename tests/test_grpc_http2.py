@@ -618,3 +618,61 @@ def test_no_stream_state_left_after_mixed_traffic(repo: Path) -> None:
             time.sleep(0.05)
         assert not any(c._streams for c in list(grpc_server.connections))
         assert server.server.dataplane.in_flight == 0
+
+
+def test_empty_header_name_is_not_a_crash(server: ServerThread) -> None:
+    client = RawClient(server.server.grpc_port)
+    try:
+        block = client.encoder.encode([(":method", "POST"), (":path", INFER_PATH),
+                                       ("content-type", "application/grpc"), ("", "x")])
+        client.send(h2.frame(h2.HEADERS, h2.END_HEADERS, 1, block))
+        client.data(1, framed(infer_message("echo", np.ones(2, np.float32))))
+        _, body, trailers = client.reply(1)
+        assert status(trailers) == (0, "")
+    finally:
+        client.close()
+
+
+def test_random_frames_never_disturb_the_server(server: ServerThread, caplog: pytest.LogCaptureFixture) -> None:
+    """A fixed-seed fuzz: random frames (valid HPACK blocks, gRPC prefixes, bad lengths, odd flags)
+    cut at random points; afterwards no error was logged and a normal client is served."""
+    import random
+
+    rng = random.Random(7)
+    encoder_headers = [(":method", "POST"), (":path", INFER_PATH), ("content-type", "application/grpc")]
+
+    def random_frame() -> bytes:
+        kind = rng.choice([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 255])
+        flags = rng.choice([0, 1, 4, 5, 8, 0x20, 0x25, 0x2D, 255])
+        stream_id = rng.choice([0, 1, 1, 1, 3, 5, 2**31 - 1, rng.randrange(2**31)])
+        payload = bytes(rng.randrange(256) for _ in range(rng.choice([0, 1, 4, 5, 8, 9, 20, 100])))
+        if kind == h2.HEADERS and rng.random() < 0.5:
+            extra = [("grpc-timeout", rng.choice(["1S", "xx", "0n"])), ("grpc-encoding", rng.choice(["gzip", "zz"]))]
+            payload = hpack.Encoder().encode(encoder_headers + extra)
+        elif kind == h2.DATA and rng.random() < 0.5:
+            message = bytes(rng.randrange(256) for _ in range(rng.choice([0, 3, 10])))
+            payload = bytes((rng.choice([0, 1, 2]),)) + rng.choice([len(message), 5, 2**31]).to_bytes(4, "big") + message
+        return h2.frame(kind, flags, stream_id, payload)
+
+    caplog.set_level("ERROR")
+    for _ in range(120):
+        data = h2.PREFACE + b"".join(random_frame() for _ in range(rng.randrange(1, 12)))
+        with socket.create_connection(("127.0.0.1", server.server.grpc_port), timeout=2) as sock:
+            position = 0
+            while position < len(data):
+                step = rng.randrange(1, 64)
+                with contextlib.suppress(OSError):
+                    sock.sendall(data[position:position + step])
+                position += step
+            sock.settimeout(0.01)
+            with contextlib.suppress(OSError):
+                while sock.recv(65536):
+                    pass
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        tensor = grpcclient.InferInput("INPUT0", [2], "FP32")
+        tensor.set_data_from_numpy(np.array([3, 4], np.float32))
+        assert client.infer("echo", [tensor]).as_numpy("OUTPUT0").tolist() == [3, 4]
+    finally:
+        client.close()
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text

@@ -37,7 +37,7 @@ def metadata_from_headers(headers: Sequence[tuple[str, str]]) -> Metadata:
     values base64-decoded to bytes."""
     items: list[tuple[str, str | bytes]] = []
     for name, value in headers:
-        if name[0] == ":" or name in RESERVED_HEADERS:
+        if not name or name[0] == ":" or name in RESERVED_HEADERS:
             continue
         if name.endswith("-bin"):
             try:

@@ -228,6 +228,10 @@ class GrpcConnection(asyncio.Protocol):
         except h2.ConnectionError_ as exc:
             self._connection_error(exc.code, str(exc))
             return
+        except Exception as exc:  # a bug: this connection ends, the server and other calls go on
+            log.exception("gRPC connection from %s failed", self.peer)
+            self._connection_error(h2.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+            return
         finally:
             if not self._closed:
                 self._flush()
