@@ -398,3 +398,20 @@ def test_a_request_that_stops_arriving_gets_408(monkeypatch: pytest.MonkeyPatch,
                 sock.sendall(request[i:i + 8])
                 time.sleep(0.1)
             assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+
+
+@pytest.mark.parametrize("path", [b"/v2/repository/index", b"/v2/models/echo/generate"])
+def test_a_client_gone_mid_body_is_not_a_server_error(
+    server: ServerThread, caplog: pytest.LogCaptureFixture, path: bytes
+) -> None:
+    """Routes served through the ASGI app: the client sends half a body and leaves."""
+    caplog.set_level("ERROR")
+    for _ in range(3):
+        with _connect(server) as sock:
+            sock.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"half")
+            time.sleep(0.05)
+        time.sleep(0.1)
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
+    with _connect(server) as sock:  # still serving
+        sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(100).startswith(b"HTTP/1.1 200")

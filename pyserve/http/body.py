@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import zlib
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from pyserve.errors import InferError
 
@@ -26,7 +26,9 @@ def too_large(limit: int) -> InferError:
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, decompressed if ``Content-Encoding`` says so.
 
-    :raises InferError: over the limit, bad Content-Length, unknown encoding or corrupt data.
+    :raises InferError: over the limit, bad Content-Length, unknown encoding or corrupt data,
+        or the client went away before the body ended (nobody reads that answer; it is not a
+        server error and is not logged as one).
     """
     length_header = request.headers.get("content-length")
     if length_header is not None:
@@ -38,11 +40,14 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise too_large(limit)
     chunks: list[bytes] = []
     received = 0
-    async for chunk in request.stream():
-        received += len(chunk)
-        if received > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise InferError.invalid("the client disconnected before the request body ended") from None
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     return decode_content(body, request.headers.get("content-encoding", ""), limit)
 

@@ -587,7 +587,7 @@ class _AsgiCycle:
             log.exception("exception in the ASGI application on %s %s", self.request.method, self.request.url)
             self.fail()
         else:
-            if not self.response_complete:
+            if not self.response_complete and not self.is_disconnected:  # a gone client gets nothing
                 if self.response_started:
                     log.error("ASGI application returned before completing its response")
                 else:
