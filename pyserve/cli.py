@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pyserve import __version__, logs
+from pyserve import __version__, logs, triton_flags
 from pyserve.argtypes import boolean as _bool
 
 EXAMPLE_REPOSITORY = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
@@ -153,6 +154,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                      help="largest request body accepted (default 64 MiB)")
     run.add_argument("--http-server", choices=["pyserve", "uvicorn"], default="pyserve",
                      help="the HTTP/1.1 server on --http-port: pyserve's own (default) or uvicorn")
+    run.add_argument("--strict-readiness", type=_bool, default=True, metavar="BOOL",
+                     help="ready only while every model is ready (default true, as Triton); false: while serving")
     run.add_argument("--http-header-forward-pattern", default="", metavar="REGEX",
                      help="forward HTTP headers whose name matches REGEX as request parameters")
     run.add_argument("--reuse-http-port", type=_bool, default=False, metavar="BOOL",
@@ -167,6 +170,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                           "be: no sequence batcher, decoupled, ensemble, GPU instances, response cache or "
                           "BLS / custom metrics in model.py), or comma-separated model names")
     _add_operations(run)
+    triton_flags.add_flags(run)
 
 
 def _add_operations(run: argparse.ArgumentParser) -> None:
@@ -250,6 +254,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if len(set(fixed_ports)) < len(fixed_ports):
         print("pyserve: --http-port, --grpc-port and --metrics-port must differ", file=sys.stderr)
         return 2
+    notices, flag_problem = triton_flags.check(args)
+    if flag_problem:
+        print(f"pyserve: {flag_problem}", file=sys.stderr)
+        return 2
+    for notice in notices:
+        logging.getLogger("pyserve").info("%s", notice)
     load_problem = _load_model_problem(args.model_control_mode, args.load_model)
     if load_problem:
         print(f"pyserve: {load_problem}", file=sys.stderr)
@@ -297,6 +307,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         http_server=args.http_server,
         reuse_http_port=args.reuse_http_port,
         http_header_forward_pattern=args.http_header_forward_pattern,
+        strict_readiness=args.strict_readiness,
         frontend_processes=args.frontend_processes,
         replicate_models=args.replicate_models,
         model_load_thread_count=args.model_load_thread_count,

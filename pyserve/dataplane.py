@@ -53,6 +53,7 @@ class DataPlane:
         self.shared_memory = SharedMemoryManager()
         """The shared-memory regions clients registered with this server."""
         self.tracing = TraceManager()
+        self.strict_readiness = True  # --strict-readiness
         # --http-header-forward-pattern / --grpc-header-forward-pattern (pyserve.header_forwarding)
         self.http_forwarding: HeaderForwarding | None = None
         self.grpc_forwarding: HeaderForwarding | None = None
@@ -70,8 +71,8 @@ class DataPlane:
 
     # -- health and metadata -----------------------------------------------------------------
     def is_ready(self) -> bool:
-        """Triton's strict readiness: live, accepting, and every model version READY."""
-        return self.live and self.accepting and self.models.all_ready()
+        """Live and accepting, and (strict readiness, Triton's default) every model version READY."""
+        return self.live and self.accepting and (not self.strict_readiness or self.models.all_ready())
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": self.server_name, "version": self.server_version, "extensions": list(self.extensions)}

@@ -91,6 +91,7 @@ class ServerOptions:
     http_server: str = "pyserve"  # --http-server: "pyserve" (native HTTP/1.1) or "uvicorn"
     reuse_http_port: bool = False  # --reuse-http-port: SO_REUSEPORT, other servers may share the port
     http_header_forward_pattern: str = ""  # --http-header-forward-pattern (pyserve.header_forwarding)
+    strict_readiness: bool = True  # --strict-readiness: ready only while every model version is READY
     # --frontend-processes: extra processes serving the HTTP/gRPC ports (SO_REUSEPORT) that
     # decode requests and hand them to this process, which owns the models (pyserve.handoff)
     frontend_processes: int = 0
@@ -168,6 +169,7 @@ class Server:
         )
         self.dataplane = DataPlane(self.models, options.server_id, __version__)
         self.dataplane.tracing = TraceManager(options.trace_config)
+        self.dataplane.strict_readiness = options.strict_readiness
         if options.cache_config is not None:
             try:
                 self.dataplane.cache = create_cache(*options.cache_config)

@@ -316,3 +316,38 @@ def test_run_grpc_server_choice_and_port_reuse_flags(run_server: Any, implementa
     finally:
         client.close()
     assert server.stop(timeout=20) == 0, server.stderr
+
+
+def test_tritonserver_tuning_flags_are_accepted_and_reported(run_server: Any) -> None:
+    server = run_server("--http-thread-count", "16", "--pinned-memory-pool-byte-size", "268435456",
+                        "--cuda-memory-pool-byte-size", "0:67108864", "--cuda-memory-pool-byte-size", "1:67108864",
+                        "--rate-limit", "off", "--model-namespacing", "false", "--strict-readiness", "true")
+    url = server.wait_started()
+    with httpclient.InferenceServerClient(url) as client:
+        assert client.is_server_ready()
+    assert server.stop(timeout=20) == 0, server.stderr
+    assert "--http-thread-count is accepted for Triton compatibility and has no effect" in server.stderr
+    assert "--cuda-memory-pool-byte-size is accepted" in server.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--rate-limit", "execution_count"), ("--model-namespacing", "true"),
+                                         ("--allow-sagemaker", "true"), ("--model-load-retry-count", "3")])
+def test_tritonserver_features_pyserve_lacks_are_refused_by_name(flag: str, value: str) -> None:
+    done = pyserve("run", flag, value, "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0")
+    assert done.returncode == 2
+    assert f"pyserve: {flag} '{value}' is not supported by pyserve" in done.stderr
+
+
+def test_strict_readiness_off_is_ready_with_a_failed_model(tmp_path: Path) -> None:
+    from pyserve.testing import serve, write_model
+
+    write_model(tmp_path / "repo", "broken", 'backend: "no_such_backend"\nmax_batch_size: 0\n')
+    write_model(tmp_path / "repo", "fine", 'backend: "identity"\nmax_batch_size: 0\n'
+                'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+                'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]\n')
+    for strict, expected in ((True, False), (False, True)):
+        with serve(tmp_path / "repo", strict_readiness=strict) as thread:
+            assert thread.server.dataplane.model_ready("fine")
+            with httpclient.InferenceServerClient(thread.url) as client:
+                assert client.is_server_live()
+                assert client.is_server_ready() is expected
