@@ -252,34 +252,24 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             directory = Path(tmp)
             script = lua_script(request_bytes("127.0.0.1"), directory)
-            for target, port in (("canned", canned_port), ("pyserve", http_port)):
-                run_wrk(port, 1, 8, 1.0, script)  # warm-up
-                for threads in [int(t) for t in args.threads.split(",")]:
-                    for connections in [int(c) for c in args.concurrency.split(",")]:
-                        if connections < threads:
-                            continue
-                        wrk = run_wrk(port, threads, connections, args.duration * 3, script)
-                        bench = run_bench(port, threads, connections, args.duration, directory)
-                        rows.append(
-                            f"| {target} | {threads} | {connections} | {wrk['rps']:,.0f} | {bench['rps']:,.0f} | "
-                            f"{bench['rps'] / wrk['rps']:.2f} | {wrk['p50']:.3f} / {bench['p50']:.3f} | "
-                            f"{wrk['p99']:.3f} / {bench['p99']:.3f} | {bench['cpu']:.2f} |"
-                        )
-                        print(rows[-1], file=sys.stderr, flush=True)
+            cells = [(target, port, lambda p, t, c, d: run_wrk(p, t, c, d, script), "http")
+                     for target, port in (("canned", canned_port), ("pyserve", http_port))]
             if with_grpc:  # gRPC: h2load in wrk's place, the same pyserve (no canned gRPC target)
                 wait_port(grpc_port)
                 body = grpc_body(directory)
-                run_h2load(grpc_port, 1, 8, 1.0, body)  # warm-up
+                cells.append(("pyserve gRPC (h2load)", grpc_port, lambda p, t, c, d: run_h2load(p, t, c, d, body), "grpc"))
+            for target, port, reference, protocol in cells:
+                reference(port, 1, 8, 1.0)  # warm-up
                 for threads in [int(t) for t in args.threads.split(",")]:
                     for connections in [int(c) for c in args.concurrency.split(",")]:
                         if connections < threads:
                             continue
-                        h2 = run_h2load(grpc_port, threads, connections, args.duration * 3, body)
-                        bench = run_bench(grpc_port, threads, connections, args.duration, directory, "grpc")
+                        peer = reference(port, threads, connections, args.duration * 3)
+                        bench = run_bench(port, threads, connections, args.duration, directory, protocol)
                         rows.append(
-                            f"| pyserve gRPC (h2load) | {threads} | {connections} | {h2['rps']:,.0f} | "
-                            f"{bench['rps']:,.0f} | {bench['rps'] / h2['rps']:.2f} | {h2['p50']:.3f} / "
-                            f"{bench['p50']:.3f} | {h2['p99']:.3f} / {bench['p99']:.3f} | {bench['cpu']:.2f} |"
+                            f"| {target} | {threads} | {connections} | {peer['rps']:,.0f} | {bench['rps']:,.0f} | "
+                            f"{bench['rps'] / peer['rps']:.2f} | {peer['p50']:.3f} / {bench['p50']:.3f} | "
+                            f"{peer['p99']:.3f} / {bench['p99']:.3f} | {bench['cpu']:.2f} |"
                         )
                         print(rows[-1], file=sys.stderr, flush=True)
     finally:
