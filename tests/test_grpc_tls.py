@@ -105,3 +105,14 @@ def test_missing_tls_files_stop_startup_with_the_flag_named(pki: Path, repo: Pat
         with serve(repo, grpc=GrpcOptions(use_ssl_mutual=True, server_cert=str(pki / "server.pem"),
                                           server_key=str(pki / "server.key"))):
             pass
+
+
+def test_frontend_processes_serve_tls_too(pki: Path, repo: Path) -> None:
+    with serve(repo, frontend_processes=1, grpc=_options(pki, "pyserve", mutual=False)) as thread:
+        for _ in range(8):  # new connections land on the owner and on the frontend
+            client = grpcclient.InferenceServerClient(f"localhost:{thread.server.grpc_port}", ssl=True,
+                                                      root_certificates=str(pki / "ca.pem"))
+            try:
+                assert _echo(client) == [1.0, 2.0, 3.0]
+            finally:
+                client.close()
