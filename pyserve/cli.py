@@ -140,6 +140,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                      metavar="BACKEND,KEY=VALUE",
                      help="a setting passed to a backend (repeatable)")
     run.add_argument("--model-load-thread-count", type=int, default=4, metavar="N")
+    run.add_argument("--model-load-retry-count", type=int, default=0, metavar="N",
+                     help="try a model version that fails to load N more times (default 0)")
     run.add_argument("--model-control-mode", default="none", choices=["none", "poll", "explicit"],
                      help="none: load all, no changes; poll: load all, reload on repository changes; "
                           "explicit: load --load-model names, then only through the load/unload API")
@@ -311,6 +313,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         frontend_processes=args.frontend_processes,
         replicate_models=args.replicate_models,
         model_load_thread_count=args.model_load_thread_count,
+        model_load_retry_count=args.model_load_retry_count,
         model_control_mode=args.model_control_mode,
         load_models=args.load_model,
         repository_poll_secs=args.repository_poll_secs,

@@ -131,9 +131,14 @@ class ModelLoader:
             built.error = str(exc)
             return
         for number in selected:
-            version = ModelVersion(source.name, number)
-            built.versions[number] = version
-            self._load_version(source, config, number, version, backend, backend_ctx)
+            for attempt in range(self.load_retries + 1):  # --model-load-retry-count
+                version = ModelVersion(source.name, number)
+                built.versions[number] = version
+                self._load_version(source, config, number, version, backend, backend_ctx)
+                if version.ready or attempt == self.load_retries:
+                    break
+                log.warning("model '%s' version %d failed to load (%s); retry %d of %d",
+                            source.name, number, version.reason, attempt + 1, self.load_retries)
 
     def _build_ensemble(self, built: _Built, config: Any, selected: list[int]) -> None:
         source = built.source

@@ -51,6 +51,8 @@ class ModelManager(ModelControl):
     :param auto_complete: let backends complete configs (off with ``--strict-model-config``).
     :param backend_config: ``--backend-config`` settings per backend name (``""`` = all).
     :param load_threads: models loaded in parallel at startup.
+    :param load_retries: further attempts for a model version that fails to load
+        (``--model-load-retry-count``).
     :param control_mode: ``none``, ``poll`` or ``explicit`` (``--model-control-mode``).
     :param startup_models: the ``--load-model`` names (explicit mode; ``*`` = all).
     :param poll_secs: seconds between repository scans in poll mode.
@@ -66,6 +68,7 @@ class ModelManager(ModelControl):
         auto_complete: bool = True,
         backend_config: Mapping[str, Mapping[str, str]] | None = None,
         load_threads: int = 4,
+        load_retries: int = 0,
         control_mode: ControlMode | str = ControlMode.NONE,
         startup_models: Sequence[str] = (),
         poll_secs: float = 15.0,
@@ -76,6 +79,7 @@ class ModelManager(ModelControl):
         self.auto_complete = auto_complete
         self.backend_config = {k: dict(v) for k, v in (backend_config or {}).items()}
         self.load_threads = max(1, load_threads)
+        self.load_retries = max(0, load_retries)
         self.control_mode = ControlMode(control_mode)
         self.startup_models = list(startup_models)
         self.poll_secs = poll_secs

@@ -72,6 +72,7 @@ class ServerOptions:
     backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     http_max_input_size: int = DEFAULT_MAX_INPUT_SIZE
     model_load_thread_count: int = 4
+    model_load_retry_count: int = 0  # --model-load-retry-count: further attempts after a failed load
     model_control_mode: str = "none"
     load_models: list[str] = field(default_factory=list)
     repository_poll_secs: float = 15.0
@@ -162,6 +163,7 @@ class Server:
             auto_complete=options.auto_complete,
             backend_config=options.backend_config,
             load_threads=options.model_load_thread_count,
+            load_retries=options.model_load_retry_count,
             control_mode=options.model_control_mode,
             startup_models=options.load_models,
             poll_secs=options.repository_poll_secs,

@@ -36,7 +36,6 @@ TUNING_FLAGS: Mapping[str, str] = {
 FEATURE_FLAGS: Mapping[str, tuple[str, ...]] = {
     "--rate-limit": ("off",),
     "--model-namespacing": ("false", "0"),
-    "--model-load-retry-count": ("0",),
     "--allow-sagemaker": ("false", "0"),
     "--allow-vertex-ai": ("false", "0"),
     "--model-config-name": ("",),

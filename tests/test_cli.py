@@ -331,7 +331,7 @@ def test_tritonserver_tuning_flags_are_accepted_and_reported(run_server: Any) ->
 
 
 @pytest.mark.parametrize("flag, value", [("--rate-limit", "execution_count"), ("--model-namespacing", "true"),
-                                         ("--allow-sagemaker", "true"), ("--model-load-retry-count", "3")])
+                                         ("--allow-sagemaker", "true"), ("--model-config-name", "gpu")])
 def test_tritonserver_features_pyserve_lacks_are_refused_by_name(flag: str, value: str) -> None:
     done = pyserve("run", flag, value, "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0")
     assert done.returncode == 2
@@ -351,3 +351,33 @@ def test_strict_readiness_off_is_ready_with_a_failed_model(tmp_path: Path) -> No
             with httpclient.InferenceServerClient(thread.url) as client:
                 assert client.is_server_live()
                 assert client.is_server_ready() is expected
+
+
+def test_model_load_retry_count_retries_a_failed_load(tmp_path: Path) -> None:
+    from pyserve import Backend
+    from pyserve.testing import serve, write_model
+
+    class FlakyBackend(Backend):
+        """``create_model`` fails the first ``failures`` times it is called."""
+
+        def __init__(self, failures: int) -> None:
+            self.failures = failures
+            self.calls = 0
+
+        def create_model(self, model: Any) -> Any:
+            self.calls += 1
+            if self.calls <= self.failures:
+                raise RuntimeError(f"transient failure {self.calls}")
+            return None
+
+        def execute(self, instance: Any, requests: Any) -> Any:
+            raise AssertionError("no request reaches this model")
+
+    write_model(tmp_path / "repo", "flaky", 'backend: "flaky"\nmax_batch_size: 0\n'
+                'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+                'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]\n')
+    for retries, ready in ((0, False), (1, False), (2, True)):
+        backend = FlakyBackend(failures=2)
+        with serve(tmp_path / "repo", backends={"flaky": backend}, model_load_retry_count=retries) as thread:
+            assert thread.server.dataplane.model_ready("flaky") is ready
+            assert backend.calls == min(retries + 1, 3)
