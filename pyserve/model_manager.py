@@ -113,9 +113,9 @@ class ModelManager(ModelControl):
         if record is None:
             raise InferError.not_found(f"Request for unknown model: '{name}' is not found")
         if version is None or version == "":
-            ready = record.ready_versions()
-            if ready:
-                return ready[-1]
+            latest = record.latest_ready()
+            if latest is not None:
+                return latest
             reason = record.reason or "; ".join(
                 f"version {v.version}: {v.reason}" for _, v in sorted(record.versions.items()) if v.reason
             )

@@ -121,3 +121,11 @@ class ModelRecord:
 
     def ready_versions(self) -> list[ModelVersion]:
         return [v for _, v in sorted(self.versions.items()) if v.ready]
+
+    def latest_ready(self) -> ModelVersion | None:
+        """The READY version with the highest number (what a request without a version gets)."""
+        latest: ModelVersion | None = None
+        for version in self.versions.values():  # no sort: this runs for every request
+            if version.state is ModelState.READY and (latest is None or version.version > latest.version):
+                latest = version
+        return latest
