@@ -121,15 +121,9 @@ def serve_h2_floor(port: int) -> None:
             if buffer.startswith(h2.PREFACE):
                 buffer = buffer[len(h2.PREFACE):]
                 self.transport.write(h2.settings({}) + h2.window_update(0, 1 << 30))  # type: ignore[attr-defined]
-            out, position = [], 0
-            while len(buffer) - position >= 9:
-                length = int.from_bytes(buffer[position:position + 3], "big")
-                if len(buffer) - position - 9 < length:
-                    break
-                kind, flags = buffer[position + 3], buffer[position + 4]
-                stream = int.from_bytes(buffer[position + 5:position + 9], "big") & 0x7FFFFFFF
-                payload = buffer[position + 9:position + 9 + length]
-                position += 9 + length
+            out = []
+            frames, self.buffer = h2.split_frames(buffer)
+            for kind, flags, stream, payload in frames:
                 if kind == h2.DATA:
                     body = self.bodies.get(stream, b"") + payload
                     if not flags & h2.END_STREAM:
@@ -149,7 +143,6 @@ def serve_h2_floor(port: int) -> None:
                     out.append(h2.frame(h2.SETTINGS, h2.ACK, 0))
                 elif kind == h2.PING and not flags & h2.ACK:
                     out.append(h2.frame(h2.PING, h2.ACK, 0, payload))
-            self.buffer = buffer[position:]
             if out:
                 self.transport.write(b"".join(out))  # type: ignore[attr-defined]
 

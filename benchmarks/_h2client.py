@@ -31,6 +31,7 @@ class LeanGrpcClient:
         self.encoder = hpack.Encoder()
         self.decoder = hpack.Decoder()
         self.buffer = b""
+        self.frames: list[tuple[int, int, int, bytes]] = []
         self.stream_id = 1
         self._block: bytes | None = None  # the request headers once they encode to table references
         self._decoded: dict[bytes, dict[str, str]] = {}
@@ -84,14 +85,10 @@ class LeanGrpcClient:
         return np.frombuffer(response.raw_output_contents[0], dtype=np.float32).reshape(shape)
 
     def _frame(self) -> tuple[int, int, int, bytes]:
-        while True:
-            if len(self.buffer) >= 9:
-                length = int.from_bytes(self.buffer[:3], "big")
-                if len(self.buffer) >= 9 + length:
-                    header, payload = self.buffer[:9], self.buffer[9:9 + length]
-                    self.buffer = self.buffer[9 + length:]
-                    return header[3], header[4], int.from_bytes(header[5:9], "big") & 0x7FFFFFFF, payload
+        while not self.frames:
             chunk = self.sock.recv(1 << 16)
             if not chunk:
                 raise ConnectionError("the server closed the connection")
-            self.buffer += chunk
+            frames, self.buffer = h2.split_frames(self.buffer + chunk)
+            self.frames.extend(frames)
+        return self.frames.pop(0)

@@ -73,6 +73,7 @@ class RawClient:
         self.encoder = hpack.Encoder()
         self.decoder = hpack.Decoder()
         self.buffer = b""
+        self.pending: list[tuple[int, int, int, bytes]] = []
         self.sock.sendall(h2.PREFACE + h2.settings(settings or {}))
 
     def close(self) -> None:
@@ -102,21 +103,16 @@ class RawClient:
 
     def frame(self) -> tuple[int, int, int, bytes]:
         """The next frame (SETTINGS and WINDOW_UPDATE from the server included)."""
-        while True:
-            if len(self.buffer) >= 9:
-                length = int.from_bytes(self.buffer[:3], "big")
-                if len(self.buffer) >= 9 + length:
-                    kind, flags = self.buffer[3], self.buffer[4]
-                    stream_id = int.from_bytes(self.buffer[5:9], "big") & 0x7FFFFFFF
-                    payload = self.buffer[9:9 + length]
-                    self.buffer = self.buffer[9 + length:]
-                    if kind == h2.SETTINGS and not flags & h2.ACK:
-                        self.send(h2.frame(h2.SETTINGS, h2.ACK, 0))
-                    return kind, flags, stream_id, payload
+        while not self.pending:
             chunk = self.sock.recv(1 << 20)
             if not chunk:
                 raise ConnectionError("closed by the server")
-            self.buffer += chunk
+            frames, self.buffer = h2.split_frames(self.buffer + chunk)
+            self.pending.extend(frames)
+        kind, flags, stream_id, payload = self.pending.pop(0)
+        if kind == h2.SETTINGS and not flags & h2.ACK:
+            self.send(h2.frame(h2.SETTINGS, h2.ACK, 0))
+        return kind, flags, stream_id, payload
 
     def reply(self, stream_id: int) -> tuple[list[tuple[str, str]], bytes, list[tuple[str, str]]]:
         """Headers, DATA bytes and trailers of one stream (other streams' frames are dropped)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import grpc
 import hpack
 
 from pyserve.grpc import http2 as h2
@@ -28,12 +29,8 @@ class CallFailed(Exception):
         self.details = details
 
 
-_STATUS_NAMES = {
-    "0": "OK", "1": "CANCELLED", "2": "UNKNOWN", "3": "INVALID_ARGUMENT", "4": "DEADLINE_EXCEEDED",
-    "5": "NOT_FOUND", "6": "ALREADY_EXISTS", "7": "PERMISSION_DENIED", "8": "RESOURCE_EXHAUSTED",
-    "9": "FAILED_PRECONDITION", "10": "ABORTED", "11": "OUT_OF_RANGE", "12": "UNIMPLEMENTED",
-    "13": "INTERNAL", "14": "UNAVAILABLE", "15": "DATA_LOSS", "16": "UNAUTHENTICATED",
-}
+_STATUS_NAMES = {str(code.value[0]): code.name for code in grpc.StatusCode}
+"""``grpc-status`` value → status name (``"5"`` → ``NOT_FOUND``)."""
 
 
 class _Call:
@@ -81,19 +78,10 @@ class H2Connection(asyncio.Protocol):
         self._fail_all("UNAVAILABLE", self.error or f"connection lost{f': {exc}' if exc else ''}")
 
     def data_received(self, data: bytes) -> None:
-        buffer = self.buffer + data if self.buffer else data
-        position, end = 0, len(buffer)
+        frames, self.buffer = h2.split_frames(self.buffer + data if self.buffer else data)
         out: list[bytes] = []
-        while end - position >= 9:
-            length = int.from_bytes(buffer[position:position + 3], "big")
-            if end - position - 9 < length:
-                break
-            kind, flags = buffer[position + 3], buffer[position + 4]
-            stream_id = int.from_bytes(buffer[position + 5:position + 9], "big") & 0x7FFFFFFF
-            payload = buffer[position + 9:position + 9 + length]
-            position += 9 + length
+        for kind, flags, stream_id, payload in frames:
             self._frame(kind, flags, stream_id, payload, out)
-        self.buffer = buffer[position:]
         if self.unacked >= RECEIVE_WINDOW // 2:
             out.append(h2.window_update(0, self.unacked))
             self.unacked = 0

@@ -121,13 +121,14 @@ class CallContext:
     """
 
     __slots__ = (
-        "_stream", "_metadata", "_code", "_details", "_trailing", "_initial_sent", "compression",
+        "_stream", "_headers", "_metadata", "_code", "_details", "_trailing", "_initial_sent", "compression",
         "_done_callbacks", "_deadline", "_peer", "_messages", "next_uncompressed",
     )
 
-    def __init__(self, stream: Stream, metadata: Metadata, deadline: float | None, peer: str) -> None:
+    def __init__(self, stream: Stream, headers: Sequence[tuple[str, str]], deadline: float | None, peer: str) -> None:
         self._stream = stream
-        self._metadata = metadata
+        self._headers = headers  # the request's header fields; metadata is made from them when asked for
+        self._metadata: Metadata | None = None
         self._code: grpc.StatusCode = grpc.StatusCode.OK
         self._details = ""
         self._trailing: Metadata = ()
@@ -140,6 +141,8 @@ class CallContext:
 
     # -- metadata and status ---------------------------------------------------------------------
     def invocation_metadata(self) -> Metadata:
+        if self._metadata is None:  # most calls never read it: not built on the hot path
+            self._metadata = metadata_from_headers(self._headers)
         return self._metadata
 
     def peer(self) -> str:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from pyserve.grpc import http2 as h2
-from pyserve.grpc.call import AbortError, CallCancelled, CallContext, RequestMessages, encode_metadata, metadata_from_headers
+from pyserve.grpc.call import AbortError, CallCancelled, CallContext, RequestMessages, encode_metadata
 from pyserve.grpc.codec import WireParts
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ class GrpcConnection(asyncio.Protocol):
         self.server = server
         options = server.options
         self.max_message = options.max_message_bytes
-        self.loop = asyncio.get_event_loop()
+        self.loop = asyncio.get_running_loop()  # built by the loop's protocol factory
         self.transport: asyncio.Transport | None = None
         self.peer = ""
         self._buffer: bytearray | None = None
@@ -467,7 +467,7 @@ class GrpcConnection(asyncio.Protocol):
         self._streams[stream_id] = stream
         stream.path = path
         deadline = None if timeout is None else self.loop.time() + timeout
-        context = stream.context = CallContext(stream, metadata_from_headers(headers), deadline, self.peer)
+        context = stream.context = CallContext(stream, headers, deadline, self.peer)
         if flags & h2.END_STREAM:
             stream.remote_closed = True
         if method != "POST" or not content_type.startswith("application/grpc"):

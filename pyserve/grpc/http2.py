@@ -69,15 +69,30 @@ class ConnectionError_(Exception):  # noqa: N801 - the builtin name is taken
         self.code = code
 
 
-def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    """One frame: the 9-byte header and ``payload``."""
-    length = len(payload)
-    return bytes((length >> 16, (length >> 8) & 0xFF, length & 0xFF, kind, flags)) + stream_id.to_bytes(4, "big") + payload
-
-
 def frame_header(kind: int, flags: int, stream_id: int, length: int) -> bytes:
     """The 9-byte header of a frame whose payload is written separately (large DATA)."""
     return bytes((length >> 16, (length >> 8) & 0xFF, length & 0xFF, kind, flags)) + stream_id.to_bytes(4, "big")
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    """One frame: the 9-byte header and ``payload``."""
+    return frame_header(kind, flags, stream_id, len(payload)) + payload
+
+
+def split_frames(buffer: bytes) -> tuple[list[tuple[int, int, int, bytes]], bytes]:
+    """The whole frames at the start of ``buffer`` as ``(type, flags, stream id, payload)``, and
+    the bytes left over (a frame not complete yet). For clients and test peers; the server's
+    connection parses in place instead (pyserve.grpc.connection)."""
+    frames = []
+    position, end = 0, len(buffer)
+    while end - position >= 9:
+        length = int.from_bytes(buffer[position:position + 3], "big")
+        if end - position - 9 < length:
+            break
+        stream_id = int.from_bytes(buffer[position + 5:position + 9], "big") & 0x7FFFFFFF
+        frames.append((buffer[position + 3], buffer[position + 4], stream_id, buffer[position + 9:position + 9 + length]))
+        position += 9 + length
+    return frames, buffer[position:]
 
 
 def settings(values: dict[int, int]) -> bytes:
@@ -159,10 +174,6 @@ class HeaderDecoder:
                 self._remembered.clear()
             self._remembered[bytes(block)] = headers
         return headers
-
-    def table_changed(self) -> None:
-        """Forget remembered blocks (not needed while the table only changes through ``decode``)."""
-        self._remembered.clear()
 
 
 # -- gRPC header values -----------------------------------------------------------------------

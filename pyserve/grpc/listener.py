@@ -53,7 +53,7 @@ class GrpcServer:
         self._servers: list[asyncio.base_events.Server] = []
         self._unix_paths: list[str] = []
         self._all_closed: asyncio.Event | None = None
-        self._stopped = asyncio.Event() if _has_loop() else None
+        self._stopped = asyncio.Event()  # binds to a loop on first use (Python >= 3.10)
 
     # -- handlers ---------------------------------------------------------------------------------
     def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
@@ -126,8 +126,6 @@ class GrpcServer:
     # -- lifetime ---------------------------------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        if self._stopped is None:
-            self._stopped = asyncio.Event()
         for listener in self._sockets:
             listener.setblocking(False)
             if listener.family == socket.AF_UNIX:
@@ -158,11 +156,9 @@ class GrpcServer:
         for path in self._unix_paths:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        if self._stopped is not None:
-            self._stopped.set()
+        self._stopped.set()
 
     async def wait_for_termination(self, timeout: float | None = None) -> bool:
-        assert self._stopped is not None
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._stopped.wait(), timeout)
         return self._stopped.is_set()
@@ -173,14 +169,6 @@ def _chain(interceptor: Any, continuation: Any) -> Any:
         return await interceptor.intercept_service(continuation, details)
 
     return call
-
-
-def _has_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
 
 
 def _tcp_listener(host: str, port: int, reuse_port: bool, address: str) -> socket.socket:
