@@ -719,7 +719,8 @@ class GrpcConnection(asyncio.Protocol):
         serializer = stream.handler.response_serializer if stream.handler is not None else None
         self._send_message(stream, message, serializer)
         self._schedule_flush()
-        while (self._paused or sum(len(item) for item in stream.pending) > DRAIN_ABOVE) and not stream.finished:
+        while (self._paused or (stream.pending and sum(len(item) for item in stream.pending) > DRAIN_ABOVE)) \
+                and not stream.finished:
             waiter = self.loop.create_future()
             stream.drain_waiter = waiter
             self._drain_waiters.append(waiter)
