@@ -292,7 +292,7 @@ class FutureSender:
     def send(self, response: InferResponse | InferError | None, final: bool) -> None:
         if response is None:
             response = InferError("model sent no response for the request", ErrorCode.INTERNAL)
-        if getattr(_delivery, "inline", False) and asyncio._get_running_loop() is self._loop:
+        if getattr(_delivery, "inline", None) is self._loop:
             _resolve(self._future, response)  # executed on the loop itself: no wake-up needed
             return
         pending: list[tuple[Any, Any, Any]] | None = getattr(_delivery, "pending", None)
@@ -337,16 +337,20 @@ def coalesced_delivery() -> Iterator[None]:
             loop.call_soon_threadsafe(_resolve_many, items)
 
 
-@contextlib.contextmanager
-def inline_delivery() -> Iterator[None]:
-    """Results sent inside the block from the thread running their loop resolve at once
-    (a model executed on the event loop: ``pyserve.scheduling.InlineScheduler``)."""
-    outer = getattr(_delivery, "inline", False)
-    _delivery.inline = True
-    try:
-        yield
-    finally:
-        _delivery.inline = outer
+def enter_inline_delivery(loop: asyncio.AbstractEventLoop) -> Any:
+    """From here on, results sent from this thread to ``loop`` (the loop running on this thread)
+    resolve at once (a model executed on the event loop: ``pyserve.scheduling.InlineScheduler``).
+
+    :returns: the previous setting, to hand to ``exit_inline_delivery`` (in a ``finally``).
+    """
+    outer = getattr(_delivery, "inline", None)
+    _delivery.inline = loop
+    return outer
+
+
+def exit_inline_delivery(outer: Any) -> None:
+    """Restore the setting ``enter_inline_delivery`` returned."""
+    _delivery.inline = outer
 
 
 def _resolve_many(items: list[tuple[Any, InferResponse | InferError]]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -248,10 +248,19 @@ class ModelIO:
     max_batch_size: int
     inputs: dict[str, TensorSpec]
     outputs: dict[str, TensorSpec]
+    batching: bool = field(init=False)
+    """``max_batch_size > 0``: the first dim of every input and output is the batch."""
+    required_inputs: int = field(init=False)
+    """How many inputs are not ``optional``."""
+    reshaped_inputs: tuple[str, ...] = field(init=False)
+    """The inputs with a config ``reshape``."""
 
-    @property
-    def batching(self) -> bool:
-        return self.max_batch_size > 0
+    def __post_init__(self) -> None:  # derived once: the request checks read them per request
+        object.__setattr__(self, "batching", self.max_batch_size > 0)
+        object.__setattr__(self, "required_inputs", sum(1 for s in self.inputs.values() if not s.optional))
+        object.__setattr__(
+            self, "reshaped_inputs", tuple(n for n, s in self.inputs.items() if s.reshape is not None)
+        )
 
 
 def _tensor_problems(kind: str, index: int, tensor: Any) -> list[str]:

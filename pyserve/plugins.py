@@ -17,10 +17,10 @@ import importlib.metadata as metadata
 import inspect
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pluggy
 from pyserve_hookspecs import (
@@ -81,11 +81,21 @@ class BackendHooks:
     observers) and nothing else, whichever backends are loaded later or concurrently.
     """
 
-    __slots__ = tuple(name.removeprefix("pyserve_") for name in LIFECYCLE_HOOKS)
+    __slots__ = (*(name.removeprefix("pyserve_") for name in LIFECYCLE_HOOKS), "execute_direct")
 
     def __init__(self, pm: pluggy.PluginManager) -> None:
         for hook_name in LIFECYCLE_HOOKS:
             setattr(self, hook_name.removeprefix("pyserve_"), getattr(pm.hook, hook_name))
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recompute ``execute_direct``; call after every plugin registered with the manager."""
+        self.execute_direct = _direct_call(self.execute)
+
+    execute_direct: Callable[[Any, Any], Any] | None
+    """``execute(instance, requests)`` without pluggy's dispatch, when the backend's
+    ``pyserve_execute`` is the only implementation (no server plugin wraps it): the same result
+    and exceptions as calling the hook, a few microseconds sooner per batch. None otherwise."""
 
     backend_initialize: Any
     backend_finalize: Any
@@ -95,6 +105,24 @@ class BackendHooks:
     instance_create: Any
     instance_finalize: Any
     execute: Any
+
+
+def _direct_call(hook: Any) -> Callable[[Any, Any], Any] | None:
+    """The sole plain implementation of a ``firstresult`` hook taking ``(instance, requests)``,
+    as a positional callable; None when anything else (a wrapper, a second impl) takes part."""
+    impls = hook.get_hookimpls()
+    if len(impls) != 1 or impls[0].wrapper or impls[0].hookwrapper:
+        return None
+    function = impls[0].function
+    names = tuple(impls[0].argnames)
+    if names == ("instance", "requests"):
+        return cast(Callable[[Any, Any], Any], function)
+
+    def call(instance: Any, requests: Any) -> Any:
+        given = {"instance": instance, "requests": requests}
+        return function(*(given[name] for name in names))
+
+    return call
 
 
 @dataclass(eq=False)
@@ -184,6 +212,7 @@ class PluginHost:
             self._server_plugin_names.append(name)
             for loaded in self._loaded.values():
                 loaded.manager.register(plugin, name=name)
+                loaded.hooks.refresh()
 
     def platform_backend(self, platform: str) -> str | None:
         """The backend name that serves a config ``platform``, if any."""

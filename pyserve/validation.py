@@ -62,12 +62,15 @@ def check_input(
             f"inference input '{name}' data-type is '{datatype}', but model '{model_name}' "
             f"expects '{spec.datatype.name}'"
         )
-    if not isinstance(shape, (list, tuple)) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
+    if type(shape) is not list and type(shape) is not tuple:
         raise InferError.invalid(
             f"shape of input '{name}' for model '{model_name}' must be a list of non-negative integers"
         )
+    for d in shape:  # a loop, not all(<genexpr>): this runs for every input of every request
+        if type(d) is not int or d < 0:  # ``type`` also keeps out bool
+            raise InferError.invalid(
+                f"shape of input '{name}' for model '{model_name}' must be a list of non-negative integers"
+            )
     dims = spec.dims
     if io.batching:
         expected = (-1, *dims)
@@ -97,7 +100,10 @@ def check_input(
 
 
 def _dims_match(shape: Sequence[int], dims: Sequence[int]) -> bool:
-    return all(d == -1 or d == s for s, d in zip(shape, dims))
+    for s, d in zip(shape, dims):
+        if d != -1 and d != s:
+            return False
+    return True
 
 
 def element_count(shape: Sequence[int]) -> int:
@@ -160,29 +166,35 @@ def finish_inputs(
 ) -> int:
     """Check the set of inputs as a whole; apply config reshapes.
 
+    Every name in ``inputs`` must already have passed ``check_input`` (so is a config input).
+
     :returns: the request's batch size (1 for non-batching models).
     :raises InferError: a required input is missing, or batch sizes disagree.
     """
-    missing = [n for n, s in io.inputs.items() if n not in inputs and not s.optional]
-    if missing:
-        required = sum(1 for s in io.inputs.values() if not s.optional)
-        raise InferError.invalid(
-            f"expected {required} inputs but got {len(inputs)} inputs for model '{model_name}'. "
-            f"Got input(s) {sorted(inputs)}, but missing required input(s) {missing}. "
-            "Please provide all required input(s)."
-        )
+    if len(inputs) != len(io.inputs):  # every given input is known: only then can one be missing
+        missing = [n for n, s in io.inputs.items() if n not in inputs and not s.optional]
+        if missing:
+            raise InferError.invalid(
+                f"expected {io.required_inputs} inputs but got {len(inputs)} inputs for model "
+                f"'{model_name}'. Got input(s) {sorted(inputs)}, but missing required input(s) {missing}. "
+                "Please provide all required input(s)."
+            )
     batch = 1
     if io.batching and shapes:
-        sizes = {n: s[0] for n, s in shapes.items()}
-        batch = next(iter(sizes.values()))
-        if any(v != batch for v in sizes.values()):
-            raise InferError.invalid(
-                f"inputs of model '{model_name}' have different batch sizes: "
-                + ", ".join(f"'{n}': {v}" for n, v in sizes.items())
-            )
-    for name, array in inputs.items():
-        spec = io.inputs[name]
-        if spec.reshape is not None:
+        batch = -1
+        for shape in shapes.values():
+            if batch < 0:
+                batch = shape[0]
+            elif shape[0] != batch:
+                raise InferError.invalid(
+                    f"inputs of model '{model_name}' have different batch sizes: "
+                    + ", ".join(f"'{n}': {s[0]}" for n, s in shapes.items())
+                )
+    for name in io.reshaped_inputs:
+        array = inputs.get(name)
+        if array is not None:
+            spec = io.inputs[name]
+            assert spec.reshape is not None
             target = (batch, *spec.reshape) if io.batching else spec.reshape
             try:
                 inputs[name] = array.reshape(target)

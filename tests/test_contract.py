@@ -555,6 +555,26 @@ def test_server_plugin_wraps_execute_of_every_backend(start_server: Callable[...
     assert beta.of("backend_finalize") == [("backend_finalize", "beta")]
 
 
+def test_execute_skips_pluggy_dispatch_until_a_server_plugin_wraps_it(
+    start_server: Callable[..., ServerThread], make_repo: Callable[..., Path]
+) -> None:
+    """A backend's execute is called directly while it is the only implementation; a server
+    plugin added while the model is serving takes part from the next request on."""
+    alpha = Recorder()
+    server = start_server(make_repo({"ma": model_config("alpha")}), backends={"alpha": alpha},
+                          use_entry_points=False)
+    host = server.server.plugins
+    hooks = host.backend("alpha").hooks
+    assert hooks.execute_direct is not None
+    infer(server, "ma")
+    counter = ExecuteCounter()
+    host.add_server_plugin(counter)
+    assert hooks.execute_direct is None
+    assert infer(server, "ma", (3.0, 4.0)).tolist() == [6.0, 8.0]  # Recorder doubles
+    assert counter.counts == {"ma": 1}
+    assert len(alpha.of("execute")) == 2
+
+
 def test_server_plugin_must_wrap_execute() -> None:
     class Greedy:
         @pyserve.hookimpl

@@ -400,6 +400,55 @@ def test_a_request_that_stops_arriving_gets_408(monkeypatch: pytest.MonkeyPatch,
             assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
 
 
+def test_keep_alive_timeout_closes_only_idle_connections(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The keep-alive deadline moves with every request (one lazy timer per connection): a
+    connection used every 0.1 s for 1.2 s stays open under a 0.4 s timeout; once idle, it is
+    closed about 0.4 s later."""
+    import socket as socket_module
+
+    from pyserve.http import server as http_server
+    from pyserve.testing import serve, write_model
+
+    monkeypatch.setattr(http_server, "KEEP_ALIVE_TIMEOUT", 0.4)
+    write_model(tmp_path / "repo", "echo", 'backend: "identity" max_batch_size: 0 '
+                'input [ { name: "I" data_type: TYPE_FP32 dims: [ 2 ] } ] output [ { name: "O" data_type: TYPE_FP32 dims: [ 2 ] } ]')
+    body = b'{"inputs":[{"name":"I","shape":[2],"datatype":"FP32","data":[1,2]}]}'
+    request = b"POST /v2/models/echo/infer HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+    with serve(tmp_path / "repo") as thread:
+        with socket_module.create_connection(("127.0.0.1", thread.server.http_port)) as sock:
+            sock.settimeout(5)
+            reader = Reader(sock)
+            for _ in range(12):
+                sock.sendall(request)
+                status, _, _ = reader.response()
+                assert status == 200
+                time.sleep(0.1)
+            idle_from = time.monotonic()
+            assert sock.recv(4096) == b""  # closed by the server, not by the 5 s socket timeout
+            waited = time.monotonic() - idle_from
+            assert 0.2 < waited < 3.0, waited
+
+
+def test_infer_urls_are_remembered_within_bounds(server: ServerThread) -> None:
+    """The per-URL infer routing memo answers like the uncached rule (percent-encoded paths and
+    non-infer URLs take the ASGI route) and never grows past its bound or keeps long URLs."""
+    from pyserve.http import server as http_server
+
+    native = server.server._http
+    assert native.infer_target(b"/v2/models/echo/infer") == ("echo", None)
+    assert native.infer_target(b"/v2/models/echo/versions/3/infer?x=1") == ("echo", "3")
+    assert native.infer_target(b"/v2/models/ec%68o/infer") is None
+    assert native.infer_target(b"/v2/models/echo/ready") is None
+    long_url = b"/v2/models/" + b"m" * 300 + b"/infer"
+    assert native.infer_target(long_url) == ("m" * 300, None)
+    assert long_url not in native.infer_targets
+    for i in range(http_server._TARGET_CACHE + 10):
+        native.infer_target(b"/v2/models/m%d/infer" % i)
+    assert len(native.infer_targets) <= http_server._TARGET_CACHE
+    assert native.infer_target(b"/v2/models/m%d/infer" % (http_server._TARGET_CACHE + 5)) == (
+        f"m{http_server._TARGET_CACHE + 5}", None)
+
+
 @pytest.mark.parametrize("path", [b"/v2/repository/index", b"/v2/models/echo/generate"])
 def test_a_client_gone_mid_body_is_not_a_server_error(
     server: ServerThread, caplog: pytest.LogCaptureFixture, path: bytes

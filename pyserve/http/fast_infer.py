@@ -20,7 +20,7 @@ from typing import Any
 from pyserve.dataplane import DataPlane
 from pyserve.errors import InferError
 from pyserve.http.body import compress, decode_content, too_large
-from pyserve.http.codec import DecodedRequest, decode_infer, encode_infer, parse_header_length
+from pyserve.http.codec import JSON_TYPE, DecodedRequest, decode_infer, encode_infer, parse_header_length
 from pyserve.http.errors import HTTP_STATUS, error_body
 from pyserve.inference import FutureSender, InferRequest, InferResponse
 from pyserve.models import ModelVersion
@@ -30,7 +30,7 @@ ASGIApp = Any
 
 _PREFIX = "/v2/models/"
 _SUFFIX = "/infer"
-_JSON_HEADERS = [(b"content-type", b"application/json")]
+_JSON_HEADERS = [(b"content-type", JSON_TYPE.encode("latin-1"))]
 JSON_HEADERS: list[tuple[bytes, bytes]] = _JSON_HEADERS
 """The headers of every error answer (plus its content-length)."""
 DECOUPLED_MESSAGE = "HTTP end point doesn't support models with decoupled transaction policy"
@@ -138,11 +138,14 @@ def encode_reply(
     request = decoded.request
     if request.stats is not None and request.exec_start_ns >= 0:  # not for cache hits
         request.stats.codec(decode_ns, monotonic_ns() - encode_start)
-    raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out_headers.items()]
+    if len(out_headers) == 1 and out_headers.get("content-type") == JSON_TYPE:
+        raw_headers = _JSON_HEADERS  # the usual answer: shared, never mutated
+    else:
+        raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out_headers.items()]
     if accept_encoding:
         content, applied = compress(content, accept_encoding.decode("latin-1"))
         if applied:
-            raw_headers.append((b"content-encoding", applied.encode("latin-1")))
+            raw_headers = [*raw_headers, (b"content-encoding", applied.encode("latin-1"))]
     return 200, content, raw_headers
 
 

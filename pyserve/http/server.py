@@ -73,6 +73,10 @@ _STATUS_LINES: dict[int, bytes] = {
     int(s): f"HTTP/1.1 {int(s)} {s.phrase}\r\n".encode("latin-1") for s in HTTPStatus
 }
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_JSON_HEADS: dict[int, bytes] = {}
+"""Status line + JSON content-type header, by status (``HttpProtocol._write_reply``)."""
+_TARGET_CACHE = 1024
+"""How many distinct POST URLs ``HttpServer.infer_target`` remembers."""
 _NO_BODY_STATUS = frozenset({204, 304})
 
 
@@ -138,7 +142,12 @@ class HttpProtocol(asyncio.Protocol):
         self.reading_paused = False
         self.write_paused = False
         self.drain_waiters: list[asyncio.Future[None]] = []
-        self.idle_timer: asyncio.TimerHandle | None = None
+        # One lazy timer per connection: answering a request only moves ``deadline`` (no timer
+        # handle is made or cancelled per request); the timer re-arms itself when it fires early.
+        self.deadline: float | None = None  # loop time when ``deadline_action`` runs
+        self.deadline_action: Callable[[], None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0  # when ``timer`` fires
         self.client: tuple[str, int] | None = None
         self.local: tuple[str, int] | None = None
 
@@ -157,7 +166,10 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._cancel_idle_timer()
+        self.deadline = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         self.server.connection_closed(self)
         for request in self.pipeline:
             self._abandon(request)
@@ -185,7 +197,7 @@ class HttpProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.ignore_input or self.closed:
             return
-        self._cancel_idle_timer()
+        self.deadline = None
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -241,9 +253,7 @@ class HttpProtocol(asyncio.Protocol):
             if name == b"expect" and value.lower() == b"100-continue":
                 request.expect_continue = True
         if request.method == "POST":
-            path = request.url.partition(b"?")[0]
-            if b"%" not in path:  # percent-encoded infer paths take the ASGI route
-                request.target = route(path.decode("latin-1"))
+            request.target = self.server.infer_target(request.url)
         if request.target is not None:
             self._check_infer(request)
         self.pipeline.append(request)
@@ -409,9 +419,15 @@ class HttpProtocol(asyncio.Protocol):
         if transport is None or self.closed:
             return
         keep_alive = request.keep_alive and not request.close_after and not request.bad
-        parts = [_status_line(status)]
-        for name, value in headers:
-            parts += (name, b": ", value, b"\r\n")
+        if headers is JSON_HEADERS:  # the usual answer (and every error): a ready-made head
+            head = _JSON_HEADS.get(status)
+            if head is None:
+                head = _JSON_HEADS[status] = _status_line(status) + b"content-type: application/json\r\n"
+            parts = [head]
+        else:
+            parts = [_status_line(status)]
+            for name, value in headers:
+                parts += (name, b": ", value, b"\r\n")
         parts.append(b"content-length: %d\r\n" % len(body))
         if not keep_alive:
             parts.append(b"connection: close\r\n")
@@ -488,28 +504,46 @@ class HttpProtocol(asyncio.Protocol):
 
     # -- keep-alive timeout ----------------------------------------------------------------
 
-    def _arm_idle_timer(self) -> None:
-        self._cancel_idle_timer()
-        self.idle_timer = self.loop.call_later(KEEP_ALIVE_TIMEOUT, self._idle_timeout)
+    def _set_deadline(self, delay: float, action: Callable[[], None]) -> None:
+        """Run ``action`` after ``delay`` seconds unless input arrives first."""
+        loop = self.loop
+        deadline = loop.time() + delay
+        self.deadline = deadline
+        self.deadline_action = action
+        timer = self.timer
+        if timer is None or self.timer_at > deadline:
+            if timer is not None:
+                timer.cancel()
+            self.timer_at = deadline
+            self.timer = loop.call_at(deadline, self._on_timer)
 
-    def _cancel_idle_timer(self) -> None:
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
-            self.idle_timer = None
+    def _on_timer(self) -> None:
+        self.timer = None
+        deadline = self.deadline
+        if deadline is None or self.closed:
+            return
+        if self.loop.time() < deadline:  # the deadline moved on since the timer was set
+            self.timer_at = deadline
+            self.timer = self.loop.call_at(deadline, self._on_timer)
+            return
+        action = self.deadline_action
+        self.deadline = None
+        if action is not None:
+            action()
+
+    def _arm_idle_timer(self) -> None:
+        self._set_deadline(KEEP_ALIVE_TIMEOUT, self._idle_timeout)
 
     def _idle_timeout(self) -> None:
-        self.idle_timer = None
         if not self.pipeline and self.current is None:
             self.close()
 
     def _arm_read_timer(self) -> None:
-        self._cancel_idle_timer()
-        self.idle_timer = self.loop.call_later(READ_TIMEOUT, self._read_timeout)
+        self._set_deadline(READ_TIMEOUT, self._read_timeout)
 
     def _read_timeout(self) -> None:
         """A request stopped arriving half-way: answer 408 (when nothing else is being
         answered on the connection) and close."""
-        self.idle_timer = None
         if self.closed or self.current is None:
             return
         if self.reading_paused:  # we stopped reading, not the client: wait on
@@ -752,11 +786,29 @@ class HttpServer:
         self.inference_rule: Restriction | None = (restrictions or {}).get("inference")
         self.connections: set[HttpProtocol] = set()
         self.shutting_down = False
+        self.infer_targets: dict[bytes, tuple[str, str | None] | None] = {}
+        """POST URL → ``(model, version)`` for native infer, or None; see ``infer_target``."""
         self._server: asyncio.base_events.Server | None = None
         self._all_closed: asyncio.Event | None = None
 
     protocol_class: type[HttpProtocol] = HttpProtocol
     """The connection class (a frontend process answers infer requests its own way)."""
+
+    def infer_target(self, url: bytes) -> tuple[str, str | None] | None:
+        """``(model, version)`` when a POST to ``url`` is a native infer request, else None.
+
+        Remembered per URL (clients repeat a handful of URLs): up to ``_TARGET_CACHE`` URLs of
+        at most 256 bytes.
+        """
+        targets = self.infer_targets
+        if url in targets:
+            return targets[url]
+        path = url.partition(b"?")[0]
+        # percent-encoded infer paths take the ASGI route
+        target = None if b"%" in path else route(path.decode("latin-1"))
+        if len(targets) < _TARGET_CACHE and len(url) <= 256:
+            targets[url] = target
+        return target
 
     async def start(self, sock: socket.socket) -> None:
         """Listen on an already bound socket (TCP, or a Unix socket for frontend processes)."""

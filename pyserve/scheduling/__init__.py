@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pyserve.inference import InferRequest, InferResponse, coalesced_delivery, inline_delivery
+from pyserve.inference import InferRequest, InferResponse, coalesced_delivery, enter_inline_delivery, exit_inline_delivery
 from pyserve.model_config import ModelIO
 from pyserve.scheduling.dynamic import DynamicBatcher
 from pyserve.scheduling.instance import STOP, Batch, InstanceWorker
@@ -100,12 +100,16 @@ class InlineScheduler:
     def enqueue(self, request: InferRequest) -> None:
         worker = self.worker
         assert worker is not None, "InlineScheduler.worker is set when the model's instances start"
-        if asyncio._get_running_loop() is None:  # not on a loop (warm-up): answers go thread-safe
+        loop = asyncio._get_running_loop()
+        if loop is None:  # not on a loop (warm-up): answers go thread-safe
             with coalesced_delivery():
                 worker.execute_batch((request,))
             return
-        with inline_delivery():
+        outer = enter_inline_delivery(loop)  # not a context manager: this is the hot path
+        try:
             worker.execute_batch((request,))
+        finally:
+            exit_inline_delivery(outer)
 
     def stop(self, workers: int) -> None:
         self._stopped.set()

@@ -106,7 +106,12 @@ class InstanceWorker:
             mark_batch(live, "COMPUTE_START")
             mark_batch(live, "COMPUTE_INPUT_END")
         try:
-            results = self._backend.hooks.execute(instance=self.instance, requests=live)
+            hooks = self._backend.hooks
+            direct = hooks.execute_direct
+            if direct is not None:
+                results = direct(self.instance, live)
+            else:
+                results = hooks.execute(instance=self.instance, requests=live)
             if stats is not None:
                 stats.executed(live, start_ns, time.monotonic_ns())
         except Exception as exc:

@@ -53,7 +53,7 @@ from pyserve_backend_python.tensor import (
 def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
     """The request's input tensor called ``name``, or None."""
     for tensor in inference_request.inputs():
-        if tensor.name() == name:
+        if tensor._name == name:  # the attribute, not name(): this runs for every input of every request
             return tensor
     return None
 

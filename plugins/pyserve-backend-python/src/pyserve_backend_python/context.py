@@ -37,6 +37,18 @@ def calling(model: ModelContext) -> Iterator[None]:
         _current.reset(token)
 
 
+def enter(model: ModelContext) -> contextvars.Token[ModelContext | None]:
+    """``calling(model)`` without the context manager, for the per-execute hot path: hand the
+    returned token to ``leave`` in a ``finally``."""
+    remember(model)
+    return _current.set(model)
+
+
+def leave(token: contextvars.Token[ModelContext | None]) -> None:
+    """Undo ``enter``."""
+    _current.reset(token)
+
+
 def remember(model: ModelContext) -> None:
     """Record the model's server as the fallback for threads without a context."""
     global _last_server

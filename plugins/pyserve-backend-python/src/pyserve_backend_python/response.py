@@ -64,7 +64,7 @@ class InferenceResponse:
                 )
         self._output_tensors = tensors
         self._error = as_triton_error(error) if error is not None else None
-        self._parameters = parse_parameters(parameters, "response")
+        self._parameters = {} if parameters is None else parse_parameters(parameters, "response")
 
     def output_tensors(self) -> list[Tensor]:
         """The output tensors."""
@@ -92,7 +92,7 @@ class InferenceResponse:
         """The server's response (or error) for this response."""
         if self._error is not None:
             return self._error.to_infer_error()
-        outputs = {tensor.name(): tensor.as_numpy() for tensor in self._output_tensors}
+        outputs = {tensor._name: tensor._array for tensor in self._output_tensors}
         return InferResponse(outputs, self._parameters or None)
 
     @classmethod

@@ -148,20 +148,22 @@ class ThreadRunner:
         model = self._model
         wrap = InferenceRequest._from_server
         wrapped = [wrap(request) for request in requests]
+        token = context.enter(model)
         try:
-            with context.calling(model):
-                outcome = self._object.execute(wrapped)
-                # A list (the usual answer) is never awaitable: skip the ABC check for it.
-                if type(outcome) is not list and inspect.isawaitable(outcome):
-                    if self._decoupled:
-                        future = self._event_loop().submit(_await(outcome))
-                        future.add_done_callback(lambda f: self._async_done(f, requests))
-                        return None
-                    outcome = self._event_loop().run(_await(outcome))
+            outcome = self._object.execute(wrapped)
+            # A list (the usual answer) is never awaitable: skip the ABC check for it.
+            if type(outcome) is not list and inspect.isawaitable(outcome):
+                if self._decoupled:
+                    future = self._event_loop().submit(_await(outcome))
+                    future.add_done_callback(lambda f: self._async_done(f, requests))
+                    return None
+                outcome = self._event_loop().run(_await(outcome))
         except Exception as exc:
             log.error("Python model '%s' instance '%s': execute() raised", model.name, self._instance.name,
                       exc_info=exc)
             raise results.execute_failure(model.name, self._instance.name, exc) from None
+        finally:
+            context.leave(token)
         return results.convert(model.name, requests, outcome, self._decoupled)
 
     def _async_done(self, future: concurrent.futures.Future[Any], requests: Sequence[InferRequest]) -> None:
