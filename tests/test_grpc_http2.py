@@ -54,6 +54,19 @@ def server(repo: Path) -> Iterator[ServerThread]:
         yield thread
 
 
+@pytest.fixture(scope="module")
+def plain_server(repo: Path) -> Iterator[ServerThread]:
+    """No reply compression: ``ModelInfer`` takes the native (task-free) path."""
+    with serve(repo) as thread:
+        yield thread
+
+
+@pytest.fixture(params=["native", "task"])
+def infer_server(request: pytest.FixtureRequest) -> ServerThread:
+    """``ModelInfer`` served natively, or as a task (compressed replies fall back to the task)."""
+    return request.getfixturevalue("plain_server" if request.param == "native" else "server")  # type: ignore[no-any-return]
+
+
 def infer_message(model: str, values: np.ndarray) -> bytes:
     request = pb.ModelInferRequest(model_name=model)
     request.inputs.add(name="INPUT0", datatype="FP32", shape=[values.size])
@@ -371,7 +384,8 @@ def test_tritonclient_compression(server: ServerThread, algorithm: str) -> None:
         client.close()
 
 
-def test_deadline_exceeded_and_the_server_keeps_serving(server: ServerThread) -> None:
+def test_deadline_exceeded_and_the_server_keeps_serving(infer_server: ServerThread) -> None:
+    server = infer_server
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         tensor = grpcclient.InferInput("INPUT0", [1], "FP32")
@@ -386,7 +400,8 @@ def test_deadline_exceeded_and_the_server_keeps_serving(server: ServerThread) ->
         client.close()
 
 
-def test_server_deadline_from_grpc_timeout_header(server: ServerThread) -> None:
+def test_server_deadline_from_grpc_timeout_header(infer_server: ServerThread) -> None:
+    server = infer_server
     client = RawClient(server.server.grpc_port)
     try:
         client.headers(1, extra=(("grpc-timeout", "50m"),))
@@ -399,7 +414,8 @@ def test_server_deadline_from_grpc_timeout_header(server: ServerThread) -> None:
         client.close()
 
 
-def test_reset_stream_cancels_only_that_call(server: ServerThread) -> None:
+def test_reset_stream_cancels_only_that_call(infer_server: ServerThread) -> None:
+    server = infer_server
     client = RawClient(server.server.grpc_port)
     try:
         client.call(1, infer_message("slow", np.ones(1, np.float32)))
@@ -410,6 +426,35 @@ def test_reset_stream_cancels_only_that_call(server: ServerThread) -> None:
         assert response_tensor(body).tolist() == [7, 7]
     finally:
         client.close()
+
+
+def test_a_reset_call_still_queued_never_executes(infer_server: ServerThread) -> None:
+    """Two calls of a one-instance 300 ms model: the second, reset while queued behind the
+    first, is never executed (the execution count grows by one)."""
+    stats = grpcclient.InferenceServerClient(infer_server.grpc_url)
+    client = RawClient(infer_server.server.grpc_port)
+
+    def executions() -> int:
+        counted = stats.get_inference_statistics("slow", as_json=True)["model_stats"][0]
+        return int(counted.get("execution_count", 0))
+
+    try:
+        settle = grpcclient.InferInput("INPUT0", [1], "FP32")
+        settle.set_data_from_numpy(np.ones(1, np.float32))
+        stats.infer("slow", [settle])  # queued behind whatever earlier tests left executing
+        before = executions()
+        client.call(1, infer_message("slow", np.ones(1, np.float32)))
+        client.call(3, infer_message("slow", np.full(1, 2, np.float32)))
+        time.sleep(0.1)
+        client.send(h2.rst_stream(3, h2.CANCEL))
+        _, body, trailers = client.reply(1)
+        assert status(trailers) == (0, "")
+        assert response_tensor(body).tolist() == [1]
+        time.sleep(0.5)  # the reset call would have executed by now
+        assert executions() - before == 1
+    finally:
+        client.close()
+        stats.close()
 
 
 def test_header_block_in_continuation_frames(server: ServerThread) -> None:

@@ -20,17 +20,25 @@ What a peer may rely on:
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from pyserve.grpc import http2 as h2
-from pyserve.grpc.call import AbortError, CallCancelled, CallContext, RequestMessages, encode_metadata
+from pyserve.grpc.call import (
+    NATIVE_PENDING,
+    AbortError,
+    CallCancelled,
+    CallContext,
+    RequestMessages,
+    encode_metadata,
+)
 from pyserve.grpc.codec import WireParts
 
 if TYPE_CHECKING:
@@ -590,6 +598,11 @@ class GrpcConnection(asyncio.Protocol):
             if stream.unary_request is None:
                 self._fail(stream, grpc.StatusCode.UNIMPLEMENTED, "a unary call got no request message")
                 return
+            server = self.server
+            native = server.native_unary.get(stream.path) if not server.interceptors else None
+            if native is not None:
+                self._run_native(stream, native)
+                return
             stream.task = self.loop.create_task(self._run(stream))
 
     def _deadline(self, stream: Stream) -> None:
@@ -636,11 +649,73 @@ class GrpcConnection(asyncio.Protocol):
             self._close()
 
     # -- running a call --------------------------------------------------------------------------
-    async def _run(self, stream: Stream) -> None:
+    def _run_native(self, stream: Stream, native: Any) -> None:
+        """A unary call served by a native function (``GrpcServer.add_native_unary``)."""
+        context = stream.context
+        handler = stream.handler
+        assert context is not None and handler is not None
+        deserialize = handler.request_deserializer
+        try:
+            request = stream.unary_request if deserialize is None else deserialize(stream.unary_request)
+        except Exception:
+            context.set_code(grpc.StatusCode.INTERNAL)
+            context.set_details("Exception deserializing request!")
+            self._native_respond(stream, None)
+            return
+        stream.unary_request = None
+        try:
+            result = native(request, context, functools.partial(self._native_respond, stream))
+        except Exception as exc:
+            log.exception("gRPC method %s failed", _method_name(handler))
+            context.set_code(grpc.StatusCode.UNKNOWN)
+            context.set_details(f"Unexpected {type(exc)}: {exc}")
+            self._native_respond(stream, None)
+            return
+        if result is NATIVE_PENDING:
+            return
+        if callable(result):  # "run this as a task": what the native function does not cover
+            stream.task = self.loop.create_task(self._run(stream, result))
+            return
+        self._native_respond(stream, result)
+
+    def _native_respond(self, stream: Stream, response: Any) -> None:
+        """The answer of a native unary call (None: the status set on its context)."""
+        context = stream.context
+        assert context is not None and stream.handler is not None
+        if not stream.finished:
+            try:
+                self._reply_unary(stream, response, stream.handler.response_serializer)
+            except Exception as exc:
+                log.exception("gRPC method %s failed", _method_name(stream.handler))
+                context.set_code(grpc.StatusCode.UNKNOWN)
+                context.set_details(f"Unexpected {type(exc)}: {exc}")
+            self._finish(stream)
+        if stream.deadline_handle is not None:
+            stream.deadline_handle.cancel()
+            stream.deadline_handle = None
+        context.run_done_callbacks()
+
+    def _reply_unary(self, stream: Stream, response: Any, serializer: Any) -> None:
+        """Send a unary call's response message if its status is still OK."""
+        context = stream.context
+        assert context is not None
+        if context.code() == grpc.StatusCode.OK:
+            if response is None:
+                context.set_code(grpc.StatusCode.INTERNAL)
+                context.set_details("the servicer returned no response")
+            else:
+                self._send_message(stream, response, serializer)
+
+    async def _run(self, stream: Stream, behaviour_call: Callable[[], Awaitable[Any]] | None = None) -> None:
+        """Run a call's handler (or, for a native unary call that handed it back, ``behaviour_call()``)."""
         context = stream.context
         assert context is not None
         handler = stream.handler
         try:
+            if behaviour_call is not None:
+                self._reply_unary(stream, await behaviour_call(), handler.response_serializer)
+                self._finish(stream)
+                return
             if self.server.interceptors:
                 handler = await self.server.intercept(handler, stream, context)
                 if handler is None:
@@ -676,12 +751,7 @@ class GrpcConnection(asyncio.Protocol):
                 response = behaviour(request, context)
                 if inspect.isawaitable(response):
                     response = await response
-                if context.code() == grpc.StatusCode.OK:
-                    if response is None:
-                        context.set_code(grpc.StatusCode.INTERNAL)
-                        context.set_details("the servicer returned no response")
-                    else:
-                        self._send_message(stream, response, handler.response_serializer)
+                self._reply_unary(stream, response, handler.response_serializer)
             self._finish(stream)
         except AbortError:
             self._finish(stream)
