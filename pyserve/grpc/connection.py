@@ -654,21 +654,14 @@ class GrpcConnection(asyncio.Protocol):
         context = stream.context
         handler = stream.handler
         assert context is not None and handler is not None
-        deserialize = handler.request_deserializer
-        try:
-            request = stream.unary_request if deserialize is None else deserialize(stream.unary_request)
-        except Exception:
-            context.set_code(grpc.StatusCode.INTERNAL)
-            context.set_details("Exception deserializing request!")
+        request = _unary_request(stream, handler)
+        if request is _UNREADABLE:
             self._native_respond(stream, None)
             return
-        stream.unary_request = None
         try:
             result = native(request, context, functools.partial(self._native_respond, stream))
         except Exception as exc:
-            log.exception("gRPC method %s failed", _method_name(handler))
-            context.set_code(grpc.StatusCode.UNKNOWN)
-            context.set_details(f"Unexpected {type(exc)}: {exc}")
+            _unexpected(context, handler, exc)
             self._native_respond(stream, None)
             return
         if result is NATIVE_PENDING:
@@ -686,9 +679,7 @@ class GrpcConnection(asyncio.Protocol):
             try:
                 self._reply_unary(stream, response, stream.handler.response_serializer)
             except Exception as exc:
-                log.exception("gRPC method %s failed", _method_name(stream.handler))
-                context.set_code(grpc.StatusCode.UNKNOWN)
-                context.set_details(f"Unexpected {type(exc)}: {exc}")
+                _unexpected(context, stream.handler, exc)
             self._finish(stream)
         if stream.deadline_handle is not None:
             stream.deadline_handle.cancel()
@@ -726,15 +717,10 @@ class GrpcConnection(asyncio.Protocol):
             if handler.request_streaming:
                 request: Any = stream.messages
             else:
-                deserialize = handler.request_deserializer
-                try:
-                    request = stream.unary_request if deserialize is None else deserialize(stream.unary_request)
-                except Exception:
-                    context.set_code(grpc.StatusCode.INTERNAL)
-                    context.set_details("Exception deserializing request!")
+                request = _unary_request(stream, handler)
+                if request is _UNREADABLE:
                     self._finish(stream)
                     return
-                stream.unary_request = None
             if handler.response_streaming:
                 behaviour = handler.stream_stream if handler.request_streaming else handler.unary_stream
                 result = behaviour(request, context)
@@ -766,9 +752,7 @@ class GrpcConnection(asyncio.Protocol):
             pass
         except Exception as exc:
             if not stream.finished:
-                log.exception("gRPC method %s failed", _method_name(handler))
-                context.set_code(grpc.StatusCode.UNKNOWN)
-                context.set_details(f"Unexpected {type(exc)}: {exc}")
+                _unexpected(context, handler, exc)
                 self._finish(stream)
         finally:
             if stream.deadline_handle is not None:
@@ -1023,6 +1007,30 @@ class GrpcConnection(asyncio.Protocol):
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+
+_UNREADABLE: Any = object()
+
+
+def _unary_request(stream: Stream, handler: Any) -> Any:
+    """A unary call's deserialized request, or ``_UNREADABLE`` with INTERNAL set on its context."""
+    deserialize = handler.request_deserializer
+    try:
+        request = stream.unary_request if deserialize is None else deserialize(stream.unary_request)
+    except Exception:
+        assert stream.context is not None
+        stream.context.set_code(grpc.StatusCode.INTERNAL)
+        stream.context.set_details("Exception deserializing request!")
+        return _UNREADABLE
+    stream.unary_request = None
+    return request
+
+
+def _unexpected(context: CallContext, handler: Any, exc: Exception) -> None:
+    """A handler failed with an exception it did not mean: log it, end the call UNKNOWN."""
+    log.exception("gRPC method %s failed", _method_name(handler), exc_info=exc)
+    context.set_code(grpc.StatusCode.UNKNOWN)
+    context.set_details(f"Unexpected {type(exc)}: {exc}")
 
 
 def _header_frames(stream_id: int, block: bytes, end_stream: bool, max_frame: int) -> bytes:
