@@ -56,15 +56,15 @@ def server(repo: Path) -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="module")
 def plain_server(repo: Path) -> Iterator[ServerThread]:
-    """No reply compression: ``ModelInfer`` takes the native (task-free) path."""
+    """The defaults: no reply compression, no message cap below grpc's."""
     with serve(repo) as thread:
         yield thread
 
 
-@pytest.fixture(params=["native", "task"])
+@pytest.fixture(params=["plain", "compressed"])
 def infer_server(request: pytest.FixtureRequest) -> ServerThread:
-    """``ModelInfer`` served natively, or as a task (compressed replies fall back to the task)."""
-    return request.getfixturevalue("plain_server" if request.param == "native" else "server")  # type: ignore[no-any-return]
+    """A server with plain replies, or the module's server (compressed replies)."""
+    return request.getfixturevalue("plain_server" if request.param == "plain" else "server")  # type: ignore[no-any-return]
 
 
 def infer_message(model: str, values: np.ndarray) -> bytes:

@@ -24,15 +24,6 @@ RESERVED_HEADERS = frozenset({"content-type", "te", "grpc-timeout", "grpc-encodi
 """Request headers that are transport details, not call metadata (as grpc leaves them out)."""
 
 
-class _Pending:
-    def __repr__(self) -> str:
-        return "NATIVE_PENDING"
-
-
-NATIVE_PENDING: Any = _Pending()
-"""What a native unary function returns when its answer comes later (``GrpcServer.add_native_unary``)."""
-
-
 class AbortError(Exception):
     """Raised by :meth:`CallContext.abort`; ends the call with the status already recorded."""
 

@@ -20,25 +20,17 @@ What a peer may rely on:
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import logging
 import zlib
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from pyserve.grpc import http2 as h2
-from pyserve.grpc.call import (
-    NATIVE_PENDING,
-    AbortError,
-    CallCancelled,
-    CallContext,
-    RequestMessages,
-    encode_metadata,
-)
+from pyserve.grpc.call import AbortError, CallCancelled, CallContext, RequestMessages, encode_metadata
 from pyserve.grpc.codec import WireParts
 
 if TYPE_CHECKING:
@@ -598,11 +590,6 @@ class GrpcConnection(asyncio.Protocol):
             if stream.unary_request is None:
                 self._fail(stream, grpc.StatusCode.UNIMPLEMENTED, "a unary call got no request message")
                 return
-            server = self.server
-            native = server.native_unary.get(stream.path) if not server.interceptors else None
-            if native is not None:
-                self._run_native(stream, native)
-                return
             stream.task = self.loop.create_task(self._run(stream))
 
     def _deadline(self, stream: Stream) -> None:
@@ -649,64 +636,11 @@ class GrpcConnection(asyncio.Protocol):
             self._close()
 
     # -- running a call --------------------------------------------------------------------------
-    def _run_native(self, stream: Stream, native: Any) -> None:
-        """A unary call served by a native function (``GrpcServer.add_native_unary``)."""
-        context = stream.context
-        handler = stream.handler
-        assert context is not None and handler is not None
-        request = _unary_request(stream, handler)
-        if request is _UNREADABLE:
-            self._native_respond(stream, None)
-            return
-        try:
-            result = native(request, context, functools.partial(self._native_respond, stream))
-        except Exception as exc:
-            _unexpected(context, handler, exc)
-            self._native_respond(stream, None)
-            return
-        if result is NATIVE_PENDING:
-            return
-        if callable(result):  # "run this as a task": what the native function does not cover
-            stream.task = self.loop.create_task(self._run(stream, result))
-            return
-        self._native_respond(stream, result)
-
-    def _native_respond(self, stream: Stream, response: Any) -> None:
-        """The answer of a native unary call (None: the status set on its context)."""
-        context = stream.context
-        assert context is not None and stream.handler is not None
-        if not stream.finished:
-            try:
-                self._reply_unary(stream, response, stream.handler.response_serializer)
-            except Exception as exc:
-                _unexpected(context, stream.handler, exc)
-            self._finish(stream)
-        if stream.deadline_handle is not None:
-            stream.deadline_handle.cancel()
-            stream.deadline_handle = None
-        context.run_done_callbacks()
-
-    def _reply_unary(self, stream: Stream, response: Any, serializer: Any) -> None:
-        """Send a unary call's response message if its status is still OK."""
-        context = stream.context
-        assert context is not None
-        if context.code() == grpc.StatusCode.OK:
-            if response is None:
-                context.set_code(grpc.StatusCode.INTERNAL)
-                context.set_details("the servicer returned no response")
-            else:
-                self._send_message(stream, response, serializer)
-
-    async def _run(self, stream: Stream, behaviour_call: Callable[[], Awaitable[Any]] | None = None) -> None:
-        """Run a call's handler (or, for a native unary call that handed it back, ``behaviour_call()``)."""
+    async def _run(self, stream: Stream) -> None:
         context = stream.context
         assert context is not None
         handler = stream.handler
         try:
-            if behaviour_call is not None:
-                self._reply_unary(stream, await behaviour_call(), handler.response_serializer)
-                self._finish(stream)
-                return
             if self.server.interceptors:
                 handler = await self.server.intercept(handler, stream, context)
                 if handler is None:
@@ -717,10 +651,15 @@ class GrpcConnection(asyncio.Protocol):
             if handler.request_streaming:
                 request: Any = stream.messages
             else:
-                request = _unary_request(stream, handler)
-                if request is _UNREADABLE:
+                deserialize = handler.request_deserializer
+                try:
+                    request = stream.unary_request if deserialize is None else deserialize(stream.unary_request)
+                except Exception:
+                    context.set_code(grpc.StatusCode.INTERNAL)
+                    context.set_details("Exception deserializing request!")
                     self._finish(stream)
                     return
+                stream.unary_request = None
             if handler.response_streaming:
                 behaviour = handler.stream_stream if handler.request_streaming else handler.unary_stream
                 result = behaviour(request, context)
@@ -737,7 +676,12 @@ class GrpcConnection(asyncio.Protocol):
                 response = behaviour(request, context)
                 if inspect.isawaitable(response):
                     response = await response
-                self._reply_unary(stream, response, handler.response_serializer)
+                if context.code() == grpc.StatusCode.OK:
+                    if response is None:
+                        context.set_code(grpc.StatusCode.INTERNAL)
+                        context.set_details("the servicer returned no response")
+                    else:
+                        self._send_message(stream, response, handler.response_serializer)
             self._finish(stream)
         except AbortError:
             self._finish(stream)
@@ -752,7 +696,9 @@ class GrpcConnection(asyncio.Protocol):
             pass
         except Exception as exc:
             if not stream.finished:
-                _unexpected(context, handler, exc)
+                log.exception("gRPC method %s failed", _method_name(handler))
+                context.set_code(grpc.StatusCode.UNKNOWN)
+                context.set_details(f"Unexpected {type(exc)}: {exc}")
                 self._finish(stream)
         finally:
             if stream.deadline_handle is not None:
@@ -1007,30 +953,6 @@ class GrpcConnection(asyncio.Protocol):
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-_UNREADABLE: Any = object()
-
-
-def _unary_request(stream: Stream, handler: Any) -> Any:
-    """A unary call's deserialized request, or ``_UNREADABLE`` with INTERNAL set on its context."""
-    deserialize = handler.request_deserializer
-    try:
-        request = stream.unary_request if deserialize is None else deserialize(stream.unary_request)
-    except Exception:
-        assert stream.context is not None
-        stream.context.set_code(grpc.StatusCode.INTERNAL)
-        stream.context.set_details("Exception deserializing request!")
-        return _UNREADABLE
-    stream.unary_request = None
-    return request
-
-
-def _unexpected(context: CallContext, handler: Any, exc: Exception) -> None:
-    """A handler failed with an exception it did not mean: log it, end the call UNKNOWN."""
-    log.exception("gRPC method %s failed", _method_name(handler), exc_info=exc)
-    context.set_code(grpc.StatusCode.UNKNOWN)
-    context.set_details(f"Unexpected {type(exc)}: {exc}")
 
 
 def _header_frames(stream_id: int, block: bytes, end_stream: bool, max_frame: int) -> bytes:

@@ -13,15 +13,12 @@ import contextlib
 import os
 import socket
 import ssl
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
 from pyserve.grpc.connection import GrpcConnection
-
-NativeUnary = Callable[[Any, Any, Callable[[Any], None]], Any]
-"""``function(request, context, respond)``; see ``GrpcServer.add_native_unary``."""
 
 if TYPE_CHECKING:
     from pyserve.grpc.call import CallContext
@@ -50,7 +47,6 @@ class GrpcServer:
         self.reuse_port = reuse_port
         self.connections: set[GrpcConnection] = set()
         self._handlers: list[grpc.GenericRpcHandler] = []
-        self.native_unary: dict[str, NativeUnary] = {}
         self._methods: dict[str, Any] = {}
         self._sockets: list[socket.socket] = []
         self._tls: dict[int, ssl.SSLContext] = {}  # id(listening socket) → its TLS context
@@ -60,19 +56,6 @@ class GrpcServer:
         self._stopped = asyncio.Event()  # binds to a loop on first use (Python >= 3.10)
 
     # -- handlers ---------------------------------------------------------------------------------
-    def add_native_unary(self, path: str, function: NativeUnary) -> None:
-        """Serve the unary method ``path`` with ``function`` instead of its handler's coroutine
-        (no task per call) while the server has no interceptors.
-
-        ``function(request, context, respond)`` runs on the loop with the deserialized request
-        and returns the response (None after setting a non-OK status on ``context``), or
-        ``NATIVE_PENDING`` and calls ``respond(response)`` on the loop later (not after the call
-        has ended: ``context.add_done_callback`` tells it when it did), or a zero-argument
-        callable returning an awaitable of the response, which then runs as a task. An exception it raises ends the call UNKNOWN, as one
-        from the handler would. The handler registered for ``path`` still serializes the reply.
-        """
-        self.native_unary[path] = function
-
     def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
         self._handlers.extend(handlers)
         self._methods.clear()

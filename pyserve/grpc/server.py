@@ -226,15 +226,4 @@ def create_server(dataplane: DataPlane, options: GrpcOptions, reuse_port: bool =
         _handlers(pb.SERVICE_DESCRIPTOR, servicer),
         _handlers(pb.HEALTH_SERVICE_DESCRIPTOR, HealthServicer(dataplane)),
     ))
-    add_native_infer(server, servicer)
     return server, bind(server, options)
-
-
-MODEL_INFER_PATH = f"/{pb.SERVICE_DESCRIPTOR.full_name}/ModelInfer"
-
-
-def add_native_infer(server: Any, servicer: InferenceServicer) -> None:
-    """On pyserve's own gRPC server, ``ModelInfer`` runs without a task per call
-    (``InferenceServicer.ModelInfer_native``); grpc.aio keeps the coroutine."""
-    if hasattr(server, "add_native_unary"):
-        server.add_native_unary(MODEL_INFER_PATH, servicer.ModelInfer_native)

@@ -7,9 +7,8 @@ gRPC status codes Triton uses.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from time import monotonic_ns
 from typing import Any
 
@@ -21,9 +20,7 @@ from pyserve.dataplane import DataPlane
 from pyserve.errors import ErrorCode, InferError
 from pyserve.grpc import extensions
 from pyserve.grpc.codec import decode_infer, encode_infer_wire, model_version
-from pyserve.grpc.call import NATIVE_PENDING
 from pyserve.grpc.stream import StreamSession
-from pyserve.inference import FutureSender
 
 log = logging.getLogger("pyserve.grpc")
 
@@ -58,27 +55,6 @@ def infer_model(dataplane: Any, request: Any) -> Any:
 
 async def _abort(context: grpc.aio.ServicerContext, error: InferError) -> None:
     await context.abort(GRPC_STATUS[error.code], error.message)
-
-
-def native_error(context: Any, error: InferError) -> None:
-    """Set ``error`` as the call's status (the native unary paths answer None then)."""
-    context.set_code(GRPC_STATUS[error.code])
-    context.set_details(error.message)
-
-
-def _native_answer(result: Any, decoded: Any, model: Any, decode_ns: int, context: Any) -> Any:
-    """The serialized reply for a model's result, or None with the error set on ``context``."""
-    if isinstance(result, InferError):
-        return native_error(context, result)
-    request = decoded.request
-    encode_start = monotonic_ns()
-    try:
-        response = encode_infer_wire(result, decoded, model, join=False)
-    except InferError as exc:
-        return native_error(context, exc)
-    if request.stats is not None and request.exec_start_ns >= 0:  # not for cache hits
-        request.stats.codec(decode_ns, monotonic_ns() - encode_start)
-    return response
 
 
 def _trace_parent(context: grpc.aio.ServicerContext) -> str | None:
@@ -178,68 +154,6 @@ class InferenceServicer:
         if self.compress_infer:
             context.set_compression(grpc.Compression.Gzip)
         return response
-
-    def ModelInfer_native(self, request: Any, context: Any, respond: Callable[[Any], None]) -> Any:
-        """``ModelInfer`` for pyserve's own gRPC server, without a task per call.
-
-        Same answers as ``ModelInfer``. Returns the response (the serialized reply, or None
-        with the status set on ``context``) when it is known at once (an inline model, a
-        refused request), else ``NATIVE_PENDING`` and later calls ``respond(response)`` on the
-        loop; a call that ends first (deadline, client reset) cancels the queued request. What
-        this path does not cover (compressed replies, header forwarding, tracing) is handed back
-        as a call of ``ModelInfer``, which the server runs as a task.
-        """
-        dataplane = self.dataplane
-        if self.compress_infer or dataplane.grpc_forwarding is not None or dataplane.tracing.active:
-            return functools.partial(self.ModelInfer, request, context)
-        try:
-            model = infer_model(dataplane, request)
-            decode_start = monotonic_ns()
-            decoded = decode_infer(request, model, shm=dataplane.shared_memory)
-        except InferError as exc:
-            return native_error(context, exc)
-        return self.start_native(dataplane, model, decoded, monotonic_ns() - decode_start, context, respond)
-
-    @staticmethod
-    def start_native(dataplane: Any, model: Any, decoded: Any, decode_ns: int, context: Any,
-                     respond: Callable[[Any], None]) -> Any:
-        """Submit a decoded ``ModelInfer`` request to ``dataplane`` (a local one) for
-        ``ModelInfer_native``: the answer, or ``NATIVE_PENDING`` and ``respond`` later."""
-        request = decoded.request
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        request.attach_sender(FutureSender(loop, future))
-        error = dataplane.submit(model, request)
-        if error is not None:
-            return native_error(context, error)
-        if future.done():  # answered during submit (an inline model, a cache hit)
-            dataplane.finished(request)
-            return _native_answer(future.result(), decoded, model, decode_ns, context)
-
-        def settled(done: asyncio.Future[Any]) -> None:
-            if done.cancelled():
-                return
-            dataplane.finished(request)
-            if context.done():
-                return
-            try:
-                answer = _native_answer(done.result(), decoded, model, decode_ns, context)
-            except Exception as exc:  # a bug: the call ends UNKNOWN, as on the task path
-                log.exception("gRPC ModelInfer failed")
-                context.set_code(grpc.StatusCode.UNKNOWN)
-                context.set_details(f"Unexpected {type(exc)}: {exc}")
-                answer = None
-            respond(answer)
-
-        def call_ended(_: Any) -> None:
-            if not future.done():  # the call ended before its answer: the request is not wanted
-                request.cancel()
-                future.cancel()
-                dataplane.finished(request)
-
-        future.add_done_callback(settled)
-        context.add_done_callback(call_ended)
-        return NATIVE_PENDING
 
     async def infer_decoded(self, model: Any, decoded: Any, decode_ns: int, context: grpc.aio.ServicerContext) -> Any:
         """Run a decoded ``ModelInfer`` request and encode its answer (``ModelInferResponse`` bytes,

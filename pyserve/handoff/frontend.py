@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import json
 import logging
@@ -30,7 +29,6 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -39,7 +37,7 @@ from pyserve import logs, validation
 from pyserve.errors import ErrorCode, InferError
 from pyserve.grpc.codec import decode_infer as grpc_decode
 from pyserve.grpc.server import GrpcOptions
-from pyserve.grpc.servicer import InferenceServicer, _abort, _trace_parent, infer_model, native_error
+from pyserve.grpc.servicer import InferenceServicer, _abort, _trace_parent, infer_model
 from pyserve.handoff import wire
 from pyserve.handoff.http_proxy import OwnerHttpProxy
 from pyserve.handoff.wire import Kind
@@ -435,25 +433,6 @@ class FrontendServicer(InferenceServicer):
             context.set_compression(grpc.Compression.Gzip)
         return response
 
-    def ModelInfer_native(self, request: Any, context: Any, respond: Callable[[Any], None]) -> Any:
-        """Natively (no task) only for a model with a local replica; the rest goes to ``ModelInfer``."""
-        dataplane: FrontendDataPlane = self.dataplane  # type: ignore[assignment]
-        replicas = dataplane.link.replicas
-        fallback = functools.partial(self.ModelInfer, request, context)
-        if (replicas is None or self.compress_infer or dataplane.grpc_forwarding is not None
-                or replicas.dataplane.tracing.active):
-            return fallback
-        try:
-            model = infer_model(dataplane, request)
-            if isinstance(model, RemoteModel):
-                return fallback
-            decoded = grpc_decode(request, model, shm=dataplane.shared_memory)
-        except NeedsOwner:
-            return fallback
-        except InferError as exc:
-            return native_error(context, exc)
-        return self.start_native(replicas.dataplane, model, decoded, 0, context, respond)
-
     @staticmethod
     async def _raw(link: OwnerLink, request: Any, context: grpc.aio.ServicerContext,
                    forwarded: list[tuple[str, str]]) -> bytes:
@@ -517,7 +496,7 @@ def relay_handlers(service: Any, channel: grpc.aio.Channel, skip: frozenset[str]
 
 def create_grpc(dataplane: FrontendDataPlane, options: GrpcOptions, owner_address: str) -> tuple[Any, grpc.aio.Channel]:
     """The frontend's gRPC server (bound, not started) and its channel to the owner."""
-    from pyserve.grpc.server import _handlers, add_native_infer, bind, new_server
+    from pyserve.grpc.server import _handlers, bind, new_server
 
     server = new_server(options, reuse_port=True)
     channel = grpc.aio.insecure_channel(owner_address, options=[
@@ -525,7 +504,6 @@ def create_grpc(dataplane: FrontendDataPlane, options: GrpcOptions, owner_addres
         ("grpc.max_receive_message_length", options.max_message_bytes),
     ])
     servicer = FrontendServicer(dataplane, compress_infer=options.infer_compression != "none")  # type: ignore[arg-type]
-    add_native_infer(server, servicer)
     server.add_generic_rpc_handlers((
         _handlers(pb.SERVICE_DESCRIPTOR, servicer, only=frozenset({"ModelInfer"})),
         relay_handlers(pb.SERVICE_DESCRIPTOR, channel, skip=frozenset({"ModelInfer"})),
