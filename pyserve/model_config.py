@@ -250,14 +250,11 @@ class ModelIO:
     outputs: dict[str, TensorSpec]
     batching: bool = field(init=False)
     """``max_batch_size > 0``: the first dim of every input and output is the batch."""
-    required_inputs: int = field(init=False)
-    """How many inputs are not ``optional``."""
     reshaped_inputs: tuple[str, ...] = field(init=False)
     """The inputs with a config ``reshape``."""
 
     def __post_init__(self) -> None:  # derived once: the request checks read them per request
         object.__setattr__(self, "batching", self.max_batch_size > 0)
-        object.__setattr__(self, "required_inputs", sum(1 for s in self.inputs.values() if not s.optional))
         object.__setattr__(
             self, "reshaped_inputs", tuple(n for n, s in self.inputs.items() if s.reshape is not None)
         )

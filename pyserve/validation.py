@@ -174,8 +174,9 @@ def finish_inputs(
     if len(inputs) != len(io.inputs):  # every given input is known: only then can one be missing
         missing = [n for n, s in io.inputs.items() if n not in inputs and not s.optional]
         if missing:
+            required = sum(1 for s in io.inputs.values() if not s.optional)
             raise InferError.invalid(
-                f"expected {io.required_inputs} inputs but got {len(inputs)} inputs for model "
+                f"expected {required} inputs but got {len(inputs)} inputs for model "
                 f"'{model_name}'. Got input(s) {sorted(inputs)}, but missing required input(s) {missing}. "
                 "Please provide all required input(s)."
             )

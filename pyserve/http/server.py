@@ -422,7 +422,8 @@ class HttpProtocol(asyncio.Protocol):
         if headers is JSON_HEADERS:  # the usual answer (and every error): a ready-made head
             head = _JSON_HEADS.get(status)
             if head is None:
-                head = _JSON_HEADS[status] = _status_line(status) + b"content-type: application/json\r\n"
+                head = _JSON_HEADS[status] = _status_line(status) + b"".join(
+                    name + b": " + value + b"\r\n" for name, value in JSON_HEADERS)
             parts = [head]
         else:
             parts = [_status_line(status)]

@@ -29,12 +29,11 @@ _last_server: Any = None
 @contextlib.contextmanager
 def calling(model: ModelContext) -> Iterator[None]:
     """Mark ``model`` as the caller for the code run inside the ``with`` block."""
-    remember(model)
-    token = _current.set(model)
+    token = enter(model)
     try:
         yield
     finally:
-        _current.reset(token)
+        leave(token)
 
 
 def enter(model: ModelContext) -> contextvars.Token[ModelContext | None]:
