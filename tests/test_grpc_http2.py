@@ -359,6 +359,39 @@ def test_gzip_request_and_response(server: ServerThread) -> None:
         client.close()
 
 
+def test_truncated_gzip_message_is_internal_and_the_connection_goes_on(server: ServerThread) -> None:
+    """A gzip message cut short is refused (it is not inflated to whatever part decodes)."""
+    client = RawClient(server.server.grpc_port)
+    try:
+        whole = gzip.compress(infer_message("echo", np.linspace(0, 1, 1000, dtype=np.float32)))
+        client.headers(1, extra=(("grpc-encoding", "gzip"),))
+        client.data(1, framed(whole[: len(whole) // 2], compressed=True))
+        _, _, trailers = client.reply(1)
+        code, message = status(trailers)
+        assert code == grpc.StatusCode.INTERNAL.value[0]
+        assert message == "cannot decompress the request message: truncated gzip data"
+        client.call(3, infer_message("echo", np.ones(2, np.float32)))
+        assert status(client.reply(3)[2]) == (0, "")
+    finally:
+        client.close()
+
+
+def test_data_inside_a_header_block_ends_the_connection_even_when_it_arrives_in_pieces(
+    server: ServerThread,
+) -> None:
+    """A DATA frame where a CONTINUATION must come is a connection error, also when only its
+    first bytes have arrived (the path that takes a large DATA payload as it comes)."""
+    client = RawClient(server.server.grpc_port)
+    try:
+        block = client.encoder.encode([(":method", "POST"), (":path", INFER_PATH), ("content-type", "application/grpc")])
+        client.send(h2.frame(h2.HEADERS, 0, 1, block))  # no END_HEADERS: a CONTINUATION must follow
+        client.send(h2.frame_header(h2.DATA, 0, 1, 10_000) + b"x" * 100)  # most of the payload still to come
+        code, text = client.goaway()
+        assert code == h2.PROTOCOL_ERROR and b"expected CONTINUATION" in text
+    finally:
+        client.close()
+
+
 def test_unsupported_encoding_is_unimplemented(server: ServerThread) -> None:
     client = RawClient(server.server.grpc_port)
     try:

@@ -403,8 +403,9 @@ class GrpcDriver:
         self.recorder = recorder
         self.requests = _Requests(config.requests)
         options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-        self.channel = grpc.aio.insecure_channel(f"{config.host}:{config.port}", options=options)
-        self.stream = self.channel.stream_stream(_STREAM_METHOD)
+        # grpc.aio only for streaming calls: unary ones go through the lean client below
+        self.channel = grpc.aio.insecure_channel(f"{config.host}:{config.port}", options=options) if config.streaming else None
+        self.stream = self.channel.stream_stream(_STREAM_METHOD) if self.channel is not None else None
         self.lean = LeanChannel(config.host, config.port)  # unary calls: far less CPU than grpc.aio
         self.spec = LoadSpec()
         self.generation = 0
@@ -524,7 +525,8 @@ class GrpcDriver:
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=5)
         self.lean.close()
-        await self.channel.close(grace=None)
+        if self.channel is not None:
+            await self.channel.close(grace=None)
 
 
 # -- process entry point ------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ class CallContext:
     """
 
     __slots__ = (
-        "_stream", "_headers", "_metadata", "_code", "_details", "_trailing", "_initial_sent", "compression",
+        "_stream", "_headers", "_metadata", "_code", "_details", "_trailing", "compression",
         "_done_callbacks", "_deadline", "_peer", "_messages", "next_uncompressed",
     )
 

@@ -32,6 +32,7 @@ import grpc
 from pyserve.grpc import http2 as h2
 from pyserve.grpc.call import AbortError, CallCancelled, CallContext, RequestMessages, encode_metadata
 from pyserve.grpc.codec import WireParts
+from pyserve.http.body import TooLarge, inflate
 
 if TYPE_CHECKING:
     from pyserve.grpc.listener import GrpcServer
@@ -118,7 +119,6 @@ class GrpcConnection(asyncio.Protocol):
         self._data_left = 0  # bytes of a DATA frame still to arrive
         self._data_stream: Stream | None = None
         self._data_end = False
-        self._data_id = 0
         # sending
         self._out: list[Any] = []
         self._flush_scheduled = False
@@ -269,8 +269,6 @@ class GrpcConnection(asyncio.Protocol):
                 self._buffer = None
                 stream_id = int.from_bytes(leftover[5:9], "big") & 0x7FFFFFFF
                 try:
-                    if self._continuation is not None:
-                        raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "expected CONTINUATION")
                     self._begin_data(stream_id, flags, length)
                     if length == 0:
                         self._receive_data(memoryview(b""), 0, self._data_end)
@@ -492,6 +490,8 @@ class GrpcConnection(asyncio.Protocol):
             self._remote_end(stream)
 
     def _begin_data(self, stream_id: int, flags: int, length: int) -> None:
+        if self._continuation is not None:  # also for DATA taken as it arrives, not only in _frame
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "expected CONTINUATION")
         if stream_id == 0:
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "DATA on stream 0")
         stream = self._streams.get(stream_id)
@@ -501,7 +501,6 @@ class GrpcConnection(asyncio.Protocol):
             self._reset(stream, h2.STREAM_CLOSED)
             stream = None
         self._data_stream = stream
-        self._data_id = stream_id
         self._data_left = length
         self._data_end = bool(flags & h2.END_STREAM)
 
@@ -565,9 +564,12 @@ class GrpcConnection(asyncio.Protocol):
     def _message(self, stream: Stream, message: bytes | bytearray) -> None:
         if stream.compressed:
             try:
-                message = _decompress(message, stream.encoding, self.max_message)
+                message = inflate(message, stream.encoding, self.max_message)
+            except TooLarge as exc:
+                self._fail(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max ({exc})")
+                return
             except ValueError as exc:
-                self._fail(stream, grpc.StatusCode.INTERNAL if "larger" not in str(exc) else grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                self._fail(stream, grpc.StatusCode.INTERNAL, f"cannot decompress the request message: {exc}")
                 return
         if stream.messages is not None:
             stream.messages.push(message)
@@ -722,8 +724,9 @@ class GrpcConnection(asyncio.Protocol):
         while (self._paused or (stream.pending and sum(len(item) for item in stream.pending) > DRAIN_ABOVE)) \
                 and not stream.finished:
             waiter = self.loop.create_future()
-            stream.drain_waiter = waiter
-            self._drain_waiters.append(waiter)
+            stream.drain_waiter = waiter  # woken when the stream's queue empties (_wake_stream)
+            if self._paused:  # ... or when the transport can take more (_wake_drain)
+                self._drain_waiters.append(waiter)
             await waiter
         if stream.finished and stream.cancelled:
             raise CallCancelled("the call was cancelled")
@@ -918,10 +921,6 @@ class GrpcConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    @property
-    def idle(self) -> bool:
-        return not self._streams
-
     def _close(self) -> None:
         if self.transport is not None and not self._closed:
             self._flush()
@@ -978,27 +977,6 @@ def _response_encoding(stream: Stream, compression: grpc.Compression | None) -> 
 def _gzip(payload: bytes) -> bytes:
     compressor = zlib.compressobj(wbits=31)
     return compressor.compress(payload) + compressor.flush()
-
-
-def _decompress(message: bytes | bytearray, encoding: str, limit: int) -> bytes:
-    """A compressed request message, inflated to at most ``limit`` bytes.
-
-    :raises ValueError: an unknown encoding, corrupt data, or more than ``limit`` bytes.
-    """
-    if encoding == "gzip":
-        wbits = 31
-    elif encoding == "deflate":
-        wbits = 15
-    else:
-        raise ValueError(f"a compressed message without a grpc-encoding (got '{encoding}')")
-    inflater = zlib.decompressobj(wbits)
-    try:
-        data = inflater.decompress(message, limit + 1)
-    except zlib.error as exc:
-        raise ValueError(f"cannot decompress the request message: {exc}") from None
-    if len(data) > limit:
-        raise ValueError(f"Received message larger than max (more than {limit} bytes once decompressed)")
-    return data
 
 
 def _unpad(payload: memoryview) -> memoryview:

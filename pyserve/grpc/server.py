@@ -201,11 +201,12 @@ def new_server(options: GrpcOptions, reuse_port: bool = False) -> Any:
     """An empty gRPC server of ``options.implementation`` (handlers and ports not added yet).
 
     Both kinds take ``add_generic_rpc_handlers``, ``add_insecure_port``, ``start`` and ``stop``.
-    ``reuse_port`` lets several processes listen on one port (grpc.aio always does).
+    ``reuse_port`` lets several processes listen on one port (grpc core would set
+    SO_REUSEPORT by default: it is set explicitly either way).
     """
     interceptors = [grpc_interceptor(options.restrictions)] if options.restrictions else None
     if options.implementation == "grpcio":
-        extra = [("grpc.so_reuseport", 1)] if reuse_port else []
+        extra = [("grpc.so_reuseport", int(reuse_port))]
         return grpc.aio.server(options=channel_options(options) + extra, interceptors=interceptors)
     if options.implementation != "pyserve":
         raise RuntimeError(f"unknown gRPC server '{options.implementation}' (choose from {', '.join(GRPC_SERVERS)})")

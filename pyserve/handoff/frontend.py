@@ -227,7 +227,9 @@ class OwnerLink(asyncio.Protocol):
         :param forwarded: metadata to add as request parameters (``--grpc-header-forward-pattern``).
         """
         request_id = next(self.ids)
-        header = {"tp": trace_parent, "fh": [list(pair) for pair in forwarded or ()]}
+        header: dict[str, Any] = {"tp": trace_parent}
+        if forwarded:  # only with --grpc-header-forward-pattern
+            header["fh"] = [list(pair) for pair in forwarded]
         return request_id, self._await(request_id, wire.frame(Kind.RAW_GRPC, request_id, header, [message]))
 
     def _await(self, request_id: int, parts: list[Any]) -> asyncio.Future[Any]:

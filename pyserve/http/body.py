@@ -60,23 +60,43 @@ def decode_content(body: bytes, content_encoding: str, limit: int) -> bytes:
     encoding = content_encoding.strip().lower()
     if encoding in ("", "identity"):
         return body
-    if encoding == "gzip":
-        return _inflate(body, zlib.MAX_WBITS | 16, limit, encoding)
-    if encoding == "deflate":
-        return _inflate(body, zlib.MAX_WBITS, limit, encoding)
-    raise InferError.unsupported(f"unsupported Content-Encoding '{encoding}'; use gzip, deflate or identity")
+    if encoding not in _WBITS:
+        raise InferError.unsupported(f"unsupported Content-Encoding '{encoding}'; use gzip, deflate or identity")
+    try:
+        return inflate(body, encoding, limit)
+    except TooLarge:
+        raise too_large(limit) from None
+    except ValueError as exc:
+        raise InferError.invalid(f"request body is {exc}") from None
 
 
-def _inflate(data: bytes, wbits: int, limit: int, encoding: str) -> bytes:
+class TooLarge(ValueError):
+    """Inflated data would exceed the limit (``inflate``)."""
+
+
+_WBITS = {"gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
+
+
+def inflate(data: bytes | bytearray | memoryview, encoding: str, limit: int) -> bytes:
+    """gzip or deflate ``data`` inflated, never to more than ``limit`` bytes (HTTP bodies and
+    gRPC messages).
+
+    :raises TooLarge: the inflated data would exceed ``limit``.
+    :raises ValueError: an encoding other than gzip/deflate, or data that is not valid or is
+        truncated (the message says which).
+    """
+    wbits = _WBITS.get(encoding)
+    if wbits is None:
+        raise ValueError(f"not gzip or deflate data (encoding '{encoding}')")
     inflater = zlib.decompressobj(wbits)
     try:
         out = inflater.decompress(data, limit + 1)
     except zlib.error as exc:
-        raise InferError.invalid(f"request body is not valid {encoding} data: {exc}") from None
+        raise ValueError(f"not valid {encoding} data: {exc}") from None
     if len(out) > limit or inflater.unconsumed_tail:
-        raise too_large(limit)
+        raise TooLarge(f"more than {limit} bytes once decompressed")
     if not inflater.eof:
-        raise InferError.invalid(f"request body is truncated {encoding} data")
+        raise ValueError(f"truncated {encoding} data")
     return out
 
 
