@@ -392,6 +392,26 @@ def test_large_tensors_cross_the_handoff(tmp_path: Path) -> None:
             finally:
                 grpc.close()
         assert thread.server._handoff is not None and thread.server._handoff.requests > 0
+        # output to shared memory: the frontend hands the gRPC request over undecoded (its
+        # tensor stays a view of the received bytes in the owner) on every connection
+        key = f"/pyserve-fp-big-{uuid.uuid4().hex[:8]}"
+        handle = shm.create_shared_memory_region("big_out", key, values.nbytes)
+        try:
+            grpc = _grpc(thread)
+            try:
+                grpc.register_system_shared_memory("big_out", key, values.nbytes)
+                for _ in range(6):
+                    output = grpcclient.InferRequestedOutput("OUTPUT0")
+                    output.set_shared_memory("big_out", values.nbytes)
+                    grpc.infer("echo", [_fp32(values, grpcclient)], outputs=[output])
+                    got = shm.get_contents_as_numpy(handle, np.float32, list(values.shape))
+                    assert np.array_equal(got, values)
+                    shm.set_shared_memory_region(handle, [np.zeros_like(values)])
+                grpc.unregister_system_shared_memory("big_out")
+            finally:
+                grpc.close()
+        finally:
+            shm.destroy_shared_memory_region(handle)
 
 
 def test_frontends_exit_when_the_owner_dies(tmp_path: Path) -> None:

@@ -352,6 +352,11 @@ class SplitInferRequest:
     def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf method name
         return bytes(self._wire)
 
+    @property
+    def wire(self) -> memoryview:
+        """The original wire bytes, not copied."""
+        return memoryview(self._wire)
+
 
 def parse_infer_request(data: bytes | bytearray | memoryview) -> Any:
     """Parse a serialized ``ModelInferRequest``; large ones keep their tensors in ``data``.

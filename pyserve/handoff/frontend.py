@@ -35,6 +35,7 @@ import grpc
 
 from pyserve import logs, validation
 from pyserve.errors import ErrorCode, InferError
+from pyserve.grpc.codec import SplitInferRequest
 from pyserve.grpc.codec import decode_infer as grpc_decode
 from pyserve.grpc.server import GrpcOptions
 from pyserve.grpc.servicer import InferenceServicer, _abort, _trace_parent, infer_model
@@ -220,7 +221,7 @@ class OwnerLink(asyncio.Protocol):
         parts = wire.frame(Kind.RAW_HTTP, request_id, {"n": target[0], "v": target[1], "h": names}, [body])
         return request_id, self._await(request_id, parts)
 
-    def raw_grpc(self, message: bytes, trace_parent: str | None,
+    def raw_grpc(self, message: bytes | memoryview, trace_parent: str | None,
                  forwarded: list[tuple[str, str]] | None = None) -> tuple[int, asyncio.Future[Any]]:
         """Hand a serialized ModelInferRequest to the owner; resolves to the response's bytes.
 
@@ -438,7 +439,8 @@ class FrontendServicer(InferenceServicer):
     @staticmethod
     async def _raw(link: OwnerLink, request: Any, context: grpc.aio.ServicerContext,
                    forwarded: list[tuple[str, str]]) -> bytes:
-        request_id, future = link.raw_grpc(request.SerializeToString(), _trace_parent(context), forwarded)
+        message = request.wire if isinstance(request, SplitInferRequest) else request.SerializeToString()
+        request_id, future = link.raw_grpc(message, _trace_parent(context), forwarded)
         try:
             result = await future
         except asyncio.CancelledError:

@@ -30,7 +30,8 @@ from typing import Any
 
 from pyserve.dataplane import DataPlane
 from pyserve.errors import ErrorCode, InferError
-from pyserve.grpc.codec import decode_infer as grpc_decode, encode_infer_wire
+from pyserve.grpc.codec import WireParts, encode_infer_wire, parse_infer_request
+from pyserve.grpc.codec import decode_infer as grpc_decode
 from pyserve.grpc.servicer import infer_model as grpc_infer_model
 from pyserve.handoff import wire
 from pyserve.handoff.wire import Kind
@@ -45,7 +46,6 @@ from pyserve.http.fast_infer import (
 from pyserve.inference import FutureSender, InferRequest
 from pyserve.handoff.replicas import ReplicationMode, describe, replicable
 from pyserve.models import ModelVersion
-from pyserve import protocol as pb
 
 log = logging.getLogger("pyserve.handoff")
 
@@ -414,7 +414,7 @@ class _FrontendConnection(asyncio.Protocol):
         header, data = wire.split_payload(payload)
         dataplane = self.dataplane
         try:
-            message = pb.ModelInferRequest.FromString(bytes(data))
+            message = parse_infer_request(data)  # large tensors stay views of the payload
             model = grpc_infer_model(dataplane, message)
             decoded = grpc_decode(message, model, shm=dataplane.shared_memory)
             decoded.request.trace_parent = header.get("tp")
@@ -423,7 +423,8 @@ class _FrontendConnection(asyncio.Protocol):
             result = await dataplane.infer(model, decoded.request)
             if isinstance(result, InferError):
                 raise result
-            reply = wire.frame(Kind.RAW_GRPC_REPLY, request_id, {}, [encode_infer_wire(result, decoded, model)])
+            encoded = encode_infer_wire(result, decoded, model, join=False)  # large outputs: views, not joined
+            reply = wire.frame(Kind.RAW_GRPC_REPLY, request_id, {}, encoded if type(encoded) is WireParts else [encoded])
         except InferError as exc:
             reply = wire.error_frame(Kind.RAW_GRPC_REPLY, request_id, exc)
         except Exception as exc:  # noqa: BLE001 - a bug: answer INTERNAL, keep serving
