@@ -192,13 +192,7 @@ class GrpcConnection(asyncio.Protocol):
                 self._preface = True
                 position = len(h2.PREFACE)
                 # the server's preface follows the client's (an HTTP/1 client gets a readable answer)
-                self._out.append(h2.settings({
-                    h2.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
-                    h2.INITIAL_WINDOW_SIZE: RECEIVE_WINDOW,
-                    h2.MAX_FRAME_SIZE: RECEIVE_FRAME,
-                    h2.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
-                }))
-                self._out.append(h2.window_update(0, RECEIVE_WINDOW - h2.DEFAULT_WINDOW))
+                self._out.append(_SERVER_PREFACE)
             while position < end:
                 if self._data_left:
                     take = min(self._data_left, end - position)
@@ -441,10 +435,10 @@ class GrpcConnection(asyncio.Protocol):
         if not stream_id & 1:
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "even stream id from a client")
         self._last_stream_id = stream_id
-        stream = Stream(stream_id, self, self.peer_initial_window)
         if self.closing or len(self._streams) >= MAX_CONCURRENT_STREAMS:
             self._write(h2.rst_stream(stream_id, h2.REFUSED_STREAM))
             return
+        stream = Stream(stream_id, self, self.peer_initial_window)
         path = method = content_type = ""
         timeout: float | None = None
         for name, value in headers:
@@ -952,6 +946,15 @@ class GrpcConnection(asyncio.Protocol):
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+
+_SERVER_PREFACE = h2.settings({
+    h2.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
+    h2.INITIAL_WINDOW_SIZE: RECEIVE_WINDOW,
+    h2.MAX_FRAME_SIZE: RECEIVE_FRAME,
+    h2.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
+}) + h2.window_update(0, RECEIVE_WINDOW - h2.DEFAULT_WINDOW)
+"""The server's SETTINGS and connection window, the same for every connection."""
 
 
 def _header_frames(stream_id: int, block: bytes, end_stream: bool, max_frame: int) -> bytes:

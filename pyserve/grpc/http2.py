@@ -164,9 +164,7 @@ class HeaderDecoder:
         size, first, limit = len(entries), entries[0] if entries else None, self._table.maxsize
         try:
             headers = self._decoder.decode(block, raw=False)
-        except HPACKError as exc:
-            raise ConnectionError_(COMPRESSION_ERROR, f"invalid header block: {exc}") from None
-        except (ValueError, UnicodeDecodeError) as exc:  # hpack raises these for some malformed input
+        except (HPACKError, ValueError, UnicodeDecodeError) as exc:  # hpack raises all three for bad input
             raise ConnectionError_(COMPRESSION_ERROR, f"invalid header block: {exc}") from None
         entries = self._table.dynamic_entries
         if len(entries) == size and (entries[0] if entries else None) is first and self._table.maxsize == limit:
