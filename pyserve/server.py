@@ -506,7 +506,10 @@ class ServerThread:
         try:
             loop.run_until_complete(main())
         finally:
-            loop.close()
+            try:  # as asyncio.run does: transports closed during shutdown finish closing their sockets
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
 
     def stop(self) -> None:
         if self._loop is not None and self._thread is not None and self._thread.is_alive():

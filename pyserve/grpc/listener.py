@@ -152,7 +152,9 @@ class GrpcServer:
                 await asyncio.wait_for(self._all_closed.wait(), grace)
         for connection in list(self.connections):
             connection.abort()
-        await asyncio.sleep(0)
+        if self.connections:  # each socket is closed in its connection_lost, a loop turn later
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._all_closed.wait(), 1.0)
         for path in self._unix_paths:
             with contextlib.suppress(OSError):
                 os.unlink(path)
