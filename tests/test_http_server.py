@@ -3,7 +3,8 @@
 Keep-alive reuse, pipelining (answers in order), HTTP/1.0, ``Connection: close``,
 ``Expect: 100-continue``, chunked request bodies, malformed requests, a declared body over
 the cap refused without being read, a client disconnect cancelling its queued request, and
-server-sent events arriving as they are produced.
+server-sent events arriving as they are produced. The tests of ordering and closing run both on
+a lone connection and beside another open one, where answers are queued and written together.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -20,6 +22,7 @@ import pytest
 from suite_support import write_model
 
 from pyserve import Backend, InferRequest, InferResponse, InstanceContext
+from pyserve.http.server import HttpServer
 from pyserve.server import ServerThread
 from pyserve.testing import serve
 
@@ -161,7 +164,30 @@ def _connect(server: ServerThread) -> socket.socket:
     return socket.create_connection(("127.0.0.1", server.server.http_port), timeout=10)
 
 
-def test_keep_alive_reuses_the_connection(server: ServerThread) -> None:
+@pytest.fixture(params=["alone", "beside another connection"])
+def company(request: pytest.FixtureRequest, server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Runs a test on a lone connection (answers written at once) and beside another open
+    connection (answers queued and written together a loop turn later), checking that the
+    second variant really took the queued path."""
+    if request.param == "alone":
+        yield
+        return
+    queued: list[int] = []
+    original = HttpServer.queue_reply
+
+    def counting(self: HttpServer, connection: Any, data: bytes) -> None:
+        queued.append(len(data))
+        original(self, connection, data)
+
+    monkeypatch.setattr(HttpServer, "queue_reply", counting)
+    with _connect(server) as other:
+        other.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert Reader(other).response()[0] == 200  # the server has accepted it
+        yield
+    assert queued, "no answer took the queued path"
+
+
+def test_keep_alive_reuses_the_connection(server: ServerThread, company: None) -> None:
     with _connect(server) as sock:
         reader = Reader(sock)
         for i in range(5):
@@ -174,7 +200,7 @@ def test_keep_alive_reuses_the_connection(server: ServerThread) -> None:
         assert reader.response()[0] == 200
 
 
-def test_pipelined_requests_are_answered_in_order(server: ServerThread) -> None:
+def test_pipelined_requests_are_answered_in_order(server: ServerThread, company: None) -> None:
     with _connect(server) as sock:
         reader = Reader(sock)
         batch = b"".join(
@@ -191,7 +217,7 @@ def test_pipelined_requests_are_answered_in_order(server: ServerThread) -> None:
                 assert body == b""
 
 
-def test_http_10_closes_unless_keep_alive(server: ServerThread) -> None:
+def test_http_10_closes_unless_keep_alive(server: ServerThread, company: None) -> None:
     with _connect(server) as sock:
         reader = Reader(sock)
         sock.sendall(_infer_request(_body("old"), version=b"1.0"))
@@ -207,7 +233,7 @@ def test_http_10_closes_unless_keep_alive(server: ServerThread) -> None:
             assert status == 200 and headers["connection"] == "keep-alive"
 
 
-def test_connection_close_is_honoured(server: ServerThread) -> None:
+def test_connection_close_is_honoured(server: ServerThread, company: None) -> None:
     for request in (_infer_request(_body(), b"Connection: close\r\n"),
                     b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"):
         with _connect(server) as sock:
@@ -219,12 +245,15 @@ def test_connection_close_is_honoured(server: ServerThread) -> None:
 
 
 @pytest.mark.parametrize("path", [b"/v2/models/ident/infer", b"/v2/repository/index"])
-def test_expect_100_continue(server: ServerThread, path: bytes) -> None:
+def test_expect_100_continue(server: ServerThread, path: bytes, company: None) -> None:
     body = _body("c") if path.endswith(b"infer") else b"{}"
     with _connect(server) as sock:
         reader = Reader(sock)
-        sock.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body))
+        # an answered request first, pipelined: its answer must precede the 100 Continue
+        sock.sendall(_infer_request(_body("before")) + b"POST " + path + b" HTTP/1.1\r\nHost: x\r\n"
+                     b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+        status, _, answer = reader.response()
+        assert status == 200 and orjson.loads(answer)["id"] == "before"
         assert reader.head() == (100, {})
         sock.sendall(body)
         status, _, answer = reader.response()
@@ -269,7 +298,7 @@ def test_malformed_request_gets_400_and_close(server: ServerThread, garbage: byt
         assert reader.closed()
 
 
-def test_malformed_request_after_a_good_one(server: ServerThread) -> None:
+def test_malformed_request_after_a_good_one(server: ServerThread, company: None) -> None:
     with _connect(server) as sock:
         reader = Reader(sock)
         sock.sendall(_infer_request(_body("good")) + b"NONSENSE\r\n\r\n")
@@ -289,7 +318,7 @@ def test_oversized_declared_body_is_refused_unread(server: ServerThread) -> None
         assert reader.closed()
 
 
-def test_unknown_model_keeps_the_connection(server: ServerThread) -> None:
+def test_unknown_model_keeps_the_connection(server: ServerThread, company: None) -> None:
     with _connect(server) as sock:
         reader = Reader(sock)
         body = _body()
