@@ -8,7 +8,10 @@ instance, no dynamic batcher) whose ``model.py`` echoes ``INPUT0`` as ``OUTPUT0`
 * ``triton``: Triton 2.51 from the ``nvidia-pytriton`` wheel, same ``model.py`` in its Python
   backend stub (see ``_triton.py``; ``--with-triton`` installs it on demand);
 * ``starlette``: a bare Starlette/uvicorn echo of the KServe v2 infer route (HTTP ceiling);
-* ``grpc-aio``: a bare ``grpc.aio`` echo of ``ModelInfer`` (gRPC ceiling).
+* ``grpc-aio``: a bare ``grpc.aio`` echo of ``ModelInfer`` (gRPC ceiling);
+* ``pyserve-batched`` and ``triton-batched``: the same ``model.py`` with ``dynamic_batching { }``
+  (``max_batch_size: 32``), on the cells with more than one connection: the issue's "Triton with
+  its dynamic batcher" column and the 32-connection target against it (``--no-batched`` skips them).
 
 Load: ``wrk`` (HTTP/1.1 keep-alive, one thread, the body posted by a Lua script) and
 ``h2load`` (gRPC unary over h2c: the length-prefixed ``ModelInferRequest`` posted to
@@ -74,24 +77,27 @@ class TritonPythonModel:
 '''
 
 
-def config_pbtxt(name: str) -> str:
+def config_pbtxt(name: str, batching: bool = False) -> str:
+    """The model's config; ``batching`` adds Triton's dynamic batcher with its defaults (the
+    repository of the ``-batched`` servers), which replaces ``PYSERVE_BENCH_CONFIG_EXTRA``
+    (inline execution is for unbatched models only)."""
     return "\n".join([
         f'name: "{name}"',
         'backend: "python"',
-        "max_batch_size: 8",
+        f"max_batch_size: {BATCHED_MAX_BATCH_SIZE if batching else 8}",
         'input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]',
         'output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]',
         "instance_group [ { count: 1, kind: KIND_CPU } ]",
         # e.g. parameters { key: "pyserve_inline_execute" value { string_value: "true" } }
         # (the same config for every server: Triton ignores parameters it does not know)
-        os.environ.get("PYSERVE_BENCH_CONFIG_EXTRA", ""),
+        "dynamic_batching { }" if batching else os.environ.get("PYSERVE_BENCH_CONFIG_EXTRA", ""),
     ]) + "\n"
 
 
-def write_repository(root: Path, names: Iterable[str]) -> Path:
+def write_repository(root: Path, names: Iterable[str], batching: bool = False) -> Path:
     for name in names:
         (root / name / "1").mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(config_pbtxt(name))
+        (root / name / "config.pbtxt").write_text(config_pbtxt(name, batching))
         (root / name / "1" / "model.py").write_text(MODEL_PY)
     return root
 
@@ -131,6 +137,11 @@ SERVING_CELLS = [
     cell("http", "binary", BIG, 1),
     cell("grpc", "grpc", BIG, 1),
 ]
+
+BATCHED_CELLS = frozenset(c.key for c in SERVING_CELLS if not c.big and c.concurrency > 1)
+"""The cells the ``-batched`` servers (``dynamic_batching``) are measured on: batching only
+changes anything when requests overlap."""
+BATCHED_MAX_BATCH_SIZE = 32
 
 
 def tensor_bytes(elements: int) -> bytes:
@@ -229,6 +240,7 @@ class Server:
     memory: dict[str, float] = field(default_factory=dict)
     starter: Callable[[], Server] | None = None  # how to start it again
     restarts: int = 0
+    cells: frozenset[str] | None = None  # the cell keys it is measured on (None: all it can serve)
 
     def revive(self) -> str:
         """Restart a server that exited during the run; returns a note saying what happened."""
@@ -242,6 +254,8 @@ class Server:
         return note + "; restarted"
 
     def supports(self, spec: CellSpec) -> bool:
+        if self.cells is not None and spec.key not in self.cells:
+            return False
         return (self.http_port if spec.protocol == "http" else self.grpc_port) is not None
 
     def stop(self) -> None:
@@ -315,18 +329,18 @@ def _unique(work: Path, stem: str) -> str:
 
 
 def start_pyserve(repository: Path, work: Path, timeout: float, models: Iterable[str] = (),
-                  tag: str = "") -> Server:
-    tag = tag + _unique(work, f"pyserve{tag}")
+                  tag: str = "", name: str = "pyserve") -> Server:
+    tag = tag + _unique(work, f"{name}{tag}")
     http, grpc_port = free_port(), free_port()
     command = [sys.executable, "-m", "pyserve", "run", "--model-repository", str(repository),
                "--http-port", str(http), "--grpc-port", str(grpc_port), "--metrics-port", str(free_port())]
     command += os.environ.get("PYSERVE_BENCH_PYSERVE_ARGS", "").split()  # e.g. --frontend-processes 1
-    return spawn("pyserve", command, http, grpc_port, work / f"pyserve{tag}.log", None, timeout, models)
+    return spawn(name, command, http, grpc_port, work / f"{name}{tag}.log", None, timeout, models)
 
 
 def start_triton(install: _triton.TritonInstall, repository: Path, work: Path, timeout: float,
-                 models: Iterable[str] = (), tag: str = "") -> Server:
-    tag = tag + _unique(work, f"triton{tag}")
+                 models: Iterable[str] = (), tag: str = "", name: str = "triton") -> Server:
+    tag = tag + _unique(work, f"{name}{tag}")
     backends = work / "triton-backends"
     if not backends.exists():
         install.prepare_backends(backends)
@@ -334,7 +348,7 @@ def start_triton(install: _triton.TritonInstall, repository: Path, work: Path, t
     command = [str(install.binary), "--model-repository", str(repository.resolve()),
                "--backend-directory", str(backends), "--http-port", str(http), "--grpc-port", str(grpc_port),
                "--metrics-port", str(free_port())] + os.environ.get("PYSERVE_BENCH_TRITON_ARGS", "").split()
-    return spawn("triton", command, http, grpc_port, work / f"triton{tag}.log", install.environment(),
+    return spawn(name, command, http, grpc_port, work / f"{name}{tag}.log", install.environment(),
                  timeout, models)
 
 
@@ -520,6 +534,13 @@ def start_servers(args: argparse.Namespace, work: Path, results: Results, with_e
         ("pyserve", lambda: start_pyserve(repository, work, args.start_timeout, [MODEL]))]
     if install is not None:
         starters.append(("triton", lambda: start_triton(install, repository, work, args.start_timeout, [MODEL])))
+    if getattr(args, "batched", False):  # the same model.py with the dynamic batcher, on both servers
+        batched = write_repository(work / "repo-batched", [MODEL], batching=True)
+        starters.append(("pyserve-batched", lambda: start_pyserve(
+            batched, work, args.start_timeout, [MODEL], name="pyserve-batched")))
+        if install is not None:
+            starters.append(("triton-batched", lambda: start_triton(
+                install, batched, work, args.start_timeout, [MODEL], name="triton-batched")))
     if with_echo:
         starters += [("starlette", lambda: start_echo("http", work, args.start_timeout)),
                      ("grpc-aio", lambda: start_echo("grpc", work, args.start_timeout))]
@@ -534,6 +555,8 @@ def start_servers(args: argparse.Namespace, work: Path, results: Results, with_e
             results.notes.append(note)
             _log(note)
             continue
+        if name.endswith("-batched"):
+            server.cells = BATCHED_CELLS
         time.sleep(1.0)
         results.memory[name] = tree_memory(server.process.pid)
         _log(f"{name}: ready in {server.started_s:.2f} s, idle RSS {results.memory[name]['rss']:.0f} MiB")
@@ -620,8 +643,8 @@ def cell_table(results: Results, cells: list[CellSpec], server_names: list[str])
              "| load-gen CPU (cores) | errors |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for spec in cells:
-        triton = results.median("triton", spec.key, "rps")
         for name in server_names:
+            triton = results.median("triton-batched" if name.endswith("-batched") else "triton", spec.key, "rps")
             if (name, spec.key) in results.bad:
                 lines.append(f"| {spec.label} | {name} | check failed: {results.bad[(name, spec.key)][:80]} "
                              "| | | | | | | |")
@@ -656,8 +679,9 @@ class Target:
         return f"| {self.label} | {self.value:.2f}x | {sign} {self.bound:g}x | {'met' if met else '**MISSED**'} |"
 
 
-def ratio(results: Results, key: str, attribute: str) -> float | None:
-    top, bottom = results.median("pyserve", key, attribute), results.median("triton", key, attribute)
+def ratio(results: Results, key: str, attribute: str, top_server: str = "pyserve",
+          bottom_server: str = "triton") -> float | None:
+    top, bottom = results.median(top_server, key, attribute), results.median(bottom_server, key, attribute)
     return top / bottom if top is not None and bottom else None
 
 
@@ -676,6 +700,11 @@ def serving_targets(results: Results) -> list[Target]:
     return [
         Target("HTTP JSON req/s, 1 connection", ratio(results, key("http", "json", SMALL, 1), "rps"), 1.5, True),
         Target("HTTP JSON req/s, 8 connections", ratio(results, key("http", "json", SMALL, 8), "rps"), 1.5, True),
+        Target("HTTP JSON req/s, 32 connections, both with the dynamic batcher (pyserve-batched / "
+               "triton-batched)", ratio(results, key("http", "json", SMALL, 32), "rps", "pyserve-batched",
+                                        "triton-batched"), 1.0, True),
+        Target("HTTP JSON req/s, 32 connections, pyserve as configured / triton-batched",
+               ratio(results, key("http", "json", SMALL, 32), "rps", "pyserve", "triton-batched"), 1.0, True),
         Target("gRPC req/s, 8 connections", ratio(results, key("grpc", "grpc", SMALL, 8), "rps"), 1.0, True),
         Target("gRPC req/s, 32 connections", ratio(results, key("grpc", "grpc", SMALL, 32), "rps"), 1.0, True),
         Target("p50 latency, 1 HTTP connection", ratio(results, key("http", "json", SMALL, 1), "p50_ms"), 0.6,
@@ -743,6 +772,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-models", type=int, default=20, help="models in the startup repository (20)")
     parser.add_argument("--startup-rounds", type=int, default=2, help="startups per server (2)")
     parser.add_argument("--skip-startup", action="store_true", help="skip the startup measurement")
+    parser.add_argument("--no-batched", dest="batched", action="store_false",
+                        help="skip pyserve-batched and triton-batched (the same model with dynamic_batching, "
+                             "measured on the cells with more than one connection)")
     args = parser.parse_args(argv)
     results = Results()
     cells = list(SERVING_CELLS)
