@@ -89,15 +89,37 @@ def split_payload(payload: bytes | bytearray) -> tuple[Any, memoryview]:
 _BF16: Any = None
 
 
+_DTYPES: dict[str, np.dtype] = {}
+"""Wire dtype name → dtype, filled as names are first read (a handful of distinct names)."""
+_NAMES: dict[np.dtype, str] = {}
+"""dtype → wire name (``dtype.name`` is computed in Python by numpy on every access)."""
+
+
 def _dtype(name: str) -> np.dtype:
+    dtype = _DTYPES.get(name)
+    if dtype is not None:
+        return dtype
     global _BF16
     if name == "bfloat16":
         if _BF16 is None:
             import ml_dtypes
 
             _BF16 = np.dtype(ml_dtypes.bfloat16)
-        return _BF16  # type: ignore[no-any-return]
-    return np.dtype(name)
+        dtype = _BF16
+    else:
+        dtype = np.dtype(name)
+    if len(_DTYPES) < 64:
+        _DTYPES[name] = dtype
+    return dtype
+
+
+def _name(dtype: np.dtype) -> str:
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = dtype.name
+        if len(_NAMES) < 64:
+            _NAMES[dtype] = name
+    return name
 
 
 def tensor_parts(arrays: Mapping[str, Any]) -> tuple[list[list[Any]], list[bytes | memoryview]]:
@@ -118,7 +140,7 @@ def tensor_parts(arrays: Mapping[str, Any]) -> tuple[list[list[Any]], list[bytes
             if array.dtype.byteorder == ">":
                 array = array.astype(array.dtype.newbyteorder("<"))
             blob = memoryview(array.reshape(-1).view(np.uint8)) if array.size else b""
-            dtype = array.dtype.name
+            dtype = _name(array.dtype)
         entries.append([name, dtype, list(array.shape), len(blob)])
         blobs.append(blob)
     return entries, blobs
@@ -141,7 +163,8 @@ def read_tensors(entries: Iterable[Sequence[Any]], data: memoryview) -> dict[str
                 count *= d
             array = decode_bytes_elements(data[offset:end], count, name).reshape(shape)
         else:
-            array = np.frombuffer(data, dtype=_dtype(dtype), count=nbytes // _dtype(dtype).itemsize if nbytes else 0,
+            kind = _dtype(dtype)
+            array = np.frombuffer(data, dtype=kind, count=nbytes // kind.itemsize if nbytes else 0,
                                   offset=offset).reshape(shape)
         arrays[name] = array
         offset = end
