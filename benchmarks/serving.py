@@ -79,8 +79,7 @@ class TritonPythonModel:
 
 def config_pbtxt(name: str, batching: bool = False) -> str:
     """The model's config; ``batching`` adds Triton's dynamic batcher with its defaults (the
-    repository of the ``-batched`` servers), which replaces ``PYSERVE_BENCH_CONFIG_EXTRA``
-    (inline execution is for unbatched models only)."""
+    repository of the ``-batched`` servers)."""
     return "\n".join([
         f'name: "{name}"',
         'backend: "python"',
@@ -90,7 +89,8 @@ def config_pbtxt(name: str, batching: bool = False) -> str:
         "instance_group [ { count: 1, kind: KIND_CPU } ]",
         # e.g. parameters { key: "pyserve_inline_execute" value { string_value: "true" } }
         # (the same config for every server: Triton ignores parameters it does not know)
-        "dynamic_batching { }" if batching else os.environ.get("PYSERVE_BENCH_CONFIG_EXTRA", ""),
+        os.environ.get("PYSERVE_BENCH_CONFIG_EXTRA", ""),
+        "dynamic_batching { }" if batching else "",
     ]) + "\n"
 
 

@@ -339,7 +339,7 @@ def coalesced_delivery() -> Iterator[None]:
 
 def enter_inline_delivery(loop: asyncio.AbstractEventLoop) -> Any:
     """From here on, results sent from this thread to ``loop`` (the loop running on this thread)
-    resolve at once (a model executed on the event loop: ``pyserve.scheduling.InlineScheduler``).
+    resolve at once (a model executed on the event loop: ``pyserve.scheduling.inline``).
 
     :returns: the previous setting, to hand to ``exit_inline_delivery`` (in a ``finally``).
     """

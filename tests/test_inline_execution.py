@@ -3,13 +3,17 @@
 Checked with a real server and tritonclient: the execute runs on the server's loop thread (not
 an instance thread) and answers HTTP, gRPC and concurrent clients; statistics count it; warm-up
 runs; an exception becomes an error response; a blocking BLS call is refused with a message that
-names the parameter; combinations that need queues or threads are refused at load.
+names the parameter; combinations that need queues or threads are refused at load. With
+``dynamic_batching`` the batches form on the loop from what arrives together, a queue delay waits
+on a timer while the server goes on answering, a full batch goes at once, and unloading executes
+what is still queued.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,9 +42,11 @@ def config(extra: str = INLINE) -> str:
 class Recorder(Backend):
     def __init__(self) -> None:
         self.threads: list[str] = []
+        self.sizes: list[int] = []
 
     def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
         self.threads.append(threading.current_thread().name)
+        self.sizes.append(len(requests))
         out = []
         for request in requests:
             if request.parameters.get("fail"):
@@ -113,7 +119,6 @@ def test_warmup_of_an_inline_model(start_server, make_repo) -> None:  # type: ig
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (INLINE + " dynamic_batching { }", "cannot be combined with dynamic batching"),
         (INLINE + " sequence_batching { }", "cannot be combined with the sequence batcher"),
         (INLINE + " model_transaction_policy { decoupled: true }", "cannot be used by a decoupled model"),
         ('parameters { key: "pyserve_inline_execute" value { string_value: "yes" } }', "must be \"true\" or \"false\""),
@@ -125,3 +130,72 @@ def test_refused_combinations(start_server, make_repo, extra: str, message: str)
         index = {m["name"]: m for m in client.get_model_repository_index()}
     assert index["m"]["state"] == "UNAVAILABLE" and message in index["m"]["reason"]
     assert "pyserve_inline_execute" in index["m"]["reason"]
+
+
+def _concurrent(url: str, model: str, count: int) -> tuple[list[np.ndarray], float]:
+    """``count`` requests sent together (tritonclient aio); their outputs and the time taken."""
+
+    async def run() -> list[np.ndarray]:
+        async with aioclient.InferenceServerClient(url) as aio:
+            answers = await asyncio.gather(*(
+                aio.infer(model, [_input(np.full((1, 2), i, dtype=np.float32))]) for i in range(count)
+            ))
+        return [a.as_numpy("OUT") for a in answers]
+
+    start = time.perf_counter()
+    outputs = asyncio.run(run())
+    return outputs, time.perf_counter() - start
+
+
+def test_dynamic_batching_on_the_event_loop(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
+    backend = Recorder()
+    server = start_server(make_repo({"batched": config(INLINE + " dynamic_batching { }")}),
+                          backends={"recorder": backend})
+    outputs, _ = _concurrent(server.url, "batched", 24)
+    assert [float(o[0, 0]) for o in outputs] == [2.0 * i for i in range(24)]
+    assert set(backend.threads) == {"pyserve-server"}  # every batch ran on the loop thread
+    assert sum(backend.sizes) == 24 and max(backend.sizes) > 1 and max(backend.sizes) <= 4
+    with httpclient.InferenceServerClient(server.url) as client:
+        stats = client.get_inference_statistics("batched")["model_stats"][0]
+    assert stats["inference_count"] == 24 and stats["execution_count"] == len(backend.sizes)
+
+
+def test_inline_queue_delay_waits_on_a_timer(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
+    backend = Recorder()
+    delayed = config(INLINE + " dynamic_batching { max_queue_delay_microseconds: 400000 }")
+    server = start_server(make_repo({"delayed": delayed}), backends={"recorder": backend})
+    values = np.array([[1, 2]], dtype=np.float32)
+    with httpclient.InferenceServerClient(server.url) as client:
+        client.infer("delayed", [_input(values)])  # warm the connection path; waits out the delay
+    backend.sizes.clear()
+
+    answers: list[float] = []
+    waiting = threading.Thread(target=lambda: answers.append(_concurrent(server.url, "delayed", 2)[1]))
+    waiting.start()
+    time.sleep(0.1)
+    with httpclient.InferenceServerClient(server.url) as client:
+        begun = time.perf_counter()
+        assert client.is_server_live()  # the loop answers while the batch waits for its delay
+        assert time.perf_counter() - begun < 0.2
+    waiting.join(10)
+    assert backend.sizes == [2] and answers and answers[0] >= 0.3  # one batch, after the delay
+
+    backend.sizes.clear()
+    _, elapsed = _concurrent(server.url, "delayed", 4)  # max_batch_size reached: sent at once
+    assert backend.sizes == [4] and elapsed < 0.3
+
+
+def test_unloading_executes_what_the_inline_batcher_holds(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
+    backend = Recorder()
+    held = config(INLINE + " dynamic_batching { max_queue_delay_microseconds: 20000000 }")
+    server = start_server(make_repo({"held": held}), backends={"recorder": backend},
+                          model_control_mode="explicit", load_models=["held"])
+    answers: list[np.ndarray] = []
+    waiting = threading.Thread(target=lambda: answers.extend(_concurrent(server.url, "held", 1)[0]))
+    waiting.start()
+    time.sleep(0.3)
+    assert backend.sizes == []  # queued, waiting for its 20 s delay
+    with httpclient.InferenceServerClient(server.url) as client:
+        client.unload_model("held")
+    waiting.join(10)
+    assert backend.sizes == [1] and len(answers) == 1 and float(answers[0][0, 0]) == 0.0

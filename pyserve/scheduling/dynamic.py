@@ -207,30 +207,39 @@ class DynamicBatcher:
         with self._cond:
             while True:
                 now = time.monotonic_ns()
-                wake_at = self._expire(now)
-                head = self._head()
-                if head is None:
-                    if self._stopping:
-                        self._cond.notify_all()
-                        return STOP
-                    self._wait(wake_at, now)
-                    continue
-                batch, size, blocked, preferred = self._candidate(head)
-                oldest = min(q.request.arrival_ns for q in batch)
-                expired = self.max_delay_ns != 0 and now >= oldest + self.max_delay_ns
-                if preferred and not expired:
-                    batch = batch[:preferred]
-                elif not (
-                    blocked or expired or size >= self._max_preferred
-                    or self.max_delay_ns == 0 or self._stopping
-                ):
-                    deadline = oldest + self.max_delay_ns
-                    self._wait(deadline if not wake_at else min(deadline, wake_at), now)
-                    continue
-                self._remove(batch)
-                if self._head() is not None:
-                    self._cond.notify()  # another free instance can start gathering
-                return tuple(q.request for q in batch)
+                batch, wake_at = self.due(now)
+                if batch is not None:
+                    if self._head() is not None:
+                        self._cond.notify()  # another free instance can start gathering
+                    return batch
+                if self._stopping and self._head() is None:
+                    self._cond.notify_all()
+                    return STOP
+                self._wait(wake_at, now)
+
+    def due(self, now: int, force: bool = False) -> tuple[Batch | None, int]:
+        """The batch due at ``now`` (taken off the queues), or ``(None, wake_at)``: the
+        monotonic ns at which to look again (0: when a request arrives). Drops cancelled and
+        answers timed-out requests on the way. ``force`` sends the candidate without waiting
+        for the queue delay. Call with the scheduler's lock held (``next_batch`` does).
+        """
+        wake_at = self._expire(now)
+        head = self._head()
+        if head is None:
+            return None, wake_at
+        batch, size, blocked, preferred = self._candidate(head)
+        oldest = min(q.request.arrival_ns for q in batch)
+        expired = self.max_delay_ns != 0 and now >= oldest + self.max_delay_ns
+        if preferred and not expired:
+            batch = batch[:preferred]
+        elif not (
+            blocked or expired or size >= self._max_preferred
+            or self.max_delay_ns == 0 or self._stopping or force
+        ):
+            deadline = oldest + self.max_delay_ns
+            return None, deadline if not wake_at else min(deadline, wake_at)
+        self._remove(batch)
+        return tuple(q.request for q in batch), 0
 
     def _wait(self, wake_at: int, now: int) -> None:
         self._cond.wait(None if not wake_at else max(wake_at - now, 0) / 1e9)

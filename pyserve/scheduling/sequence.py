@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from pyserve import datatypes
-from pyserve.errors import ErrorCode, InferError
+from pyserve.errors import InferError
 from pyserve.inference import SEQUENCE_END, SEQUENCE_START, InferRequest, InferResponse
 from pyserve.model_config import ModelIO
 from pyserve.protocol import data_type_name
