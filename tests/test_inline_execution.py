@@ -199,3 +199,22 @@ def test_unloading_executes_what_the_inline_batcher_holds(start_server, make_rep
         client.unload_model("held")
     waiting.join(10)
     assert backend.sizes == [1] and len(answers) == 1 and float(answers[0][0, 0]) == 0.0
+
+
+def test_inline_batcher_keeps_the_queue_policy(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
+    backend = Recorder()
+    bounded = config(INLINE + """ dynamic_batching {
+        max_queue_delay_microseconds: 500000
+        default_queue_policy { max_queue_size: 1 }
+    }""")
+    server = start_server(make_repo({"bounded": bounded}), backends={"recorder": backend})
+    answers: list[np.ndarray] = []
+    waiting = threading.Thread(target=lambda: answers.extend(_concurrent(server.url, "bounded", 1)[0]))
+    waiting.start()
+    time.sleep(0.2)
+    values = np.array([[1, 2]], dtype=np.float32)
+    with httpclient.InferenceServerClient(server.url) as client:
+        with pytest.raises(InferenceServerException, match="Exceeds maximum queue size"):
+            client.infer("bounded", [_input(values)])
+    waiting.join(10)
+    assert len(answers) == 1 and backend.sizes == [1]
