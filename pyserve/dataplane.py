@@ -12,7 +12,7 @@ from typing import Any
 
 from pyserve.errors import ErrorCode, InferError
 from pyserve.header_forwarding import HeaderForwarding
-from pyserve.inference import FutureSender, InferRequest, InferResponse
+from pyserve.inference import FutureSender, InferRequest, InferResponse, RunningLoop
 from pyserve.metrics import select_versions, statistics_json
 from pyserve.model_manager import ModelManager
 from pyserve.models import ModelVersion
@@ -50,6 +50,7 @@ class DataPlane:
         self.accepting = False
         self._open: set[InferRequest] = set()
         self._idle: asyncio.Event | None = None
+        self._running_loop = RunningLoop()
         self.shared_memory = SharedMemoryManager()
         """The shared-memory regions clients registered with this server."""
         self.tracing = TraceManager()
@@ -199,7 +200,8 @@ class DataPlane:
         Cancelling the awaiting task (client disconnect) marks the request cancelled, so a
         request still queued never reaches execute.
         """
-        loop = asyncio.get_running_loop()
+        loop = self._running_loop.get()
+        assert loop is not None, "DataPlane.infer runs on the event loop"
         future: asyncio.Future[InferResponse | InferError] = loop.create_future()
         request.attach_sender(FutureSender(loop, future))
         error = self.submit(model, request)

@@ -337,6 +337,32 @@ def coalesced_delivery() -> Iterator[None]:
             loop.call_soon_threadsafe(_resolve_many, items)
 
 
+class RunningLoop:
+    """The event loop running on the calling thread, remembered for the thread that asked last.
+
+    ``asyncio._get_running_loop()`` makes a ``getpid`` system call on every call (Python 3.11
+    checks for a fork); objects on the per-request path of one server (its data plane, a
+    model's scheduler) are called on that server's loop thread, so they remember it once.
+    Safe for any caller: another thread, or a loop no longer running, asks asyncio again.
+    """
+
+    __slots__ = ("_ident", "_loop")
+
+    def __init__(self) -> None:
+        self._ident = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def get(self) -> asyncio.AbstractEventLoop | None:
+        """The running loop of this thread, or None when none runs here."""
+        loop = self._loop
+        if loop is not None and self._ident == threading.get_ident() and loop.is_running():
+            return loop
+        loop = asyncio._get_running_loop()
+        if loop is not None:
+            self._ident, self._loop = threading.get_ident(), loop
+        return loop
+
+
 def enter_inline_delivery(loop: asyncio.AbstractEventLoop) -> Any:
     """From here on, results sent from this thread to ``loop`` (the loop running on this thread)
     resolve at once (a model executed on the event loop: ``pyserve.scheduling.inline``).

@@ -25,7 +25,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pyserve.inference import InferRequest, coalesced_delivery, enter_inline_delivery, exit_inline_delivery
+from pyserve.inference import (
+    InferRequest, RunningLoop, coalesced_delivery, enter_inline_delivery, exit_inline_delivery,
+)
 from pyserve.model_config import ModelIO
 from pyserve.scheduling.dynamic import DynamicBatcher
 from pyserve.scheduling.instance import STOP, Batch, InstanceWorker
@@ -47,6 +49,7 @@ class InlineScheduler:
     def __init__(self) -> None:
         self.worker: InstanceWorker | None = None
         self._stopped = threading.Event()
+        self._running_loop = RunningLoop()
 
     def batch_source(self, index: int) -> Callable[[], Batch | None]:
         return self._idle
@@ -58,7 +61,7 @@ class InlineScheduler:
     def enqueue(self, request: InferRequest) -> None:
         worker = self.worker
         assert worker is not None, "InlineScheduler.worker is set when the model's instances start"
-        loop = asyncio._get_running_loop()
+        loop = self._running_loop.get()
         if loop is None:  # not on a loop (warm-up): answers go thread-safe
             with coalesced_delivery():
                 worker.execute_batch((request,))
@@ -90,6 +93,7 @@ class InlineBatcher(DynamicBatcher):
         self._stopped = threading.Event()
         self._handle: asyncio.Handle | None = None  # the drain scheduled on the loop
         self._soon = False  # ``_handle`` runs this loop turn (not a delay timer)
+        self._running_loop = RunningLoop()
 
     def batch_source(self, index: int) -> Callable[[], Batch | None]:
         return self._idle
@@ -100,7 +104,7 @@ class InlineBatcher(DynamicBatcher):
 
     def enqueue(self, request: InferRequest) -> None:
         super().enqueue(request)
-        loop = asyncio._get_running_loop()
+        loop = self._running_loop.get()
         if loop is None:  # warm-up: nothing would drain later
             self._drain(None, force=True)
         elif not self._soon:  # a pending delay timer is replaced: this request may fill the batch
