@@ -49,6 +49,7 @@ from pyserve import validation
 from pyserve.cache import create_cache
 from pyserve.restricted import Restriction
 from pyserve.tracing import TraceConfig, TraceManager
+from pyserve.tcp import bind_tcp
 
 log = logging.getLogger("pyserve.server")
 
@@ -125,26 +126,16 @@ class StartupError(RuntimeError):
 def _bind(host: str, port: int, reuse_port: bool = False, service: str = "HTTP") -> socket.socket:
     """A socket bound to ``host:port`` for the HTTP server (pyserve's or uvicorn) to listen on.
 
-    Bound here rather than by uvicorn, which calls ``sys.exit`` when the port is taken. With
-    ``reuse_port`` (frontend processes), the frontends bind the same port and the kernel
-    spreads new connections over every process listening on it.
+    Bound here rather than by uvicorn, which calls ``sys.exit`` when the port is taken.
+    ``reuse_port``: frontend processes bind the same port (``pyserve.tcp.bind_tcp``).
 
     :raises StartupError: the address cannot be resolved or bound (e.g. the port is in use).
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn chooses
-    # proto must say TCP: accepted sockets inherit it, and asyncio only sets TCP_NODELAY on
-    # sockets whose proto is IPPROTO_TCP (without it every response pays a ~40 ms Nagle stall).
-    listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:  # frontend processes listen on the same port
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        listener.bind((host, port))
+        return bind_tcp(host, port, reuse_port=reuse_port)
     except OSError as exc:
-        listener.close()
         reason = exc.strerror or str(exc)
         raise StartupError(f"{service} service cannot listen on {host}:{port}: {reason}") from exc
-    return listener
 
 
 class Server:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import grpc
 
 from pyserve.grpc.connection import GrpcConnection
+from pyserve.tcp import bind_tcp
 
 if TYPE_CHECKING:
     from pyserve.grpc.call import CallContext
@@ -110,7 +111,10 @@ class GrpcServer:
             port = int(port_text)
         except ValueError:
             raise RuntimeError("not HOST:PORT") from None
-        listener = _tcp_listener(host, port, self.reuse_port, address)
+        try:
+            listener = bind_tcp(host, port, reuse_port=self.reuse_port, dual_stack=True)
+        except OSError as exc:
+            raise RuntimeError(exc.strerror or str(exc)) from None
         self._sockets.append(listener)
         return int(listener.getsockname()[1])
 
@@ -171,27 +175,3 @@ def _chain(interceptor: Any, continuation: Any) -> Any:
         return await interceptor.intercept_service(continuation, details)
 
     return call
-
-
-def _tcp_listener(host: str, port: int, reuse_port: bool, address: str) -> socket.socket:
-    """A bound TCP socket; ``""``/``"::"`` listen on IPv6 and IPv4 (as grpc does for ``:port``)."""
-    dual_stack = host in ("", "::") and socket.has_ipv6
-    family = socket.AF_INET6 if (":" in host or dual_stack) else socket.AF_INET
-    try:
-        listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    except OSError:  # no IPv6 in this kernel: all IPv4 addresses
-        if not dual_stack:
-            raise RuntimeError("no IPv6 on this machine") from None
-        dual_stack, host = False, "0.0.0.0"
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if dual_stack:
-            listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        listener.bind(("::" if dual_stack else (host or "0.0.0.0"), port))
-    except OSError as exc:
-        listener.close()
-        raise RuntimeError(exc.strerror or str(exc)) from None
-    return listener

@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 from typing import Any
 
@@ -50,6 +49,7 @@ from pyserve.models import ModelState, ModelVersion
 from pyserve import protocol as pb
 from pyserve.header_forwarding import HeaderForwarding, compile_forwarding
 from pyserve.restricted import Restriction
+from pyserve.tcp import bind_tcp
 
 log = logging.getLogger("pyserve.frontend")
 
@@ -520,24 +520,6 @@ def create_grpc(dataplane: FrontendDataPlane, options: GrpcOptions, owner_addres
 # -- the process ----------------------------------------------------------------------------
 
 
-def reuse_port_listener(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` with ``SO_REUSEPORT``, listening.
-
-    :raises OSError: the address cannot be bound.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        listener.bind((host, port))
-        listener.listen(2048)
-    except OSError:
-        listener.close()
-        raise
-    return listener
-
-
 async def serve(settings: dict[str, Any]) -> int:
     """Run one frontend until SIGTERM or until the owner goes away; the exit status."""
     loop = asyncio.get_running_loop()
@@ -568,7 +550,13 @@ async def serve(settings: dict[str, Any]) -> int:
             OwnerHttpProxy(settings["owner_http"]), dataplane,  # type: ignore[arg-type]
             max_input_size=settings["http_max_input_size"], restrictions=restrictions,
         )
-        await http.start(reuse_port_listener(host, settings["http_port"]))
+        listener = bind_tcp(host, settings["http_port"], reuse_port=True)
+        try:
+            listener.listen(2048)
+        except OSError:
+            listener.close()
+            raise
+        await http.start(listener)
     if settings.get("grpc_port") is not None:
         options = GrpcOptions(**settings["grpc"])
         options.restrictions = {k: Restriction(*v) for k, v in settings["grpc"]["restrictions"].items()}
