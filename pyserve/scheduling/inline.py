@@ -19,6 +19,7 @@ For both, the instance threads only wait for ``stop``; ``worker`` is instance 0'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -123,14 +124,14 @@ class InlineBatcher(DynamicBatcher):
         wake_at = 0
         outer = enter_inline_delivery(loop) if loop is not None else None
         try:
-            with coalesced_delivery() if loop is None else _NO_CONTEXT:
+            with coalesced_delivery() if loop is None else contextlib.nullcontext():
                 while True:
                     with self._cond:
                         batch, wake_at = self.due(time.monotonic_ns(), force)
                     if batch is None:
                         break
                     worker.execute_batch(batch)
-        except Exception:  # a scheduler bug must not leave queued requests unanswered for good
+        except Exception:  # a scheduler bug: logged; the next request arriving drains again
             log.exception("model '%s': the inline batcher failed", worker.instance.model.name)
         finally:
             if loop is not None:
@@ -149,17 +150,6 @@ class InlineBatcher(DynamicBatcher):
             self._soon = False
         self._drain(asyncio._get_running_loop(), force=True)
         self._stopped.set()
-
-
-class _NoContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NO_CONTEXT = _NoContext()
 
 
 def inline_requested(config: Any) -> bool:
