@@ -39,15 +39,13 @@ INLINE_PARAMETER = "pyserve_inline_execute"
 """Config parameter (``"true"``) running a model's execute on the event loop thread."""
 
 
-class InlineScheduler:
-    """Runs each request's execute at once, on the thread that enqueues it (the event loop).
-
-    Off a loop (warm-up), the execute runs on the calling thread and answers go thread-safe.
-    """
+class _OnTheLoop:
+    """What both inline schedulers share: instance 0's ``worker`` executes on the loop, and
+    every instance thread only waits until ``_stopped`` is set."""
 
     observe = None
 
-    def __init__(self) -> None:
+    def _init_on_the_loop(self) -> None:
         self.worker: InstanceWorker | None = None
         self._stopped = threading.Event()
         self._running_loop = RunningLoop()
@@ -58,6 +56,16 @@ class InlineScheduler:
     def _idle(self) -> Batch | None:
         self._stopped.wait()
         return STOP
+
+
+class InlineScheduler(_OnTheLoop):
+    """Runs each request's execute at once, on the thread that enqueues it (the event loop).
+
+    Off a loop (warm-up), the execute runs on the calling thread and answers go thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._init_on_the_loop()
 
     def enqueue(self, request: InferRequest) -> None:
         worker = self.worker
@@ -77,7 +85,7 @@ class InlineScheduler:
         self._stopped.set()
 
 
-class InlineBatcher(DynamicBatcher):
+class InlineBatcher(_OnTheLoop, DynamicBatcher):
     """The dynamic batcher, executing its batches on the event loop.
 
     ``enqueue`` (on the loop) queues the request as ``DynamicBatcher`` does (a full queue raises
@@ -89,22 +97,13 @@ class InlineBatcher(DynamicBatcher):
     """
 
     def __init__(self, config: Any, io: ModelIO) -> None:
-        super().__init__(config, io)
-        self.worker: InstanceWorker | None = None
-        self._stopped = threading.Event()
+        DynamicBatcher.__init__(self, config, io)
+        self._init_on_the_loop()
         self._handle: asyncio.Handle | None = None  # the drain scheduled on the loop
         self._soon = False  # ``_handle`` runs this loop turn (not a delay timer)
-        self._running_loop = RunningLoop()
-
-    def batch_source(self, index: int) -> Callable[[], Batch | None]:
-        return self._idle
-
-    def _idle(self) -> Batch | None:
-        self._stopped.wait()
-        return STOP
 
     def enqueue(self, request: InferRequest) -> None:
-        super().enqueue(request)
+        DynamicBatcher.enqueue(self, request)
         loop = self._running_loop.get()
         if loop is None:  # warm-up: nothing would drain later
             self._drain(None, force=True)
