@@ -112,6 +112,8 @@ def server(
     write_model(repo, "missing", MLP_CONFIG)
     write_model(repo, "compile_script", _broken(EXPORTED_CONFIG, 'default_model_filename: "model.pt2"\n', ""),
                 {"1/model.pt": mlp})
+    write_model(repo, "bad_threads", MLP_CONFIG + 'parameters [ { key: "INTRA_OP_THREAD_COUNT", '
+                'value: { string_value: "-2" } } ]\n', {"1/model.pt": mlp})
     with serve(repo, backends=BACKENDS, server_plugins=(recorder,), use_entry_points=False) as thread:
         yield thread
 
@@ -242,6 +244,7 @@ def test_dynamic_batching_gives_the_rows_of_single_calls(
         ("corrupt", ["cannot load PyTorch model", "model.pt"]),
         ("missing", ["model file", "not found"]),
         ("compile_script", ["torch_compile", "TorchScript"]),
+        ("bad_threads", ["INTRA_OP_THREAD_COUNT", "integer >= 0", "'-2'"]),
     ],
 )
 def test_bad_models_are_unavailable_with_a_reason(server: ServerThread, model: str, fragments: list[str]) -> None:
@@ -249,6 +252,28 @@ def test_bad_models_are_unavailable_with_a_reason(server: ServerThread, model: s
     assert entry["state"] == "UNAVAILABLE"
     for fragment in fragments:
         assert fragment in entry["reason"], entry["reason"]
+
+
+def test_thread_counts_are_process_wide_and_the_first_model_wins(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from pyserve_backend_pytorch import runtime
+
+    monkeypatch.setattr(runtime, "_THREADS_SET", {})
+    original = torch.get_num_threads()
+    wanted = 1 if original != 1 else 2
+    try:
+        with caplog.at_level("INFO", logger="pyserve.backend.pytorch"):
+            runtime.apply_thread_counts("first", wanted, None)
+            assert torch.get_num_threads() == wanted
+            runtime.apply_thread_counts("second", wanted + 1, None)  # the first model's value stays
+            assert torch.get_num_threads() == wanted
+            runtime.apply_thread_counts("third", None, 1)  # applied, or refused if the pool started
+        messages = caplog.text
+        assert "model 'second': parameter INTRA_OP_THREAD_COUNT=%d ignored: model 'first'" % (wanted + 1) in messages
+        assert "INTER_OP_THREAD_COUNT" in messages  # either "set to 1" or "not applied"
+    finally:
+        torch.set_num_threads(original)
 
 
 def test_good_models_are_ready(server: ServerThread) -> None:

@@ -20,7 +20,9 @@ What callers may rely on:
 * a missing or corrupt file, names that match no forward argument, or outputs whose
   datatype or dims disagree with the config (checked by a probe run on zeros) make the model
   UNAVAILABLE with a message naming the tensor and both sides;
-* a batch of requests runs as one forward over inputs gathered without copies.
+* a batch of requests runs as one forward over inputs gathered without copies;
+* parameters ``INTRA_OP_THREAD_COUNT`` / ``INTER_OP_THREAD_COUNT`` size torch's thread pools
+  for the whole process, the first model to set one winning (as in Triton).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 from pyserve import BackendContext, ModelContext, hookimpl
 from pyserve.backend_support import pyserve_execute, pyserve_instance_create, pyserve_instance_finalize
 
-from pyserve_backend_pytorch.runtime import TorchInstance, TorchModel, initialize_runtime
+from pyserve_backend_pytorch.runtime import TorchInstance, TorchModel, apply_thread_counts, initialize_runtime
 
 __all__ = [
     "TorchInstance",
@@ -52,8 +54,11 @@ def pyserve_backend_initialize(backend: BackendContext) -> None:
 
 @hookimpl
 def pyserve_model_create(model: ModelContext) -> TorchModel:
-    """Locate the model file and read the parameters; becomes ``model.state``.
+    """Locate the model file and read the parameters; becomes ``model.state``. Applies the
+    process-wide thread counts the first model to ask for them asks for.
 
     :raises ValueError: missing model file, bad parameter value, unsupported datatype.
     """
-    return TorchModel.from_context(model)
+    state = TorchModel.from_context(model)
+    apply_thread_counts(state.name, state.intra_op_threads, state.inter_op_threads)
+    return state

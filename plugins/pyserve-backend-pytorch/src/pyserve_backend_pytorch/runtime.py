@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from pyserve.backend_support import (
     FrameworkInstance,
     FrameworkModel,
     bool_parameter,
+    int_parameter,
     config_tensors,
 )
 from pyserve.datatypes import from_config_name
@@ -179,6 +181,43 @@ def load_module(path: Path, device: Any) -> LoadedModule:
     return LoadedModule(module, tuple(a.name for a in arguments), required, exported=False)
 
 
+# --------------------------------------------------------------------------- process-wide threads
+
+_THREADS_LOCK = threading.Lock()
+_THREADS_SET: dict[str, tuple[int, str]] = {}
+"""Parameter name → (value, model that set it): torch's thread pools are process-wide."""
+
+
+def apply_thread_counts(model_name: str, intra_op: int | None, inter_op: int | None) -> None:
+    """Triton's ``INTRA_OP_THREAD_COUNT`` / ``INTER_OP_THREAD_COUNT``: torch's thread pools are
+    shared by every model of the process, so the first model that sets one wins (as in
+    Triton); a later model asking for another value is told so in the log. 0 keeps torch's
+    default. torch refuses to resize its inter-op pool once it has been used: that is logged,
+    and the model still loads.
+    """
+    torch = _import_torch()
+    for key, value, setter in (
+        ("INTRA_OP_THREAD_COUNT", intra_op, torch.set_num_threads),
+        ("INTER_OP_THREAD_COUNT", inter_op, torch.set_num_interop_threads),
+    ):
+        if not value:
+            continue
+        with _THREADS_LOCK:
+            earlier = _THREADS_SET.get(key)
+            if earlier is not None:
+                if earlier[0] != value:
+                    log.warning("model '%s': parameter %s=%d ignored: model '%s' set it to %d for the "
+                                "whole process", model_name, key, value, earlier[1], earlier[0])
+                continue
+            try:
+                setter(value)
+            except RuntimeError as exc:  # the inter-op pool already started
+                log.warning("model '%s': parameter %s=%d not applied: %s", model_name, key, value, exc)
+                continue
+            _THREADS_SET[key] = (value, model_name)
+            log.info("model '%s': torch %s set to %d for the whole process", model_name, key, value)
+
+
 # --------------------------------------------------------------------------- model state
 
 
@@ -194,7 +233,9 @@ class TorchModel(FrameworkModel):
       torch cannot compile TorchScript), with ``torch_compile_backend`` (default inductor)
       and ``torch_compile_mode``;
     * ``probe_run`` (default true): at load, run forward once on zeros shaped from the config
-      and check the outputs' datatypes and dims against it.
+      and check the outputs' datatypes and dims against it;
+    * ``INTRA_OP_THREAD_COUNT`` / ``INTER_OP_THREAD_COUNT`` (Triton's names): torch's thread
+      pools, process-wide; see ``apply_thread_counts``.
     """
 
     inference_mode: bool = True
@@ -202,6 +243,8 @@ class TorchModel(FrameworkModel):
     compile_backend: str = "inductor"
     compile_mode: str | None = None
     probe_run: bool = True
+    intra_op_threads: int | None = None
+    inter_op_threads: int | None = None
 
     @classmethod
     def from_context(cls, model: ModelContext) -> TorchModel:
@@ -222,6 +265,8 @@ class TorchModel(FrameworkModel):
             compile_backend=params.get("torch_compile_backend", "").strip() or "inductor",
             compile_mode=params.get("torch_compile_mode", "").strip() or None,
             probe_run=bool(bool_parameter(params, "probe_run", True)),
+            intra_op_threads=int_parameter(params, "INTRA_OP_THREAD_COUNT"),
+            inter_op_threads=int_parameter(params, "INTER_OP_THREAD_COUNT"),
         )
 
     def device_for(self, instance: InstanceContext) -> Any:
