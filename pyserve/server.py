@@ -497,8 +497,15 @@ class ServerThread:
         try:
             loop.run_until_complete(main())
         finally:
-            try:  # as asyncio.run does: transports closed during shutdown finish closing their sockets
+            try:  # as asyncio.run does: cancel what is left (a connection still being accepted
+                # closes its transport when cancelled), let closing transports close their sockets
+                left = asyncio.all_tasks(loop)
+                for task in left:
+                    task.cancel()
+                if left:
+                    loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
                 loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.run_until_complete(asyncio.sleep(0))
             finally:
                 loop.close()
 

@@ -141,6 +141,10 @@ class GrpcConnection(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if self.server.stopping:  # accepted while the server stops: nobody would close it later
+            self._closed = True
+            transport.abort()  # type: ignore[attr-defined]
+            return
         self.peer = _peer_string(transport)
         self.server.connections.add(self)
         self._arm_keepalive()

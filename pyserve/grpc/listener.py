@@ -54,6 +54,8 @@ class GrpcServer:
         self._servers: list[asyncio.base_events.Server] = []
         self._unix_paths: list[str] = []
         self._all_closed: asyncio.Event | None = None
+        self.stopping = False
+        """Set by ``stop``: a connection accepted from then on is closed at once."""
         self._stopped = asyncio.Event()  # binds to a loop on first use (Python >= 3.10)
 
     # -- handlers ---------------------------------------------------------------------------------
@@ -145,6 +147,7 @@ class GrpcServer:
 
     async def stop(self, grace: float | None) -> None:
         """Stop listening; let open calls finish for ``grace`` seconds (None or 0: cancel them now)."""
+        self.stopping = True
         for server in self._servers:
             server.close()
         self._servers.clear()

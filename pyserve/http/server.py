@@ -161,6 +161,10 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        if self.server.shutting_down:  # accepted while the server stops: nobody would close it later
+            self.closed = True
+            self.transport.abort()
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
