@@ -48,8 +48,8 @@ from pyserve.plugins import PluginHost
 from pyserve import validation
 from pyserve.cache import create_cache
 from pyserve.restricted import Restriction
-from pyserve.tracing import TraceConfig, TraceManager
 from pyserve.tcp import bind_tcp
+from pyserve.tracing import TraceConfig, TraceManager
 
 log = logging.getLogger("pyserve.server")
 

@@ -452,9 +452,7 @@ class HttpProtocol(asyncio.Protocol):
             else:
                 self.write(b"".join(parts))
         else:
-            if self.queued:
-                self.server.flush_replies()
-            transport.writelines([b"".join(parts), body])
+            self.writelines([b"".join(parts), body])
         request.keep_alive = keep_alive
         self.finish(request)
 
@@ -464,6 +462,13 @@ class HttpProtocol(asyncio.Protocol):
             self.server.flush_replies()
         if self.transport is not None:
             self.transport.write(data)
+
+    def writelines(self, parts: list[bytes]) -> None:
+        """Write ``parts`` now (large bodies: not joined), after any answer still queued."""
+        if self.queued:
+            self.server.flush_replies()
+        if self.transport is not None:
+            self.transport.writelines(parts)
 
     def finish(self, request: _Request) -> None:
         """``request`` is answered: close, or go on with the next one."""
@@ -779,12 +784,10 @@ class _AsgiCycle:
             elif body:
                 out.append(body)
         if out:
-            if protocol.queued:
-                protocol.server.flush_replies()
             if sum(len(part) for part in out) <= _SINGLE_WRITE_LIMIT:
-                transport.write(b"".join(out))
+                protocol.write(b"".join(out))
             else:
-                transport.writelines(out)
+                protocol.writelines(out)
         if not more:
             self.response_complete = True
 
