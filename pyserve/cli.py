@@ -32,6 +32,16 @@ def _poll_secs(value: str) -> float:
     return secs
 
 
+def _busy_poll_us(value: str) -> int:
+    try:
+        microseconds = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--busy-poll-us must be a whole number of microseconds, got '{value}'") from None
+    if not 0 <= microseconds <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"--busy-poll-us must be between 0 and 1000000, got {value}")
+    return microseconds
+
+
 def _load_model_problem(mode: str, names: Sequence[str]) -> str | None:
     """Why the ``--load-model`` values cannot be used with ``--model-control-mode``, or None."""
     if names and mode != "explicit":
@@ -171,6 +181,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                           "(default: every request is handed to this process), auto (every model that can "
                           "be: no sequence batcher, decoupled, ensemble, GPU instances, response cache or "
                           "BLS / custom metrics in model.py), or comma-separated model names")
+    run.add_argument("--busy-poll-us", type=_busy_poll_us, default=0, metavar="US",
+                     help="after a model executed on the event loop (pyserve_inline_execute) answers, "
+                          "keep polling the sockets for US microseconds instead of sleeping: lower latency "
+                          "for clients that send their next request at once, for CPU while polling "
+                          "(0-1000000; default 0: off; e.g. 300)")
     _add_operations(run)
     triton_flags.add_flags(run)
 
@@ -312,6 +327,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         strict_readiness=args.strict_readiness,
         frontend_processes=args.frontend_processes,
         replicate_models=args.replicate_models,
+        busy_poll_us=args.busy_poll_us,
         model_load_thread_count=args.model_load_thread_count,
         model_load_retry_count=args.model_load_retry_count,
         model_control_mode=args.model_control_mode,

@@ -25,7 +25,7 @@ from typing import Any
 
 import uvicorn
 
-from pyserve import __version__, logs
+from pyserve import __version__, busy_poll, logs
 from pyserve.dataplane import DataPlane
 from pyserve.grpc.server import GrpcOptions
 from pyserve.header_forwarding import compile_forwarding
@@ -100,6 +100,9 @@ class ServerOptions:
     # --replicate-models: none | auto | NAME[,NAME...]: models frontend processes load replicas
     # of and answer themselves (pyserve.handoff.replicas)
     replicate_models: str = "none"
+    # --busy-poll-us: after a model executed on the event loop answers, the loop keeps polling
+    # for this many microseconds instead of sleeping (pyserve.busy_poll); 0 = off
+    busy_poll_us: int = 0
 
 
 class _NoSignalUvicorn(uvicorn.Server):
@@ -191,6 +194,7 @@ class Server:
         self._metrics_service: MetricsService | None = None
         self.metrics_port: int | None = None
         self._saved_element_limit: int | None = None
+        self._saved_busy_poll: int | None = None
         self.http_port: int | None = None
         self.grpc_port: int | None = None
         self._grpc: Any = None  # grpc.aio.Server or pyserve.grpc.listener.GrpcServer
@@ -211,6 +215,11 @@ class Server:
         :raises StartupError: a model failed and ``exit_on_error`` is set, or the port is taken.
         """
         loop = asyncio.get_running_loop()
+        if self.options.busy_poll_us:  # process-wide, as the tensor element limit
+            try:
+                self._saved_busy_poll = busy_poll.configure(self.options.busy_poll_us)
+            except ValueError as exc:
+                raise StartupError(str(exc)) from None
         self.models.server_handle = ServerHandle(self.dataplane, loop)
         self.models.loop = loop
         await loop.run_in_executor(None, self.models.load_all)
@@ -274,6 +283,7 @@ class Server:
             "exit_timeout_secs": options.exit_timeout_secs,
             "log": _log_settings(),
             "replicate": options.replicate_models,
+            "busy_poll_us": options.busy_poll_us,
             "repositories": [str(Path(p).resolve()) for p in options.model_repositories],
             "auto_complete": options.auto_complete,
             "backend_config": {k: dict(v) for k, v in options.backend_config.items()},
@@ -430,6 +440,8 @@ class Server:
             await self._metrics_service.stop()
         if self._saved_element_limit is not None:
             validation.LIMITS.max_tensor_elements = self._saved_element_limit
+        if self._saved_busy_poll is not None:
+            busy_poll.configure(self._saved_busy_poll)
         if self._handoff_dir is not None:
             shutil.rmtree(self._handoff_dir, ignore_errors=True)
         log.info("Server stopped")

@@ -32,7 +32,7 @@ from typing import Any
 
 import grpc
 
-from pyserve import logs, validation
+from pyserve import busy_poll, logs, validation
 from pyserve.errors import ErrorCode, InferError
 from pyserve.grpc.codec import SplitInferRequest
 from pyserve.grpc.codec import decode_infer as grpc_decode
@@ -537,6 +537,8 @@ async def serve(settings: dict[str, Any]) -> int:
         return 1
     if settings.get("max_tensor_elements"):
         validation.LIMITS.max_tensor_elements = settings["max_tensor_elements"]
+    if settings.get("busy_poll_us"):  # replicas executed on this loop poll as the owner's do
+        busy_poll.configure(settings["busy_poll_us"])
     dataplane = FrontendDataPlane(link)
     dataplane.http_forwarding = compile_forwarding(settings.get("http_header_forward_pattern", ""))
     dataplane.grpc_forwarding = compile_forwarding(settings["grpc"].get("header_forward_pattern", ""))

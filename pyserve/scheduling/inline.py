@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pyserve.busy_poll import BusyPoll
 from pyserve.inference import (
     InferRequest, RunningLoop, coalesced_delivery, enter_inline_delivery, exit_inline_delivery,
 )
@@ -49,6 +50,7 @@ class _OnTheLoop:
         self.worker: InstanceWorker | None = None
         self._stopped = threading.Event()
         self._running_loop = RunningLoop()
+        self._busy_poll = BusyPoll()  # ``--busy-poll-us``: keep the loop polling after an execute
 
     def batch_source(self, index: int) -> Callable[[], Batch | None]:
         return self._idle
@@ -80,8 +82,10 @@ class InlineScheduler(_OnTheLoop):
             worker.execute_batch((request,))
         finally:
             exit_inline_delivery(outer)
+        self._busy_poll.touch(loop)
 
     def stop(self, workers: int) -> None:
+        self._busy_poll.stop()
         self._stopped.set()
 
 
@@ -121,6 +125,7 @@ class InlineBatcher(_OnTheLoop, DynamicBatcher):
         if worker is None or self._stopped.is_set():
             return
         wake_at = 0
+        executed = False
         outer = enter_inline_delivery(loop) if loop is not None else None
         try:
             with coalesced_delivery() if loop is None else contextlib.nullcontext():
@@ -130,6 +135,7 @@ class InlineBatcher(_OnTheLoop, DynamicBatcher):
                     if batch is None:
                         break
                     worker.execute_batch(batch)
+                    executed = True
         except Exception:  # a scheduler bug: logged; the next request arriving drains again
             log.exception("model '%s': the inline batcher failed", worker.instance.model.name)
         finally:
@@ -138,6 +144,8 @@ class InlineBatcher(_OnTheLoop, DynamicBatcher):
         if wake_at and loop is not None and self._handle is None:
             delay = max(wake_at - time.monotonic_ns(), 0) / 1e9
             self._handle = loop.call_later(delay, self._drain, loop)
+        if executed and loop is not None and not self._stopped.is_set():
+            self._busy_poll.touch(loop)
 
     def stop(self, workers: int) -> None:
         """Execute what is queued (everything is due once stopping), then stop the threads."""
@@ -148,6 +156,7 @@ class InlineBatcher(_OnTheLoop, DynamicBatcher):
             self._handle = None
             self._soon = False
         self._drain(asyncio._get_running_loop(), force=True)
+        self._busy_poll.stop()
         self._stopped.set()
 
 

@@ -1,0 +1,83 @@
+"""Busy polling after an execute on the event loop (``--busy-poll-us``).
+
+At one connection a request waits mostly for wake-ups: the server's loop sleeps in the kernel
+between requests, and waking a sleeping thread costs tens of microseconds (on a virtual machine
+the idle CPU halts and the hypervisor resumes it). A loop that has just executed a model on
+itself (``pyserve_inline_execute``) can instead keep polling its sockets for a short window:
+the next request of a client that answers quickly is then read without any wake-up. Under load
+the loop is never idle and nothing changes; an idle server stops polling after one window.
+
+The price is CPU while polling (up to the window after each answer) and, for other threads of
+the process, the GIL: the polling loop takes it back between polls, so an instance thread of a
+threaded model in the same process may wait for it until the window closes, as it would beside
+a busy loop. Off by default.
+
+The setting is process-wide (``configure``), like ``pyserve.validation.LIMITS``; each inline
+scheduler keeps its own ``BusyPoll`` for the loop it executes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+_window_s = 0.0
+
+
+def configure(microseconds: int) -> int:
+    """Set how long a loop keeps polling after an inline execute (0: not at all).
+
+    :returns: the previous setting, in microseconds (to restore it).
+    :raises ValueError: ``microseconds`` is negative or above one second.
+    """
+    global _window_s
+    if not 0 <= microseconds <= 1_000_000:
+        raise ValueError(f"--busy-poll-us must be between 0 and 1000000, got {microseconds}")
+    previous = round(_window_s * 1e6)
+    _window_s = microseconds / 1e6
+    return previous
+
+
+def window_us() -> int:
+    """The current setting, in microseconds."""
+    return round(_window_s * 1e6)
+
+
+class BusyPoll:
+    """Keeps one event loop polling for the configured window after each ``touch``.
+
+    Polling is a callback that re-schedules itself with ``call_soon`` until the window has
+    passed, so every loop turn polls the sockets without blocking. Not thread-safe: ``touch``
+    and ``stop`` are called on the loop's thread.
+    """
+
+    __slots__ = ("_until", "_polling")
+
+    def __init__(self) -> None:
+        self._until = 0.0  # perf_counter time when polling stops
+        self._polling = False  # a ``_poll`` callback is scheduled
+
+    def touch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Poll ``loop`` (the running loop) until one window from now; no-op while disabled."""
+        window = _window_s
+        if not window:
+            return
+        self._until = time.perf_counter() + window
+        if not self._polling:
+            self._polling = True
+            loop.call_soon(self._poll, loop)
+
+    def stop(self) -> None:
+        """End the current window (the scheduled callback finishes at its next turn)."""
+        self._until = 0.0
+
+    @property
+    def polling(self) -> bool:
+        """Whether a polling callback is scheduled."""
+        return self._polling
+
+    def _poll(self, loop: asyncio.AbstractEventLoop) -> None:
+        if time.perf_counter() < self._until:
+            loop.call_soon(self._poll, loop)
+        else:
+            self._polling = False

@@ -1,0 +1,153 @@
+"""``--busy-poll-us``: after an inline execute answers, the loop polls instead of sleeping.
+
+Checked on real servers by the CPU time of the thread (or process) running the loop: for the
+window after an inline model answered it keeps a core busy, once the window has passed it is
+idle again; a model on instance threads, or a server without the option, does not poll. The
+setting reaches frontend processes (their replicas execute on their own loops), is restored
+when the server stops, and bad values are refused by name.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from pyserve import busy_poll
+from pyserve.server import ServerThread, StartupError
+from pyserve.testing import serve, write_model
+
+INLINE = 'parameters { key: "pyserve_inline_execute" value { string_value: "true" } }'
+
+MODEL_PY = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())])
+            for r in requests
+        ]
+"""
+
+WINDOW_US = 400_000
+"""Long enough to tell polling (a busy core) from sleeping on a loaded 2-core machine."""
+
+MEASURE_S = 0.25
+
+
+def _config(name: str, extra: str) -> str:
+    return f"""
+name: "{name}"
+backend: "python"
+max_batch_size: 8
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+{extra}
+"""
+
+
+def _repository(root: Path, batching: bool = False) -> Path:
+    repo = root / "repo"
+    write_model(repo, "inline", _config("inline", INLINE + ("\ndynamic_batching { }" if batching else "")),
+                {"1/model.py": MODEL_PY})
+    write_model(repo, "threaded", _config("threaded", ""), {"1/model.py": MODEL_PY})
+    return repo
+
+
+def _infer(url: str, model: str) -> None:
+    values = np.arange(4, dtype=np.float32).reshape(1, 4)
+    tensor = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+    tensor.set_data_from_numpy(values)
+    with httpclient.InferenceServerClient(url) as client:
+        assert np.array_equal(client.infer(model, [tensor]).as_numpy("OUTPUT0"), values)
+
+
+def _loop_thread_cpu(server: ServerThread) -> float:
+    """CPU seconds the server's loop thread has used."""
+    thread = server._thread
+    assert thread is not None and thread.ident is not None
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def _cpu_over(measure: Callable[[], float], seconds: float) -> float:
+    before = measure()
+    time.sleep(seconds)
+    return measure() - before
+
+
+@pytest.mark.parametrize("batching", [False, True], ids=["inline", "inline-batcher"])
+def test_the_loop_polls_for_the_window_after_an_inline_answer(tmp_path: Path, batching: bool) -> None:
+    with serve(_repository(tmp_path, batching), busy_poll_us=WINDOW_US) as server:
+        assert busy_poll.window_us() == WINDOW_US
+        time.sleep(WINDOW_US / 1e6)  # whatever start-up did has settled
+        assert _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S) < 0.05, "an idle server polls"
+        _infer(server.url, "inline")
+        busy = _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S)
+        assert busy > MEASURE_S * 0.4, f"the loop used {busy:.3f} s of CPU in {MEASURE_S} s after an inline answer"
+        time.sleep(WINDOW_US / 1e6)
+        assert _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S) < 0.05, "polling did not stop"
+        _infer(server.url, "threaded")  # on an instance thread: nothing to poll for
+        assert _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S) < 0.05, "a threaded model made the loop poll"
+    assert busy_poll.window_us() == 0, "the setting outlived the server"
+
+
+def test_off_by_default(tmp_path: Path) -> None:
+    with serve(_repository(tmp_path)) as server:
+        _infer(server.url, "inline")
+        assert _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S) < 0.05
+
+
+def _process_cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_frontend_processes_poll_after_their_replicas_answer(tmp_path: Path) -> None:
+    """Each fresh connection lands on the owner or the frontend (SO_REUSEPORT); until one lands
+    on the frontend, whose replica answers it, the frontend's CPU shows whether it polled."""
+    with serve(_repository(tmp_path), frontend_processes=1, replicate_models="auto",
+               busy_poll_us=WINDOW_US) as server:
+        handoff = server.server._handoff
+        assert handoff is not None and server.server.frontends is not None
+        deadline = time.monotonic() + 60
+        while not any(len(models) >= 2 for models in handoff.replicas.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # both models replicated (replicas: frontend pid → models it holds)
+        assert any(len(models) >= 2 for models in handoff.replicas.values()), handoff.replicas
+        [frontend] = server.server.frontends.pids
+        busiest = 0.0
+        for _ in range(24):
+            time.sleep(WINDOW_US / 1e6)  # the last window has passed
+            before = _process_cpu(frontend)
+            _infer(server.url, "inline")
+            time.sleep(MEASURE_S)
+            busiest = max(busiest, _process_cpu(frontend) - before)
+            if busiest > MEASURE_S * 0.4:
+                break
+        assert busiest > MEASURE_S * 0.4, f"the frontend never polled (at most {busiest:.2f} s of CPU)"
+
+
+@pytest.mark.parametrize("value", [-1, 1_000_001])
+def test_bad_windows_are_refused(tmp_path: Path, value: int) -> None:
+    with pytest.raises(StartupError, match="--busy-poll-us must be between 0 and 1000000"):
+        with serve(_repository(tmp_path), busy_poll_us=value):
+            pass
+    assert busy_poll.window_us() == 0
+
+
+@pytest.mark.parametrize("value", ["-5", "fast", "2000000"])
+def test_the_cli_names_the_flag(tmp_path: Path, value: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pyserve", "run", "--model-repository", str(tmp_path), "--busy-poll-us", value],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "--busy-poll-us" in result.stderr and value in result.stderr
