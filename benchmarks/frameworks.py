@@ -21,7 +21,8 @@ whose overhead column is the closer measure of what the server adds; the verdict
 target is < 300 µs at batch 1 over gRPC. The script prints a markdown table and always exits 0.
 
 Run: ``.venv/bin/python benchmarks/frameworks.py [--requests 1000] [--backends onnxruntime,pytorch]``
-(needs ``make install-test``: the three framework plugins, torch, onnx, tensorflow-cpu).
+(needs ``make install-test``: the three framework plugins, torch, onnx, tensorflow-cpu). As in the
+other scripts, ``PYSERVE_BENCH_PYSERVE_ARGS`` adds flags to ``pyserve run`` (e.g. ``--busy-poll-us 300``).
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def pyserve(repo: Path, log_path: Path) -> Iterator[tuple[str, str]]:
     command = [
         sys.executable, "-m", "pyserve", "run", "--model-repository", str(repo), "--host", "127.0.0.1",
         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-    ]
+    ] + os.environ.get("PYSERVE_BENCH_PYSERVE_ARGS", "").split()  # e.g. --busy-poll-us 300, as the others
     log_file = log_path.open("w")
     # a file, not a pipe: a pipe nobody reads fills up and stalls the server's logging
     process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
