@@ -21,6 +21,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+MAX_WINDOW_US = 1_000_000
+"""The longest window accepted (one second)."""
+
 _window_s = 0.0
 
 
@@ -31,8 +34,8 @@ def configure(microseconds: int) -> int:
     :raises ValueError: ``microseconds`` is negative or above one second.
     """
     global _window_s
-    if not 0 <= microseconds <= 1_000_000:
-        raise ValueError(f"--busy-poll-us must be between 0 and 1000000, got {microseconds}")
+    if not 0 <= microseconds <= MAX_WINDOW_US:
+        raise ValueError(f"--busy-poll-us must be between 0 and {MAX_WINDOW_US}, got {microseconds}")
     previous = round(_window_s * 1e6)
     _window_s = microseconds / 1e6
     return previous
@@ -70,11 +73,6 @@ class BusyPoll:
     def stop(self) -> None:
         """End the current window (the scheduled callback finishes at its next turn)."""
         self._until = 0.0
-
-    @property
-    def polling(self) -> bool:
-        """Whether a polling callback is scheduled."""
-        return self._polling
 
     def _poll(self, loop: asyncio.AbstractEventLoop) -> None:
         if time.perf_counter() < self._until:

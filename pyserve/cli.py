@@ -13,6 +13,7 @@ from typing import Any
 
 from pyserve import __version__, logs, triton_flags
 from pyserve.argtypes import boolean as _bool
+from pyserve.busy_poll import MAX_WINDOW_US
 
 EXAMPLE_REPOSITORY = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
 """The bundled example repository, served when no ``--model-repository`` is given."""
@@ -37,8 +38,8 @@ def _busy_poll_us(value: str) -> int:
         microseconds = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--busy-poll-us must be a whole number of microseconds, got '{value}'") from None
-    if not 0 <= microseconds <= 1_000_000:
-        raise argparse.ArgumentTypeError(f"--busy-poll-us must be between 0 and 1000000, got {value}")
+    if not 0 <= microseconds <= MAX_WINDOW_US:
+        raise argparse.ArgumentTypeError(f"--busy-poll-us must be between 0 and {MAX_WINDOW_US}, got {value}")
     return microseconds
 
 
