@@ -137,6 +137,32 @@ FP32_ECHO_CONFIG = """
 """The identity backend on FP32 ``INPUT0`` [-1] → ``OUTPUT0``, no batching (gRPC protocol tests)."""
 
 
+ECHO_MODEL_PY = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())])
+            for r in requests
+        ]
+"""
+"""A Triton ``model.py`` echoing ``INPUT0`` as ``OUTPUT0`` (frontend processes, busy polling)."""
+
+
+def python_echo_config(name: str, extra: str = "") -> str:
+    """A Python-backend model running ``ECHO_MODEL_PY``: FP32 ``INPUT0`` [-1], batching up to 8."""
+    return f"""
+name: "{name}"
+backend: "python"
+max_batch_size: 8
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+{extra}
+"""
+
+
 def echo_config(extra: str = "") -> str:
     """``echo``: the identity backend on FP32 ``INPUT0`` [-1] → ``OUTPUT0``, batching up to 8."""
     return f"""

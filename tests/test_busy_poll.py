@@ -23,20 +23,9 @@ import tritonclient.http as httpclient
 from pyserve import busy_poll
 from pyserve.server import ServerThread, StartupError
 from pyserve.testing import serve, write_model
+from suite_support import ECHO_MODEL_PY, python_echo_config
 
 INLINE = 'parameters { key: "pyserve_inline_execute" value { string_value: "true" } }'
-
-MODEL_PY = """
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        return [
-            pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())])
-            for r in requests
-        ]
-"""
 
 WINDOW_US = 400_000
 """Long enough to tell polling (a busy core) from sleeping on a loaded 2-core machine."""
@@ -44,22 +33,11 @@ WINDOW_US = 400_000
 MEASURE_S = 0.25
 
 
-def _config(name: str, extra: str) -> str:
-    return f"""
-name: "{name}"
-backend: "python"
-max_batch_size: 8
-input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
-output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
-{extra}
-"""
-
-
 def _repository(root: Path, batching: bool = False) -> Path:
     repo = root / "repo"
-    write_model(repo, "inline", _config("inline", INLINE + ("\ndynamic_batching { }" if batching else "")),
-                {"1/model.py": MODEL_PY})
-    write_model(repo, "threaded", _config("threaded", ""), {"1/model.py": MODEL_PY})
+    write_model(repo, "inline", python_echo_config("inline", INLINE + ("\ndynamic_batching { }" if batching else "")),
+                {"1/model.py": ECHO_MODEL_PY})
+    write_model(repo, "threaded", python_echo_config("threaded"), {"1/model.py": ECHO_MODEL_PY})
     return repo
 
 

@@ -29,32 +29,14 @@ from tritonclient.utils import InferenceServerException
 
 from pyserve.server import ServerThread, StartupError
 from pyserve.testing import serve, write_model
-from suite_support import ACCUMULATE_PY, accumulate_config, echo_config
+from suite_support import ACCUMULATE_PY, ECHO_MODEL_PY, accumulate_config, echo_config, python_echo_config
 
 CONNECTIONS = 16
 """Fresh connections per check: all landing on one of two processes has odds 2**-15."""
 
 ECHO = echo_config()
 
-PYECHO = """
-name: "pyecho"
-backend: "python"
-max_batch_size: 8
-input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
-"""
-
-PYECHO_PY = """
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        return [
-            pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())])
-            for r in requests
-        ]
-"""
+PYECHO = python_echo_config("pyecho")
 
 BLS = """
 name: "bls"
@@ -97,7 +79,7 @@ output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
 def _repository(root: Path) -> Path:
     repo = root / "repo"
     write_model(repo, "echo", ECHO)
-    write_model(repo, "pyecho", PYECHO, {"1/model.py": PYECHO_PY})
+    write_model(repo, "pyecho", PYECHO, {"1/model.py": ECHO_MODEL_PY})
     write_model(repo, "bls", BLS, {"1/model.py": BLS_PY})
     write_model(repo, "accumulate", ACCUMULATE, {"1/model.py": ACCUMULATE_PY})
     write_model(repo, "square", SQUARE)
