@@ -151,26 +151,22 @@ class TritonPythonModel:
 """A Triton ``model.py`` echoing ``INPUT0`` as ``OUTPUT0`` (frontend processes, busy polling)."""
 
 
-def python_echo_config(name: str, extra: str = "") -> str:
-    """A Python-backend model running ``ECHO_MODEL_PY``: FP32 ``INPUT0`` [-1], batching up to 8."""
+def _fp32_echo(name: str, backend: str, extra: str) -> str:
     return f"""
 name: "{name}"
-backend: "python"
+backend: "{backend}"
 max_batch_size: 8
 input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
 output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
 {extra}
 """
+
+
+def python_echo_config(name: str, extra: str = "") -> str:
+    """A Python-backend model running ``ECHO_MODEL_PY``: FP32 ``INPUT0`` [-1], batching up to 8."""
+    return _fp32_echo(name, "python", extra)
 
 
 def echo_config(extra: str = "") -> str:
     """``echo``: the identity backend on FP32 ``INPUT0`` [-1] → ``OUTPUT0``, batching up to 8."""
-    return f"""
-name: "echo"
-backend: "identity"
-max_batch_size: 8
-input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
-output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
-dynamic_batching {{ }}
-{extra}
-"""
+    return _fp32_echo("echo", "identity", "dynamic_batching { }\n" + extra)
