@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pyserve.errors import ErrorCode, InferError
-from pyserve.inference import FutureSender, InferRequest, InferResponse
+from pyserve.inference import FutureSender, InferRequest, InferResponse, RunningLoop
 from pyserve.model_config import ModelIO
 from pyserve.scheduling.instance import STOP, Batch, check_outputs
 from pyserve.validation import check_input
@@ -146,9 +146,16 @@ class EnsembleScheduler:
         self.io = io
         self._lookup = lookup
         self._tasks: set[asyncio.Task[None]] = set()
+        self._running_loop = RunningLoop()  # no getpid system call per request
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._running_loop.get()
+        if loop is None:
+            raise RuntimeError(f"ensemble '{self.name}': requests are enqueued on the server's event loop")
+        return loop
 
     def enqueue(self, request: InferRequest) -> None:
-        task = asyncio.get_running_loop().create_task(self._run(request))
+        task = self._loop().create_task(self._run(request))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -234,7 +241,7 @@ class EnsembleScheduler:
             timeout_us=parent.timeout_us,
             batch_size=batch,
         )
-        loop = asyncio.get_running_loop()
+        loop = self._loop()
         future: asyncio.Future[InferResponse | InferError] = loop.create_future()
         child.attach_sender(FutureSender(loop, future))
         try:

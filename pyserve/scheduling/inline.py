@@ -155,7 +155,7 @@ class InlineBatcher(_OnTheLoop, DynamicBatcher):
             self._handle.cancel()
             self._handle = None
             self._soon = False
-        self._drain(asyncio._get_running_loop(), force=True)
+        self._drain(asyncio._get_running_loop())  # ``_stopping``: every queued request is due
         self._busy_poll.stop()
         self._stopped.set()
 
