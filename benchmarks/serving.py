@@ -26,7 +26,7 @@ Also: the time from process start until a repository of 20 such Python models is
 each server process tree (RSS summed, and PSS, which counts shared pages once).
 
 Prints markdown tables and the target verdicts on stdout and always exits 0.
-Run: ``.venv/bin/python benchmarks/serving.py [--duration 3] [--rounds 2]`` (see README.md).
+Run: ``.venv/bin/python benchmarks/serving.py [--duration 3] [--rounds 3]`` (see README.md).
 """
 
 from __future__ import annotations
@@ -772,7 +772,7 @@ def tools_missing(cells: list[CellSpec]) -> list[CellSpec]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common_arguments(parser, rounds=2)
+    common_arguments(parser, rounds=3)  # odd: a median of two rounds is their mean
     parser.add_argument("--startup-models", type=int, default=20, help="models in the startup repository (20)")
     parser.add_argument("--startup-rounds", type=int, default=2, help="startups per server (2)")
     parser.add_argument("--skip-startup", action="store_true", help="skip the startup measurement")
