@@ -709,6 +709,10 @@ def serving_targets(results: Results) -> list[Target]:
         Target("gRPC req/s, 32 connections", ratio(results, key("grpc", "grpc", SMALL, 32), "rps"), 1.0, True),
         Target("p50 latency, 1 HTTP connection", ratio(results, key("http", "json", SMALL, 1), "p50_ms"), 0.6,
                False),
+        # "p99 no worse at any level" (HTTP, issue 9)
+        *(Target(f"p99 latency, HTTP {encoding} {c} connection{'s' if c > 1 else ''}",
+                 ratio(results, key("http", encoding, SMALL, c), "p99_ms"), 1.0, False)
+          for encoding, c in (("json", 1), ("json", 8), ("json", 32), ("binary", 8))),
         Target("16 MB echo bytes/s, HTTP binary", ratio(results, key("http", "binary", BIG, 1), "rps"), 1.0, True),
         Target("16 MB echo bytes/s, gRPC", ratio(results, key("grpc", "grpc", BIG, 1), "rps"), 1.0, True),
         Target("startup of 20 Python models until READY", startup_ratio(), 0.3, False),
