@@ -33,7 +33,7 @@ from pyserve.models import ModelRecord, ModelState, ModelVersion
 from pyserve.plugins import BackendUnavailable, LoadedBackend, PluginHost
 from pyserve.protocol import ModelConfig
 from pyserve.repository import Fingerprint, ModelSource, fingerprint, select_versions, version_numbers
-from pyserve.scheduling import InlineBatcher, InlineScheduler, InstanceWorker, scheduler_for
+from pyserve.scheduling import InstanceWorker, LoopScheduler, scheduler_for
 from pyserve.scheduling.ensemble import EnsembleScheduler, build_plan
 from pyserve.warmup import WarmupError, run_warmup
 
@@ -357,7 +357,7 @@ class ModelLoader:
             InstanceWorker(inst, backend, scheduler.batch_source(i), version.io, scheduler.observe)
             for i, inst in enumerate(version.instances)
         ]
-        if isinstance(scheduler, (InlineScheduler, InlineBatcher)):
+        if isinstance(scheduler, LoopScheduler):
             scheduler.worker = version.workers[0]
         for worker in version.workers:
             worker.start()

@@ -447,10 +447,11 @@ class HttpProtocol(asyncio.Protocol):
         parts.append(b"\r\n")
         if len(body) <= _SINGLE_WRITE_LIMIT:
             parts.append(body)
+            whole = b"".join(parts)
             if len(self.server.connections) > 1:
-                self.server.queue_reply(self, b"".join(parts))
+                self.server.queue_reply(self, whole)
             else:
-                self.write(b"".join(parts))
+                self.write(whole)
         else:
             self.writelines([b"".join(parts), body])
         request.keep_alive = keep_alive

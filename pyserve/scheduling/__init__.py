@@ -14,13 +14,13 @@ from typing import Any, Protocol
 from pyserve.inference import InferRequest, InferResponse
 from pyserve.model_config import ModelIO
 from pyserve.scheduling.dynamic import DynamicBatcher
-from pyserve.scheduling.inline import INLINE_PARAMETER, InlineBatcher, InlineScheduler, inline_requested
+from pyserve.scheduling.inline import INLINE_PARAMETER, InlineBatcher, InlineScheduler, LoopScheduler, inline_requested
 from pyserve.scheduling.instance import STOP, Batch, InstanceWorker
 from pyserve.scheduling.sequence import SequenceBatcher
 
 __all__ = [
     "INLINE_PARAMETER", "STOP", "Batch", "DefaultScheduler", "DynamicBatcher", "InlineBatcher", "InlineScheduler",
-    "InstanceWorker", "Scheduler", "SequenceBatcher", "scheduler_for",
+    "InstanceWorker", "LoopScheduler", "Scheduler", "SequenceBatcher", "scheduler_for",
 ]
 
 

@@ -40,9 +40,10 @@ INLINE_PARAMETER = "pyserve_inline_execute"
 """Config parameter (``"true"``) running a model's execute on the event loop thread."""
 
 
-class _OnTheLoop:
-    """What both inline schedulers share: instance 0's ``worker`` executes on the loop, and
-    every instance thread only waits until ``_stopped`` is set."""
+class LoopScheduler:
+    """What both inline schedulers share: the model loader sets ``worker`` (instance 0's
+    ``InstanceWorker``, which executes on the loop) when the instances start, and every
+    instance thread only waits until ``_stopped`` is set."""
 
     observe = None
 
@@ -60,7 +61,7 @@ class _OnTheLoop:
         return STOP
 
 
-class InlineScheduler(_OnTheLoop):
+class InlineScheduler(LoopScheduler):
     """Runs each request's execute at once, on the thread that enqueues it (the event loop).
 
     Off a loop (warm-up), the execute runs on the calling thread and answers go thread-safe.
@@ -89,7 +90,7 @@ class InlineScheduler(_OnTheLoop):
         self._stopped.set()
 
 
-class InlineBatcher(_OnTheLoop, DynamicBatcher):
+class InlineBatcher(LoopScheduler, DynamicBatcher):
     """The dynamic batcher, executing its batches on the event loop.
 
     ``enqueue`` (on the loop) queues the request as ``DynamicBatcher`` does (a full queue raises
