@@ -151,6 +151,10 @@ class Backend:
         """Answer the gathered requests: one response or error per request, in order."""
         raise NotImplementedError(f"{type(self).__name__} does not implement execute()")
 
+    def instance_ready(self, instance: InstanceContext) -> bool | None:
+        """Whether a READY instance can serve now (the ready endpoints ask); None: no opinion."""
+        return None
+
     # -- the hook implementations (do not override) --------------------------------------
     @hookimpl
     def pyserve_backend_initialize(self, backend: BackendContext) -> None:
@@ -185,3 +189,7 @@ class Backend:
         self, instance: InstanceContext, requests: Sequence[InferRequest]
     ) -> Sequence[InferResponse | InferError | BaseException] | None:
         return self.execute(instance, requests)
+
+    @hookimpl
+    def pyserve_instance_ready(self, instance: InstanceContext) -> bool | None:
+        return self.instance_ready(instance)

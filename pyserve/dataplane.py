@@ -17,6 +17,7 @@ from pyserve.metrics import select_versions, statistics_json
 from pyserve.model_manager import ModelManager
 from pyserve.models import ModelVersion
 from pyserve.protocol.config_json import model_config_to_dict
+from pyserve.readiness import ReadinessChecks
 from pyserve.cache import ResponseCache, cache_enabled
 from pyserve.shared_memory import SharedMemoryManager, cuda_available
 from pyserve.tracing import TraceManager
@@ -55,6 +56,8 @@ class DataPlane:
         """The shared-memory regions clients registered with this server."""
         self.tracing = TraceManager()
         self.strict_readiness = True  # --strict-readiness
+        self.readiness = ReadinessChecks()
+        """The backends' readiness checks behind the ready endpoints (``pyserve.readiness``)."""
         # --http-header-forward-pattern / --grpc-header-forward-pattern (pyserve.header_forwarding)
         self.http_forwarding: HeaderForwarding | None = None
         self.grpc_forwarding: HeaderForwarding | None = None
@@ -86,10 +89,30 @@ class DataPlane:
         return self.models.get(name, version)
 
     def model_ready(self, name: str, version: str | None = None) -> bool:
+        """Whether the version is READY (its state only; the endpoints use ``check_model_ready``)."""
         try:
             return self.models.get(name, version).ready
         except InferError:
             return False
+
+    async def check_model_ready(self, name: str, version: str | None = None) -> bool:
+        """What the model ready endpoints answer: READY, and every instance passes its backend's
+        readiness check (``pyserve_instance_ready``, e.g. a Python model's ``is_ready()``)."""
+        try:
+            served = self.models.get(name, version)
+        except (InferError, ValueError):  # unknown, not READY, or not a version number
+            return False
+        return await self.readiness.version_ready(served)
+
+    async def check_server_ready(self) -> bool:
+        """What the server ready endpoints answer: ``is_ready``, and with strict readiness every
+        READY version's instances pass their readiness checks."""
+        if not self.is_ready():
+            return False
+        if not self.strict_readiness:
+            return True
+        versions = [v for record in list(self.models.records.values()) for v in list(record.versions.values()) if v.ready]
+        return all(await asyncio.gather(*(self.readiness.version_ready(v) for v in versions)))
 
     def model_metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
         """Triton's model metadata object for one model (all READY versions when unversioned)."""

@@ -55,6 +55,7 @@ LIFECYCLE_HOOKS = (
     "pyserve_instance_create",
     "pyserve_instance_finalize",
     "pyserve_execute",
+    "pyserve_instance_ready",
 )
 
 
@@ -105,6 +106,7 @@ class BackendHooks:
     instance_create: Any
     instance_finalize: Any
     execute: Any
+    instance_ready: Any
 
 
 def _direct_call(hook: Any) -> Callable[[Any, Any], Any] | None:

@@ -436,6 +436,7 @@ class Server:
         remaining = max(deadline - loop.time(), 0.0)
         await loop.run_in_executor(None, self.models.unload_all, remaining)
         await loop.run_in_executor(None, self.dataplane.tracing.shutdown)  # write pending traces
+        self.dataplane.readiness.close()
         if self._metrics_service is not None:  # last, as Triton: metrics stay readable while draining
             await self._metrics_service.stop()
         if self._saved_element_limit is not None:

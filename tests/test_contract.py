@@ -637,3 +637,54 @@ def test_backend_breaking_the_contract(start_server: Callable[..., ServerThread]
     assert entries["two"]["state"] == "UNAVAILABLE"
     assert "same plugin object as 'backend:one'" in entries["two"]["reason"]
     infer(server, "ok")
+
+
+# --------------------------------------------------------------------------- instance readiness
+
+
+class Gate(pyserve.Backend):
+    """Doubles its input; ``instance_ready`` answers from ``open`` (per instance index)."""
+
+    def __init__(self) -> None:
+        self.open: dict[int, object] = {}
+        self.asked: list[str] = []
+
+    def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
+        return [InferResponse({"OUTPUT0": r.inputs["INPUT0"] * 2}) for r in requests]
+
+    def instance_ready(self, instance: InstanceContext) -> bool | None:
+        self.asked.append(threading.current_thread().name)
+        answer = self.open.get(instance.index, True)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer  # type: ignore[return-value]
+
+
+def test_instance_ready_hook_answers_the_ready_endpoints(start_server: Callable[..., ServerThread],
+                                                         make_repo: Callable[..., Path]) -> None:
+    gate = Gate()
+    server = start_server(make_repo({"gated": model_config("gate", count=2), "plain": model_config("rec")}),
+                          backends={"gate": gate, "rec": Recorder()}, use_entry_points=False)
+    client = httpclient.InferenceServerClient(server.url)
+    assert ready(server, "gated") and client.is_server_ready()
+    assert gate.asked and all(name.startswith("pyserve-ready") for name in gate.asked)  # never the loop
+    for answer in (False, RuntimeError("no GPU"), "yes"):
+        gate.open[1] = answer  # one instance of two says no (or fails, or answers no bool)
+        assert not ready(server, "gated")
+        assert not client.is_server_ready()
+        assert ready(server, "plain")
+    gate.open[1] = None  # no opinion counts as ready
+    assert ready(server, "gated") and client.is_server_ready()
+    assert infer(server, "gated").tolist() == [2.0, 4.0]
+
+
+def test_backends_without_a_readiness_check_use_no_thread(start_server: Callable[..., ServerThread],
+                                                          make_repo: Callable[..., Path]) -> None:
+    server = start_server(make_repo({"plain": model_config("rec")}), backends={"rec": Recorder()},
+                          use_entry_points=False)
+    before = {t.ident for t in threading.enumerate()}
+    for _ in range(3):
+        assert ready(server, "plain")
+    client = httpclient.InferenceServerClient(server.url)
+    assert client.is_server_ready()
+    assert not [t for t in threading.enumerate() if t.name.startswith("pyserve-ready") and t.ident not in before]

@@ -91,14 +91,14 @@ class InferenceServicer:
         return pb.ServerLiveResponse(live=self.dataplane.live)
 
     async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return pb.ServerReadyResponse(ready=self.dataplane.is_ready())
+        return pb.ServerReadyResponse(ready=await self.dataplane.check_server_ready())
 
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             version = model_version(request.version)
         except InferError:
             return pb.ModelReadyResponse(ready=False)
-        return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, version))
+        return pb.ModelReadyResponse(ready=await self.dataplane.check_model_ready(request.name, version))
 
     async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         meta = self.dataplane.server_metadata()

@@ -93,7 +93,7 @@ def create_app(
         return status_error(400, "Server is not live")
 
     async def ready(request: Request) -> Response:
-        if dataplane.is_ready():
+        if await dataplane.check_server_ready():
             return Response(b"", 200)
         return status_error(400, "Server is not ready")
 
@@ -107,7 +107,7 @@ def create_app(
             return error_response(exc)
 
     async def model_ready(request: Request) -> Response:
-        if dataplane.model_ready(request.path_params["model_name"], _version(request)):
+        if await dataplane.check_model_ready(request.path_params["model_name"], _version(request)):
             return Response(b"", 200)
         return status_error(400, "Model version not ready")
 

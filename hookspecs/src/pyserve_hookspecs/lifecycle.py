@@ -161,6 +161,26 @@ def pyserve_instance_finalize(instance: InstanceContext) -> None:
 
 
 @hookspec(firstresult=True)
+def pyserve_instance_ready(instance: InstanceContext) -> bool | None:
+    """Whether one READY instance can serve now (Triton's ``TRITONBACKEND_ModelInstanceReady``).
+
+    When: a client asks whether the model is ready (``/v2/models/<name>/ready``, gRPC
+    ``ModelReady``) or, with strict readiness, whether the server is; once per instance of
+    every READY version asked about. Never called for a version that is not READY.
+    Thread: a readiness thread of the server, never the event loop nor the instance's
+    execution thread, so it may run while the same instance executes. It may block; the
+    server waits at most 5 s for it and then answers "not ready". While one check of an
+    instance still runs, later questions wait for that check instead of starting another.
+
+    :param instance: the instance's context (``instance.state`` as in ``pyserve_execute``).
+    :returns: True (or None: no opinion, which is how backends without the hook behave) when
+        the instance can serve, False when it cannot; the model is ready only when every one
+        of its instances is.
+    :raises Exception: the instance counts as not ready; the error is logged with its name.
+    """
+
+
+@hookspec(firstresult=True)
 def pyserve_execute(
     instance: InstanceContext, requests: Sequence[InferRequest]
 ) -> Sequence[InferResponse | InferError | BaseException] | None:

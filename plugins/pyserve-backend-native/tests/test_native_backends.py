@@ -158,6 +158,24 @@ def test_per_request_and_execute_errors(
         np.testing.assert_array_equal(client.infer("errs", [_int_input([5])]).as_numpy("OUTPUT0"), [10])
 
 
+def test_model_instance_ready_answers_the_ready_endpoints(
+    tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    repo = tmp_path / "repo"
+    install_backend(write_model(repo, "errs", ERRORS), backend_libraries["errors"])
+    server = pyserve_server_factory(repo)
+    grpc_client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.server.grpc_port}")
+    with httpclient.InferenceServerClient(server.url) as client:
+        assert client.is_model_ready("errs") and client.is_server_ready()
+        client.infer("errs", [_int_input([1])], request_id="not-ready")
+        assert not client.is_model_ready("errs") and not client.is_server_ready()
+        assert not grpc_client.is_model_ready("errs")
+        assert "TRITONBACKEND_ModelInstanceReady failed: not ready on purpose" in caplog.text
+        client.infer("errs", [_int_input([1])], request_id="ready")
+        assert client.is_model_ready("errs") and grpc_client.is_server_ready()
+
+
 def test_model_initialize_failure_and_bad_libraries(
     tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory
 ) -> None:

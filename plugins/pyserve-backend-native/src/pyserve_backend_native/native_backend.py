@@ -12,6 +12,7 @@ pyserve hook                           TRITONBACKEND entry point
 ``pyserve_model_create``               ``ModelInitialize`` (unless auto-complete already ran it)
 ``pyserve_instance_create``            ``ModelInstanceInitialize``
 ``pyserve_execute``                    ``ModelInstanceExecute``
+``pyserve_instance_ready``             ``ModelInstanceReady`` (when exported; an error = not ready)
 ``pyserve_instance_finalize``          ``ModelInstanceFinalize``
 ``pyserve_model_finalize``             ``ModelFinalize``
 ``pyserve_backend_finalize``           ``Finalize``
@@ -241,6 +242,19 @@ class NativeBackend:
             self._call("ModelInstanceFinalize", native.pointer)
         finally:
             _api.lib().pyshim_instance_delete(native.pointer)
+
+    @hookimpl
+    def pyserve_instance_ready(self, instance: InstanceContext) -> bool | None:
+        """``TRITONBACKEND_ModelInstanceReady`` when the library exports it (an optional entry
+        point): ready unless it returns an error. None (no opinion) when it does not.
+
+        :raises NativeBackendError: the backend says the instance is not ready (its message).
+        """
+        native = instance.state
+        if self._entry("ModelInstanceReady") is None or not isinstance(native, NativeInstance):
+            return None
+        self._call("ModelInstanceReady", native.pointer)
+        return True
 
     # -- execute ------------------------------------------------------------------------------------
     @hookimpl

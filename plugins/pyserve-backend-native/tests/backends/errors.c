@@ -1,8 +1,16 @@
 /* Test backend "errors": OUTPUT0 = 2 * INPUT0 (INT32), with failures on purpose:
  * a request with id "fail-batch" fails the whole execute (the execute returns an error);
  * a negative first element gets a per-request error response; 0 gets no response at all
- * (the request is released without one). */
+ * (the request is released without one). A request with id "not-ready" makes
+ * TRITONBACKEND_ModelInstanceReady fail from then on; one with id "ready" undoes it. */
 #include "backend_util.h"
+
+static volatile int not_ready = 0;
+
+TRITONSERVER_Error* TRITONBACKEND_ModelInstanceReady(TRITONBACKEND_ModelInstance* instance) {
+  (void)instance;
+  return not_ready ? TRITONSERVER_ErrorNew(TRITONSERVER_ERROR_UNAVAILABLE, "not ready on purpose") : NULL;
+}
 
 TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(
     TRITONBACKEND_ModelInstance* instance, TRITONBACKEND_Request** requests, const uint32_t count) {
@@ -11,6 +19,8 @@ TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(
     RETURN_IF_ERROR(TRITONBACKEND_RequestId(requests[r], &id));
     if (strcmp(id, "fail-batch") == 0) /* requests stay with the server */
       return TRITONSERVER_ErrorNew(TRITONSERVER_ERROR_INVALID_ARG, "the batch was rejected on purpose");
+    if (strcmp(id, "not-ready") == 0) not_ready = 1;
+    if (strcmp(id, "ready") == 0) not_ready = 0;
   }
   for (uint32_t r = 0; r < count; r++) {
     TRITONBACKEND_Request* request = requests[r];

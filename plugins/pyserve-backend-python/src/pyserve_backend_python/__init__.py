@@ -175,3 +175,14 @@ def pyserve_execute(
     """Run ``TritonPythonModel.execute`` on the batch (see ``results`` for the rules)."""
     runner: Runner = instance.state
     return runner.execute(requests)
+
+
+@hookimpl
+def pyserve_instance_ready(instance: InstanceContext) -> bool:
+    """The model's ``is_ready()`` (sync or ``async def``; True when it has none), as Triton's
+    Python backend asks it; in process mode, False while the worker process is not running.
+
+    :raises Exception: ``is_ready()`` raised or returned no bool (the model is not ready).
+    """
+    runner: Runner = instance.state
+    return runner.ready()

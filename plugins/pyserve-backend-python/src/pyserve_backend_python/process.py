@@ -58,6 +58,8 @@ SHM_PREFIX = "pyserve_py_"
 """Prefix of every shared-memory segment name this backend creates."""
 
 STOP_TIMEOUT_S = 10.0
+READY_REPLY_TIMEOUT_S = 60.0
+"""The longest a readiness thread waits for the worker (the ready endpoints give up after 5 s)."""
 """Seconds ``finalize()`` in the worker and the worker's exit may take before it is killed."""
 _SHM_DIR = "/dev/shm"
 _BYTES = "BYTES"
@@ -155,11 +157,12 @@ class _Link:
     decoupled requests and BLS calls are handled as they come (``on_send``, ``on_bls``), every
     other message is a reply to ``call`` (one outstanding call at a time)."""
 
-    def __init__(self, conn: Any, on_send: Any, on_bls: Any, on_eof: Any, on_metrics: Any) -> None:
+    def __init__(self, conn: Any, on_send: Any, on_bls: Any, on_eof: Any, on_metrics: Any, on_ready: Any) -> None:
         self.conn = conn
         self.replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._send_lock = threading.Lock()
         self._on_send, self._on_bls, self._on_eof, self._on_metrics = on_send, on_bls, on_eof, on_metrics
+        self._on_ready = on_ready
         self._thread = threading.Thread(target=self._read, name="pyserve-python-link", daemon=True)
         self._thread.start()
 
@@ -178,6 +181,8 @@ class _Link:
                 self._on_bls(message)
             elif kind == "metrics":
                 self._on_metrics(message[1])
+            elif kind == "ready_result":
+                self._on_ready(message)
             else:
                 self.replies.put(message)
 
@@ -233,6 +238,9 @@ class ProcessRunner:
         self._arena: mmap.mmap | None = None
         self._arena_name = ""
         self._arena_size = 0
+        self._ready_tokens = itertools.count(1)
+        self._ready_waiters: dict[int, queue.SimpleQueue[tuple]] = {}
+        self._ready_lock = threading.Lock()
 
     # lifecycle
     def _start(self) -> None:
@@ -247,7 +255,7 @@ class ProcessRunner:
         process.start()
         child.close()
         self._process, self._conn = process, parent
-        self._link = _Link(parent, self._on_send, self._on_bls, self._on_eof, self._on_metrics)
+        self._link = _Link(parent, self._on_send, self._on_bls, self._on_eof, self._on_metrics, self._on_ready)
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch_cancellations, daemon=True,
                                              name=f"pyserve-python-cancel-{self._instance.name}")
@@ -346,9 +354,20 @@ class ProcessRunner:
             for key in keys:
                 self._open.pop(key, None)
 
+    def _on_ready(self, message: tuple) -> None:
+        """The worker's answer to a readiness question."""
+        with self._ready_lock:
+            waiter = self._ready_waiters.pop(message[1], None)
+        if waiter is not None:
+            waiter.put(message[2:])
+
     def _on_eof(self) -> None:
         """The worker is gone: end every decoupled request it had not ended (those of a batch
-        still executing fail with the batch)."""
+        still executing fail with the batch), and answer the readiness questions waiting."""
+        with self._ready_lock:
+            waiters, self._ready_waiters = self._ready_waiters, {}
+        for waiter in waiters.values():
+            waiter.put(("exited", None))
         with self._open_lock:
             pending = {k: r for k, r in self._open.items() if k not in self._in_batch}
             for key in pending:
@@ -394,6 +413,40 @@ class ProcessRunner:
             self._link.close()
         self._process = self._conn = self._link = None
         _unlink_prefix(self._prefix + "o")
+
+    def ready(self) -> bool:
+        """False while the worker process is not running (it restarts with the next batch);
+        otherwise the model's ``is_ready()``, called by a thread of the worker.
+
+        :raises PythonModelError: ``is_ready()`` raised (the traceback is in the message).
+        :raises TypeError: it returned something other than a bool.
+        :raises TimeoutError: no answer within ``READY_REPLY_TIMEOUT_S``.
+        """
+        process, link = self._process, self._link
+        if process is None or link is None or not process.is_alive():
+            return False
+        token = next(self._ready_tokens)
+        waiter: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        with self._ready_lock:
+            self._ready_waiters[token] = waiter
+        try:
+            link.send(("ready", token))
+            status, value = waiter.get(timeout=READY_REPLY_TIMEOUT_S)
+        except OSError:
+            return False
+        except queue.Empty:
+            raise TimeoutError(f"is_ready() of model '{self._model_name}' did not answer within "
+                               f"{READY_REPLY_TIMEOUT_S:.0f} s") from None
+        finally:
+            with self._ready_lock:
+                self._ready_waiters.pop(token, None)
+        if status == "ok":
+            return bool(value)
+        if status == "not_bool":
+            raise TypeError(f"is_ready() of model '{self._model_name}' returned {value}, expected bool")
+        if status == "exited":
+            return False
+        raise PythonModelError(value)
 
     def execute(self, requests: Sequence[InferRequest]) -> results.ServerResults:
         with self._lock:

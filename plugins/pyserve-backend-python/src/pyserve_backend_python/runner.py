@@ -48,6 +48,12 @@ class Runner(Protocol):
     def finalize(self) -> None:
         """Call ``finalize()`` and release the instance's resources."""
 
+    def ready(self) -> bool:
+        """The model's ``is_ready()`` (True when it has none); called on a readiness thread.
+
+        :raises Exception: ``is_ready()`` raised, or returned something other than a bool.
+        """
+
 
 def initialize_args(instance: InstanceContext) -> dict[str, str]:
     """The ``args`` dict Triton passes to ``initialize``."""
@@ -191,6 +197,16 @@ class ThreadRunner:
                     request.response_sender().send(error, final=True)
                 except InferError:
                     pass  # answered concurrently
+
+    def ready(self) -> bool:
+        is_ready = getattr(self._object, "is_ready", None)
+        if is_ready is None:
+            return True
+        with context.calling(self._model):
+            answer = self._settle(is_ready())
+        if not isinstance(answer, bool):
+            raise TypeError(f"is_ready() of model '{self._model.name}' returned {type(answer).__name__}, expected bool")
+        return answer
 
     def finalize(self) -> None:
         model = self._model

@@ -10,7 +10,11 @@ runs that request on the server and answers ``("bls_result", responses)`` (BLS f
 ``execute``; tensors are pickled through the pipe both ways). A decoupled model's response
 senders send ``("send", request key, response or None, final)`` at any time, from any thread.
 Before a reply, the worker sends ``("metrics", families)`` when its custom metrics changed. The
-parent sends ``("cancel", request key)`` when a request's client went away (``is_cancelled()``).
+parent sends ``("cancel", request key)`` when a request's client went away (``is_cancelled()``),
+and ``("ready", token)`` when a client asks whether the model is ready: a thread of the worker
+calls the model's ``is_ready()`` (if it has one; ``True`` otherwise), also while a batch executes,
+and answers ``("ready_result", token, "ok", answer)``, ``("ready_result", token, "not_bool", type
+name)`` or ``("ready_result", token, "error", traceback text)``.
 """
 
 from __future__ import annotations
@@ -79,8 +83,26 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
                 bls_replies.put(message)
             elif message[0] == "cancel":
                 cancelled.add(message[1])
+            elif message[0] == "ready":
+                threading.Thread(target=answer_ready, args=(message[1],), daemon=True,
+                                 name="pyserve-python-worker-ready").start()
             else:
                 inbox.put(message)
+
+    def answer_ready(token: int) -> None:
+        """Call the model's ``is_ready()`` (sync or ``async def``) and send the answer."""
+        try:
+            is_ready = getattr(obj, "is_ready", None)
+            answer = True if is_ready is None else is_ready()
+            if inspect.isawaitable(answer):
+                answer = asyncio.run(_await(answer))
+        except Exception as exc:
+            send(("ready_result", token, "error", loader.format_failure(f"model '{spec['name']}': is_ready() raised", exc)))
+            return
+        if isinstance(answer, bool):
+            send(("ready_result", token, "ok", answer))
+        else:
+            send(("ready_result", token, "not_bool", type(answer).__name__))
 
     class PipeSender:
         """A decoupled request's responses, sent to the parent as they come (any thread)."""
@@ -318,3 +340,7 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
             arena.close()
         except BufferError:
             pass
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable
