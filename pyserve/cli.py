@@ -14,6 +14,7 @@ from typing import Any
 from pyserve import __version__, logs, triton_flags
 from pyserve.argtypes import boolean as _bool
 from pyserve.busy_poll import MAX_WINDOW_US
+from pyserve.repository import check_config_name
 
 EXAMPLE_REPOSITORY = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
 """The bundled example repository, served when no ``--model-repository`` is given."""
@@ -31,6 +32,13 @@ def _poll_secs(value: str) -> float:
     if not secs > 0:
         raise argparse.ArgumentTypeError(f"--repository-poll-secs must be greater than 0, got {value}")
     return secs
+
+
+def _config_name(value: str) -> str:
+    try:
+        return check_config_name(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _busy_poll_us(value: str) -> int:
@@ -160,6 +168,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                      help="a model to load at startup in explicit mode (repeatable; '*' alone = all)")
     run.add_argument("--repository-poll-secs", type=_poll_secs, default=15.0, metavar="SECS",
                      help="seconds between repository scans in poll mode (default 15)")
+    run.add_argument("--model-config-name", default="", type=_config_name, metavar="NAME",
+                     help="read a model's configs/NAME.pbtxt instead of its config.pbtxt where it has one")
     run.add_argument("--backend-directory", default="/opt/tritonserver/backends", metavar="PATH",
                      help="where native backends live: <dir>/<backend>/libtriton_<backend>.so "
                           "(default /opt/tritonserver/backends)")
@@ -335,6 +345,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         load_models=args.load_model,
         repository_poll_secs=args.repository_poll_secs,
         backend_directory=args.backend_directory,
+        model_config_name=args.model_config_name,
         **operations,
     )
     try:
@@ -357,7 +368,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     from pyserve.validate_repo import validate_repositories
 
-    problems = validate_repositories([Path(p) for p in args.repository])
+    problems = validate_repositories([Path(p) for p in args.repository], config_name=args.model_config_name)
     for line in problems:
         print(line)
     if problems:
@@ -427,6 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(sub)
     validate = sub.add_parser("validate", help="check model repositories without serving them")
     validate.add_argument("repository", nargs="+", help="model repository directories")
+    validate.add_argument("--model-config-name", default="", type=_config_name, metavar="NAME",
+                          help="check configs/NAME.pbtxt instead of config.pbtxt where a model has one")
     backends = sub.add_parser("backends", help="list installed backends")
     backends.add_argument("--json", action="store_true", help="print JSON instead of a table")
     backends.add_argument("--check", action="store_true",

@@ -89,25 +89,27 @@ def _kind_value(group: Any, name: str) -> int:
     return group.DESCRIPTOR.fields_by_name["kind"].enum_type.values_by_name[name].number
 
 
-def normalize(config: Any, model_dir: Path, platform_backend: Any = None) -> None:
+def normalize(config: Any, model_dir: Path, platform_backend: Any = None, config_file: Path | None = None) -> None:
     """Fill in Triton's defaults in place.
 
     :param config: the parsed ``ModelConfig``.
     :param model_dir: the model directory (its name is the model name).
     :param platform_backend: ``callable(platform) -> backend name | None`` for platforms
         beyond Triton's own table (the plugin host's ``platform_backend``).
+    :param config_file: the file the config came from, for messages (default
+        ``<model_dir>/config.pbtxt``; ``configs/<name>.pbtxt`` with ``--model-config-name``).
     :raises ModelConfigError: when the config cannot be completed (name mismatch, no way to
         tell the backend, GPU instances without GPUs).
     """
     name = model_dir.name
+    where = config_file if config_file is not None else model_dir / "config.pbtxt"
     if not config.name:
         config.name = name
     elif config.name != name:
         raise ModelConfigError(
-            f"{model_dir / 'config.pbtxt'}: field 'name': '{config.name}' does not match the "
-            f"model directory name '{name}'"
+            f"{where}: field 'name': '{config.name}' does not match the model directory name '{name}'"
         )
-    _resolve_backend(config, model_dir, platform_backend)
+    _resolve_backend(config, model_dir, platform_backend, where)
     if not config.default_model_filename:
         default = DEFAULT_FILENAMES.get(config.platform) or DEFAULT_FILENAMES.get(config.backend)
         if default:
@@ -116,7 +118,7 @@ def normalize(config: Any, model_dir: Path, platform_backend: Any = None) -> Non
         config.version_policy.latest.num_versions = 1
     if config.platform == ENSEMBLE_PLATFORM:
         return
-    _normalize_instance_groups(config)
+    _normalize_instance_groups(config, where)
     if config.HasField("dynamic_batching") and not config.dynamic_batching.preferred_batch_size:
         if config.max_batch_size > 0:
             config.dynamic_batching.preferred_batch_size.append(config.max_batch_size)
@@ -128,11 +130,11 @@ def normalize(config: Any, model_dir: Path, platform_backend: Any = None) -> Non
         config.optimization.output_pinned_memory.enable = True
 
 
-def _resolve_backend(config: Any, model_dir: Path, platform_backend: Any) -> None:
+def _resolve_backend(config: Any, model_dir: Path, platform_backend: Any, where: Path) -> None:
     if config.platform == ENSEMBLE_PLATFORM:
         if config.backend:
             raise ModelConfigError(
-                f"{model_dir / 'config.pbtxt'}: field 'backend' must be empty for platform 'ensemble'"
+                f"{where}: field 'backend' must be empty for platform 'ensemble'"
             )
         return
     if config.platform and not config.backend:
@@ -145,7 +147,7 @@ def _resolve_backend(config: Any, model_dir: Path, platform_backend: Any) -> Non
             backend = TRITON_PLATFORMS.get(config.platform)
         if backend is None:
             raise ModelConfigError(
-                f"{model_dir / 'config.pbtxt'}: field 'platform': unknown platform "
+                f"{where}: field 'platform': unknown platform "
                 f"'{config.platform}'; no installed backend claims it"
             )
         config.backend = backend
@@ -166,7 +168,7 @@ def _resolve_backend(config: Any, model_dir: Path, platform_backend: Any) -> Non
             config.backend = model_dir.name.rsplit(".", 1)[1]
             return
         raise ModelConfigError(
-            f"{model_dir / 'config.pbtxt'}: the config names no 'backend' or 'platform', and "
+            f"{where}: the config names no 'backend' or 'platform', and "
             "no model file in the version directory shows which backend to use"
         )
     if not config.platform and config.backend in _BACKEND_DEFAULT_PLATFORM:
@@ -189,7 +191,14 @@ def _first_version_dir(model_dir: Path) -> Path | None:
     return model_dir / str(versions[0]) if versions else None
 
 
-def _normalize_instance_groups(config: Any) -> None:
+def _short(config_file: Path) -> str:
+    """``<model>/config.pbtxt`` or ``<model>/configs/<name>.pbtxt``, for messages."""
+    if config_file.parent.name == "configs":
+        return f"{config_file.parent.parent.name}/configs/{config_file.name}"
+    return f"{config_file.parent.name}/{config_file.name}"
+
+
+def _normalize_instance_groups(config: Any, config_file: Path) -> None:
     if not config.instance_group:
         config.instance_group.add()
     gpus = gpu_count()
@@ -206,7 +215,7 @@ def _normalize_instance_groups(config: Any) -> None:
         if kind == "KIND_GPU":
             if not gpus:
                 raise ModelConfigError(
-                    f"{config.name}/config.pbtxt: {where} ('{group.name}') has kind KIND_GPU "
+                    f"{_short(config_file)}: {where} ('{group.name}') has kind KIND_GPU "
                     "but no GPU is available"
                 )
             if not group.gpus:
@@ -214,12 +223,12 @@ def _normalize_instance_groups(config: Any) -> None:
             bad = [g for g in group.gpus if g < 0 or g >= gpus]
             if bad:
                 raise ModelConfigError(
-                    f"{config.name}/config.pbtxt: {where} ('{group.name}') names GPU(s) {bad}, "
+                    f"{_short(config_file)}: {where} ('{group.name}') names GPU(s) {bad}, "
                     f"but only {gpus} GPU(s) are available"
                 )
         elif group.gpus and kind == "KIND_CPU":
             raise ModelConfigError(
-                f"{config.name}/config.pbtxt: {where} ('{group.name}') has kind KIND_CPU but lists gpus"
+                f"{_short(config_file)}: {where} ('{group.name}') has kind KIND_CPU but lists gpus"
             )
 
 

@@ -63,6 +63,7 @@ class ModelControl(ModelLoader):
     control_mode: ControlMode
     startup_models: list[str]
     poll_secs: float
+    config_name: str
     _model_locks: dict[str, threading.RLock]
     _operations: threading.Condition
     _running_operations: int
@@ -78,7 +79,7 @@ class ModelControl(ModelLoader):
         Every model in ``none`` and ``poll`` mode, and in ``explicit`` mode the
         ``startup_models`` (all of them for ``*``) together with the models their ensembles use.
         """
-        sources = scan(self.repositories)
+        sources = scan(self.repositories, self.config_name)
         if self.control_mode is ControlMode.EXPLICIT and self.startup_models != [LOAD_ALL]:
             wanted = self._with_composing(self.startup_models, sources)
             for name in wanted:
@@ -141,7 +142,7 @@ class ModelControl(ModelLoader):
 
     def _missing_source(self, name: str) -> ModelSource:
         repository = self.repositories[0] if self.repositories else Path(".")
-        return ModelSource(name, repository / name, repository)
+        return ModelSource(name, repository / name, repository, config_name=self.config_name)
 
     # -- polling -----------------------------------------------------------------------------
     def start_polling(self) -> None:
@@ -170,7 +171,7 @@ class ModelControl(ModelLoader):
         """Apply the changes on disk since the last scan: load new models, reload changed
         ones (and the ensembles using them), unload removed ones."""
         try:
-            sources = scan(self.repositories)
+            sources = scan(self.repositories, self.config_name)
         except ModelConfigError as exc:
             log.error("cannot poll the model repositories: %s", exc)
             return
@@ -250,7 +251,7 @@ class ModelControl(ModelLoader):
                     "require the 'config' parameter"
                 )
             try:
-                sources = scan(self.repositories)
+                sources = scan(self.repositories, self.config_name)
             except ModelConfigError as exc:
                 raise InferError(f"failed to load '{name}': {exc}", ErrorCode.INTERNAL) from None
             override_dir = _write_override(name, files) if files else None

@@ -257,7 +257,7 @@ class ModelLoader:
                 f"{path}: file not found, and auto-complete is disabled (--strict-model-config / "
                 "--disable-auto-complete-config)"
             )
-        model_config.normalize(config, source.path, self.host.platform_backend)
+        model_config.normalize(config, source.path, self.host.platform_backend, path)
         return config
 
     def _backend_for(self, config: Any, model_path: Path, versions: list[int]) -> tuple[LoadedBackend, BackendContext]:
@@ -320,7 +320,7 @@ class ModelLoader:
         if self.auto_complete:
             try:
                 if hooks.model_auto_complete(model=context):
-                    model_config.normalize(config, source.path, self.host.platform_backend)
+                    model_config.normalize(config, source.path, self.host.platform_backend, source.config_path)
             except Exception as exc:
                 version.fail(f"auto-complete of the config failed: {_describe(exc)}")
                 return

@@ -58,6 +58,8 @@ class ModelManager(ModelControl):
     :param poll_secs: seconds between repository scans in poll mode.
     :param backend_directory: ``--backend-directory``, where server plugins look for native
         backend libraries (``<dir>/<backend>/libtriton_<backend>.so``).
+    :param config_name: ``--model-config-name``: models that have ``configs/<name>.pbtxt`` are
+        read from it instead of ``config.pbtxt``.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class ModelManager(ModelControl):
         startup_models: Sequence[str] = (),
         poll_secs: float = 15.0,
         backend_directory: str | None = None,
+        config_name: str = "",
     ) -> None:
         self.repositories = repositories
         self.host = host
@@ -84,6 +87,7 @@ class ModelManager(ModelControl):
         self.startup_models = list(startup_models)
         self.poll_secs = poll_secs
         self.backend_directory = backend_directory
+        self.config_name = config_name
         self.records: dict[str, ModelRecord] = {}
         self._backend_contexts: dict[LoadedBackend, BackendContext] = {}
         self._initialized_backends: list[tuple[LoadedBackend, BackendContext]] = []
@@ -152,7 +156,7 @@ class ModelManager(ModelControl):
         names = set(self.records)
         if not ready_only:
             try:
-                names.update(scan(self.repositories))
+                names.update(scan(self.repositories, self.config_name))
             except (ModelConfigError, OSError):
                 pass  # a repository that vanished: list what is loaded
         for name in sorted(names):

@@ -1,7 +1,8 @@
 """Reading a Triton model repository from disk: which models exist and which versions.
 
 A repository is a directory of model directories; each holds an optional ``config.pbtxt``
-and numeric version directories (names that are not numbers, or that start with ``0``,
+(or, with ``--model-config-name NAME``, ``configs/NAME.pbtxt`` where that exists) and numeric
+version directories (names that are not numbers, or that start with ``0``,
 are ignored, as Triton does).
 """
 
@@ -14,6 +15,8 @@ from pathlib import Path, PurePosixPath
 from pyserve.errors import ModelConfigError
 
 CONFIG_FILENAME = "config.pbtxt"
+CUSTOM_CONFIGS_DIRNAME = "configs"
+"""The folder of a model directory holding named configs (``configs/<name>.pbtxt``)."""
 WARMUP_DIRNAME = "warmup"
 """The folder of a model directory that holds ``input_data_file`` warmup data."""
 
@@ -34,20 +37,40 @@ class ModelSource:
     :ivar repository: the repository it was found in.
     :ivar conflict: set when the same name exists in several repositories; the model then
         cannot be loaded and this says where.
+    :ivar config_name: ``--model-config-name``: read ``configs/<config_name>.pbtxt`` when the
+        model has one ("" = always ``config.pbtxt``).
     """
 
     name: str
     path: Path
     repository: Path
     conflict: str | None = None
+    config_name: str = ""
 
     @property
     def config_path(self) -> Path:
+        """The config file this model is read from: the named custom config when it exists,
+        else ``config.pbtxt`` (which need not exist: auto-complete)."""
+        if self.config_name:
+            custom = self.path / CUSTOM_CONFIGS_DIRNAME / f"{self.config_name}.pbtxt"
+            if custom.is_file():
+                return custom
         return self.path / CONFIG_FILENAME
 
 
-def scan(repositories: list[Path]) -> dict[str, ModelSource]:
-    """Every model directory in the given repositories, by name.
+def check_config_name(name: str) -> str:
+    """``--model-config-name``: a file name without extension, as Triton takes it.
+
+    :raises ValueError: a name with a path separator, or ``.``/``..``.
+    """
+    if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(f"--model-config-name must be a file name without '.pbtxt' (got {name!r})")
+    return name
+
+
+def scan(repositories: list[Path], config_name: str = "") -> dict[str, ModelSource]:
+    """Every model directory in the given repositories, by name (``config_name``: see
+    ``ModelSource``).
 
     :raises ModelConfigError: a repository path does not exist or is not a directory.
     """
@@ -57,7 +80,7 @@ def scan(repositories: list[Path]) -> dict[str, ModelSource]:
             raise ModelConfigError(f"model repository '{repo}' does not exist or is not a directory")
         for entry in sorted(repo.iterdir()):
             if entry.is_dir() and not entry.name.startswith("."):
-                found.setdefault(entry.name, []).append(ModelSource(entry.name, entry, repo))
+                found.setdefault(entry.name, []).append(ModelSource(entry.name, entry, repo, config_name=config_name))
     models: dict[str, ModelSource] = {}
     for name, sources in found.items():
         if len(sources) == 1:
@@ -67,6 +90,7 @@ def scan(repositories: list[Path]) -> dict[str, ModelSource]:
             models[name] = ModelSource(
                 name, sources[0].path, sources[0].repository,
                 conflict=f"model name '{name}' is not unique: it exists in repositories {where}",
+                config_name=config_name,
             )
     return models
 

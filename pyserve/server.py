@@ -45,6 +45,7 @@ from pyserve.inprocess import ServerHandle
 from pyserve.metrics import MetricsService, MetricsSettings, MetricsStartError, ServerMetrics, SystemMonitor
 from pyserve.model_manager import ModelManager
 from pyserve.plugins import PluginHost
+from pyserve.repository import check_config_name
 from pyserve import validation
 from pyserve.cache import create_cache
 from pyserve.restricted import Restriction
@@ -78,6 +79,7 @@ class ServerOptions:
     load_models: list[str] = field(default_factory=list)
     repository_poll_secs: float = 15.0
     backend_directory: str = "/opt/tritonserver/backends"
+    model_config_name: str = ""  # --model-config-name: read configs/<name>.pbtxt where a model has one
     cache_config: tuple[str, Mapping[str, str]] | None = None  # --cache-config: (cache, settings)
     trace_config: TraceConfig | None = None  # --trace-config
     http_restricted_api: Mapping[str, Restriction] = field(default_factory=dict)  # category → header
@@ -141,6 +143,14 @@ def _bind(host: str, port: int, reuse_port: bool = False, service: str = "HTTP")
         raise StartupError(f"{service} service cannot listen on {host}:{port}: {reason}") from exc
 
 
+
+def _config_name(name: str) -> str:
+    """``--model-config-name`` checked (a plain file name), as a startup error."""
+    try:
+        return check_config_name(name) if name else ""
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+
 class Server:
     """One pyserve server.
 
@@ -162,6 +172,7 @@ class Server:
             startup_models=options.load_models,
             poll_secs=options.repository_poll_secs,
             backend_directory=options.backend_directory,
+            config_name=_config_name(options.model_config_name),
         )
         self.dataplane = DataPlane(self.models, options.server_id, __version__)
         self.dataplane.tracing = TraceManager(options.trace_config)

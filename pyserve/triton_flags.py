@@ -38,7 +38,6 @@ FEATURE_FLAGS: Mapping[str, tuple[str, ...]] = {
     "--model-namespacing": ("false", "0"),
     "--allow-sagemaker": ("false", "0"),
     "--allow-vertex-ai": ("false", "0"),
-    "--model-config-name": ("",),
 }
 """Accepted only at these values (what pyserve does); anything else is refused."""
 

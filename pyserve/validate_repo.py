@@ -15,12 +15,13 @@ from pyserve.plugins import PluginHost
 from pyserve.repository import scan, select_versions, version_numbers
 
 
-def validate_repositories(repositories: list[Path], host: PluginHost | None = None) -> list[str]:
-    """One line per problem, each starting with the model name and the file it is about."""
+def validate_repositories(repositories: list[Path], host: PluginHost | None = None, config_name: str = "") -> list[str]:
+    """One line per problem, each starting with the model name and the file it is about
+    (``config_name``: ``--model-config-name``, as ``pyserve run`` reads the configs)."""
     host = host if host is not None else PluginHost()
     problems: list[str] = []
     try:
-        sources = scan(repositories)
+        sources = scan(repositories, config_name)
     except ModelConfigError as exc:
         return [str(exc)]
     if not sources:
@@ -37,7 +38,7 @@ def validate_repositories(repositories: list[Path], host: PluginHost | None = No
                 problems.append(f"{name}: {path}: file not found (the server can only serve this model "
                                 "if its backend auto-completes the config)")
                 continue
-            model_config.normalize(config, source.path, host.platform_backend)
+            model_config.normalize(config, source.path, host.platform_backend, path)
         except (ModelConfigError, UnicodeDecodeError) as exc:
             problems.append(f"{name}: {exc}")
             continue

@@ -331,11 +331,34 @@ def test_tritonserver_tuning_flags_are_accepted_and_reported(run_server: Any) ->
 
 
 @pytest.mark.parametrize("flag, value", [("--rate-limit", "execution_count"), ("--model-namespacing", "true"),
-                                         ("--allow-sagemaker", "true"), ("--model-config-name", "gpu")])
+                                         ("--allow-sagemaker", "true")])
 def test_tritonserver_features_pyserve_lacks_are_refused_by_name(flag: str, value: str) -> None:
     done = pyserve("run", flag, value, "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0")
     assert done.returncode == 2
     assert f"pyserve: {flag} '{value}' is not supported by pyserve" in done.stderr
+
+
+def test_model_config_name_picks_each_models_named_config(run_server: Any, tmp_path: Path) -> None:
+    from pyserve.testing import write_model
+
+    config = ('backend: "identity"\nmax_batch_size: 4\n'
+              'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
+              'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]\n')
+    model = write_model(tmp_path / "repo", "echo", config)
+    (model / "configs").mkdir()
+    (model / "configs" / "h100.pbtxt").write_text(config.replace("max_batch_size: 4", "max_batch_size: 16"))
+    server = run_server("--model-repository", str(tmp_path / "repo"), "--model-config-name", "h100")
+    url = server.wait_started()
+    with httpclient.InferenceServerClient(url) as client:
+        assert client.get_model_config("echo")["max_batch_size"] == 16
+        np.testing.assert_array_equal(_infer_fp32(url, "echo", [1.0, 2.0]), [[1.0, 2.0]])
+    assert server.stop(timeout=20) == 0, server.stderr
+    done = pyserve("validate", "--model-config-name", "h100", str(tmp_path / "repo"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    for command in ("run", "validate"):
+        done = pyserve(command, "--model-config-name", "../h100", str(tmp_path / "repo"))
+        assert done.returncode == 2
+        assert "--model-config-name must be a file name without '.pbtxt' (got '../h100')" in done.stderr
 
 
 def test_strict_readiness_off_is_ready_with_a_failed_model(tmp_path: Path) -> None:

@@ -385,3 +385,53 @@ def test_auto_complete_failure(start_server: StartServer, make_repo: MakeRepo) -
     found = entry(server, "partial")
     assert found["state"] == "UNAVAILABLE"
     assert "auto-complete" in found["reason"] and "cannot read the model file" in found["reason"]
+
+
+# --------------------------------------------------------------------------- --model-config-name
+
+
+def _config_of(server: ServerThread, name: str) -> dict[str, Any]:
+    return httpx.get(f"http://{server.url}/v2/models/{name}/config").json()
+
+
+def test_model_config_name_reads_configs_name_pbtxt_where_a_model_has_one(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    repo = tmp_path / "repo"
+    write_model(repo, "custom", identity())
+    (repo / "custom" / "configs").mkdir()
+    (repo / "custom" / "configs" / "small.pbtxt").write_text(identity('parameters { key: "which" value { string_value: "small" } }\n'))
+    (repo / "custom" / "configs" / "other.pbtxt").write_text(identity('parameters { key: "which" value { string_value: "other" } }\n'))
+    write_model(repo, "plain", identity())  # no configs/: config.pbtxt
+    server = start_server(repo, model_config_name="small")
+    assert _config_of(server, "custom")["parameters"] == {"which": {"string_value": "small"}}
+    assert _config_of(server, "plain")["parameters"] == {}
+    assert httpclient.InferenceServerClient(server.url).is_server_ready()
+
+    default = start_server(repo)
+    assert _config_of(default, "custom")["parameters"] == {}
+    assert validate_repositories([repo], config_name="small") == []
+
+
+def test_a_broken_named_config_is_reported_under_its_own_file(start_server: StartServer, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    write_model(repo, "custom", identity())
+    (repo / "custom" / "configs").mkdir()
+    (repo / "custom" / "configs" / "small.pbtxt").write_text(identity("max_batch_size: what\n"))
+    (repo / "custom" / "configs" / "renamed.pbtxt").write_text(identity(name="someone_else"))
+    server = start_server(repo, model_config_name="small")
+    reason = entry(server, "custom")["reason"]
+    assert entry(server, "custom")["state"] == "UNAVAILABLE"
+    assert str(repo / "custom" / "configs" / "small.pbtxt") in reason and "max_batch_size" in reason
+    problems = validate_repositories([repo], config_name="renamed")
+    assert len(problems) == 1 and str(repo / "custom" / "configs" / "renamed.pbtxt") in problems[0]
+    assert "'someone_else' does not match the model directory name 'custom'" in problems[0]
+    assert validate_repositories([repo]) == []  # config.pbtxt itself is fine
+
+
+@pytest.mark.parametrize("name", ["../elsewhere", "a/b", "..", "."])
+def test_model_config_name_must_be_a_file_name(start_server: StartServer, tmp_path: Path, name: str) -> None:
+    repo = tmp_path / "repo"
+    write_model(repo, "plain", identity())
+    with pytest.raises(pyserve.server.StartupError, match="--model-config-name must be a file name"):
+        start_server(repo, model_config_name=name)
