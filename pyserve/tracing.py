@@ -19,7 +19,10 @@ A sampled request carries a ``RequestTrace`` (``InferRequest.trace``) collecting
 ``COMPUTE_OUTPUT_START``, ``COMPUTE_END`` and ``REQUEST_END`` (wall-clock ns). In
 OpenTelemetry mode each trace becomes an ``InferRequest`` span (child of the client's W3C
 ``traceparent`` when one was sent) with ``queue`` and ``compute`` children, ``compute`` having
-``compute_input``, ``compute_infer`` and ``compute_output`` children.
+``compute_input``, ``compute_infer`` and ``compute_output`` children. The ``InferRequest`` span's
+IDs are chosen when the request is sampled, so that code running for the request (a Python
+model's ``request.trace().get_context()``, BLS calls it makes) can name it as a parent while the
+request is still running: ``RequestTrace.context``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import re
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -155,18 +160,51 @@ def _normalize_levels(levels: Sequence[str]) -> list[str]:
     return chosen or ["OFF"]
 
 
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+
+
+def traceparent_of(context: str | None) -> str | None:
+    """The W3C ``traceparent`` in a trace context string (``RequestTrace.context``), or None."""
+    if not context:
+        return None
+    try:
+        value = json.loads(context).get("traceparent")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and _TRACEPARENT.match(value) else None
+
+
 class RequestTrace:
-    """The timestamps of one traced request (wall-clock ns, ``time.time_ns``)."""
+    """The timestamps of one traced request (wall-clock ns, ``time.time_ns``).
 
-    __slots__ = ("id", "model_name", "model_version", "parent", "request_id", "scope", "timestamps")
+    :ivar context: in OpenTelemetry mode, the request's span as a JSON object string
+        ``{"traceparent": "00-<trace id>-<span id>-01"}`` (what Triton's Python backend returns
+        from ``InferenceTrace.get_context()``); None in Triton mode.
+    """
 
-    def __init__(self, trace_id: int, request: InferRequest, parent: str | None, scope: _Scope) -> None:
+    __slots__ = ("context", "id", "model_name", "model_version", "otel_ids", "parent", "request_id", "scope",
+                 "timestamps")
+
+    def __init__(self, trace_id: int, request: InferRequest, parent: str | None, scope: _Scope,
+                 opentelemetry: bool = False) -> None:
         self.id = trace_id
         self.model_name = request.model_name
         self.model_version = request.model_version
         self.request_id = request.id
         self.parent = parent
         self.scope = scope
+        self.otel_ids: tuple[int, int] | None = None
+        self.context: str | None = None
+        if opentelemetry:
+            match = _TRACEPARENT.match(parent) if parent else None
+            otel_trace = int(match.group(1), 16) if match else 0
+            span = 0
+            while not span:
+                span = secrets.randbits(64)
+            while not otel_trace:
+                otel_trace = secrets.randbits(128)
+            self.otel_ids = (otel_trace, span)
+            self.context = json.dumps({"traceparent": f"00-{otel_trace:032x}-{span:016x}-01"})
         now = time.time_ns()
         waited = time.monotonic_ns() - request.arrival_ns
         self.timestamps: dict[str, int] = {"REQUEST_START": now - max(waited, 0), "QUEUE_START": now}
@@ -351,7 +389,7 @@ class TraceManager:
                 if scope.count == 0:
                     self._refresh_after_count()
             trace_id = next(self._ids)
-        trace = RequestTrace(trace_id, request, request.trace_parent, scope)
+        trace = RequestTrace(trace_id, request, request.trace_parent, scope, self.mode == "opentelemetry")
         request.trace = trace
         request.attach_sender(_TracingSender(self, request.attached_sender(), trace))
 
@@ -421,7 +459,7 @@ class TraceManager:
         from opentelemetry.sdk.trace import TracerProvider
 
         attributes = {"service.name": "pyserve", **self.config.resource}
-        return TracerProvider(resource=Resource.create(attributes))
+        return TracerProvider(resource=Resource.create(attributes), id_generator=_preset_ids())
 
     def _install(self, provider: Any) -> None:
         old = self._provider
@@ -466,10 +504,14 @@ class TraceManager:
         }
         if trace.request_id:
             attributes["triton.request_id"] = trace.request_id
-        root = tracer.start_span(
-            "InferRequest", context=parent_ctx, kind=SpanKind.SERVER,
-            start_time=ts["REQUEST_START"], attributes=attributes,
-        )
+        _PRESET.ids = trace.otel_ids  # the root span gets the IDs its context already named
+        try:
+            root = tracer.start_span(
+                "InferRequest", context=parent_ctx, kind=SpanKind.SERVER,
+                start_time=ts["REQUEST_START"], attributes=attributes,
+            )
+        finally:
+            _PRESET.ids = None
         for name, ns in sorted(ts.items(), key=lambda i: i[1]):
             root.add_event(name, timestamp=ns)
         ctx = otel_trace.set_span_in_context(root)
@@ -499,6 +541,30 @@ class TraceManager:
         if failed:
             root.set_status(Status(StatusCode.ERROR))
         root.end(end_time=ts["REQUEST_END"])
+
+
+class _Preset(threading.local):
+    ids: tuple[int, int] | None = None
+
+
+_PRESET = _Preset()
+"""The (trace id, span id) the next span started on this thread takes (``_export_otel``)."""
+
+
+def _preset_ids() -> Any:
+    """An OpenTelemetry ID generator that hands out ``_PRESET.ids`` once, random IDs otherwise."""
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    class PresetIds(RandomIdGenerator):
+        def generate_trace_id(self) -> int:
+            ids = _PRESET.ids
+            return ids[0] if ids is not None else super().generate_trace_id()
+
+        def generate_span_id(self) -> int:
+            ids = _PRESET.ids
+            return ids[1] if ids is not None else super().generate_span_id()
+
+    return PresetIds()
 
 
 def _initial_settings(config: TraceConfig) -> dict[str, Any]:

@@ -390,6 +390,7 @@ class ProcessRunner:
             id=fields["id"], parameters=fields["parameters"], flags=fields["flags"],
             correlation_id=fields["correlation_id"], timeout_us=fields["timeout_us"],
         )
+        request.trace_parent = fields.get("trace_parent")
         timeout = request.timeout_us / 1e6 if request.timeout_us > 0 else None
         try:
             answers: list[Any] = list(self._instance.model.server.stream(request, timeout))
@@ -501,6 +502,7 @@ class ProcessRunner:
                 "timeout": int(request.timeout_us),
                 "parameters": dict(request.parameters),
                 "requested_outputs": list(request.requested_outputs),
+                "trace_context": request.trace.context if request.trace is not None else None,
                 "inputs": _pack(inputs, self._arena, offset),
             })
             offset += _fixed_size(inputs)

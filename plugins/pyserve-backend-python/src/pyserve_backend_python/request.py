@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any
 
 from pyserve import InferRequest
+from pyserve.tracing import traceparent_of
 
 from pyserve_backend_python.constants import (
     TRITONSERVER_MEMORY_CPU,
@@ -39,8 +40,11 @@ class PreferredMemory:
 
 
 class InferenceTrace:
-    """The trace a request belongs to. pyserve does not trace Python models yet, so
-    ``get_context()`` returns None (Triton returns the OpenTelemetry context when tracing)."""
+    """The trace a request belongs to: ``get_context()`` is the request's OpenTelemetry context
+    while the server traces it in OpenTelemetry mode (``--trace-config mode=opentelemetry``), as a
+    JSON object string ``{"traceparent": "00-<trace id>-<span id>-01"}``, and None otherwise.
+    Passed to a BLS request (``InferenceRequest(..., trace=request.trace())``), it makes the BLS
+    request's span a child of this request's span."""
 
     __slots__ = ("_context",)
 
@@ -157,9 +161,10 @@ class InferenceRequest:
         return json.dumps(self._parameters)
 
     def trace(self) -> InferenceTrace:
-        """The request's trace."""
+        """The request's trace (its OpenTelemetry context while the server traces it)."""
         if self._trace is None:
-            self._trace = InferenceTrace()
+            server_trace = getattr(self._server_request, "trace", None)
+            self._trace = InferenceTrace(getattr(server_trace, "context", None))
         return self._trace
 
     def model_name(self) -> str:
@@ -233,7 +238,7 @@ class InferenceRequest:
             if tensor.name() in inputs:
                 raise TritonModelException(f"input '{tensor.name()}' is given more than once")
             inputs[tensor.name()] = tensor.as_numpy()
-        return InferRequest(
+        call = InferRequest(
             self._model_name,
             self._model_version,
             inputs,
@@ -244,6 +249,9 @@ class InferenceRequest:
             correlation_id=self._correlation_id,
             timeout_us=self._timeout,
         )
+        if self._trace is not None:  # trace=request.trace(): the call's span is a child of that request's
+            call.trace_parent = traceparent_of(self._trace.get_context())
+        return call
 
     def __repr__(self) -> str:
         return f"InferenceRequest(model_name={self._model_name!r}, inputs={[t.name() for t in self._inputs]})"

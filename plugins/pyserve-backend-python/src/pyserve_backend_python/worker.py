@@ -36,7 +36,7 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
     from pyserve_backend_python import loader, metrics, process, results
     from pyserve_backend_python.constants import TRITONSERVER_REQUEST_RELEASE_ALL
     from pyserve_backend_python.errors import TritonModelException
-    from pyserve_backend_python.request import InferenceRequest
+    from pyserve_backend_python.request import InferenceRequest, InferenceTrace
     from pyserve_backend_python.response import InferenceResponse
     from pyserve_backend_python.tensor import Tensor
 
@@ -160,6 +160,7 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
             "model_name": call.model_name, "model_version": call.model_version, "inputs": call.inputs,
             "requested_outputs": list(call.requested_outputs), "id": call.id, "parameters": call.parameters,
             "flags": call.flags, "correlation_id": call.correlation_id, "timeout_us": call.timeout_us,
+            "trace_parent": call.trace_parent,
         }
         with bls_lock:  # one call on the pipe at a time, whichever thread of execute() makes it
             send(("bls", fields, bool(decoupled)))
@@ -218,7 +219,7 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
         request._flags = meta["flags"]
         request._timeout = meta["timeout"]
         request._preferred_memory = None
-        request._trace = None
+        request._trace = InferenceTrace(meta.get("trace_context"))
         request._parameters = meta["parameters"]
         request._server_request = WorkerRequest(meta["key"])  # is_cancelled(); the sender if decoupled
         request._sender = None
