@@ -100,6 +100,9 @@ class InferRequest:
         its computation began and ended inside the execute (``ModelStats.backend_compute``),
         else None.
     :ivar first_response_ns: when a first, non-final response was sent (0 = none yet).
+    :ivar rescheduled: None unless the model runs iterative sequences (``sequence_batching {
+        iterative_sequence: true }``); then False when an execute starts and True once the
+        backend called ``reschedule()`` during it.
     """
 
     __slots__ = (
@@ -123,6 +126,7 @@ class InferRequest:
         "parameters",
         "priority",
         "requested_outputs",
+        "rescheduled",
         "stats",
         "timeout_us",
         "trace",
@@ -168,6 +172,7 @@ class InferRequest:
         self.exec_end_ns = 0
         self.compute_ns: tuple[int, int] | None = None
         self.first_response_ns = 0
+        self.rescheduled: bool | None = None
 
     def __repr__(self) -> str:
         return f"InferRequest(model={self.model_name!r}, id={self.id!r}, inputs={list(self.inputs)})"
@@ -183,6 +188,22 @@ class InferRequest:
         if sender is None:
             sender = self._backend_sender = BackendResponseSender(self)
         return sender
+
+    def reschedule(self) -> None:
+        """Execute this request again in a later batch instead of answering it now (Triton's
+        ``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``). Call it during ``pyserve_execute`` and
+        leave the request unanswered in that execute (``None`` in its place); the request comes
+        back, with the same inputs, until an execute answers it with its final response.
+
+        :raises InferError: INVALID_ARG when the model does not run iterative sequences
+            (``sequence_batching { iterative_sequence: true }``).
+        """
+        if self.rescheduled is None:
+            raise InferError.invalid(
+                f"model '{self.model_name}' cannot reschedule requests: rescheduling needs "
+                "sequence_batching { iterative_sequence: true } in its config"
+            )
+        self.rescheduled = True
 
     # -- core side ---------------------------------------------------------------------------
     def attach_sender(self, sender: ResponseSender) -> None:

@@ -354,7 +354,8 @@ class ModelLoader:
             return
         version.scheduler = scheduler
         version.workers = [
-            InstanceWorker(inst, backend, scheduler.batch_source(i), version.io, scheduler.observe)
+            InstanceWorker(inst, backend, scheduler.batch_source(i), version.io, scheduler.observe,
+                           getattr(scheduler, "iterations", None))
             for i, inst in enumerate(version.instances)
         ]
         if isinstance(scheduler, LoopScheduler):

@@ -50,7 +50,7 @@ class ReadinessChecks:
     def __init__(self, timeout_s: float = CHECK_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
         self._pool: ThreadPoolExecutor | None = None
-        self._running: dict[int, asyncio.Future[Any]] = {}  # id(instance) → its check in progress
+        self._running: dict[InstanceContext, asyncio.Future[Any]] = {}  # instance → its check in progress
 
     async def version_ready(self, version: ModelVersion) -> bool:
         """Whether a version is READY and every instance's check says it can serve."""
@@ -63,14 +63,13 @@ class ReadinessChecks:
         return all(await asyncio.gather(*checks))
 
     async def _check(self, version: ModelVersion, instance: InstanceContext, hook: Callable[..., Any]) -> bool:
-        key = id(instance)
-        future = self._running.get(key)
+        future = self._running.get(instance)
         if future is None:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pyserve-ready")
             future = asyncio.get_running_loop().run_in_executor(self._pool, lambda: hook(instance=instance))
-            self._running[key] = future
-            future.add_done_callback(lambda done: self._forget(key, done))
+            self._running[instance] = future
+            future.add_done_callback(lambda done: self._forget(instance, done))
         name = f"model '{version.name}' version {version.version} instance '{instance.name}'"
         try:
             answer = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
@@ -86,9 +85,9 @@ class ReadinessChecks:
             log.warning("%s: readiness check returned %s, not a bool: not ready", name, type(answer).__name__)
         return False
 
-    def _forget(self, key: int, done: asyncio.Future[Any]) -> None:
-        if self._running.get(key) is done:
-            del self._running[key]
+    def _forget(self, instance: InstanceContext, done: asyncio.Future[Any]) -> None:
+        if self._running.get(instance) is done:
+            del self._running[instance]
         if not done.cancelled():
             done.exception()  # a check that finished after its waiters gave up: mark its error as seen
 

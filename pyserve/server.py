@@ -143,13 +143,13 @@ def _bind(host: str, port: int, reuse_port: bool = False, service: str = "HTTP")
         raise StartupError(f"{service} service cannot listen on {host}:{port}: {reason}") from exc
 
 
-
 def _config_name(name: str) -> str:
     """``--model-config-name`` checked (a plain file name), as a startup error."""
     try:
         return check_config_name(name) if name else ""
     except ValueError as exc:
         raise StartupError(str(exc)) from None
+
 
 class Server:
     """One pyserve server.

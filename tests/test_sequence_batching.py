@@ -11,6 +11,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -385,3 +386,58 @@ def test_oldest_preserve_ordering(start_server: StartServer, make_repo: MakeRepo
         assert done["fast"] > done["slow"] - 0.1, done["fast"] - done["slow"]  # released together
     else:
         assert done["fast"] < done["slow"] - 0.2, done["fast"] - done["slow"]
+
+
+# --------------------------------------------------------------------------- iterative sequences
+
+
+class Countdown(Backend):
+    """Answers a request after ``INPUT`` executes (``reschedule()`` until then), with the
+    START control value and batch size each execute saw; with ``reschedule_always`` set on
+    a non-iterative model it asks for rescheduling there too."""
+
+    def __init__(self) -> None:
+        self.runs: dict[int | str, list[tuple[int, int]]] = {}
+
+    def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse | None]:
+        out: list[InferResponse | None] = []
+        for r in requests:
+            runs = self.runs.setdefault(r.correlation_id, [])
+            runs.append((int(r.inputs["START"].flat[0]), len(requests)))
+            if len(runs) < int(r.inputs["INPUT"].flat[0]):
+                r.reschedule()
+                out.append(None)
+            else:
+                value = np.array([[len(runs)]], dtype=np.int32)
+                out.append(InferResponse({"OUTPUT": value, "STATE_OUT": value}))
+        return out
+
+
+def test_iterative_sequences_reschedule_requests_until_answered(start_server: StartServer, make_repo: MakeRepo) -> None:
+    text = config("oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 100000 }", max_batch_size=4)
+    text = text.replace("sequence_batching {", "sequence_batching {\n  iterative_sequence: true")
+    backend = Countdown()
+    server = start_server(make_repo({"countdown": text}), backends={"accum": backend}, use_entry_points=False)
+
+    def ask(steps: int, sequence_id: int = 0) -> int:  # a client per call: one per thread
+        client = httpclient.InferenceServerClient(server.url, network_timeout=60)
+        tensor = httpclient.InferInput("INPUT", [1, 1], "INT32")
+        tensor.set_data_from_numpy(np.array([[steps]], dtype=np.int32))
+        return int(client.infer("countdown", [tensor], sequence_id=sequence_id).as_numpy("OUTPUT")[0, 0])
+
+    assert ask(3, sequence_id=42) == 3  # a client id is used as given
+    assert backend.runs[42] == [(1, 1), (0, 1), (0, 1)]  # START on the first iteration only
+    with ThreadPoolExecutor(3) as pool:
+        assert list(pool.map(ask, [1, 2, 3])) == [1, 2, 3]
+    assigned = [runs for cid, runs in backend.runs.items() if cid != 42]
+    assert sorted(len(r) for r in assigned) == [1, 2, 3]
+    assert all(runs[0] == (1, 3) for runs in assigned)  # started together, in one batch of three
+    longest = max(assigned, key=len)
+    assert [size for _, size in longest] == [3, 2, 1]  # finished ones leave the batch
+
+    plain = config("oldest { max_candidate_sequences: 4 }", max_batch_size=4)
+    server = start_server(make_repo({"plain": plain}), backends={"accum": Countdown()}, use_entry_points=False)
+    tensor = httpclient.InferInput("INPUT", [1, 1], "INT32")
+    tensor.set_data_from_numpy(np.array([[2]], dtype=np.int32))
+    with pytest.raises(InferenceServerException, match="iterative_sequence"):
+        httpclient.InferenceServerClient(server.url).infer("plain", [tensor], sequence_id=7, sequence_start=True)

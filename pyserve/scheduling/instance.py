@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -30,6 +31,17 @@ STOP = None
 Batch = Sequence[InferRequest]
 
 
+class Iterations(Protocol):
+    """A scheduler of iterative sequences (``SequenceBatcher`` with ``iterative_sequence``);
+    both calls come from the instance's worker thread after each execute."""
+
+    def reschedule(self, request: InferRequest) -> None:
+        """Queue ``request`` again at the head of its sequence."""
+
+    def iteration_done(self, request: InferRequest) -> None:
+        """``request`` was answered (or failed): its sequence ends and frees its slot."""
+
+
 class InstanceWorker:
     """Runs the executes of one instance on a dedicated thread.
 
@@ -40,6 +52,8 @@ class InstanceWorker:
     :param io: the model's tensor tables, to check what the backend returns.
     :param observe: called with each successful raw response before it is filtered (the
         sequence batcher keeps implicit state this way).
+    :param iterations: for iterative sequences, the scheduler told after each execute which
+        requests go back to it (``reschedule``) and which are done (``iteration_done``).
     """
 
     def __init__(
@@ -49,12 +63,14 @@ class InstanceWorker:
         next_batch: Callable[[], Batch | None],
         io: ModelIO,
         observe: Callable[[InferRequest, InferResponse], None] | None = None,
+        iterations: Iterations | None = None,
     ) -> None:
         self.instance = instance
         self._backend = backend
         self._next_batch = next_batch
         self._io = io
         self._observe = observe
+        self._iterations = iterations
         self._model_name = instance.model.name
         self._thread = threading.Thread(
             target=self._run, name=f"pyserve-instance-{instance.name}", daemon=True
@@ -81,9 +97,26 @@ class InstanceWorker:
                 return
             try:
                 with coalesced_delivery():  # one loop wake-up for the whole batch's replies
-                    self.execute_batch(batch)
+                    if self._iterations is None:
+                        self.execute_batch(batch)
+                    else:
+                        self._execute_iteration(batch, self._iterations)
             except BaseException:  # never let one batch kill the instance
                 log.exception("model '%s': unexpected failure while delivering a batch", self._model_name)
+
+    def _execute_iteration(self, batch: Batch, iterations: Iterations) -> None:
+        """One iteration of iterative sequences: requests the backend rescheduled (and left
+        unanswered) go back to the scheduler, the others are done."""
+        try:
+            self.execute_batch(batch)
+        finally:
+            for request in batch:
+                if request.rescheduled and not request.final_sent:
+                    if not request.is_cancelled():
+                        iterations.reschedule(request)
+                        continue
+                    request.reply(InferError("request was cancelled", ErrorCode.CANCELLED))
+                iterations.iteration_done(request)
 
     def execute_batch(self, batch: Batch) -> None:
         """Execute one batch and send every request its response or error."""
@@ -138,6 +171,8 @@ class InstanceWorker:
                 request.reply(error)
             return
         for request, result in zip(live, results):
+            if request.rescheduled:  # iterative sequences: it comes back in a later batch
+                continue
             request.reply(self._finish(request, result))
 
     def _check_senders(self, requests: list[InferRequest]) -> None:
@@ -145,7 +180,7 @@ class InstanceWorker:
         if self.instance.model.config.model_transaction_policy.decoupled:
             return
         for request in requests:
-            if not request.final_sent:
+            if not request.final_sent and not request.rescheduled:
                 request.reply(InferError(
                     f"backend '{self.instance.model.backend.name}' returned no response for a request of "
                     f"model '{self._model_name}' and sent none through its response sender",

@@ -20,6 +20,12 @@ inputs as tensors with the configured datatype and false/true values. Implicit s
 (``state``) is kept per sequence: the backend receives it as ``input_name`` and returns the
 next value as ``output_name``; START resets it to ``initial_state`` (or zeros). A sequence
 that sees no request for ``max_sequence_idle_microseconds`` is released with its state.
+
+``iterative_sequence: true``: every request is a sequence of its own (START on its first
+execute; a correlation id is assigned when the client gave none), which the backend
+reschedules (``InferRequest.reschedule()``) until an execute answers it; rescheduled requests
+go back to the head of their sequence, so in-flight requests are batched together iteration
+after iteration and finish at different iterations. The sequence holds its slot until then.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class _Sequence:
     state: dict[str, np.ndarray] = field(default_factory=dict)
     last_active_ns: int = 0
     ended: bool = False
+    running: bool = False  # iterative: its request is executing (it may come back)
 
 
 def _controls(config: Any) -> list[_Control]:
@@ -170,6 +177,13 @@ class SequenceBatcher:
         self._stopped_workers = 0
         # oldest.preserve_ordering: responses leave in arrival order, across sequences too
         self._order = OrderGate() if strategy == "oldest" and seq.oldest.preserve_ordering else None
+        self.iterative = bool(seq.iterative_sequence)
+        self._next_iterative_id = 1 << 63  # ids for iterative requests sent without one
+
+    @property
+    def iterations(self) -> SequenceBatcher | None:
+        """This scheduler for the instance workers when it runs iterative sequences, else None."""
+        return self if self.iterative else None
 
     # -- event loop side ---------------------------------------------------------------------
     def enqueue(self, request: InferRequest) -> None:
@@ -178,6 +192,9 @@ class SequenceBatcher:
         :raises InferError: INVALID_ARG without a correlation id, or for a sequence that was
             never started, already ended, or expired.
         """
+        if self.iterative:
+            self._enqueue_iterative(request)
+            return
         cid = request.correlation_id
         if cid == 0 or cid == "":
             raise InferError.invalid(
@@ -212,11 +229,62 @@ class SequenceBatcher:
             sequence.last_active_ns = now
             self._cond.notify_all()
 
+    def _enqueue_iterative(self, request: InferRequest) -> None:
+        """An iterative request: a new sequence of its own, started by this request."""
+        now = time.monotonic_ns()
+        with self._cond:
+            self._expire_idle(now)
+            cid = request.correlation_id
+            if cid == 0 or cid == "":
+                while self._next_iterative_id in self._sequences:
+                    self._next_iterative_id += 1
+                cid = request.correlation_id = self._next_iterative_id
+                self._next_iterative_id += 1
+            elif cid in self._sequences:
+                raise InferError.invalid(
+                    f"inference request for sequence {cid} to model '{self.model_name}': that sequence is "
+                    "still running (with iterative_sequence every request is a sequence of its own)"
+                )
+            request.flags |= SEQUENCE_START
+            sequence = _Sequence(cid)
+            self._sequences[cid] = sequence
+            self._assign(sequence)
+            if self._order is not None:
+                self._order.wrap(request)
+            sequence.pending.append(request)
+            sequence.last_active_ns = now
+            self._cond.notify_all()
+
     def stop(self, workers: int) -> None:
         """Send what is queued, then stop every worker."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+
+    # -- instance thread side: iterative sequences --------------------------------------------
+    def reschedule(self, request: InferRequest) -> None:
+        """Queue a rescheduled request again at the head of its sequence (next iteration)."""
+        with self._cond:
+            sequence = self._sequences.get(request.correlation_id)
+            if sequence is None:  # cannot happen while it runs; answer rather than lose it
+                request.reply(InferError(f"sequence {request.correlation_id} of model '{self.model_name}' "
+                                         "was released while its request was rescheduled"))
+                return
+            request.flags &= ~SEQUENCE_START
+            sequence.running = False
+            sequence.pending.appendleft(request)
+            sequence.last_active_ns = time.monotonic_ns()
+            self._cond.notify_all()
+
+    def iteration_done(self, request: InferRequest) -> None:
+        """The request of an iterative sequence was answered (or failed): free its slot."""
+        with self._cond:
+            sequence = self._sequences.get(request.correlation_id)
+            if sequence is None:
+                return
+            sequence.running = False
+            sequence.ended = True
+            self._release(sequence)
 
     # -- instance thread side ----------------------------------------------------------------
     def batch_source(self, index: int) -> Any:
@@ -293,6 +361,9 @@ class SequenceBatcher:
     def _dispatch(self, sequence: _Sequence) -> InferRequest:
         """Take the sequence's next request and give it its control and state tensors."""
         request = sequence.pending.popleft()
+        if self.iterative:
+            request.rescheduled = False
+            sequence.running = True
         batch = (request.batch_size,) if self._batching else ()
         if request.flags & SEQUENCE_START:
             sequence.state = {}
@@ -313,7 +384,7 @@ class SequenceBatcher:
             if current is None:
                 current = np.broadcast_to(spec.initial, (*batch, *spec.initial.shape)) if batch else spec.initial
             request.inputs[spec.input_name] = current
-        if request.flags & SEQUENCE_END:
+        if request.flags & SEQUENCE_END and not self.iterative:
             self._release(sequence, keep_record=True)
         return request
 
@@ -346,7 +417,7 @@ class SequenceBatcher:
 
     def _expire_idle(self, now: int) -> None:
         for cid, sequence in list(self._sequences.items()):
-            if sequence.pending:
+            if sequence.pending or sequence.running:
                 continue
             if sequence.ended or self._stopping or now - sequence.last_active_ns >= self.idle_ns:
                 if sequence.instance >= 0 and sequence in self._per_instance[sequence.instance]:

@@ -210,7 +210,10 @@ def pyserve_execute(
         from any thread, also after execute returned; that is how decoupled models
         (``model_transaction_policy { decoupled: true }``) stream 0..N responses per request.
         A non-decoupled model must have sent its one final response for every request by the
-        time execute returns ``None``; a request left unanswered gets an error.
+        time execute returns ``None``; a request left unanswered gets an error. With
+        ``sequence_batching { iterative_sequence: true }`` a backend may instead call
+        ``request.reschedule()`` and leave that request unanswered (``None`` in its place): it
+        comes back in a later batch, until an execute answers it.
     :raises Exception: every request of the batch gets an error response naming the model;
         the exception is logged once and the instance keeps serving.
     """

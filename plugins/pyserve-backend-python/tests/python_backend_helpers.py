@@ -13,6 +13,9 @@ from pyserve.server import Server, ServerOptions, ServerThread
 
 MODELS = Path(__file__).resolve().parent / "models"
 
+PROCESS_MODE = 'parameters { key: "execution_mode" value { string_value: "process" } }\n'
+"""Config text that runs a Python model in a worker process (``execution_mode: "process"``)."""
+
 
 def copy_models(repo: Path, names: list[str] | None = None) -> Path:
     """Copy models from ``models/`` into ``repo`` (all of them by default)."""

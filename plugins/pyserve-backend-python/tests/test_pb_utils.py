@@ -161,8 +161,10 @@ def test_served_request_wrapper_and_response_sender() -> None:
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
     server_request.cancel()
     assert request.is_cancelled() and sender.is_cancelled()
-    with pytest.raises(pb_utils.TritonModelException, match="RESCHEDULE"):
+    with pytest.raises(pb_utils.TritonModelException, match="needs sequence_batching { iterative_sequence: true }"):
         request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+    with pytest.raises(pb_utils.TritonModelException, match="unknown release flags 4"):
+        request.set_release_flags(4)
 
 
 def test_bls_request_construction() -> None:

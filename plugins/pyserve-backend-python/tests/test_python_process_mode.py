@@ -16,9 +16,8 @@ from tritonclient.utils import InferenceServerException
 
 from pyserve.server import ServerThread
 
-from python_backend_helpers import MODELS
+from python_backend_helpers import MODELS, PROCESS_MODE as PROCESS
 
-PROCESS = 'parameters { key: "execution_mode" value { string_value: "process" } }\n'
 
 ADD_SUB_CONFIG = (MODELS / "add_sub" / "config.pbtxt").read_text()
 ADD_SUB_SOURCE = (MODELS / "add_sub" / "1" / "model.py").read_text()

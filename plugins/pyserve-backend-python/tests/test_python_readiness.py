@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 
 from pyserve.server import ServerThread
 
-from python_backend_helpers import start, write_python_model
+from python_backend_helpers import PROCESS_MODE as PROCESS, start, write_python_model
 
 Serve = Callable[[dict[str, tuple[str | None, str]]], ServerThread]
 
@@ -28,7 +28,6 @@ max_batch_size: 0
 input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
 """
-PROCESS = 'parameters { key: "execution_mode" value { string_value: "process" } }\n'
 
 # execute(IN) sets the answer of is_ready() to bool(IN) and returns how often is_ready() ran
 # (in OUT), or the worker's pid when IN is -1.

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pyserve.server import ServerThread
 from pyserve.tracing import parse_trace_config
 
-from python_backend_helpers import start, write_python_model
+from python_backend_helpers import PROCESS_MODE as PROCESS, start, write_python_model
 
 TRACE_ID = "0af7651916cd43dd8448eb211c126601"
 PARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
@@ -24,7 +24,6 @@ max_batch_size: 0
 input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "CONTEXT" data_type: TYPE_STRING dims: [ 2 ] } ]
 """
-PROCESS = 'parameters { key: "execution_mode" value { string_value: "process" } }\n'
 
 # CONTEXT[0]: this request's trace context ("none" when not traced); CONTEXT[1]: what the
 # BLS call to "inner" answered (IN 1: with trace=request.trace(), 2: without), or "".

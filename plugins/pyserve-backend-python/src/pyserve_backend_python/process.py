@@ -58,9 +58,9 @@ SHM_PREFIX = "pyserve_py_"
 """Prefix of every shared-memory segment name this backend creates."""
 
 STOP_TIMEOUT_S = 10.0
+"""Seconds ``finalize()`` in the worker and the worker's exit may take before it is killed."""
 READY_REPLY_TIMEOUT_S = 60.0
 """The longest a readiness thread waits for the worker (the ready endpoints give up after 5 s)."""
-"""Seconds ``finalize()`` in the worker and the worker's exit may take before it is killed."""
 _SHM_DIR = "/dev/shm"
 _BYTES = "BYTES"
 

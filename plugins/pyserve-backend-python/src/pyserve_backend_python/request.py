@@ -7,7 +7,7 @@ import json
 from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any
 
-from pyserve import InferRequest
+from pyserve import InferError, InferRequest
 from pyserve.tracing import traceparent_of
 
 from pyserve_backend_python.constants import (
@@ -197,16 +197,22 @@ class InferenceRequest:
         return self._sender
 
     def set_release_flags(self, flags: int) -> None:
-        """``TRITONSERVER_REQUEST_RELEASE_ALL`` or ``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``.
+        """``TRITONSERVER_REQUEST_RELEASE_ALL`` or ``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``:
+        the request is executed again in a later batch (models with ``sequence_batching {
+        iterative_sequence: true }``); in default mode put ``None`` in its place in the list
+        ``execute`` returns.
 
-        :raises TritonModelException: rescheduling, which pyserve does not support yet, or an
-            unknown flag.
+        :raises TritonModelException: rescheduling a request that was not passed to
+            ``execute``, or of a model without iterative sequences; an unknown flag.
         """
         if flags == TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
-            raise TritonModelException(
-                "TRITONSERVER_REQUEST_RELEASE_RESCHEDULE (iterative sequences) is not supported by pyserve yet"
-            )
-        if flags != TRITONSERVER_REQUEST_RELEASE_ALL:
+            if self._server_request is None:
+                raise TritonModelException("only requests passed to execute() can be rescheduled")
+            try:
+                self._server_request.reschedule()
+            except InferError as exc:
+                raise TritonModelException(exc.message) from None
+        elif flags != TRITONSERVER_REQUEST_RELEASE_ALL:
             raise TritonModelException(f"unknown release flags {flags}")
         self._release_flags = flags
 

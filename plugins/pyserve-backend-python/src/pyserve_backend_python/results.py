@@ -73,6 +73,8 @@ def convert(model_name: str, requests: Sequence[InferRequest], result: Any, deco
                           "through its response sender; the returned response is dropped", model_name)
             continue
         if item is None:
+            if request.rescheduled:  # set_release_flags(RESCHEDULE): it comes back in a later execute
+                continue
             item = InferError(
                 f"Python model '{model_name}' returned None for a request it did not answer through "
                 "its response sender",

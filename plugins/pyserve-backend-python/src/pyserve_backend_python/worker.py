@@ -145,6 +145,11 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
         def final_sent(self) -> bool:
             return self._sender.final_sent
 
+        def reschedule(self) -> None:
+            raise InferError(f"rescheduling requests (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE) is not supported "
+                             f"in execution_mode 'process' (model '{spec['name']}'); use execution_mode 'thread'",
+                             ErrorCode.UNSUPPORTED)
+
     if not spec.get("decoupled"):
         InferenceRequest.get_response_sender = unsupported("get_response_sender()")  # type: ignore[method-assign]
     bls_lock = threading.Lock()
