@@ -256,6 +256,44 @@ STATEFUL = """
 """
 
 
+ITERATIVE = """
+    backend: "c_iterative"
+    max_batch_size: 4
+    sequence_batching {
+      iterative_sequence: true
+      oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 0 }
+    }
+    input [ { name: "INPUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+    output [ { name: "OUTPUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+"""
+
+
+def test_request_release_reschedule_runs_iterative_sequences(
+    tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    repo = tmp_path / "repo"
+    install_backend(write_model(repo, "iter", ITERATIVE), backend_libraries["iterative"])
+    install_backend(write_model(repo, "plain", ITERATIVE.replace("iterative_sequence: true", "")),
+                    backend_libraries["iterative"])
+    server = pyserve_server_factory(repo)
+
+    def ask(model: str, steps: int, seq: int = 0) -> int:
+        with httpclient.InferenceServerClient(server.url) as client:
+            inp = httpclient.InferInput("INPUT", [1, 1], "INT32")
+            inp.set_data_from_numpy(np.array([[steps]], dtype=np.int32))
+            return int(client.infer(model, [inp], sequence_id=seq, sequence_start=seq != 0).as_numpy("OUTPUT")[0][0])
+
+    assert ask("iter", 4) == 4  # executed four times, answered on the fourth
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        assert list(pool.map(lambda n: ask("iter", n), [2, 5, 3])) == [2, 5, 3]
+    # without iterative_sequence, a rescheduled release is an error for that request alone
+    with pytest.raises(Exception, match="released the request without sending a response"):
+        ask("plain", 2, seq=9)
+    assert "rescheduling needs sequence_batching { iterative_sequence: true }" in caplog.text
+    assert ask("plain", 1, seq=10) == 1
+
+
 def test_stateful_sequences(tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory) -> None:
     repo = tmp_path / "repo"
     install_backend(write_model(repo, "acc", STATEFUL), backend_libraries["stateful"])

@@ -405,9 +405,12 @@ class Pending:
     :ivar released: the backend released the request.
     :ivar done: no request, factory or response refers to it any more.
     :ivar abandoned: the execute failed, pyserve answers the request itself.
+    :ivar rescheduled: released with ``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``: the request
+        comes back in a later execute (iterative sequences), so no response is owed now.
     """
 
-    __slots__ = ("abandoned", "decoupled", "done", "final", "keep", "key", "model_name", "released", "request")
+    __slots__ = ("abandoned", "decoupled", "done", "final", "keep", "key", "model_name", "released", "request",
+                 "rescheduled")
 
     def __init__(self, key: int, request: InferRequest, decoupled: bool) -> None:
         self.key = key
@@ -419,6 +422,7 @@ class Pending:
         self.released = False
         self.done = False
         self.abandoned = False
+        self.rescheduled = False
 
 
 PENDING: dict[int, Pending] = {}
@@ -495,14 +499,16 @@ def _on_event(key: int, event: int, flags: int) -> None:
             pending.released = True
             pending.keep = None
             if flags & RELEASE_RESCHEDULE:
-                log.error(
-                    "model '%s': TRITONSERVER_REQUEST_RELEASE_RESCHEDULE is not supported by pyserve; "
-                    "the request is treated as released", pending.model_name,
-                )
+                try:
+                    pending.request.reschedule()  # iterative sequences: it comes back in a later execute
+                    pending.rescheduled = True
+                except InferError as exc:
+                    log.error("model '%s': TRITONSERVER_REQUEST_RELEASE_RESCHEDULE: %s; the request is treated "
+                              "as released", pending.model_name, exc.message)
             return
         if event != EVENT_DONE:
             return
-        if not pending.final and not pending.abandoned:
+        if not pending.final and not pending.abandoned and not pending.rescheduled:
             # Nothing can be sent any more. A decoupled request just ends; any other one
             # would otherwise wait forever for its response.
             if pending.decoupled:
