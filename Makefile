@@ -18,7 +18,8 @@ PYPROJECTS := pyproject.toml hookspecs/pyproject.toml $(wildcard plugins/*/pypro
 run: $(VENV)/.installed  ## install, then serve the bundled example repository on :8000
 	$(BIN)/pyserve run $(ARGS)
 
-test: $(VENV)/.installed-test  ## install what the tests need, then run them all
+test: $(VENV)/.installed-test  ## install what the tests need, lint, then run them all
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 install: $(VENV)/.installed

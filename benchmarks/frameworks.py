@@ -349,7 +349,8 @@ def main() -> None:
                 np.testing.assert_allclose(poll_call(x1), direct(x1), rtol=1e-4, atol=1e-5)
                 progress(f"{backend}: concurrency {args.concurrency}")
                 c16 = concurrent_median_us(
-                    lambda: client_caller("grpc", grpc_url, f"{backend}_batched", inp, out),
+                    lambda backend=backend, inp=inp, out=out: client_caller(
+                        "grpc", grpc_url, f"{backend}_batched", inp, out),
                     x1, args.concurrent_requests, args.concurrency,
                 )
                 progress(f"{backend}: batch 1 (direct, gRPC, HTTP) and direct batch 16")

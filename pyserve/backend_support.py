@@ -359,7 +359,7 @@ class FrameworkInstance(abc.ABC):
 
     model: FrameworkModel
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: most instances hold nothing to release
         """Release what the instance holds."""
 
     @abc.abstractmethod

@@ -296,9 +296,9 @@ def test_dockerfile_build_args() -> None:
 
 
 def test_dockerignore_keeps_what_the_build_copies() -> None:
-    lines = [l.strip() for l in DOCKERIGNORE.read_text().splitlines() if l.strip() and not l.startswith("#")]
+    lines = [line.strip() for line in DOCKERIGNORE.read_text().splitlines() if line.strip() and not line.startswith("#")]
     assert lines[0] == "*"
-    kept = {l[1:] for l in lines if l.startswith("!")}
+    kept = {line[1:] for line in lines if line.startswith("!")}
     builder = _stages()[0][1]
     for keyword, rest in builder:
         if keyword == "COPY" and not rest.startswith("--"):

@@ -206,7 +206,7 @@ def test_decoupled_model_refused_over_http_and_streamed_over_grpc(server: Server
         results: list[object] = []
         client = _grpc(server)
         try:
-            client.start_stream(callback=lambda result, error: results.append(error or result))
+            client.start_stream(callback=lambda result, error, sink=results: sink.append(error or result))
             tensor = grpcclient.InferInput("IN", [1], "INT32")
             tensor.set_data_from_numpy(np.array([3], dtype=np.int32))
             client.async_stream_infer("square", [tensor])
@@ -254,7 +254,7 @@ def test_shared_memory_requests_are_served_on_every_connection(server: ServerThr
         with _http(server) as client:
             client.register_system_shared_memory("fp_region", key, 2 * values.nbytes)
         try:
-            for i in range(CONNECTIONS):
+            for _ in range(CONNECTIONS):
                 with _http(server) as client:
                     tensor = httpclient.InferInput("INPUT0", [1, 6], "FP32")
                     tensor.set_shared_memory("fp_region", values.nbytes)

@@ -395,7 +395,7 @@ def test_aio_stream(server: ServerThread, counter: CounterBackend) -> None:
     errors = [e for r, e in results if e is not None]
     assert len(errors) == 1 and "nope" in errors[0].message()
     by_id: dict[str, list[list[int]]] = {}
-    for result, error in results:
+    for result, _error in results:
         if result is not None:
             by_id.setdefault(result.get_response().id, []).append(result.as_numpy("OUT").tolist())
     assert by_id == {"s": [[2], [2]], "i": [[4, 2]], "r": [[8], [9]]}
@@ -413,7 +413,7 @@ def test_aio_stream_cancelled_stops_the_backend(server: ServerThread, counter: C
         async with aioclient.InferenceServerClient(server.grpc_url) as c:
             responses = c.stream_infer(requests())
             count = 0
-            async for result, error in responses:
+            async for _result, error in responses:
                 assert error is None
                 count += 1
                 if count == 3:

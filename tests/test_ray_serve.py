@@ -183,7 +183,7 @@ def test_requests_keep_succeeding_when_a_replica_is_killed(cluster: Cluster) -> 
     def load() -> None:
         client = httpclient.InferenceServerClient(cluster.http, connection_timeout=10, network_timeout=30)
         while not stop.is_set():
-            for attempt in range(5):  # a client of a replicated service retries
+            for _attempt in range(5):  # a client of a replicated service retries
                 try:
                     answer = client.infer("echo", [_fp32(values, httpclient)])
                     assert np.array_equal(answer.as_numpy("OUTPUT0"), values)
