@@ -20,6 +20,7 @@ run: $(VENV)/.installed  ## install, then serve the bundled example repository o
 
 test: $(VENV)/.installed-test  ## install what the tests need, lint, then run them all
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 install: $(VENV)/.installed

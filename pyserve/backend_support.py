@@ -193,11 +193,11 @@ def check_config(
                 )
             _compare(model, kind, tensor, match)
     declared_inputs = {t.name for t in model.inputs}
-    for name, tensor in model_inputs.items():
+    for name, model_tensor in model_inputs.items():
         if name not in declared_inputs:
-            shape = "" if tensor.shape is None else f" {list(tensor.shape)}"
+            shape = "" if model_tensor.shape is None else f" {list(model_tensor.shape)}"
             raise ValueError(
-                f"model input '{name}' of {source} ({tensor.config_type}{shape}) is not declared in the config"
+                f"model input '{name}' of {source} ({model_tensor.config_type}{shape}) is not declared in the config"
             )
 
 
@@ -285,8 +285,8 @@ def complete_config(
 def _fill(collection: Any, tensors: Sequence[ModelTensor], batching: bool) -> bool:
     declared = {t.name: t for t in collection}
     if not declared:
-        for found in tensors:
-            _set_tensor(collection.add(), found, batching, name=True)
+        for model_tensor in tensors:
+            _set_tensor(collection.add(), model_tensor, batching, name=True)
         return bool(tensors)
     changed = False
     by_name = {t.name: t for t in tensors}

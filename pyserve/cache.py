@@ -162,7 +162,7 @@ class RedisCache:
 
     def __init__(self, settings: Mapping[str, str]) -> None:
         try:
-            import redis  # type: ignore[import-not-found,import-untyped]
+            import redis
         except ImportError:
             raise CacheConfigError(
                 "the redis response cache needs the 'redis' package: pip install redis"
@@ -209,7 +209,7 @@ def request_key(request: InferRequest) -> bytes:
         if array.dtype == object:
             update(encode_bytes_elements(array))
         else:
-            update(memoryview(np.ascontiguousarray(array)).cast("B"))
+            update(memoryview(np.ascontiguousarray(array)).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer (numpy's stubs say so from Python 3.12)
     update(b"\1")
     for name in request.requested_outputs:
         update(name.encode())

@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,7 @@ def _backend_config(items: Sequence[tuple[str, str, str]]) -> dict[str, dict[str
     return settings
 
 
-def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_run(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="serve a Triton model repository over KServe v2 (HTTP and gRPC)")
     run.add_argument("--model-repository", "--model-store", action="append", default=[], metavar="PATH",
                      help="a model repository (repeatable); default: the bundled examples/model_repository")
@@ -348,6 +348,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         model_config_name=args.model_config_name,
         **operations,
     )
+    runner: Callable[[Coroutine[Any, Any, None]], None]
     try:
         import uvloop
 

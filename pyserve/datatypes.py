@@ -7,6 +7,7 @@ BYTES tensors are numpy ``object`` arrays whose elements are ``bytes``. BF16 use
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -32,7 +33,7 @@ class DataType:
         return self.itemsize == 0
 
 
-def _dt(name: str, config_name: str, dtype: object) -> DataType:
+def _dt(name: str, config_name: str, dtype: Any) -> DataType:
     np_dtype = np.dtype(dtype)
     itemsize = 0 if np_dtype == np.dtype(object) else np_dtype.itemsize
     return DataType(name, config_name, np_dtype.newbyteorder("<") if itemsize > 1 else np_dtype, itemsize)

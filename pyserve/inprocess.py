@@ -172,12 +172,16 @@ class ServerHandle:
         future: asyncio.Future[list[Any]] = caller.create_future()
         collected: list[Any] = []
 
+        def settle() -> None:
+            if not future.done():
+                future.set_result(collected)
+
         class _Sender:
             def send(self, response: Any, final: bool) -> None:
                 if response is not None:
                     collected.append(response)
                 if final:
-                    caller.call_soon_threadsafe(lambda: future.done() or future.set_result(collected))
+                    caller.call_soon_threadsafe(settle)
 
             def is_cancelled(self) -> bool:
                 return future.cancelled()

@@ -92,8 +92,8 @@ class ModelControl(ModelLoader):
 
     def _load_sources(self, sources: Mapping[str, ModelSource]) -> None:
         """Load models in parallel, then the ensembles among them in dependency order."""
-        ensembles = {name: self._ensemble_steps(source) for name, source in sources.items()}
-        ensembles = {name: steps for name, steps in ensembles.items() if steps is not None}
+        all_steps = {name: self._ensemble_steps(source) for name, source in sources.items()}
+        ensembles = {name: steps for name, steps in all_steps.items() if steps is not None}
         plain = [source for name, source in sources.items() if name not in ensembles]
         with ThreadPoolExecutor(self.load_threads, thread_name_prefix="pyserve-load") as pool:
             list(pool.map(lambda source: self._load_quietly(source.name, source), plain))
@@ -326,9 +326,9 @@ class ModelControl(ModelLoader):
             self._unload_record(record, forget)
         if dependents:
             still_used: set[str] = set()
-            for other in list(self.records.values()):
-                if other.ready_versions():
-                    still_used |= self._composing(other)
+            for user in list(self.records.values()):
+                if user.ready_versions():
+                    still_used |= self._composing(user)
             for step in sorted(composing - still_used):
                 self._unload_down(step, seen)
 

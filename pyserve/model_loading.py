@@ -63,6 +63,7 @@ class ModelLoader:
     auto_complete: bool
     backend_config: dict[str, dict[str, str]]
     backend_directory: str | None
+    load_retries: int
     records: dict[str, ModelRecord]
     server_handle: Any
     loop: asyncio.AbstractEventLoop | None

@@ -122,7 +122,7 @@ class SystemRegion(Region):
 def _cupy() -> Any:
     """The cupy module when it and a CUDA device are usable, else None."""
     try:
-        import cupy  # type: ignore[import-not-found]
+        import cupy
 
         if cupy.cuda.runtime.getDeviceCount() < 1:
             return None

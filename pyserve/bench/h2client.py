@@ -115,14 +115,14 @@ class H2Connection(asyncio.Protocol):
         elif kind == h2.SETTINGS:
             if not flags & h2.ACK:
                 for offset in range(0, len(payload) - 5, 6):
-                    key = int.from_bytes(payload[offset:offset + 2], "big")
-                    value = int.from_bytes(payload[offset + 2:offset + 6], "big")
-                    if key == h2.INITIAL_WINDOW_SIZE:
-                        delta, self.peer_initial_window = value - self.peer_initial_window, value
-                        for call in self.calls.values():
-                            call.send_window += delta
-                    elif key == h2.MAX_FRAME_SIZE:
-                        self.peer_max_frame = value
+                    setting = int.from_bytes(payload[offset:offset + 2], "big")
+                    amount = int.from_bytes(payload[offset + 2:offset + 6], "big")
+                    if setting == h2.INITIAL_WINDOW_SIZE:
+                        delta, self.peer_initial_window = amount - self.peer_initial_window, amount
+                        for open_call in self.calls.values():
+                            open_call.send_window += delta
+                    elif setting == h2.MAX_FRAME_SIZE:
+                        self.peer_max_frame = amount
                 out.append(h2.frame(h2.SETTINGS, h2.ACK, 0))
                 self._send_pending(out)
         elif kind == h2.WINDOW_UPDATE:

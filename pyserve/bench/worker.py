@@ -405,7 +405,7 @@ class GrpcDriver:
         options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
         # grpc.aio only for streaming calls: unary ones go through the lean client below
         self.channel = grpc.aio.insecure_channel(f"{config.host}:{config.port}", options=options) if config.streaming else None
-        self.stream = self.channel.stream_stream(_STREAM_METHOD) if self.channel is not None else None
+        self.stream: Any = self.channel.stream_stream(_STREAM_METHOD) if self.channel is not None else None
         self.lean = LeanChannel(config.host, config.port)  # unary calls: far less CPU than grpc.aio
         self.spec = LoadSpec()
         self.generation = 0

@@ -78,7 +78,7 @@ class RequestMessages:
         self._failed: BaseException | None = None
         self._deserialize = deserialize
 
-    def push(self, message: bytes) -> None:
+    def push(self, message: bytes | bytearray) -> None:
         self._items.append(message)
         self._wake()
 

@@ -282,13 +282,14 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-class WireParts(list):  # type: ignore[type-arg]
+class WireParts(list):
     """A serialized message as consecutive pieces (``bytes`` / ``memoryview``), not joined.
 
     pyserve's gRPC server writes the pieces as they are; anything else calls :meth:`join`.
     """
 
     __slots__ = ("nbytes",)
+    nbytes: int
 
     def join(self) -> bytes:
         return b"".join(self)
@@ -316,7 +317,7 @@ def encode_infer_wire(
     parts = WireParts([head])
     total = len(head)
     for payload in raw:
-        size = len(payload) if type(payload) is bytes else payload.nbytes
+        size = len(payload) if type(payload) is bytes else payload.nbytes  # type: ignore[union-attr]
         length = _varint(size)
         parts.append(_RAW_OUTPUT_TAG)
         parts.append(length)
@@ -450,7 +451,7 @@ def _encode_head(
         if datatype == "BYTES":
             raw.append(encode_bytes_elements(array))
         else:  # a view, not a copy: the caller copies it once into the wire bytes
-            raw.append(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+            raw.append(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))  # type: ignore[arg-type]  # an ndarray is a buffer (numpy's stubs say so from Python 3.12)
     return message
 
 
@@ -458,7 +459,7 @@ def _byte_view(array: np.ndarray) -> memoryview:
     contiguous = np.ascontiguousarray(array)
     if contiguous.dtype.byteorder == ">":
         contiguous = contiguous.astype(contiguous.dtype.newbyteorder("<"))
-    return memoryview(contiguous.reshape(-1).view(np.uint8))
+    return memoryview(contiguous.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # an ndarray is a buffer (numpy's stubs say so from Python 3.12)
 
 
 def error_only_response(request: InferRequest, model: ModelVersion) -> Any:

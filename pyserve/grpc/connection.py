@@ -393,9 +393,10 @@ class GrpcConnection(asyncio.Protocol):
             for stream in blocked.values():
                 self._send_pending(stream)
             return
-        stream = self._streams.get(stream_id)
-        if stream is None:
+        window_stream = self._streams.get(stream_id)
+        if window_stream is None:
             return  # a stream that already ended
+        stream = window_stream
         if increment == 0:
             self._reset(stream, h2.PROTOCOL_ERROR)
             return
@@ -538,7 +539,7 @@ class GrpcConnection(asyncio.Protocol):
                     return
                 prefix, stream.head = stream.head, b""
             else:
-                prefix = chunk[position:position + 5]
+                prefix = chunk[position:position + 5]  # type: ignore[assignment]  # a view: only indexed
                 position += 5
             flag = prefix[0]
             length = int.from_bytes(prefix[1:5], "big")

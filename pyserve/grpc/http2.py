@@ -157,13 +157,13 @@ class HeaderDecoder:
 
         :raises ConnectionError_: COMPRESSION_ERROR for a block that is not valid HPACK.
         """
-        headers = self._remembered.get(block)
-        if headers is not None:
-            return headers
+        remembered = self._remembered.get(block)
+        if remembered is not None:
+            return remembered
         entries = self._table.dynamic_entries
         size, first, limit = len(entries), entries[0] if entries else None, self._table.maxsize
         try:
-            headers = self._decoder.decode(block, raw=False)
+            headers: list[tuple[str, str]] = self._decoder.decode(block, raw=False)  # type: ignore[assignment]
         except (HPACKError, ValueError, UnicodeDecodeError) as exc:  # hpack raises all three for bad input
             raise ConnectionError_(COMPRESSION_ERROR, f"invalid header block: {exc}") from None
         entries = self._table.dynamic_entries

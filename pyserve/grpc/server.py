@@ -116,9 +116,9 @@ def _pass_bytes(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
     def serializer(response: Any) -> bytes:
         kind = type(response)
         if kind is bytes:
-            return response  # type: ignore[no-any-return]
+            return response
         if kind is WireParts:
-            return response.join()  # type: ignore[no-any-return]
+            return response.join()
         return serialize(response)
 
     return serializer

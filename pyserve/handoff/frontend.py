@@ -289,7 +289,7 @@ class FrontendDataPlane:
             return await self.link.replicas.dataplane.infer(model, request)
         request_id, future = self.link.submit(model, request)
         try:
-            return await future  # type: ignore[no-any-return]
+            return await future
         except asyncio.CancelledError:
             self.link.cancel(request_id)
             raise
@@ -341,13 +341,14 @@ class FrontendHttpProtocol(HttpProtocol):
         try:
             if model is _RAW:
                 raise NeedsOwner
-            decoded, decode_ns = decode_request(server.dataplane, model, body, headers, server.max_input_size)
+            decoded, decode_ns = decode_request(server.dataplane, model, body, headers,  # type: ignore[arg-type]
+                                                server.max_input_size)
             if local:
                 future = submit_request(server.dataplane, model, decoded.request, self.loop)  # type: ignore[arg-type]
                 request_id = 0
                 request.infer_request = decoded.request
             else:
-                request_id, future = link.submit(model, decoded.request)
+                request_id, future = link.submit(model, decoded.request)  # type: ignore[arg-type]
         except NeedsOwner:
             self._start_raw(request, link, body)
             return
@@ -424,7 +425,7 @@ class FrontendServicer(InferenceServicer):
             forwarded = forwarding.select(context.invocation_metadata() or ()) if forwarding is not None else []
             try:
                 model = infer_model(dataplane, request)
-                decoded = grpc_decode(request, model, shm=dataplane.shared_memory)
+                decoded = grpc_decode(request, model, shm=dataplane.shared_memory)  # type: ignore[arg-type]
             except NeedsOwner:
                 response = await self._raw(dataplane.link, request, context, forwarded)
             else:
@@ -448,7 +449,7 @@ class FrontendServicer(InferenceServicer):
             raise
         if isinstance(result, InferError):
             raise result
-        return result  # type: ignore[no-any-return]
+        return result
 
 
 def _forwarded_metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, Any], ...]:
@@ -460,7 +461,7 @@ def _relay_unary(channel: grpc.aio.Channel, path: str) -> grpc.RpcMethodHandler:
 
     async def relay(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            return await call(request, metadata=_forwarded_metadata(context), timeout=context.time_remaining())  # type: ignore[no-any-return]
+            return await call(request, metadata=_forwarded_metadata(context), timeout=context.time_remaining())
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), exc.details() or "", tuple(exc.trailing_metadata() or ()))
             raise  # not reached

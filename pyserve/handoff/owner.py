@@ -120,8 +120,8 @@ class HandoffServer:
         frontend answers from a replica of the unloaded version any more.
         """
         self._snapshot = None
-        waits = [c.send_snapshot(wait=True) for c in list(self.connections) if c.hello_received]
-        waits = [w for w in waits if w is not None]
+        waits = [w for c in list(self.connections)
+                 if c.hello_received and (w := c.send_snapshot(wait=True)) is not None]
         if waits:
             await asyncio.wait(waits, timeout=timeout)
 
@@ -355,9 +355,9 @@ class _FrontendConnection(asyncio.Protocol):
         request.trace_parent = header["tp"]
         future: asyncio.Future[Any] = self.loop.create_future()
         request.attach_sender(FutureSender(self.loop, future))
-        error = self.dataplane.submit(model, request)
-        if error is not None:
-            self.writer.send(wire.error_frame(Kind.RESULT, request_id, error))
+        refused = self.dataplane.submit(model, request)
+        if refused is not None:
+            self.writer.send(wire.error_frame(Kind.RESULT, request_id, refused))
             return
         self.pending[request_id] = request
         future.add_done_callback(lambda done: self._answer(request_id, request, done))
@@ -424,7 +424,8 @@ class _FrontendConnection(asyncio.Protocol):
             if isinstance(result, InferError):
                 raise result
             encoded = encode_infer_wire(result, decoded, model, join=False)  # large outputs: views, not joined
-            reply = wire.frame(Kind.RAW_GRPC_REPLY, request_id, {}, encoded if type(encoded) is WireParts else [encoded])
+            parts = encoded if type(encoded) is WireParts else [encoded]
+            reply = wire.frame(Kind.RAW_GRPC_REPLY, request_id, {}, parts)  # type: ignore[arg-type]
         except InferError as exc:
             reply = wire.error_frame(Kind.RAW_GRPC_REPLY, request_id, exc)
         except Exception as exc:  # noqa: BLE001 - a bug: answer INTERNAL, keep serving

@@ -139,7 +139,7 @@ def tensor_parts(arrays: Mapping[str, Any]) -> tuple[list[list[Any]], list[bytes
                 array = np.ascontiguousarray(array)
             if array.dtype.byteorder == ">":
                 array = array.astype(array.dtype.newbyteorder("<"))
-            blob = memoryview(array.reshape(-1).view(np.uint8)) if array.size else b""
+            blob = memoryview(array.reshape(-1).view(np.uint8)) if array.size else b""  # type: ignore[arg-type]  # an ndarray is a buffer (numpy's stubs say so from Python 3.12)
             dtype = _name(array.dtype)
         entries.append([name, dtype, list(array.shape), len(blob)])
         blobs.append(blob)

@@ -428,7 +428,7 @@ def _to_wire_bytes(array: np.ndarray, datatype: str) -> bytes | memoryview:
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
     # a byte view, not a typed buffer: the buffer protocol has no code for BF16 ("E")
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # an ndarray is a buffer (numpy's stubs say so from Python 3.12)
 
 
 def _to_json_data(array: np.ndarray, datatype: str, name: str) -> Any:

@@ -110,14 +110,14 @@ class CustomMetrics:
                 return
             wrapper = _RegistryCollector(source)
             self._included[id(source)] = wrapper
-        self.registry.register(wrapper)  # type: ignore[arg-type]
+        self.registry.register(wrapper)
 
     def exclude(self, source: Any) -> None:
         """Stop showing what ``include(source)`` added (no-op if it was not included)."""
         with self._lock:
             wrapper = self._included.pop(id(source), None)
         if wrapper is not None:
-            self.registry.unregister(wrapper)  # type: ignore[arg-type]
+            self.registry.unregister(wrapper)
 
     def _family(
         self, kind: str, name: str, description: str, labels: Sequence[str], make: Callable[[], Any]
@@ -308,7 +308,7 @@ class ServerMetrics:
         self.settings = settings if settings is not None else MetricsSettings()
         self.registry = CollectorRegistry(auto_describe=False)
         self._records = records
-        self.registry.register(_ModelCollector(self.versions, self.settings))  # type: ignore[arg-type]
+        self.registry.register(_ModelCollector(self.versions, self.settings))
         self.custom = CustomMetrics(self.registry)
         """What backends and models receive as ``backend.metrics`` / ``model.metrics``."""
 

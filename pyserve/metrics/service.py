@@ -54,7 +54,7 @@ class MetricsService:
         self.before_render: Any = None
         """An async callable run before each scrape (frontend replicas report their counts)."""
         if monitor is not None:
-            metrics.registry.register(monitor)  # type: ignore[arg-type]
+            metrics.registry.register(monitor)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """The ASGI app: ``/metrics`` (GET or HEAD); 404 elsewhere, 405 for other methods."""

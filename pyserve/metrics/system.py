@@ -67,7 +67,7 @@ class NvmlReader:
 
     def __init__(self) -> None:
         try:
-            import pynvml  # type: ignore[import-not-found,import-untyped]
+            import pynvml
         except ImportError:
             raise RuntimeError("pynvml is not installed (pip install nvidia-ml-py)") from None
         self._nvml = pynvml
@@ -198,8 +198,8 @@ class SystemMonitor:
         for name, kind, read in readings:
             family = _family(name, kind)
             for gpu in gpus:
-                value = read(gpu)
-                if value is not None:
-                    family.add_sample(name, {"gpu_uuid": gpu.uuid}, value)
+                reading = read(gpu)
+                if reading is not None:
+                    family.add_sample(name, {"gpu_uuid": gpu.uuid}, reading)
             if family.samples:
                 yield family

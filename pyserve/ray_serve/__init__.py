@@ -128,8 +128,8 @@ def build_app(
     if not models:
         raise RayConfigError("no models found in " + ", ".join(str(f) for f in folders))
     settings = {"repositories": [str(f) for f in folders], "backend_config": backend_config or {}}
-    model_deployment = serve.deployment(PyserveModel).options(
-        request_router_config=RequestRouterConfig(request_router_class=ROUTER),  # sequences stay put
+    model_deployment = serve.deployment(PyserveModel).options(  # type: ignore[attr-defined]
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER),  # type: ignore[arg-type]
     )
     handles: dict[str, Any] = {}
     if per_repository:
@@ -141,7 +141,7 @@ def build_app(
         for name, (config, path) in models.items():
             options = deployment_options(config, path, num_replicas)
             handles[name] = model_deployment.options(name=f"pyserve-{name}", **options).bind(models=[name], **settings)
-    ingress = serve.deployment(PyserveIngress).options(
+    ingress = serve.deployment(PyserveIngress).options(  # type: ignore[attr-defined]
         name="pyserve-ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
     )
     return ingress.bind(handles=handles)

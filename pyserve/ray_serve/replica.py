@@ -65,7 +65,9 @@ class PyserveModel:
 
     async def infer(self, name: str, version: str | None, fields: dict[str, Any], inputs: dict[str, Any]) -> Any:
         """Run one request; ``("ok", outputs, parameters)`` or ``("error", code, message)``."""
-        future = asyncio.run_coroutine_threadsafe(self._infer(name, version, fields, inputs), self._loop)
+        loop = self._loop
+        assert loop is not None, "the replica's server loop is not running"
+        future = asyncio.run_coroutine_threadsafe(self._infer(name, version, fields, inputs), loop)
         return await asyncio.wrap_future(future)
 
     async def _infer(self, name: str, version: str | None, fields: dict[str, Any], inputs: dict[str, Any]) -> Any:

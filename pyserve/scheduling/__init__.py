@@ -36,8 +36,9 @@ class Scheduler(Protocol):
     def batch_source(self, index: int) -> Callable[[], Batch | None]:
         """Instance ``index``'s blocking "next batch" call; ``STOP`` ends the worker."""
 
-    observe: Callable[[InferRequest, InferResponse], None] | None
-    """Called with each successful raw response, or None."""
+    @property
+    def observe(self) -> Callable[[InferRequest, InferResponse], None] | None:
+        """Called with each successful raw response, or None."""
 
     def stop(self, workers: int) -> None:
         """Let the workers finish what is queued, then stop them."""

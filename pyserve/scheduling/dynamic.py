@@ -323,7 +323,7 @@ class DynamicBatcher:
             if changed:
                 self._queues[level] = keep
         if self._delayed and any(q.request.is_cancelled() for q in self._delayed):
-            live = deque()
+            live: deque[_Queued] = deque()
             for item in self._delayed:
                 if item.request.is_cancelled():
                     item.request.reply(InferError("request was cancelled", ErrorCode.CANCELLED))

@@ -588,8 +588,8 @@ def _array_from_buffers(request: int, index: int, buffers: int, datatype: int, s
     if len(chunks) == 1 and chunks[0][0]:
         # Borrowed, not copied: the backend keeps the data alive until the request is released,
         # which happens after its final response.
-        base, size = chunks[0]
-        array = np.frombuffer((ctypes.c_char * size).from_address(base), dtype=dt.dtype)
+        address, length = chunks[0]
+        array = np.frombuffer((ctypes.c_char * length).from_address(address), dtype=dt.dtype)  # type: ignore[call-overload]
     else:
         array = np.frombuffer(b"".join(ctypes.string_at(b, s) for b, s in chunks if s), dtype=dt.dtype)
     array = array.reshape(shape)

@@ -64,7 +64,7 @@ class NativeModel:
         """What the backend reported through ModelInstanceReport(Batch)Statistics."""
         stats = _api.Stats()
         _api.lib().pyshim_model_stats(self.pointer, ctypes.byref(stats))
-        return {name: int(getattr(stats, name)) for name, _ in _api.Stats._fields_}
+        return {field[0]: int(getattr(stats, field[0])) for field in _api.Stats._fields_}
 
 
 @dataclass(eq=False)

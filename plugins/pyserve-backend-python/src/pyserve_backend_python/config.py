@@ -9,7 +9,7 @@ from typing import Any
 from pyserve.protocol.config_json import model_config_from_dict, model_config_to_dict
 
 _REQUIRED = ("name", "data_type", "dims")
-_DEFAULTS = (None, False, 0, "", [], {}, "TYPE_INVALID", "FORMAT_NONE")
+_DEFAULTS: tuple[Any, ...] = (None, False, 0, "", [], {}, "TYPE_INVALID", "FORMAT_NONE")
 """Values the JSON form prints for fields config.pbtxt did not set."""
 
 

@@ -39,7 +39,7 @@ class Logger:
     VERBOSE = LogLevel.VERBOSE
 
     @staticmethod
-    def log(message: str, level: LogLevel = LogLevel.INFO) -> None:
+    def log(message: str, level: int = LogLevel.INFO) -> None:
         """Log ``message`` at ``level``."""
         _log.log(_TO_LOGGING.get(LogLevel(level), logging.INFO), "%s", message, stacklevel=2)
 

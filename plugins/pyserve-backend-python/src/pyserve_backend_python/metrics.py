@@ -116,7 +116,7 @@ def _le(bound: float) -> str:
 
 
 _COLLECTOR = _Collector()
-REGISTRY.register(_COLLECTOR)  # type: ignore[arg-type]
+REGISTRY.register(_COLLECTOR)
 
 
 def snapshot() -> list[tuple[Any, ...]]:
@@ -228,11 +228,11 @@ class Metric:
                 raise TritonModelException(f"histogram metric '{shared.name}': buckets must be increasing")
         elif buckets is not None:
             raise TritonModelException(f"metric '{shared.name}': buckets are only for histograms")
-        key = tuple(sorted(labels.items()))
+        label_key = tuple(sorted(labels.items()))
         with _COLLECTOR.lock:
-            values = shared.metrics.get(key)
+            values = shared.metrics.get(label_key)
             if values is None:
-                values = shared.metrics[key] = _Values(bounds)
+                values = shared.metrics[label_key] = _Values(bounds)
         self._family = shared
         self._values = values
 

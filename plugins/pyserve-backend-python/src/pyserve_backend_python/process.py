@@ -109,7 +109,7 @@ def _pack(arrays: Sequence[tuple[str, np.ndarray]], segment: mmap.mmap | None, b
     """Layout entries for ``arrays``; fixed-size ones are copied into ``segment`` at offsets."""
     from pyserve_backend_python.tensor import serialize_byte_tensor
 
-    entries = []
+    entries: list[tuple] = []
     offset = base
     for name, array in arrays:
         if array.dtype == np.object_:
@@ -196,7 +196,7 @@ class _Link:
         if item is _EOF:
             self.replies.put(_EOF)  # every later call sees it too
             raise EOFError
-        return item  # type: ignore[no-any-return]
+        return item
 
     def close(self) -> None:
         self.conn.close()
@@ -485,7 +485,7 @@ class ProcessRunner:
         arrays = [list(r.inputs.items()) for r in requests]
         total = sum(_fixed_size(a) for a in arrays)
         self._ensure_arena(total)
-        metas = []
+        metas: list[dict[str, Any]] = []
         offset = 0
         for request, inputs in zip(requests, arrays):
             key = next(self._keys)

@@ -194,8 +194,8 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
     async def remote_async_exec(request: Any, decoupled: bool = False) -> Any:
         return remote_exec(request, decoupled)
 
-    InferenceRequest.exec = remote_exec  # type: ignore[method-assign]
-    InferenceRequest.async_exec = remote_async_exec  # type: ignore[method-assign]
+    InferenceRequest.exec = remote_exec  # type: ignore[method-assign,assignment]
+    InferenceRequest.async_exec = remote_async_exec  # type: ignore[method-assign,assignment]
     async_loop = asyncio.new_event_loop()  # runs ``async def execute`` (one batch at a time)
     reported: list[Any] = []
 
@@ -226,7 +226,7 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
         request._preferred_memory = None
         request._trace = InferenceTrace(meta.get("trace_context"))
         request._parameters = meta["parameters"]
-        request._server_request = WorkerRequest(meta["key"])  # is_cancelled(); the sender if decoupled
+        request._server_request = WorkerRequest(meta["key"])  # type: ignore[assignment]  # duck-typed server request
         request._sender = None
         request._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         return request
@@ -268,9 +268,9 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
         outputs: list[list[tuple[str, Any]]] = []
         for item in outcome:
             if isinstance(item, InferenceResponse):
-                error = item.error()
-                if error is not None:
-                    items.append(("error", error.message(), error.code()))
+                failure = item.error()
+                if failure is not None:
+                    items.append(("error", failure.message(), failure.code()))
                     outputs.append([])
                 else:
                     arrays = [(t.name(), t.as_numpy()) for t in item.output_tensors()]

@@ -386,6 +386,8 @@ class TorchInstance(FrameworkInstance):
     Thread-safety: ``execute`` runs on the instance's own thread only.
     """
 
+    model: TorchModel
+
     def __init__(
         self, model: TorchModel, module: Any, device: Any, binding: InputBinding, output_indices: dict[str, int]
     ) -> None:
