@@ -434,6 +434,8 @@ def test_iterative_sequences_reschedule_requests_until_answered(start_server: St
     assert all(runs[0] == (1, 3) for runs in assigned)  # started together, in one batch of three
     longest = max(assigned, key=len)
     assert [size for _, size in longest] == [3, 2, 1]  # finished ones leave the batch
+    with pytest.raises(InferenceServerException, match="string correlation ID 'abc'"):
+        ask(1, sequence_id="abc")  # type: ignore[arg-type]  # the CORRID control input is UINT64
 
     plain = config("oldest { max_candidate_sequences: 4 }", max_batch_size=4)
     server = start_server(make_repo({"plain": plain}), backends={"accum": Countdown()}, use_entry_points=False)

@@ -201,12 +201,7 @@ class SequenceBatcher:
                 f"inference request to model '{self.model_name}' must specify a non-zero or non-empty "
                 "correlation ID (parameter 'sequence_id')"
             )
-        if isinstance(cid, str) and self._numeric_corrid is not None:
-            raise InferError.invalid(
-                f"inference request to model '{self.model_name}' has the string correlation ID '{cid}', but "
-                f"the model's CONTROL_SEQUENCE_CORRID control input '{self._numeric_corrid.input_name}' is "
-                f"{self._numeric_corrid.dtype.name}; use an unsigned integer 'sequence_id'"
-            )
+        self._check_id_type(cid)
         now = time.monotonic_ns()
         with self._cond:
             self._expire_idle(now)
@@ -229,6 +224,14 @@ class SequenceBatcher:
             sequence.last_active_ns = now
             self._cond.notify_all()
 
+    def _check_id_type(self, cid: int | str) -> None:
+        if isinstance(cid, str) and self._numeric_corrid is not None:
+            raise InferError.invalid(
+                f"inference request to model '{self.model_name}' has the string correlation ID '{cid}', but "
+                f"the model's CONTROL_SEQUENCE_CORRID control input '{self._numeric_corrid.input_name}' is "
+                f"{self._numeric_corrid.dtype.name}; use an unsigned integer 'sequence_id'"
+            )
+
     def _enqueue_iterative(self, request: InferRequest) -> None:
         """An iterative request: a new sequence of its own, started by this request."""
         now = time.monotonic_ns()
@@ -240,11 +243,13 @@ class SequenceBatcher:
                     self._next_iterative_id += 1
                 cid = request.correlation_id = self._next_iterative_id
                 self._next_iterative_id += 1
-            elif cid in self._sequences:
-                raise InferError.invalid(
-                    f"inference request for sequence {cid} to model '{self.model_name}': that sequence is "
-                    "still running (with iterative_sequence every request is a sequence of its own)"
-                )
+            else:
+                self._check_id_type(cid)
+                if cid in self._sequences:
+                    raise InferError.invalid(
+                        f"inference request for sequence {cid} to model '{self.model_name}': that sequence is "
+                        "still running (with iterative_sequence every request is a sequence of its own)"
+                    )
             request.flags |= SEQUENCE_START
             sequence = _Sequence(cid)
             self._sequences[cid] = sequence
