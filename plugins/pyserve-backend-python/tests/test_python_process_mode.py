@@ -451,3 +451,31 @@ def test_a_cancelled_stream_is_seen_by_the_worker(serve: Serve, tmp_path) -> Non
     sent, request_cancelled, sender_cancelled = record.read_text().split()
     assert int(sent) < 100, sent  # stopped long before its 200 responses (4 s)
     assert request_cancelled == "True" and sender_cancelled == "True"
+
+
+BIG_BLS_SOURCE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            values = pb_utils.get_input_tensor_by_name(request, "IN")
+            big = pb_utils.Tensor("IN", np.arange(2_000_000, dtype=np.int32) + int(values.as_numpy()[0]))
+            answer = pb_utils.InferenceRequest(model_name="double", inputs=[big], requested_output_names=["OUT"]).exec()
+            result = pb_utils.get_output_tensor_by_name(answer, "OUT").as_numpy()
+            assert result.flags.writeable and result.shape == (2_000_000,)
+            checks = np.array([result[0], result[-1], int(np.array_equal(result, big.as_numpy() * 2))], dtype=np.int32)
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", checks)]))
+        return out
+"""
+
+
+def test_bls_tensors_cross_processes_in_shared_memory_and_leave_no_segments(serve: Serve) -> None:
+    before = _segments()
+    server = serve({"double": (IO, DOUBLE_SOURCE), "big_bls": (IO + PROCESS, BIG_BLS_SOURCE)})
+    for start in (0, 5):  # 8 MB each way per call
+        assert list(_infer(server, "big_bls", [start])) == [2 * start, 2 * (1_999_999 + start), 1]
+    left = _segments() - before
+    assert not {s for s in left if "_oi" in s or "_or" in s}  # BLS segments: unlinked once mapped

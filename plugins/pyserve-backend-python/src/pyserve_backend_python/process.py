@@ -17,8 +17,8 @@ The parent (``ProcessRunner``, in the server) starts the worker with the ``spawn
 If the worker dies, the batch in flight fails with "the worker process of model 'x' instance
 'y' exited with code N; restarting" and a new worker (``initialize`` again) serves the next
 batch. BLS (``exec``, ``async_exec``, decoupled BLS) works from ``execute``: the worker sends the
-request to the parent, which runs it on the server and sends the answers back (tensors pickled
-through the pipe). Decoupled models work: their response senders send each response to the
+request to the parent, which runs it on the server and sends the answers back (tensors in
+shared-memory segments both ways: ``share_arrays`` / ``take_arrays``). Decoupled models work: their response senders send each response to the
 parent as it comes, from any thread of the worker, also after ``execute`` returned (a reader
 thread in the parent forwards them; a worker that dies ends its open requests with an error).
 ``async def execute`` runs on an event loop of the worker. Not supported in process mode:
@@ -38,7 +38,7 @@ import queue
 import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -127,6 +127,31 @@ def _pack(arrays: Sequence[tuple[str, np.ndarray]], segment: mmap.mmap | None, b
 
 def _fixed_size(arrays: Sequence[tuple[str, np.ndarray]]) -> int:
     return sum(_align(a.nbytes) for _, a in arrays if a.dtype != np.object_)
+
+
+def share_arrays(arrays: Mapping[str, np.ndarray], name: str) -> tuple[str, int, list[tuple]]:
+    """Copy ``arrays`` once into a new segment ``name`` (none when they hold no fixed-size bytes)
+    for the other process: ``(segment name or "", size, entries)``, what ``take_arrays`` takes."""
+    items = [(n, np.asarray(a)) for n, a in arrays.items()]
+    size = _fixed_size(items)
+    segment = _create_segment(name, size) if size else None
+    try:
+        entries = _pack(items, segment)
+    finally:
+        if segment is not None:
+            segment.close()
+    return (name if segment is not None else ""), size, entries
+
+
+def take_arrays(shared: tuple[str, int, list[tuple]]) -> dict[str, np.ndarray]:
+    """The arrays ``share_arrays`` wrote, as views of its segment; the segment's name is
+    unlinked at once (the mapping lives on while the arrays do)."""
+    name, size, entries = shared
+    segment = None
+    if name:
+        segment = _open_segment(name, size)
+        _unlink(name)
+    return _unpack(entries, segment, True)
 
 
 def _unpack(entries: Sequence[tuple], segment: mmap.mmap | None, writeable: bool) -> dict[str, np.ndarray]:
@@ -385,19 +410,20 @@ class ProcessRunner:
 
     def _bls(self, fields: dict[str, Any], decoupled: bool) -> tuple:
         """Run a BLS request of the worker on the server (this is an instance thread)."""
-        request = InferRequest(
-            fields["model_name"], fields["model_version"], dict(fields["inputs"]), tuple(fields["requested_outputs"]),
-            id=fields["id"], parameters=fields["parameters"], flags=fields["flags"],
-            correlation_id=fields["correlation_id"], timeout_us=fields["timeout_us"],
-        )
-        request.trace_parent = fields.get("trace_parent")
-        timeout = request.timeout_us / 1e6 if request.timeout_us > 0 else None
-        try:
-            answers: list[Any] = list(self._instance.model.server.stream(request, timeout))
+        answers: list[Any]
+        try:  # input tensors arrive in a shared-memory segment, outputs leave in one: no pickling
+            request = InferRequest(
+                fields["model_name"], fields["model_version"], take_arrays(fields["inputs"]),
+                tuple(fields["requested_outputs"]), id=fields["id"], parameters=fields["parameters"],
+                flags=fields["flags"], correlation_id=fields["correlation_id"], timeout_us=fields["timeout_us"],
+            )
+            request.trace_parent = fields.get("trace_parent")
+            timeout = request.timeout_us / 1e6 if request.timeout_us > 0 else None
+            answers = list(self._instance.model.server.stream(request, timeout))
         except InferError as exc:
             answers = [exc]
         except Exception as exc:  # noqa: BLE001 - reported to the calling model as an error response
-            answers = [InferError(f"BLS request to model '{request.model_name}' failed: {exc}", ErrorCode.INTERNAL)]
+            answers = [InferError(f"BLS request to model '{fields['model_name']}' failed: {exc}", ErrorCode.INTERNAL)]
         items: list[tuple] = []
         for answer in answers:
             if isinstance(answer, InferResponse) and answer.error is not None:
@@ -405,7 +431,13 @@ class ProcessRunner:
             if isinstance(answer, InferError):
                 items.append(("error", answer.message, int(answer.code)))
             else:
-                items.append(("ok", [(n, np.asarray(a)) for n, a in answer.outputs.items()], dict(answer.parameters)))
+                try:
+                    shared = share_arrays(answer.outputs, f"{self._prefix}or{next(self._counter)}")
+                except OSError as exc:  # e.g. /dev/shm full
+                    items.append(("error", f"BLS response of model '{fields['model_name']}' could not be "
+                                  f"shared with the worker: {exc}", int(ErrorCode.INTERNAL)))
+                    continue
+                items.append(("ok", shared, dict(answer.parameters)))
         return ("bls_result", items)
 
     def _reap(self) -> None:

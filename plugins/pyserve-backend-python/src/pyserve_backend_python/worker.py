@@ -7,7 +7,8 @@ finalize; ``("results", segment_name, segment_size, responses)`` or
 
 While it executes a batch, the worker may send ``("bls", request fields, decoupled)``; the parent
 runs that request on the server and answers ``("bls_result", responses)`` (BLS from
-``execute``; tensors are pickled through the pipe both ways). A decoupled model's response
+``execute``; tensors travel both ways in shared-memory segments, ``process.share_arrays`` /
+``take_arrays``: the receiver maps and unlinks each one). A decoupled model's response
 senders send ``("send", request key, response or None, final)`` at any time, from any thread.
 Before a reply, the worker sends ``("metrics", families)`` when its custom metrics changed. The
 parent sends ``("cancel", request key)`` when a request's client went away (``is_cancelled()``),
@@ -162,7 +163,8 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
                                        f"(model '{spec['name']}')")
         call = request._to_server()  # the same checks as in-process BLS
         fields = {
-            "model_name": call.model_name, "model_version": call.model_version, "inputs": call.inputs,
+            "model_name": call.model_name, "model_version": call.model_version,
+            "inputs": process.share_arrays(call.inputs, f"{out_prefix}i{next(counter)}"),
             "requested_outputs": list(call.requested_outputs), "id": call.id, "parameters": call.parameters,
             "flags": call.flags, "correlation_id": call.correlation_id, "timeout_us": call.timeout_us,
             "trace_parent": call.trace_parent,
@@ -173,7 +175,8 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
         if reply is None:
             raise TritonModelException("the server process went away during a BLS call")
         answers: list[Any] = [
-            InferResponse(dict(item[1]), item[2]) if item[0] == "ok" else InferError(item[1], ErrorCode(item[2]))
+            InferResponse(process.take_arrays(item[1]), item[2]) if item[0] == "ok"
+            else InferError(item[1], ErrorCode(item[2]))
             for item in reply[1]
         ]
         if decoupled:
