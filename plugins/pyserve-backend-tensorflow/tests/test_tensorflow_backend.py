@@ -5,6 +5,7 @@ TensorFlow is slow to import and to load models, so the whole module shares one 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -45,6 +46,10 @@ output [ { name: "y", data_type: TYPE_FP32, dims: [ 3 ] } ]
 """
 
 SIGNATURE = 'parameters [ { key: "signature_name", value: { string_value: "predict" } } ]\n'
+
+
+def _parameters(**values: str) -> str:
+    return "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in values.items())
 
 
 def _broken(config: str, old: str, new: str) -> str:
@@ -94,6 +99,11 @@ def server(
     write_model(repo, "graphdef_no_io", 'platform: "tensorflow_graphdef"\n', graphdef)
     write_model(repo, "graphdef_bad_name", _broken(GRAPHDEF_CONFIG, 'name: "y"', 'name: "logits"'), graphdef)
     write_model(repo, "graphdef_corrupt", GRAPHDEF_CONFIG, {"1/model.graphdef": b"\xff\xff\xffnot a graph"})
+    # Triton's parameter names: TF_SIGNATURE_DEF, TF_GRAPH_TAG, TF_NUM_INTRA_THREADS
+    write_model(repo, "conv_triton", 'platform: "tensorflow_savedmodel"\n' + _parameters(TF_SIGNATURE_DEF="predict",
+                                                                                        TF_GRAPH_TAG="serve"), conv)
+    write_model(repo, "bad_tag", MLP_CONFIG + _parameters(TF_GRAPH_TAG="train"), mlp)
+    write_model(repo, "bad_threads", MLP_CONFIG + _parameters(TF_NUM_INTRA_THREADS="-2"), mlp)
     with serve(repo, backends=BACKENDS, server_plugins=(recorder,), use_entry_points=False) as thread:
         yield thread
 
@@ -166,10 +176,11 @@ def test_savedmodel_matches_tensorflow(server: ServerThread, modules: dict[str, 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_named_signature_and_auto_complete(server: ServerThread, modules: dict[str, Any], protocol: str) -> None:
     image = np.random.default_rng(4).standard_normal((3, 8, 8, 1)).astype(np.float32)
-    result = infer(server, protocol, "conv", {"image": image})
     want = modules["conv"](tf.constant(image))
-    np.testing.assert_allclose(result.as_numpy("logits"), want["logits"].numpy(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(result.as_numpy("features"), want["features"].numpy(), rtol=1e-5, atol=1e-5)
+    for model in ("conv", "conv_triton"):  # signature_name and Triton's TF_SIGNATURE_DEF
+        result = infer(server, protocol, model, {"image": image})
+        np.testing.assert_allclose(result.as_numpy("logits"), want["logits"].numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(result.as_numpy("features"), want["features"].numpy(), rtol=1e-5, atol=1e-5)
 
 
 def test_graphdef_matches_tensorflow(server: ServerThread, modules: dict[str, Any]) -> None:
@@ -243,6 +254,8 @@ def test_auto_complete_named_signature_and_scalar_rows(server: ServerThread) -> 
         ("graphdef_no_io", ["GraphDef", "config.pbtxt"]),
         ("graphdef_bad_name", ["output 'logits'", "not a tensor of GraphDef", "placeholders: x"]),
         ("graphdef_corrupt", ["cannot load TensorFlow GraphDef"]),
+        ("bad_tag", ["cannot load TensorFlow SavedModel", "with tags ['train']"]),
+        ("bad_threads", ["TF_NUM_INTRA_THREADS must be a whole number >= 0, got '-2'"]),
     ],
 )
 def test_bad_models_are_unavailable_with_a_reason(server: ServerThread, model: str, fragments: list[str]) -> None:
@@ -254,7 +267,7 @@ def test_bad_models_are_unavailable_with_a_reason(server: ServerThread, model: s
 
 def test_good_models_are_ready(server: ServerThread) -> None:
     index = repository_index(server)
-    for name in ("mlp", "mlp_auto", "conv", "upper", "graphdef"):
+    for name in ("mlp", "mlp_auto", "conv", "upper", "graphdef", "conv_triton"):
         assert index[name]["state"] == "READY", index[name]
 
 
@@ -271,3 +284,25 @@ def test_gpu_instance_runs_on_gpu(tmp_path: Path, pyserve_server_factory: Server
     x = np.random.default_rng(6).standard_normal((3, 4)).astype(np.float32)
     got = infer(gpu_server, "grpc", "mlp_gpu", {"x": x}).as_numpy("y")
     np.testing.assert_allclose(got, modules["mlp"](tf.constant(x))["y"].numpy(), rtol=1e-4, atol=1e-4)
+
+
+THREADS_PROBE = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+from pyserve_backend_tensorflow.runtime import apply_model_parameters
+apply_model_parameters("first", {"TF_NUM_INTRA_THREADS": "1", "TF_NUM_INTER_THREADS": "2"})
+apply_model_parameters("second", {"TF_NUM_INTRA_THREADS": "3", "MAX_SESSION_SHARE_COUNT": "2"})
+import tensorflow as tf
+print("intra", tf.config.threading.get_intra_op_parallelism_threads(),
+      "inter", tf.config.threading.get_inter_op_parallelism_threads())
+"""
+
+
+def test_thread_parameters_set_tensorflow_pools_once_per_process() -> None:
+    """In a fresh process (TensorFlow refuses new pool sizes once it has run anything)."""
+    done = subprocess.run([sys.executable, "-c", THREADS_PROBE], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert done.returncode == 0, done.stderr
+    assert "intra 1 inter 2" in done.stdout
+    assert "model 'second': parameter TF_NUM_INTRA_THREADS=3 ignored: model 'first' set it to 1" in done.stdout
+    assert "model 'second': parameter MAX_SESSION_SHARE_COUNT has no effect" in done.stdout

@@ -9,11 +9,14 @@ What callers may rely on:
 
 * platform ``tensorflow_savedmodel``: ``<version>/model.savedmodel/`` (or
   ``default_model_filename``), served through its ``serving_default`` signature or the one
-  named by model parameter ``signature_name``; config names are the signature's input and
+  named by model parameter ``TF_SIGNATURE_DEF`` (Triton's) or ``signature_name``, from the
+  meta graph tagged ``TF_GRAPH_TAG`` (default ``serve``); config names are the signature's input and
   output keys, and auto-complete fills inputs, outputs, ``max_batch_size`` and dynamic
   batching from the signature;
 * platform ``tensorflow_graphdef``: ``<version>/model.graphdef`` (a frozen ``GraphDef``), with
   inputs and outputs declared in config.pbtxt by graph tensor name (``x`` means ``x:0``);
+* ``TF_NUM_INTRA_THREADS`` / ``TF_NUM_INTER_THREADS`` size TensorFlow's process-wide pools (the
+  first model wins); ``--backend-config tensorflow,allow-soft-placement`` is applied;
 * one loaded copy per instance, placed on ``/GPU:<id>`` for KIND_GPU instances, ``/CPU:0``
   otherwise; host arrays enter TensorFlow through DLPack where numpy can export them;
 * a missing or corrupt model, a missing signature, or a config that disagrees with the model
@@ -47,7 +50,7 @@ def pyserve_backend_initialize(backend: BackendContext) -> None:
 
     :raises ImportError: TensorFlow is not installed.
     """
-    backend.state = initialize_runtime()
+    backend.state = initialize_runtime(backend.config)
 
 
 @hookimpl

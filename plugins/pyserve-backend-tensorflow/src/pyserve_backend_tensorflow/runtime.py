@@ -7,7 +7,8 @@ and they run inside the backend's hooks.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,76 @@ DEFAULT_FILENAMES = {SAVEDMODEL_PLATFORM: "model.savedmodel", GRAPHDEF_PLATFORM:
 DEFAULT_SIGNATURE = "serving_default"
 SIGNATURE_PARAMETER = "signature_name"
 """Model parameter: the SavedModel signature to serve (default ``serving_default``)."""
+TRITON_SIGNATURE_PARAMETER = "TF_SIGNATURE_DEF"
+"""Triton's name for the same parameter; it wins when both are given."""
+GRAPH_TAG_PARAMETER = "TF_GRAPH_TAG"
+"""Model parameter (Triton's): the SavedModel tag set to load (default: TensorFlow's ``serve``)."""
+THREAD_PARAMETERS = ("TF_NUM_INTRA_THREADS", "TF_NUM_INTER_THREADS")
+"""Triton's thread-count parameters; TensorFlow's pools are process-wide (first model wins)."""
+SESSION_PARAMETERS = ("TF_USE_PER_SESSION_THREADS", "MAX_SESSION_SHARE_COUNT", "TF_INIT_OPS_FILE")
+"""Triton parameters about TF1 sessions, which TensorFlow 2 models loaded eagerly do not have."""
+
+
+def signature_name(parameters: Mapping[str, str]) -> str:
+    """The signature a model serves: ``TF_SIGNATURE_DEF``, else ``signature_name``, else
+    ``serving_default``."""
+    return (parameters.get(TRITON_SIGNATURE_PARAMETER, "").strip()
+            or parameters.get(SIGNATURE_PARAMETER, "").strip() or DEFAULT_SIGNATURE)
+
+
+_THREADS_LOCK = threading.Lock()
+_THREADS_SET: dict[str, tuple[int, str]] = {}
+"""Parameter name → (value, model that set it)."""
+
+
+def apply_model_parameters(model_name: str, parameters: Mapping[str, str]) -> None:
+    """Triton's ``TF_NUM_INTRA_THREADS`` / ``TF_NUM_INTER_THREADS``: TensorFlow's thread pools
+    belong to the process, so the first model that sets one wins and a later model asking for
+    another value is told so in the log; once TensorFlow has run anything it refuses new values
+    (logged; the model still loads). The TF1 session parameters are logged as having no effect.
+
+    :raises ValueError: a thread count that is not a whole number >= 0.
+    """
+    for key in SESSION_PARAMETERS:
+        if parameters.get(key, "").strip():
+            log.warning("model '%s': parameter %s has no effect: TensorFlow 2 models run eagerly, "
+                        "without TF1 sessions", model_name, key)
+    tf = None
+    for key in THREAD_PARAMETERS:
+        text = parameters.get(key, "").strip()
+        if not text:
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ValueError(f"model parameter {key} must be a whole number >= 0, got '{text}'")
+        if value == 0:  # TensorFlow's own choice
+            continue
+        with _THREADS_LOCK:
+            earlier = _THREADS_SET.get(key)
+            if earlier is not None:
+                if earlier[0] != value:
+                    log.warning("model '%s': parameter %s=%d ignored: model '%s' set it to %d for the whole "
+                                "process", model_name, key, value, earlier[1], earlier[0])
+                continue
+            tf = tf or _import_tf()
+            setter = (tf.config.threading.set_intra_op_parallelism_threads if key == "TF_NUM_INTRA_THREADS"
+                      else tf.config.threading.set_inter_op_parallelism_threads)
+            try:
+                setter(value)
+            except RuntimeError as exc:  # TensorFlow already initialized its runtime
+                log.warning("model '%s': parameter %s=%d not applied: %s", model_name, key, value, exc)
+                continue
+            _THREADS_SET[key] = (value, model_name)
+            log.info("model '%s': TensorFlow %s set to %d for the whole process", model_name, key, value)
+
+
+def graph_tags(parameters: Mapping[str, str]) -> list[str] | None:
+    """``TF_GRAPH_TAG`` as the tag list ``tf.saved_model.load`` takes (None: its default)."""
+    tag = parameters.get(GRAPH_TAG_PARAMETER, "").strip()
+    return [tag] if tag else None
 
 TF_TO_CONFIG: dict[str, str] = {**NUMPY_NAME_TO_CONFIG, "string": "TYPE_STRING"}
 """TensorFlow dtype names → ModelConfig datatype names."""
@@ -61,12 +132,31 @@ def _import_tf() -> Any:
     return tensorflow
 
 
-def initialize_runtime() -> RuntimeInfo:
+def initialize_runtime(settings: Mapping[str, str] | None = None) -> RuntimeInfo:
     """Import TensorFlow and turn on memory growth for every GPU, so that it does not take them whole.
 
+    ``settings`` are the ``--backend-config tensorflow,<key>=<value>`` values Triton defines:
+    ``allow-soft-placement`` is applied (``tf.config.set_soft_device_placement``);
+    ``gpu-memory-fraction`` other than 0 and ``version`` other than 2 are logged as not honoured
+    (memory growth stands in for the first; only TensorFlow 2 exists here).
+
     :raises ImportError: TensorFlow is not installed.
+    :raises ValueError: ``allow-soft-placement`` is not a boolean.
     """
     tf = _import_tf()
+    settings = settings or {}
+    soft = settings.get("allow-soft-placement")
+    if soft is not None:
+        flag = soft.strip().lower()
+        if flag not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            raise ValueError(f"--backend-config tensorflow,allow-soft-placement must be a boolean, got '{soft}'")
+        tf.config.set_soft_device_placement(flag in ("true", "1", "yes", "on"))
+    fraction = settings.get("gpu-memory-fraction", "").strip()
+    if fraction and fraction not in ("0", "0.0"):
+        log.warning("tensorflow: gpu-memory-fraction=%s is not honoured; GPUs use memory growth", fraction)
+    version = settings.get("version", "").strip()
+    if version and version != "2":
+        log.warning("tensorflow: version=%s is not honoured; TensorFlow %s is used", version, tf.__version__)
     gpus = tf.config.list_physical_devices("GPU")
     for gpu in gpus:
         try:
@@ -109,17 +199,20 @@ def _model_tensor(name: str, spec: Any) -> ModelTensor:
     return ModelTensor(name, config_type_of(spec.dtype), shape)
 
 
-def load_savedmodel(path: Path, device: str = "/CPU:0") -> Any:
-    """``tf.saved_model.load`` under ``device``.
+def load_savedmodel(path: Path, device: str = "/CPU:0", tags: list[str] | None = None) -> Any:
+    """``tf.saved_model.load`` under ``device``, of the meta graph with ``tags`` (``TF_GRAPH_TAG``).
 
-    :raises ValueError: the directory is not a loadable SavedModel.
+    :raises ValueError: the directory is not a loadable SavedModel (or has no such tag set).
     """
     tf = _import_tf()
     try:
         with tf.device(device):
-            return tf.saved_model.load(str(path))
+            return tf.saved_model.load(str(path), tags=tags)
     except Exception as exc:
-        raise ValueError(f"cannot load TensorFlow SavedModel '{path}': {type(exc).__name__}: {exc}") from None
+        tagged = f" with tags {tags}" if tags else ""
+        raise ValueError(
+            f"cannot load TensorFlow SavedModel '{path}'{tagged}: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def signature(loaded: Any, name: str, path: Path) -> Any:
@@ -131,7 +224,7 @@ def signature(loaded: Any, name: str, path: Path) -> Any:
     if name not in signatures:
         raise ValueError(
             f"SavedModel '{path}' has no signature '{name}' (signatures: {', '.join(signatures) or 'none'}); "
-            f"set model parameter '{SIGNATURE_PARAMETER}'"
+            f"set model parameter '{TRITON_SIGNATURE_PARAMETER}' (or '{SIGNATURE_PARAMETER}')"
         )
     return signatures[name]
 
@@ -171,8 +264,10 @@ def auto_complete(model: ModelContext) -> bool:
             return False
         raise ValueError("a TensorFlow GraphDef model needs its inputs and outputs declared in config.pbtxt")
     path = model_path(model)
-    name = model.parameters.get(SIGNATURE_PARAMETER, "").strip() or DEFAULT_SIGNATURE
-    inputs, outputs = signature_tensors(signature(load_savedmodel(path), name, path))
+    apply_model_parameters(model.name, model.parameters)  # before TensorFlow runs anything for it
+    name = signature_name(model.parameters)
+    loaded = load_savedmodel(path, tags=graph_tags(model.parameters))
+    inputs, outputs = signature_tensors(signature(loaded, name, path))
     return complete_config(config, model.backend.config, inputs, outputs)
 
 
@@ -193,6 +288,7 @@ class TensorFlowModel(FrameworkModel):
 
     platform: str = SAVEDMODEL_PLATFORM
     signature_name: str = DEFAULT_SIGNATURE
+    tags: list[str] | None = None
 
     @classmethod
     def from_context(cls, model: ModelContext) -> TensorFlowModel:
@@ -201,6 +297,7 @@ class TensorFlowModel(FrameworkModel):
         :raises ValueError: the model file or directory is missing.
         """
         config = model.config
+        apply_model_parameters(model.name, model.parameters)
         return cls(
             name=model.name,
             platform=config.platform or SAVEDMODEL_PLATFORM,
@@ -208,7 +305,8 @@ class TensorFlowModel(FrameworkModel):
             max_batch_size=int(config.max_batch_size),
             inputs=config_tensors(config.input, "input", "tensorflow"),
             outputs=config_tensors(config.output, "output", "tensorflow"),
-            signature_name=model.parameters.get(SIGNATURE_PARAMETER, "").strip() or DEFAULT_SIGNATURE,
+            signature_name=signature_name(model.parameters),
+            tags=graph_tags(model.parameters),
         )
 
     def device_for(self, instance: InstanceContext) -> str:
@@ -242,7 +340,7 @@ class TensorFlowModel(FrameworkModel):
 
     # -- SavedModel --------------------------------------------------------------------------
     def _savedmodel_runner(self, device: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
-        loaded = load_savedmodel(self.path, device)
+        loaded = load_savedmodel(self.path, device, self.tags)
         function = signature(loaded, self.signature_name, self.path)
         inputs, outputs = signature_tensors(function)
         check_config(self, inputs, outputs, f"signature '{self.signature_name}'")
