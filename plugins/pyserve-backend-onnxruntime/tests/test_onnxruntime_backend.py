@@ -66,9 +66,13 @@ def server(tmp_path_factory: pytest.TempPathFactory, recorder: BatchRecorder) ->
         repo,
         "mlp_tuned",
         MLP_CONFIG
-        + 'default_model_filename: "graph"\noptimization { graph { level: 1 } }\n'
+        + 'default_model_filename: "graph"\noptimization { graph { level: 1 } '
+        + 'execution_accelerators { cpu_execution_accelerator [ { name: "openvino" } ] } }\n'
         + 'parameters [ { key: "intra_op_thread_count", value: { string_value: "1" } },'
-        + ' { key: "inter_op_thread_count", value: { string_value: "1" } } ]\n',
+        + ' { key: "inter_op_thread_count", value: { string_value: "2" } },'
+        + ' { key: "execution_mode", value: { string_value: "1" } },'
+        + ' { key: "session.use_device_allocator_for_initializers", value: { string_value: "1" } },'
+        + ' { key: "memory.enable_memory_arena_shrinkage", value: { string_value: "cpu:0" } } ]\n',
         {"1/graph/model.onnx": mlp},
     )
     write_model(
@@ -86,6 +90,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, recorder: BatchRecorder) ->
     write_model(repo, "corrupt", MLP_CONFIG, {"1/model.onnx": b"this is not an onnx model"})
     write_model(repo, "corrupt_auto", None, {"1/model.onnx": b"\x08\x07garbage"})
     write_model(repo, "missing", MLP_CONFIG)
+    write_model(repo, "bad_mode", MLP_CONFIG + 'parameters { key: "execution_mode" value { string_value: "2" } }\n',
+                {"1/model.onnx": mlp})
+    write_model(repo, "bad_accelerator", MLP_CONFIG + 'optimization { execution_accelerators { '
+                'cpu_execution_accelerator [ { name: "magic" } ] } }\n', {"1/model.onnx": mlp})
+    write_model(repo, "bad_trt", MLP_CONFIG + 'optimization { execution_accelerators { gpu_execution_accelerator [ '
+                '{ name: "tensorrt" parameters { key: "precision_mode" value: "FP8" } } ] } }\n', {"1/model.onnx": mlp})
     write_model(
         repo,
         "bad_param",
@@ -192,6 +202,30 @@ def test_session_options_and_directory_model_file(server: ServerThread) -> None:
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     got = grpc_infer(server.grpc_url, "mlp_tuned", {"x": x}).as_numpy("y")
     np.testing.assert_allclose(got, direct(ort_models.mlp(), {"x": x})[0], rtol=1e-5, atol=1e-6)
+    # Triton's parameter names reach the session and every run
+    instance = server.server.models.get("mlp_tuned").instances[0].state
+    options = instance.session.get_session_options()
+    assert options.intra_op_num_threads == 1 and options.inter_op_num_threads == 2
+    assert options.execution_mode == ort.ExecutionMode.ORT_PARALLEL  # (ORT goes sequential with 1 inter-op thread)
+    assert options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    assert options.get_session_config_entry("session.use_device_allocator_for_initializers") == "1"
+    assert instance._run_options.get_run_config_entry("memory.enable_memory_arena_shrinkage") == "cpu:0"
+    # the openvino accelerator was asked for, but this onnxruntime has none: CPU, with a log line
+    assert instance.session.get_providers() == ["CPUExecutionProvider"]
+
+
+def test_tensorrt_accelerator_parameters_use_onnxruntime_names() -> None:
+    from pyserve_backend_onnxruntime.runtime import tensorrt_options
+
+    assert tensorrt_options({"precision_mode": "FP16", "max_workspace_size_bytes": "1073741824",
+                             "trt_engine_cache_enable": "1", "int8_use_native_calibration_table": "0"}) == {
+        "trt_fp16_enable": "True", "trt_max_workspace_size": "1073741824", "trt_engine_cache_enable": "1",
+        "trt_int8_use_native_calibration_table": "0",
+    }
+    assert tensorrt_options({"precision_mode": "INT8"}) == {"trt_int8_enable": "True"}
+    assert tensorrt_options({"precision_mode": "fp32"}) == {}
+    with pytest.raises(ValueError, match="unknown parameter 'workspace'"):
+        tensorrt_options({"workspace": "1"})
 
 
 def test_dynamic_batching_gives_the_rows_of_single_calls(server: ServerThread, recorder: BatchRecorder) -> None:
@@ -258,6 +292,9 @@ def test_auto_complete_fixed_batch_dimension_is_not_batching(server: ServerThrea
         ("corrupt_auto", ["auto-complete", "cannot load ONNX model"]),
         ("missing", ["model file", "not found"]),
         ("bad_param", ["intra_op_thread_count", "'many'"]),
+        ("bad_mode", ["execution_mode", "0 (sequential) or 1 (parallel)", "got 2"]),
+        ("bad_accelerator", ["unknown cpu_execution_accelerator 'magic'"]),
+        ("bad_trt", ["precision_mode must be FP32, FP16 or INT8", "'FP8'"]),
     ],
 )
 def test_bad_models_are_unavailable_with_a_reason(server: ServerThread, model: str, fragments: list[str]) -> None:

@@ -49,6 +49,44 @@ GRAPH_LEVELS = {-1: "ORT_ENABLE_BASIC", 1: "ORT_ENABLE_EXTENDED"}
 
 _DLPACK_CUDA = 2  # DLDeviceType kDLCUDA
 
+CUDA_PARAMETERS = ("cudnn_conv_algo_search", "gpu_mem_limit", "arena_extend_strategy", "do_copy_in_default_stream")
+"""Triton's model parameters for the CUDA execution provider's options (same names in ORT)."""
+SESSION_CONFIG_PARAMETERS = ("session.use_device_allocator_for_initializers",)
+"""Triton's model parameters that are ONNX Runtime session config entries."""
+RUN_CONFIG_PARAMETERS = ("memory.enable_memory_arena_shrinkage",)
+"""Triton's model parameters that are ONNX Runtime run config entries (set for every run)."""
+_TRT_RENAMED = {
+    "max_workspace_size_bytes": "trt_max_workspace_size",
+    "int8_calibration_table_name": "trt_int8_calibration_table_name",
+    "int8_use_native_calibration_table": "trt_int8_use_native_calibration_table",
+}
+
+
+def tensorrt_options(parameters: Mapping[str, str]) -> dict[str, str]:
+    """TensorRT execution provider options from a ``gpu_execution_accelerator { name: "tensorrt" }``
+    block, with Triton's names (``precision_mode``, ``max_workspace_size_bytes``, the ``trt_*``
+    keys passed as they are).
+
+    :raises ValueError: a ``precision_mode`` other than FP32, FP16 or INT8, or an unknown key.
+    """
+    options: dict[str, str] = {}
+    for key, value in parameters.items():
+        if key == "precision_mode":
+            mode = value.strip().upper()
+            if mode not in ("FP32", "FP16", "INT8"):
+                raise ValueError(f"tensorrt accelerator: precision_mode must be FP32, FP16 or INT8 (got {value!r})")
+            if mode == "FP16":
+                options["trt_fp16_enable"] = "True"
+            elif mode == "INT8":
+                options["trt_int8_enable"] = "True"
+        elif key in _TRT_RENAMED:
+            options[_TRT_RENAMED[key]] = value
+        elif key.startswith("trt_"):
+            options[key] = value
+        else:
+            raise ValueError(f"tensorrt accelerator: unknown parameter '{key}'")
+    return options
+
 
 @dataclass(frozen=True)
 class RuntimeInfo:
@@ -156,6 +194,12 @@ class OnnxModel(FrameworkModel):
     graph_level: str = "ORT_ENABLE_ALL"
     enable_mem_arena: bool | None = None
     enable_mem_pattern: bool | None = None
+    parallel_execution: bool = False
+    session_config: dict[str, str] | None = None
+    run_config: dict[str, str] | None = None
+    cuda_options: dict[str, str] | None = None
+    tensorrt: dict[str, str] | None = None
+    openvino: bool = False
 
     @classmethod
     def from_context(cls, model: ModelContext) -> OnnxModel:
@@ -166,6 +210,25 @@ class OnnxModel(FrameworkModel):
         config = model.config
         params = model.parameters
         level = int(config.optimization.graph.level) if config.optimization.HasField("graph") else 0
+        mode = int_parameter(params, "execution_mode")
+        if mode not in (None, 0, 1):
+            raise ValueError(f"model parameter 'execution_mode' must be 0 (sequential) or 1 (parallel) (got {mode})")
+        cuda = {k: params[k] for k in CUDA_PARAMETERS if params.get(k, "").strip()}
+        tensorrt: dict[str, str] | None = None
+        accelerators = config.optimization.execution_accelerators
+        for accelerator in accelerators.gpu_execution_accelerator:
+            if accelerator.name == "cuda":
+                cuda.update(accelerator.parameters)
+            elif accelerator.name == "tensorrt":
+                tensorrt = tensorrt_options(accelerator.parameters)
+            else:
+                raise ValueError(f"unknown gpu_execution_accelerator '{accelerator.name}' (onnxruntime knows "
+                                 "cuda and tensorrt)")
+        openvino = False
+        for accelerator in accelerators.cpu_execution_accelerator:
+            if accelerator.name != "openvino":
+                raise ValueError(f"unknown cpu_execution_accelerator '{accelerator.name}' (onnxruntime knows openvino)")
+            openvino = True
         return cls(
             name=model.name,
             path=model_file(model),
@@ -177,6 +240,12 @@ class OnnxModel(FrameworkModel):
             graph_level=GRAPH_LEVELS.get(level, "ORT_ENABLE_ALL"),
             enable_mem_arena=bool_parameter(params, "enable_mem_arena"),
             enable_mem_pattern=bool_parameter(params, "enable_mem_pattern"),
+            parallel_execution=mode == 1,
+            session_config={k: params[k] for k in SESSION_CONFIG_PARAMETERS if params.get(k, "").strip()} or None,
+            run_config={k: params[k] for k in RUN_CONFIG_PARAMETERS if params.get(k, "").strip()} or None,
+            cuda_options=cuda or None,
+            tensorrt=tensorrt,
+            openvino=openvino,
         )
 
     def session_options(self) -> Any:
@@ -192,20 +261,47 @@ class OnnxModel(FrameworkModel):
             options.enable_cpu_mem_arena = self.enable_mem_arena
         if self.enable_mem_pattern is not None:
             options.enable_mem_pattern = self.enable_mem_pattern
+        if self.parallel_execution:
+            options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+        for key, value in (self.session_config or {}).items():
+            options.add_session_config_entry(key, value)
+        return options
+
+    def run_options(self) -> Any:
+        """The ``RunOptions`` every run uses (None without run config parameters)."""
+        if not self.run_config:
+            return None
+        options = _import_ort().RunOptions()
+        for key, value in self.run_config.items():
+            options.add_run_config_entry(key, value)
         return options
 
     def providers(self, instance: InstanceContext) -> tuple[list[Any], int | None]:
         """Execution providers for an instance, and the CUDA device id (None for CPU)."""
         ort = _import_ort()
+        available = ort.get_available_providers()
         if instance.kind == "GPU":
-            if "CUDAExecutionProvider" in ort.get_available_providers():
+            if "CUDAExecutionProvider" in available:
                 device = instance.device_id
-                return [("CUDAExecutionProvider", {"device_id": device}), "CPUExecutionProvider"], device
+                chosen: list[Any] = []
+                if self.tensorrt is not None:
+                    if "TensorrtExecutionProvider" in available:
+                        chosen.append(("TensorrtExecutionProvider", {"device_id": device, **self.tensorrt}))
+                    else:
+                        self.announce(log, logging.WARNING, f"model '{self.name}': the tensorrt accelerator is "
+                                      "not available in this onnxruntime; CUDAExecutionProvider runs the model")
+                chosen.append(("CUDAExecutionProvider", {"device_id": device, **(self.cuda_options or {})}))
+                return [*chosen, "CPUExecutionProvider"], device
             self.announce(
                 log, logging.WARNING,
                 f"model '{self.name}': KIND_GPU instances run on CPUExecutionProvider: this onnxruntime "
                 "has no CUDAExecutionProvider (install onnxruntime-gpu)",
             )
+        if self.openvino:
+            if "OpenVINOExecutionProvider" in available:
+                return ["OpenVINOExecutionProvider", "CPUExecutionProvider"], None
+            self.announce(log, logging.WARNING, f"model '{self.name}': the openvino accelerator is not available "
+                          "in this onnxruntime (install onnxruntime-openvino); CPUExecutionProvider runs the model")
         return ["CPUExecutionProvider"], None
 
     def create_instance(self, instance: InstanceContext) -> OnnxInstance:
@@ -254,6 +350,7 @@ class OnnxInstance(FrameworkInstance):
         self.session: onnxruntime.InferenceSession | None = session
         self.device_id = device_id
         self._input_types = {t.name: t.config_type for t in model.inputs}
+        self._run_options = model.run_options()
 
     def close(self) -> None:
         """Release the session."""
@@ -264,7 +361,7 @@ class OnnxInstance(FrameworkInstance):
         feeds = {name: _to_feed(array, self._input_types[name]) for name, array in inputs.items()}
         if self.device_id is None:
             assert self.session is not None
-            values = self.session.run(wanted, feeds)
+            values = self.session.run(wanted, feeds, self._run_options)
         else:
             values = self._run_bound(feeds, wanted)
         return dict(zip(wanted, values))
@@ -294,5 +391,5 @@ class OnnxInstance(FrameworkInstance):
                 binding.bind_cpu_input(name, np.ascontiguousarray(array))
         for name in wanted:
             binding.bind_output(name, "cuda", self.device_id)
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, self._run_options)
         return list(binding.copy_outputs_to_cpu())
