@@ -114,6 +114,13 @@ def server(
                 {"1/model.pt": mlp})
     write_model(repo, "bad_threads", MLP_CONFIG + 'parameters [ { key: "INTRA_OP_THREAD_COUNT", '
                 'value: { string_value: "-2" } } ]\n', {"1/model.pt": mlp})
+    write_model(repo, "triton_flags", MLP_CONFIG.replace("dynamic_batching { max_queue_delay_microseconds: 20000 }",
+                                                         "instance_group [ { count: 2 kind: KIND_CPU } ]")
+                + 'parameters [ { key: "DISABLE_OPTIMIZED_EXECUTION", value: { string_value: "true" } },'
+                ' { key: "ENABLE_WEIGHT_SHARING", value: { string_value: "true" } },'
+                ' { key: "ENABLE_CACHE_CLEANING", value: { string_value: "true" } } ]\n', {"1/model.pt": mlp})
+    write_model(repo, "bad_flag", MLP_CONFIG + 'parameters [ { key: "ENABLE_WEIGHT_SHARING", '
+                'value: { string_value: "sometimes" } } ]\n', {"1/model.pt": mlp})
     with serve(repo, backends=BACKENDS, server_plugins=(recorder,), use_entry_points=False) as thread:
         yield thread
 
@@ -276,9 +283,39 @@ def test_thread_counts_are_process_wide_and_the_first_model_wins(
         torch.set_num_threads(original)
 
 
+def test_triton_parameters_weight_sharing_and_unoptimized_execution(server: ServerThread,
+                                                                      modules: dict[str, Any]) -> None:
+    version = server.server.models.get("triton_flags")
+    first, second = (instance.state for instance in version.instances)
+    assert first.module is second.module  # ENABLE_WEIGHT_SHARING: one module for both instances
+    assert not first.model.optimized_execution and first.model.cache_cleaning
+    x = np.random.default_rng(8).standard_normal((3, 4)).astype(np.float32)
+    got = infer(server, "grpc", "triton_flags", {"INPUT__0": x}).as_numpy("OUTPUT__0")
+    np.testing.assert_allclose(got, call(modules["mlp"], x).numpy(), rtol=1e-5, atol=1e-6)
+    entry = repository_index(server)["bad_flag"]
+    assert entry["state"] == "UNAVAILABLE" and "ENABLE_WEIGHT_SHARING" in entry["reason"], entry
+
+
+def test_process_flags_are_set_once_per_process(monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    from pyserve_backend_pytorch import runtime
+
+    monkeypatch.setattr(runtime, "_THREADS_SET", {})
+    before = torch.backends.cudnn.enabled
+    try:
+        with caplog.at_level("INFO", logger="pyserve.backend.pytorch"):
+            runtime.apply_process_flags("first", {"DISABLE_CUDNN": "true"})
+            assert torch.backends.cudnn.enabled is False
+            runtime.apply_process_flags("second", {"DISABLE_CUDNN": "false"})
+            assert torch.backends.cudnn.enabled is False  # the first model's setting stays
+        assert "model 'second': parameter DISABLE_CUDNN=False ignored: model 'first' set it to True" in caplog.text
+    finally:
+        torch.backends.cudnn.enabled = before
+
+
 def test_good_models_are_ready(server: ServerThread) -> None:
     index = repository_index(server)
-    for name in ("mlp", "conv", "two", "exported"):
+    for name in ("mlp", "conv", "two", "exported", "triton_flags"):
         assert index[name]["state"] == "READY", index[name]
 
 

@@ -6,12 +6,13 @@ they run inside the backend's hooks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -218,6 +219,39 @@ def apply_thread_counts(model_name: str, intra_op: int | None, inter_op: int | N
             log.info("model '%s': torch %s set to %d for the whole process", model_name, key, value)
 
 
+_FLAGS = ("DISABLE_CUDNN", "ENABLE_JIT_EXECUTOR", "ENABLE_JIT_PROFILING")
+
+
+def apply_process_flags(model_name: str, parameters: Mapping[str, str]) -> None:
+    """Triton's ``DISABLE_CUDNN``, ``ENABLE_JIT_EXECUTOR`` and ``ENABLE_JIT_PROFILING``: torch
+    settings of the whole process, applied when a model that sets them loads (as in Triton);
+    the first model that sets one wins, a later model asking otherwise is told so in the log.
+
+    :raises ValueError: a value that is not a boolean.
+    """
+    torch = None
+    for key in _FLAGS:
+        value = bool_parameter(parameters, key)
+        if value is None:
+            continue
+        with _THREADS_LOCK:
+            earlier = _THREADS_SET.get(key)
+            if earlier is not None:
+                if bool(earlier[0]) != value:
+                    log.warning("model '%s': parameter %s=%s ignored: model '%s' set it to %s for the whole "
+                                "process", model_name, key, value, earlier[1], bool(earlier[0]))
+                continue
+            torch = torch or _import_torch()
+            if key == "DISABLE_CUDNN":
+                torch.backends.cudnn.enabled = not value
+            elif key == "ENABLE_JIT_EXECUTOR":
+                torch._C._jit_set_profiling_executor(value)
+            else:
+                torch._C._jit_set_profiling_mode(value)
+            _THREADS_SET[key] = (int(value), model_name)
+            log.info("model '%s': torch %s set to %s for the whole process", model_name, key, value)
+
+
 # --------------------------------------------------------------------------- model state
 
 
@@ -235,7 +269,12 @@ class TorchModel(FrameworkModel):
     * ``probe_run`` (default true): at load, run forward once on zeros shaped from the config
       and check the outputs' datatypes and dims against it;
     * ``INTRA_OP_THREAD_COUNT`` / ``INTER_OP_THREAD_COUNT`` (Triton's names): torch's thread
-      pools, process-wide; see ``apply_thread_counts``.
+      pools, process-wide; see ``apply_thread_counts``;
+    * Triton's ``DISABLE_OPTIMIZED_EXECUTION`` (TorchScript forward under
+      ``torch.jit.optimized_execution(False)``), ``ENABLE_WEIGHT_SHARING`` (instances on the same
+      device share one loaded module), ``ENABLE_CACHE_CLEANING`` (``torch.cuda.empty_cache()``
+      after each GPU execute), and the process-wide ``DISABLE_CUDNN``, ``ENABLE_JIT_EXECUTOR``,
+      ``ENABLE_JIT_PROFILING`` (applied when the model loads, as Triton does).
     """
 
     inference_mode: bool = True
@@ -245,6 +284,11 @@ class TorchModel(FrameworkModel):
     probe_run: bool = True
     intra_op_threads: int | None = None
     inter_op_threads: int | None = None
+    optimized_execution: bool = True
+    weight_sharing: bool = False
+    cache_cleaning: bool = False
+    _shared: dict[str, LoadedModule] = field(default_factory=dict, init=False, repr=False)
+    _shared_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     @classmethod
     def from_context(cls, model: ModelContext) -> TorchModel:
@@ -254,6 +298,7 @@ class TorchModel(FrameworkModel):
         """
         config = model.config
         params = model.parameters
+        apply_process_flags(model.name, params)
         return cls(
             name=model.name,
             path=model_file(model),
@@ -267,6 +312,9 @@ class TorchModel(FrameworkModel):
             probe_run=bool(bool_parameter(params, "probe_run", True)),
             intra_op_threads=int_parameter(params, "INTRA_OP_THREAD_COUNT"),
             inter_op_threads=int_parameter(params, "INTER_OP_THREAD_COUNT"),
+            optimized_execution=not bool_parameter(params, "DISABLE_OPTIMIZED_EXECUTION", False),
+            weight_sharing=bool(bool_parameter(params, "ENABLE_WEIGHT_SHARING", False)),
+            cache_cleaning=bool(bool_parameter(params, "ENABLE_CACHE_CLEANING", False)),
         )
 
     def device_for(self, instance: InstanceContext) -> Any:
@@ -292,7 +340,13 @@ class TorchModel(FrameworkModel):
             run whose outputs disagree with the config (naming the tensor and both sides).
         """
         device = self.device_for(instance)
-        loaded = load_module(self.path, device)
+        if self.weight_sharing:  # Triton's ENABLE_WEIGHT_SHARING: one module per device
+            with self._shared_lock:
+                loaded = self._shared.get(str(device))
+                if loaded is None:
+                    loaded = self._shared[str(device)] = load_module(self.path, device)
+        else:
+            loaded = load_module(self.path, device)
         call = self._input_binding(loaded)
         module = loaded.module
         if self.compile:
@@ -411,13 +465,16 @@ class TorchInstance(FrameworkInstance):
         torch = _import_torch()
         device = self.device
         context = torch.inference_mode() if self.model.inference_mode else torch.no_grad()
-        with context:
+        optimized = self.model.optimized_execution
+        with context, (contextlib.nullcontext() if optimized else torch.jit.optimized_execution(False)):
             if self.binding.positions:
                 args = [to_torch(inputs[name], device) for name in self.binding.positions if name in inputs]
                 result = self.module(*args)  # type: ignore[misc]
             else:
                 kwargs = {name: to_torch(inputs[name], device) for name in self.binding.keywords if name in inputs}
                 result = self.module(**kwargs)  # type: ignore[misc]
+        if self.model.cache_cleaning and device.type == "cuda":
+            torch.cuda.empty_cache()
         return self._outputs(result)
 
     def _outputs(self, result: Any) -> dict[str, Any]:
