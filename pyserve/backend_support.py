@@ -41,6 +41,7 @@ __all__ = [
     "CONFIG_TYPE_NAMES",
     "NUMPY_NAME_TO_CONFIG",
     "ConfigTensor",
+    "ProcessWideSettings",
     "FrameworkInstance",
     "FrameworkModel",
     "ModelTensor",
@@ -159,6 +160,45 @@ def bool_parameter(parameters: Mapping[str, str], key: str, default: bool | None
 
 
 # --------------------------------------------------------------------------- model tensors
+
+
+class ProcessWideSettings:
+    """Framework settings that belong to the whole process (thread pools, global flags), set
+    from model parameters as Triton's backends do: the first model that sets one wins, and a
+    later model asking for another value is told so in the log (its own load goes on).
+
+    Thread-safety: ``apply`` may be called from concurrent model-loading threads.
+
+    :param framework: the framework's name, for the log lines.
+    :param logger: where those lines go.
+    """
+
+    def __init__(self, framework: str, logger: logging.Logger) -> None:
+        self.framework = framework
+        self._log = logger
+        self._lock = threading.Lock()
+        self._chosen: dict[str, tuple[Any, str]] = {}
+
+    def apply(self, model_name: str, key: str, value: Any, setter: Any) -> None:
+        """Call ``setter(value)`` unless ``key`` was set already (by this or another model).
+
+        A ``RuntimeError`` from ``setter`` (the framework refuses a change once it has run) is
+        logged and the setting stays unset.
+        """
+        with self._lock:
+            earlier = self._chosen.get(key)
+            if earlier is not None:
+                if earlier[0] != value:
+                    self._log.warning("model '%s': parameter %s=%s ignored: model '%s' set it to %s for the "
+                                      "whole process", model_name, key, value, earlier[1], earlier[0])
+                return
+            try:
+                setter(value)
+            except RuntimeError as exc:
+                self._log.warning("model '%s': parameter %s=%s not applied: %s", model_name, key, value, exc)
+                return
+            self._chosen[key] = (value, model_name)
+            self._log.info("model '%s': %s %s set to %s for the whole process", model_name, self.framework, key, value)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import tritonclient.http as httpclient
 from pyserve.server import ServerThread
 
 import pt_models
+from pyserve.backend_support import ProcessWideSettings
 from pyserve.testing import BatchRecorder, ServerFactory, serve, write_model
 
 BACKENDS = {"pytorch": pyserve_backend_pytorch}
@@ -266,7 +267,7 @@ def test_thread_counts_are_process_wide_and_the_first_model_wins(
 ) -> None:
     from pyserve_backend_pytorch import runtime
 
-    monkeypatch.setattr(runtime, "_THREADS_SET", {})
+    monkeypatch.setattr(runtime, "SETTINGS", ProcessWideSettings("torch", runtime.log))
     original = torch.get_num_threads()
     wanted = 1 if original != 1 else 2
     try:
@@ -300,7 +301,7 @@ def test_process_flags_are_set_once_per_process(monkeypatch: pytest.MonkeyPatch,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     from pyserve_backend_pytorch import runtime
 
-    monkeypatch.setattr(runtime, "_THREADS_SET", {})
+    monkeypatch.setattr(runtime, "SETTINGS", ProcessWideSettings("torch", runtime.log))
     before = torch.backends.cudnn.enabled
     try:
         with caplog.at_level("INFO", logger="pyserve.backend.pytorch"):

@@ -23,6 +23,7 @@ from pyserve.backend_support import (
     NUMPY_NAME_TO_CONFIG,
     FrameworkInstance,
     FrameworkModel,
+    ProcessWideSettings,
     bool_parameter,
     int_parameter,
     config_tensors,
@@ -184,39 +185,23 @@ def load_module(path: Path, device: Any) -> LoadedModule:
 
 # --------------------------------------------------------------------------- process-wide threads
 
-_THREADS_LOCK = threading.Lock()
-_THREADS_SET: dict[str, tuple[int, str]] = {}
-"""Parameter name → (value, model that set it): torch's thread pools are process-wide."""
+SETTINGS = ProcessWideSettings("torch", log)
+"""torch's process-wide settings chosen by models (thread pools, cuDNN, the JIT executor)."""
 
 
 def apply_thread_counts(model_name: str, intra_op: int | None, inter_op: int | None) -> None:
     """Triton's ``INTRA_OP_THREAD_COUNT`` / ``INTER_OP_THREAD_COUNT``: torch's thread pools are
     shared by every model of the process, so the first model that sets one wins (as in
-    Triton); a later model asking for another value is told so in the log. 0 keeps torch's
-    default. torch refuses to resize its inter-op pool once it has been used: that is logged,
-    and the model still loads.
+    Triton; see ``ProcessWideSettings``). 0 keeps torch's default. torch refuses to resize its
+    inter-op pool once it has been used: that is logged, and the model still loads.
     """
     torch = _import_torch()
     for key, value, setter in (
         ("INTRA_OP_THREAD_COUNT", intra_op, torch.set_num_threads),
         ("INTER_OP_THREAD_COUNT", inter_op, torch.set_num_interop_threads),
     ):
-        if not value:
-            continue
-        with _THREADS_LOCK:
-            earlier = _THREADS_SET.get(key)
-            if earlier is not None:
-                if earlier[0] != value:
-                    log.warning("model '%s': parameter %s=%d ignored: model '%s' set it to %d for the "
-                                "whole process", model_name, key, value, earlier[1], earlier[0])
-                continue
-            try:
-                setter(value)
-            except RuntimeError as exc:  # the inter-op pool already started
-                log.warning("model '%s': parameter %s=%d not applied: %s", model_name, key, value, exc)
-                continue
-            _THREADS_SET[key] = (value, model_name)
-            log.info("model '%s': torch %s set to %d for the whole process", model_name, key, value)
+        if value:
+            SETTINGS.apply(model_name, key, value, setter)
 
 
 _FLAGS = ("DISABLE_CUDNN", "ENABLE_JIT_EXECUTOR", "ENABLE_JIT_PROFILING")
@@ -225,31 +210,25 @@ _FLAGS = ("DISABLE_CUDNN", "ENABLE_JIT_EXECUTOR", "ENABLE_JIT_PROFILING")
 def apply_process_flags(model_name: str, parameters: Mapping[str, str]) -> None:
     """Triton's ``DISABLE_CUDNN``, ``ENABLE_JIT_EXECUTOR`` and ``ENABLE_JIT_PROFILING``: torch
     settings of the whole process, applied when a model that sets them loads (as in Triton);
-    the first model that sets one wins, a later model asking otherwise is told so in the log.
+    the first model that sets one wins (``ProcessWideSettings``).
 
     :raises ValueError: a value that is not a boolean.
     """
-    torch = None
-    for key in _FLAGS:
-        value = bool_parameter(parameters, key)
-        if value is None:
-            continue
-        with _THREADS_LOCK:
-            earlier = _THREADS_SET.get(key)
-            if earlier is not None:
-                if bool(earlier[0]) != value:
-                    log.warning("model '%s': parameter %s=%s ignored: model '%s' set it to %s for the whole "
-                                "process", model_name, key, value, earlier[1], bool(earlier[0]))
-                continue
-            torch = torch or _import_torch()
-            if key == "DISABLE_CUDNN":
-                torch.backends.cudnn.enabled = not value
-            elif key == "ENABLE_JIT_EXECUTOR":
-                torch._C._jit_set_profiling_executor(value)
-            else:
-                torch._C._jit_set_profiling_mode(value)
-            _THREADS_SET[key] = (int(value), model_name)
-            log.info("model '%s': torch %s set to %s for the whole process", model_name, key, value)
+    wanted = {key: value for key in _FLAGS if (value := bool_parameter(parameters, key)) is not None}
+    if not wanted:
+        return
+    torch = _import_torch()
+
+    def disable_cudnn(on: bool) -> None:
+        torch.backends.cudnn.enabled = not on
+
+    setters = {
+        "DISABLE_CUDNN": disable_cudnn,
+        "ENABLE_JIT_EXECUTOR": torch._C._jit_set_profiling_executor,
+        "ENABLE_JIT_PROFILING": torch._C._jit_set_profiling_mode,
+    }
+    for key, value in wanted.items():
+        SETTINGS.apply(model_name, key, value, setters[key])
 
 
 # --------------------------------------------------------------------------- model state

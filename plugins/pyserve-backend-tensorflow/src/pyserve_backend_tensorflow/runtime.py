@@ -7,7 +7,6 @@ and they run inside the backend's hooks.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from pyserve.backend_support import (
     FrameworkInstance,
     FrameworkModel,
     ModelTensor,
+    ProcessWideSettings,
     check_config,
     complete_config,
     config_tensors,
@@ -51,9 +51,8 @@ def signature_name(parameters: Mapping[str, str]) -> str:
             or parameters.get(SIGNATURE_PARAMETER, "").strip() or DEFAULT_SIGNATURE)
 
 
-_THREADS_LOCK = threading.Lock()
-_THREADS_SET: dict[str, tuple[int, str]] = {}
-"""Parameter name → (value, model that set it)."""
+SETTINGS = ProcessWideSettings("TensorFlow", log)
+"""TensorFlow's process-wide settings chosen by models (its thread pools)."""
 
 
 def apply_model_parameters(model_name: str, parameters: Mapping[str, str]) -> None:
@@ -81,29 +80,17 @@ def apply_model_parameters(model_name: str, parameters: Mapping[str, str]) -> No
             raise ValueError(f"model parameter {key} must be a whole number >= 0, got '{text}'")
         if value == 0:  # TensorFlow's own choice
             continue
-        with _THREADS_LOCK:
-            earlier = _THREADS_SET.get(key)
-            if earlier is not None:
-                if earlier[0] != value:
-                    log.warning("model '%s': parameter %s=%d ignored: model '%s' set it to %d for the whole "
-                                "process", model_name, key, value, earlier[1], earlier[0])
-                continue
-            tf = tf or _import_tf()
-            setter = (tf.config.threading.set_intra_op_parallelism_threads if key == "TF_NUM_INTRA_THREADS"
-                      else tf.config.threading.set_inter_op_parallelism_threads)
-            try:
-                setter(value)
-            except RuntimeError as exc:  # TensorFlow already initialized its runtime
-                log.warning("model '%s': parameter %s=%d not applied: %s", model_name, key, value, exc)
-                continue
-            _THREADS_SET[key] = (value, model_name)
-            log.info("model '%s': TensorFlow %s set to %d for the whole process", model_name, key, value)
+        tf = tf or _import_tf()
+        setter = (tf.config.threading.set_intra_op_parallelism_threads if key == "TF_NUM_INTRA_THREADS"
+                  else tf.config.threading.set_inter_op_parallelism_threads)
+        SETTINGS.apply(model_name, key, value, setter)
 
 
 def graph_tags(parameters: Mapping[str, str]) -> list[str] | None:
     """``TF_GRAPH_TAG`` as the tag list ``tf.saved_model.load`` takes (None: its default)."""
     tag = parameters.get(GRAPH_TAG_PARAMETER, "").strip()
     return [tag] if tag else None
+
 
 TF_TO_CONFIG: dict[str, str] = {**NUMPY_NAME_TO_CONFIG, "string": "TYPE_STRING"}
 """TensorFlow dtype names → ModelConfig datatype names."""
