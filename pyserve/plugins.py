@@ -82,7 +82,7 @@ class BackendHooks:
     observers) and nothing else, whichever backends are loaded later or concurrently.
     """
 
-    __slots__ = (*(name.removeprefix("pyserve_") for name in LIFECYCLE_HOOKS), "execute_direct")
+    __slots__ = (*(name.removeprefix("pyserve_") for name in LIFECYCLE_HOOKS), "execute_direct", "checks_ready")
 
     def __init__(self, pm: pluggy.PluginManager) -> None:
         for hook_name in LIFECYCLE_HOOKS:
@@ -90,8 +90,15 @@ class BackendHooks:
         self.refresh()
 
     def refresh(self) -> None:
-        """Recompute ``execute_direct``; call after every plugin registered with the manager."""
+        """Recompute ``execute_direct`` and ``checks_ready``; call after every plugin registered
+        with the manager."""
         self.execute_direct = _direct_call(self.execute)
+        self.checks_ready = _has_ready_check(self.instance_ready)
+
+    checks_ready: bool
+    """Whether any ``pyserve_instance_ready`` implementation can say anything: the ``Backend``
+    base class's forwarding method counts only when a subclass overrides ``instance_ready``.
+    The ready endpoints skip the check (and its thread) when this is False."""
 
     execute_direct: Callable[[Any, Any], Any] | None
     """``execute(instance, requests)`` without pluggy's dispatch, when the backend's
@@ -107,6 +114,15 @@ class BackendHooks:
     instance_finalize: Any
     execute: Any
     instance_ready: Any
+
+
+def _has_ready_check(hook: Any) -> bool:
+    for impl in hook.get_hookimpls():
+        plugin = impl.plugin
+        if isinstance(plugin, Backend) and type(plugin).instance_ready is Backend.instance_ready:
+            continue
+        return True
+    return False
 
 
 def _direct_call(hook: Any) -> Callable[[Any, Any], Any] | None:

@@ -15,8 +15,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from pyserve.backend import Backend
-
 if TYPE_CHECKING:
     from pyserve.backend import InstanceContext
     from pyserve.models import ModelVersion
@@ -25,17 +23,6 @@ log = logging.getLogger("pyserve.readiness")
 
 CHECK_TIMEOUT_S = 5.0
 """How long a ready endpoint waits for one instance's check before it answers "not ready"."""
-
-
-def _has_check(hook: Any) -> bool:
-    """Whether any implementation of ``pyserve_instance_ready`` can say anything: the base
-    class's forwarding method counts only when the subclass overrides ``instance_ready``."""
-    for impl in hook.get_hookimpls():
-        plugin = impl.plugin
-        if isinstance(plugin, Backend) and type(plugin).instance_ready is Backend.instance_ready:
-            continue
-        return True
-    return False
 
 
 class ReadinessChecks:
@@ -57,7 +44,7 @@ class ReadinessChecks:
         if not version.ready:
             return False
         backend = version.backend
-        if backend is None or not _has_check(backend.hooks.instance_ready):
+        if backend is None or not backend.hooks.checks_ready:
             return True
         checks = [self._check(version, instance, backend.hooks.instance_ready) for instance in list(version.instances)]
         return all(await asyncio.gather(*checks))

@@ -55,15 +55,16 @@ SETTINGS = ProcessWideSettings("TensorFlow", log)
 """TensorFlow's process-wide settings chosen by models (its thread pools)."""
 
 
-def apply_model_parameters(model_name: str, parameters: Mapping[str, str]) -> None:
+def apply_model_parameters(model_name: str, parameters: Mapping[str, str], warn: bool = True) -> None:
     """Triton's ``TF_NUM_INTRA_THREADS`` / ``TF_NUM_INTER_THREADS``: TensorFlow's thread pools
     belong to the process, so the first model that sets one wins and a later model asking for
     another value is told so in the log; once TensorFlow has run anything it refuses new values
-    (logged; the model still loads). The TF1 session parameters are logged as having no effect.
+    (logged; the model still loads). The TF1 session parameters are logged as having no effect
+    (``warn``: off for the auto-complete call, which precedes the model's creation).
 
     :raises ValueError: a thread count that is not a whole number >= 0.
     """
-    for key in SESSION_PARAMETERS:
+    for key in SESSION_PARAMETERS if warn else ():
         if parameters.get(key, "").strip():
             log.warning("model '%s': parameter %s has no effect: TensorFlow 2 models run eagerly, "
                         "without TF1 sessions", model_name, key)
@@ -251,7 +252,7 @@ def auto_complete(model: ModelContext) -> bool:
             return False
         raise ValueError("a TensorFlow GraphDef model needs its inputs and outputs declared in config.pbtxt")
     path = model_path(model)
-    apply_model_parameters(model.name, model.parameters)  # before TensorFlow runs anything for it
+    apply_model_parameters(model.name, model.parameters, warn=False)  # before TensorFlow runs anything for it
     name = signature_name(model.parameters)
     loaded = load_savedmodel(path, tags=graph_tags(model.parameters))
     inputs, outputs = signature_tensors(signature(loaded, name, path))
