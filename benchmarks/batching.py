@@ -44,7 +44,6 @@ import _triton  # sibling helper module
 
 HERE = Path(__file__).resolve().parent
 LOAD_SCRIPT = HERE / "_load.py"
-READY_LINE = "Started HTTPService at"
 MODELS = ("batched", "unbatched")
 BATCHED_TARGET_VS_UNBATCHED = 15.0
 BATCHED_TARGET_VS_TRITON = 1.0
@@ -152,7 +151,8 @@ def _log_tail(log: Path, lines: int = 15) -> str:
 
 def start_server(name: str, command: list[str], port: int, log: Path, env: dict[str, str] | None,
                  timeout: float) -> Server:
-    """Start ``command`` and wait for its ``Started HTTPService at`` log line.
+    """Start ``command`` and wait until ``/v2/health/ready`` answers 200 (with frontend
+    processes, pyserve says ready once they listen too, so every connection can land on any).
 
     :raises RuntimeError: it exited or did not get ready in time; the message has the log's tail.
     """
@@ -161,13 +161,21 @@ def start_server(name: str, command: list[str], port: int, log: Path, env: dict[
     server = Server(name, process, port, log)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if READY_LINE in log.read_text(errors="replace"):
+        if _ready(port):
             return server
         if process.poll() is not None:
             raise RuntimeError(f"{name} exited with {process.returncode}:\n{_log_tail(log)}")
         time.sleep(0.2)
     server.stop()
     raise RuntimeError(f"{name} was not ready after {timeout:.0f} s:\n{_log_tail(log)}")
+
+
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
 
 
 def start_pyserve(repository: Path, work: Path, timeout: float) -> Server:

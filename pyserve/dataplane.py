@@ -49,19 +49,22 @@ class DataPlane:
         self.server_version = server_version
         self.live = False
         self.accepting = False
+        self.starting = False
+        """True while ``Server.start`` still opens listeners or starts frontend processes: the
+        server is not ready until every port listens in every process."""
         self._open: set[InferRequest] = set()
         self._idle: asyncio.Event | None = None
         self._running_loop = RunningLoop()
         self.shared_memory = SharedMemoryManager()
         """The shared-memory regions clients registered with this server."""
         self.tracing = TraceManager()
+        """Trace settings and export; the server replaces it with one built from ``--trace-config``."""
         self.strict_readiness = True  # --strict-readiness
         self.readiness = ReadinessChecks()
         """The backends' readiness checks behind the ready endpoints (``pyserve.readiness``)."""
         # --http-header-forward-pattern / --grpc-header-forward-pattern (pyserve.header_forwarding)
         self.http_forwarding: HeaderForwarding | None = None
         self.grpc_forwarding: HeaderForwarding | None = None
-        """Trace settings and export; the server replaces it with one built from ``--trace-config``."""
         self.cache: ResponseCache | None = None
         """The response cache (``--cache-config``), or None."""
         self.model_control_listeners: list[Any] = []
@@ -75,8 +78,10 @@ class DataPlane:
 
     # -- health and metadata -----------------------------------------------------------------
     def is_ready(self) -> bool:
-        """Live and accepting, and (strict readiness, Triton's default) every model version READY."""
-        return self.live and self.accepting and (not self.strict_readiness or self.models.all_ready())
+        """Live, accepting and started, and (strict readiness, Triton's default) every model
+        version READY."""
+        return (self.live and self.accepting and not self.starting
+                and (not self.strict_readiness or self.models.all_ready()))
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": self.server_name, "version": self.server_version, "extensions": list(self.extensions)}

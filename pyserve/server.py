@@ -241,6 +241,7 @@ class Server:
         if self.options.max_tensor_elements:  # process-wide: validation has no per-server state
             self._saved_element_limit = validation.LIMITS.max_tensor_elements
             validation.LIMITS.max_tensor_elements = self.options.max_tensor_elements
+        self.dataplane.starting = True  # ready only once every listener and frontend is up
         self.dataplane.live = True
         self.dataplane.accepting = True
         self.models.start_polling()
@@ -254,6 +255,7 @@ class Server:
             await self._start_metrics()
         if self.options.frontend_processes:
             await self._start_frontends()
+        self.dataplane.starting = False
 
     async def _start_handoff(self) -> None:
         count = self.options.frontend_processes

@@ -27,7 +27,7 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from pyserve.server import ServerThread, StartupError
+from pyserve.server import Server, ServerThread, StartupError
 from pyserve.testing import serve, write_model
 from suite_support import ACCUMULATE_PY, ECHO_MODEL_PY, accumulate_config, echo_config, python_echo_config
 
@@ -314,6 +314,27 @@ def test_a_killed_frontend_is_started_again(server: ServerThread) -> None:
     for _ in range(CONNECTIONS):  # the owner kept serving meanwhile; now both processes do again
         with _http(server) as client:
             assert np.array_equal(client.infer("echo", [_fp32(values)]).as_numpy("OUTPUT0"), values)
+
+
+def test_not_ready_until_the_frontends_listen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner's ports listen before its frontends start; until they do, the server says not
+    ready, so a client that waits for ready does not pin its connections to the owner."""
+    answers: list[tuple[int, int]] = []
+    start_frontends = Server._start_frontends
+
+    async def asking_around(self: Server) -> None:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.http_port}") as client:
+            before = (await client.get("/v2/health/ready")).status_code
+            await start_frontends(self)
+            after = (await client.get("/v2/health/ready")).status_code
+        answers.append((before, after))
+
+    monkeypatch.setattr(Server, "_start_frontends", asking_around)
+    with serve(_repository(tmp_path), frontend_processes=1) as thread:
+        assert answers == [(400, 400)]  # still starting while the frontends come up
+        assert thread.server.dataplane.is_ready()
+        with _http(thread) as client:
+            assert client.is_server_ready()
 
 
 def test_handoff_without_replicas(tmp_path: Path) -> None:
