@@ -121,3 +121,43 @@ class LeanGrpcClient:
             frames, self.buffer = h2.split_frames(self.buffer + chunk)
             self.frames.extend(frames)
         return self.frames.pop(0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Time ``--requests`` calls in this fresh process and print ``{"median_us": …}`` as JSON.
+
+    ``frameworks.py`` measures this way so that the client's process holds nothing else: no
+    framework runtime or grpc C core of its own whose threads could take the CPU the client
+    needs while it waits."""
+    import argparse
+    import json
+    import statistics
+    import time
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0] if main.__doc__ else None)
+    parser.add_argument("--address", required=True, help="HOST:PORT of the gRPC server")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--input", required=True, help="input tensor name")
+    parser.add_argument("--output", required=True, help="output tensor name")
+    parser.add_argument("--shape", default="1,4", help="FP32 input shape (1,4)")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--poll", action="store_true", help="spin on the socket instead of sleeping in recv")
+    args = parser.parse_args(argv)
+    shape = tuple(int(d) for d in args.shape.split(","))
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    client = LeanGrpcClient(args.address, args.model, args.input, args.output, poll=args.poll)
+    try:
+        for _ in range(max(args.requests // 10, 20)):
+            client.infer(x)
+        samples = []
+        for _ in range(args.requests):
+            start = time.perf_counter_ns()
+            client.infer(x)
+            samples.append(time.perf_counter_ns() - start)
+    finally:
+        client.close()
+    print(json.dumps({"median_us": statistics.median(samples) / 1000.0}))
+
+
+if __name__ == "__main__":
+    main()

@@ -17,11 +17,17 @@ The latency through pyserve includes the client's own work. tritonclient (on the
 spends several hundred microseconds per call on its side, so gRPC batch 1 is measured twice:
 with tritonclient, and with ``_h2client.py``, a lean blocking gRPC client (HTTP/2 frames, HPACK,
 a ``ModelInferRequest`` serialized and a ``ModelInferResponse`` parsed per call, status checked)
-whose overhead column is the closer measure of what the server adds. The lean client runs twice:
+whose overhead column is the closer measure of what the server adds. It runs in a process of its
+own (this one holds every framework and a grpc channel, whose threads would take CPU from a
+client that spins while it waits), once per cell and twice per model:
 blocking in ``recv`` (as most clients do) and polling its socket (``poll=True``: no wake-up of the
 client on this virtual machine, whose cost is the client's, not the server's). The floor rows
 measure both against a bare HTTP/2 echo. The target is < 300 µs at batch 1 over gRPC; the
 verdict is printed for both lean clients. The script prints a markdown table and always exits 0.
+
+``--threads N`` gives each framework N intra-op threads, the same in the served models (Triton's
+parameters ``intra_op_thread_count``, ``INTRA_OP_THREAD_COUNT``, ``TF_NUM_INTRA_THREADS``) and in
+the direct calls; without it both use the frameworks' defaults (a pool as wide as the machine).
 
 Run: ``.venv/bin/python benchmarks/frameworks.py [--requests 1000] [--backends onnxruntime,pytorch]``
 (needs ``make install-test``: the three framework plugins, torch, onnx, tensorflow-cpu). As in the
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import socket
 import statistics
@@ -51,7 +58,8 @@ from typing import Any
 
 import numpy as np
 
-from batching import free_port, stop_process  # sibling benchmark module
+from _h2client import LeanGrpcClient  # sibling benchmark modules
+from batching import free_port, stop_process
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -69,6 +77,12 @@ NAMES = {
     "pytorch": ("INPUT__0", "OUTPUT__0"),
     "tensorflow": ("x", "y"),
 }
+THREAD_PARAMETERS = {
+    "onnxruntime": "intra_op_thread_count",
+    "pytorch": "INTRA_OP_THREAD_COUNT",
+    "tensorflow": "TF_NUM_INTRA_THREADS",
+}
+"""Triton's model parameter for each backend's intra-op thread count (``--threads``)."""
 
 
 def _load_builders() -> ModuleType:
@@ -108,10 +122,11 @@ def build_torch_mlp(path: Path, weights: dict[str, np.ndarray]) -> None:
 INLINE = 'parameters { key: "pyserve_inline_execute" value { string_value: "true" } }\n'
 
 
-def write_repository(repo: Path, store: Path, backends: tuple[str, ...], inline: bool = False) -> dict[str, Path]:
+def write_repository(repo: Path, store: Path, backends: tuple[str, ...], inline: bool = False,
+                     threads: int | None = None) -> dict[str, Path]:
     """Two models per backend, ``<backend>`` and ``<backend>_batched``, linking to one model file
     in ``store``; returns backend → model file. ``inline``: the batch-1 models execute on the
-    event loop (``pyserve_inline_execute``)."""
+    event loop (``pyserve_inline_execute``); ``threads``: the frameworks' intra-op threads."""
     extra = INLINE if inline else ""
     builders = _load_builders()
     files: dict[str, Path] = {}
@@ -134,6 +149,8 @@ def write_repository(repo: Path, store: Path, backends: tuple[str, ...], inline:
             builders.build_savedmodel(source)
         files[backend] = source
         inp, out = NAMES[backend]
+        pool = (f'parameters {{ key: "{THREAD_PARAMETERS[backend]}" value {{ string_value: "{threads}" }} }}\n'
+                if threads else "")
         for name, batching in ((backend, ""), (f"{backend}_batched", BATCHING)):
             version = repo / name / "1"
             version.mkdir(parents=True)
@@ -143,19 +160,36 @@ def write_repository(repo: Path, store: Path, backends: tuple[str, ...], inline:
                 f'platform: "{PLATFORMS[backend]}"\nmax_batch_size: 16\n'
                 f'input [ {{ name: "{inp}", data_type: TYPE_FP32, dims: [ 4 ] }} ]\n'
                 f'output [ {{ name: "{out}", data_type: TYPE_FP32, dims: [ 3 ] }} ]\n'
-                "instance_group [ { kind: KIND_CPU, count: 1 } ]\n" + (batching or extra)
+                "instance_group [ { kind: KIND_CPU, count: 1 } ]\n" + (batching or extra) + pool
             )
     return files
 
 
-def direct_caller(backend: str, path: Path) -> Callable[[np.ndarray], np.ndarray]:
-    """The framework called the way the backend calls it, on a host array."""
+def limit_threads(backends: tuple[str, ...], threads: int) -> None:
+    """Give the direct calls' PyTorch and TensorFlow ``threads`` intra-op threads (process-wide,
+    and for TensorFlow only before its runtime starts: call this before building the models)."""
+    if "pytorch" in backends:
+        import torch
+
+        torch.set_num_threads(threads)
+    if "tensorflow" in backends:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+
+
+def direct_caller(backend: str, path: Path, threads: int | None = None) -> Callable[[np.ndarray], np.ndarray]:
+    """The framework called the way the backend calls it, on a host array (ONNX Runtime with
+    ``threads`` intra-op threads; see ``limit_threads`` for the others)."""
     if backend == "identity":
         return lambda x: x
     if backend == "onnxruntime":
         import onnxruntime as ort
 
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         return lambda x: session.run(["y"], {"x": x})[0]
     if backend == "pytorch":
         import torch
@@ -244,12 +278,16 @@ def h2_floor_server() -> Iterator[str]:
         stop_process(process)
 
 
-def lean_caller(url: str, model: str, inp: str, out: str, poll: bool = False) -> Callable[[np.ndarray], np.ndarray]:
-    """A real gRPC call without tritonclient's own per-call cost (``_h2client.py``); ``poll``:
-    the client spins on its non-blocking socket instead of sleeping in ``recv``."""
-    from _h2client import LeanGrpcClient
-
-    return LeanGrpcClient(url, model, inp, out, poll=poll).infer
+def lean_median_us(url: str, model: str, inp: str, out: str, requests: int, poll: bool = False) -> float:
+    """The lean client's median latency, measured in a process of its own (``_h2client.py``):
+    this one holds every framework's runtime and a grpc channel, whose threads would compete
+    with a client that spins while it waits."""
+    command = [sys.executable, str(Path(__file__).resolve().parent / "_h2client.py"), "--address", url,
+               "--model", model, "--input", inp, "--output", out, "--requests", str(requests)]
+    done = subprocess.run(command + (["--poll"] if poll else []), capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the lean client failed: {done.stderr.strip()[-2000:]}")
+    return float(json.loads(done.stdout)["median_us"])
 
 
 def median_us(call: Callable[[np.ndarray], Any], x: np.ndarray, requests: int) -> float:
@@ -322,6 +360,8 @@ def main() -> None:
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--inline", action="store_true",
                         help="batch-1 models execute on the event loop (config parameter pyserve_inline_execute)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads of each framework, served and direct (default: the frameworks')")
     args = parser.parse_args()
     backends = tuple(b for b in args.backends.split(",") if b)
     x1 = np.random.default_rng(0).standard_normal((1, 4)).astype(np.float32)
@@ -329,13 +369,15 @@ def main() -> None:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="pyserve-frameworks-") as tmp:
         repo = Path(tmp) / "repository"
+        if args.threads:
+            limit_threads(backends, args.threads)
         progress("building the models")
-        files = write_repository(repo, Path(tmp) / "files", backends, inline=args.inline)
-        directs = {b: direct_caller(b, files.get(b, Path())) for b in backends}
+        files = write_repository(repo, Path(tmp) / "files", backends, inline=args.inline, threads=args.threads)
+        directs = {b: direct_caller(b, files.get(b, Path()), args.threads) for b in backends}
         progress("measuring the floor: the lean client against a bare HTTP/2 echo")
         with h2_floor_server() as floor_url:
-            floor_us = median_us(lean_caller(floor_url, "floor", *NAMES["identity"]), x1, args.requests)
-            floor_poll_us = median_us(lean_caller(floor_url, "floor", *NAMES["identity"], poll=True), x1, args.requests)
+            floor_us = lean_median_us(floor_url, "floor", *NAMES["identity"], args.requests)
+            floor_poll_us = lean_median_us(floor_url, "floor", *NAMES["identity"], args.requests, poll=True)
         progress("starting pyserve")
         with pyserve(repo, Path(tmp) / "pyserve.log") as (http_url, grpc_url):
             for backend in backends:
@@ -343,10 +385,12 @@ def main() -> None:
                 direct = directs[backend]
                 grpc_call = client_caller("grpc", grpc_url, backend, inp, out)
                 np.testing.assert_allclose(grpc_call(x1), direct(x1), rtol=1e-4, atol=1e-5)
-                lean_call = lean_caller(grpc_url, backend, inp, out)
-                np.testing.assert_allclose(lean_call(x1), direct(x1), rtol=1e-4, atol=1e-5)
-                poll_call = lean_caller(grpc_url, backend, inp, out, poll=True)
-                np.testing.assert_allclose(poll_call(x1), direct(x1), rtol=1e-4, atol=1e-5)
+                for poll in (False, True):  # the lean client's answers, before it is timed elsewhere
+                    lean = LeanGrpcClient(grpc_url, backend, inp, out, poll=poll)
+                    try:
+                        np.testing.assert_allclose(lean.infer(x1), direct(x1), rtol=1e-4, atol=1e-5)
+                    finally:
+                        lean.close()
                 progress(f"{backend}: concurrency {args.concurrency}")
                 c16 = concurrent_median_us(
                     lambda backend=backend, inp=inp, out=out: client_caller(
@@ -358,14 +402,15 @@ def main() -> None:
                     backend,
                     direct_1=median_us(direct, x1, args.requests),
                     grpc_1=median_us(grpc_call, x1, args.requests),
-                    lean_1=median_us(lean_call, x1, args.requests),
-                    poll_1=median_us(poll_call, x1, args.requests),
+                    lean_1=lean_median_us(grpc_url, backend, inp, out, args.requests),
+                    poll_1=lean_median_us(grpc_url, backend, inp, out, args.requests, poll=True),
                     http_1=median_us(client_caller("http", http_url, backend, inp, out), x1, args.requests),
                     direct_16=median_us(direct, x16, args.requests),
                     c16_latency=c16[0],
                     c16_throughput=c16[1],
                 ))
-    print(f"\nmedian latencies in µs; {os.cpu_count()} CPU(s); client and server on this machine\n")
+    pools = f"{args.threads} intra-op thread(s) per framework" if args.threads else "the frameworks' default thread pools"
+    print(f"\nmedian latencies in µs; {os.cpu_count()} CPU(s); {pools}; client and server on this machine\n")
     print("| backend | direct b1 | gRPC b1 lean client | gRPC overhead (lean) | gRPC b1 polling lean client "
           "| gRPC overhead (polling) | gRPC b1 tritonclient "
           "| gRPC overhead (tritonclient) | HTTP b1 | HTTP overhead "

@@ -329,12 +329,15 @@ def _unique(work: Path, stem: str) -> str:
 
 
 def start_pyserve(repository: Path, work: Path, timeout: float, models: Iterable[str] = (),
-                  tag: str = "", name: str = "pyserve") -> Server:
+                  tag: str = "", name: str = "pyserve", extra_args: bool = True) -> Server:
+    """``pyserve run`` on ``repository``, with ``PYSERVE_BENCH_PYSERVE_ARGS`` unless ``extra_args``
+    is false (the plain single-process server)."""
     tag = tag + _unique(work, f"{name}{tag}")
     http, grpc_port = free_port(), free_port()
     command = [sys.executable, "-m", "pyserve", "run", "--model-repository", str(repository),
                "--http-port", str(http), "--grpc-port", str(grpc_port), "--metrics-port", str(free_port())]
-    command += os.environ.get("PYSERVE_BENCH_PYSERVE_ARGS", "").split()  # e.g. --frontend-processes 1
+    if extra_args:
+        command += os.environ.get("PYSERVE_BENCH_PYSERVE_ARGS", "").split()  # e.g. --frontend-processes 1
     return spawn(name, command, http, grpc_port, work / f"{name}{tag}.log", None, timeout, models)
 
 
@@ -522,6 +525,10 @@ class Results:
         return statistics.median(values) if values else None
 
 
+PLAIN = "pyserve-plain"
+"""The memory rows' name for ``pyserve run`` without ``PYSERVE_BENCH_PYSERVE_ARGS``."""
+
+
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -561,6 +568,19 @@ def start_servers(args: argparse.Namespace, work: Path, results: Results, with_e
         results.memory[name] = tree_memory(server.process.pid)
         _log(f"{name}: ready in {server.started_s:.2f} s, idle RSS {results.memory[name]['rss']:.0f} MiB")
         servers.append(server)
+    if os.environ.get("PYSERVE_BENCH_PYSERVE_ARGS", "").strip():
+        # flags such as --frontend-processes trade memory for speed: the plain server's idle
+        # memory is measured too (it serves no cells)
+        try:
+            plain = start_pyserve(repository, work, args.start_timeout, [MODEL], name=PLAIN, extra_args=False)
+        except (RuntimeError, OSError) as error:
+            results.notes.append(f"{PLAIN} could not be started: {error}")
+        else:
+            try:
+                time.sleep(1.0)
+                results.memory[PLAIN] = tree_memory(plain.process.pid)
+            finally:
+                plain.stop()
     return servers
 
 
@@ -693,8 +713,9 @@ def serving_targets(results: Results) -> list[Target]:
         a, b = results.startup.get("pyserve"), results.startup.get("triton")
         return statistics.median(a) / statistics.median(b) if a and b else None
 
-    def memory_ratio(kind: str, memory: dict[str, dict[str, float]] = results.memory) -> float | None:
-        a, b = memory.get("pyserve"), memory.get("triton")
+    def memory_ratio(kind: str, memory: dict[str, dict[str, float]] = results.memory,
+                     server: str = "pyserve") -> float | None:
+        a, b = memory.get(server), memory.get("triton")
         return a[kind] / b[kind] if a and b and b[kind] else None
 
     return [
@@ -722,6 +743,10 @@ def serving_targets(results: Results) -> list[Target]:
                1.0, False),
         Target("idle RSS, 1 model (process tree, summed)", memory_ratio("rss"), 1.0, False),
         Target("idle PSS, 1 model (process tree, shared pages once)", memory_ratio("pss"), 1.0, False),
+        *((Target(f"idle RSS, 1 model, {PLAIN} (one process, no PYSERVE_BENCH_PYSERVE_ARGS)",
+                  memory_ratio("rss", server=PLAIN), 1.0, False),
+           Target(f"idle PSS, 1 model, {PLAIN}", memory_ratio("pss", server=PLAIN), 1.0, False))
+          if PLAIN in results.memory else ()),
     ]
 
 
@@ -813,7 +838,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [header(args, "Identity model.py (1x16 FP32 echo unless 16 MB), wrk -t1 (HTTP/1.1), h2load -t1 -m1 "
                           "(gRPC unary)"), ""]
     lines += cell_table(results, cells, names) + [""]
-    lines += memory_table(results, [n for n in names if n in ("pyserve", "triton")], args.startup_models) + [""]
+    memory_rows = [n for n in names if n in ("pyserve", "triton")] + ([PLAIN] if PLAIN in results.memory else [])
+    lines += memory_table(results, memory_rows, args.startup_models) + [""]
     lines += target_table(serving_targets(results))
     lines += [""] + [f"- {note}" for note in results.notes]
     print("\n".join(lines))
