@@ -269,6 +269,10 @@ CASES: list[Case] = [
     Case("id-not-string", "'id': 5", body(A, B, id=5), 400, "request 'id' must be a string"),
     Case("parameters-not-object", "'parameters': [1]", body(A, B, parameters=[1]), 400,
          "request 'parameters' must be a JSON object"),
+    Case("parameters-empty-list", "'parameters': []", body(A, B, parameters=[]), 400,
+         "request 'parameters' must be a JSON object"),
+    Case("parameters-false", "'parameters': false", body(A, B, parameters=False), 400,
+         "request 'parameters' must be a JSON object"),
     # -- JSON tensor data
     Case("data-deeper-than-shape", "shape [4] with data [[[1,2,3,4]]]",
          body(tensor("INT32", [4], [[[1, 2, 3, 4]]])), 400,

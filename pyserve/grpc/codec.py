@@ -25,6 +25,7 @@ from pyserve.validation import (
     decode_bytes_elements,
     element_count,
     encode_bytes_elements,
+    RequestOptions,
     finish_inputs,
     parse_parameters,
 )
@@ -136,7 +137,8 @@ def decode_infer(
     assert io is not None
     name = model.name
     raw = message.raw_input_contents
-    tensors = message.inputs  # read each upb field once: every access builds a new wrapper
+    tensors = message.inputs[:]  # read each upb field once (every access builds a new wrapper); a
+    # slice is a plain list, which iterates for less than the repeated field itself
     in_region = [("shared_memory_region" in t.parameters) for t in tensors]
     in_shm = sum(in_region) if shm is not None else 0
     if raw and len(raw) != len(in_region) - in_shm:
@@ -151,7 +153,7 @@ def decode_infer(
     inputs: dict[str, np.ndarray] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for tensor, region in zip(tensors, in_region):
-        spec, shape = check_input(name, io, tensor.name, tensor.datatype, list(tensor.shape))
+        spec, shape = check_input(name, io, tensor.name, tensor.datatype, tensor.shape[:])
         if spec.name in inputs:
             raise InferError.invalid(f"input '{spec.name}' is given more than once for model '{name}'")
         count = element_count(shape)
@@ -186,9 +188,12 @@ def decode_infer(
         inputs[spec.name] = array.reshape(shape)
         shapes[spec.name] = shape
     batch = finish_inputs(name, io, inputs, shapes)
-    allow = STREAM_PARAMETERS if stream else _NO_PARAMETERS
-    options = parse_parameters(parameters_dict(message.parameters), allow=allow)
-    outputs = message.outputs
+    parameters = message.parameters
+    if parameters:
+        options = parse_parameters(parameters_dict(parameters), allow=STREAM_PARAMETERS if stream else _NO_PARAMETERS)
+    else:
+        options = RequestOptions()
+    outputs = message.outputs[:]
     names = check_outputs_requested(name, io, [o.name for o in outputs])
     classification: dict[str, int] = {}
     shm_outputs: dict[str, ShmTarget] | None = None

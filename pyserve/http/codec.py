@@ -26,10 +26,13 @@ from pyserve.validation import (
     decode_bytes_elements,
     element_count,
     encode_bytes_elements,
+    RequestOptions,
     finish_inputs,
     parse_parameters,
 )
 
+_REQUEST_ONLY_PARAMETERS = frozenset({"binary_data_output"})
+"""Request parameters ``_decode_header`` reads itself (``parse_parameters`` lets them through)."""
 HEADER_LENGTH = "inference-header-content-length"
 JSON_TYPE = "application/json"
 BINARY_TYPE = "application/octet-stream"
@@ -108,13 +111,18 @@ def _decode_header(
     request_id = header.get("id", "")
     if not isinstance(request_id, str):
         raise InferError.invalid("request 'id' must be a string")
-    params = header.get("parameters") or {}
-    if not isinstance(params, dict):
+    params = header.get("parameters")
+    if params:
+        if not isinstance(params, dict):
+            raise InferError.invalid("request 'parameters' must be a JSON object")
+        options = parse_parameters(params, allow=_REQUEST_ONLY_PARAMETERS)
+        binary_default = params.get("binary_data_output", False)
+        if not isinstance(binary_default, bool):
+            raise InferError.invalid("parameter 'binary_data_output' must be a boolean")
+    elif params is None or isinstance(params, dict):
+        options, binary_default = RequestOptions(), False
+    else:
         raise InferError.invalid("request 'parameters' must be a JSON object")
-    options = parse_parameters(params, allow=frozenset({"binary_data_output"}))
-    binary_default = params.get("binary_data_output", False)
-    if not isinstance(binary_default, bool):
-        raise InferError.invalid("parameter 'binary_data_output' must be a boolean")
     raw_inputs = header.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InferError.invalid("request 'inputs' must be a non-empty list")
