@@ -18,7 +18,9 @@ What a replica changes, and why the rules below exist:
   replicated (they stay with the owner, whose sequence slots and stream state are unique);
 * a Python model that calls other models (BLS) or defines custom metrics would call or count
   in its own process: ``auto`` skips Python models whose ``model.py`` uses those APIs;
-* GPU instance groups are not replicated by ``auto`` (one copy of the weights per process);
+* GPU instance groups are not replicated by ``auto`` (one copy of the weights per process), nor
+  are Python models with their own environment (``EXECUTION_ENV_PATH``: they run in worker
+  processes already);
 * statistics and ``nv_inference_*`` metrics stay whole: the owner pulls each replica's
   counters (``counters_delta``) before it answers a statistics request or a metrics scrape.
 
@@ -78,6 +80,8 @@ def _auto_reason(version: ModelVersion) -> str | None:
         return "it has GPU instances"
     if config.response_cache.enable:
         return "it uses the response cache"
+    if config.backend == "python" and "EXECUTION_ENV_PATH" in config.parameters:
+        return "it runs in its own Python environment (EXECUTION_ENV_PATH), in worker processes"
     if config.backend == "python" and version.context is not None:
         filename = config.default_model_filename or "model.py"
         source = Path(version.context.version_path) / filename

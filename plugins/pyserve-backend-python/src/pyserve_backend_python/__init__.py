@@ -13,15 +13,19 @@ every call into model code (see ``pyserve_backend_python.context``).
 
 Model config parameter ``execution_mode``: ``"thread"`` (default; in-process) or ``"process"``
 (one worker process per instance, tensors through shared memory; see
-``pyserve_backend_python.process``).
+``pyserve_backend_python.process``). A model with Triton's ``EXECUTION_ENV_PATH`` runs in its
+own Python environment, in process mode (``pyserve_backend_python.environment``): its
+``model.py`` is never imported by the server, and ``auto_complete_config`` runs in a worker too.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 from pyserve import (
@@ -35,10 +39,11 @@ from pyserve import (
 )
 from pyserve.protocol.config_json import model_config_to_dict
 
-from pyserve_backend_python import context, loader, metrics
+from pyserve_backend_python import context, environment, loader, metrics
 from pyserve_backend_python.config import ModelConfig
+from pyserve_backend_python.environment import ExecutionEnvironment
 from pyserve_backend_python.loader import PythonModelError
-from pyserve_backend_python.process import ProcessRunner
+from pyserve_backend_python.process import ProcessRunner, auto_complete_in_environment, worker_spec
 from pyserve_backend_python.runner import Runner, ThreadRunner
 
 __all__ = [
@@ -60,19 +65,42 @@ __all__ = [
 EXECUTION_MODES = ("thread", "process")
 """Supported values of the ``execution_mode`` model parameter."""
 
+log = logging.getLogger("pyserve.python_backend")
+
 _preloaded: weakref.WeakKeyDictionary[ModelContext, ModuleType] = weakref.WeakKeyDictionary()
+_environments: weakref.WeakKeyDictionary[ModelContext, ExecutionEnvironment] = weakref.WeakKeyDictionary()
 
 
 @dataclass
 class PythonModelState:
     """``model.state`` of a Python model version.
 
-    :ivar module: the imported model.py module.
+    :ivar module: the imported model.py module (None for a model with its own environment,
+        which only its workers import).
     :ivar execution_mode: the ``execution_mode`` parameter (``"thread"`` or ``"process"``).
+    :ivar environment: the ``EXECUTION_ENV_PATH`` environment, or None.
     """
 
-    module: ModuleType
+    module: ModuleType | None
     execution_mode: str
+    environment: ExecutionEnvironment | None = None
+
+
+def _environment(model: ModelContext) -> ExecutionEnvironment | None:
+    """The model's ``EXECUTION_ENV_PATH`` environment (unpacked once per model version), or None.
+
+    :raises PythonModelError: see ``environment.prepare``.
+    """
+    prepared = _environments.get(model)
+    if prepared is not None:
+        return prepared
+    value = environment.configured_path(model.parameters, Path(model.path))
+    if value is None:
+        return None
+    prepared = environment.prepare(model.name, value)
+    _environments[model] = prepared
+    weakref.finalize(model, prepared.close)  # also if the version fails before it is created
+    return prepared
 
 
 def _load(model: ModelContext) -> ModuleType:
@@ -94,6 +122,9 @@ def pyserve_model_auto_complete(model: ModelContext) -> bool | None:
 
     :raises PythonModelError: the model file fails to import or ``auto_complete_config`` fails.
     """
+    own = _environment(model)
+    if own is not None:
+        return _auto_complete_in(own, model)
     module = loader.load_module(model)
     _preloaded[model] = module  # reused by pyserve_model_create
     weakref.finalize(model, loader.unload_module, module)  # if the version fails before create
@@ -119,22 +150,50 @@ def pyserve_model_auto_complete(model: ModelContext) -> bool | None:
     return True
 
 
+def _auto_complete_in(own: ExecutionEnvironment, model: ModelContext) -> bool:
+    before = model_config_to_dict(model.config)
+    after = auto_complete_in_environment(own, worker_spec(model), copy.deepcopy(before))
+    if after is None or after == before:
+        return False
+    try:
+        message = ModelConfig(after).to_message()
+    except Exception as exc:
+        raise PythonModelError(loader.format_failure(
+            f"auto_complete_config of model '{model.name}' failed", exc)) from None
+    model.config.CopyFrom(message)
+    return True
+
+
 @hookimpl
 def pyserve_model_create(model: ModelContext) -> PythonModelState:
-    """Import the model file (a fresh module per version) and check the execution mode.
+    """Import the model file (a fresh module per version) and check the execution mode; for a
+    model with ``EXECUTION_ENV_PATH``, prepare its environment instead (its workers import it).
 
     :raises PythonModelError: the file is missing, fails to import (traceback in the message)
-        or has no ``TritonPythonModel``; or an unsupported ``execution_mode``.
+        or has no ``TritonPythonModel``; an unsupported ``execution_mode``; an unusable
+        environment, or one asked for with ``execution_mode: "thread"``.
     """
-    mode = model.parameters.get("execution_mode", "") or "thread"
-    if mode not in EXECUTION_MODES:
+    mode = model.parameters.get("execution_mode", "")
+    if (mode or "thread") not in EXECUTION_MODES:
         _preloaded.pop(model, None)
         raise PythonModelError(
             f"model '{model.name}': execution_mode '{mode}' is not supported; use one of "
             f"{', '.join(EXECUTION_MODES)}"
         )
+    own = _environment(model)
+    if own is not None:
+        if mode == "thread":
+            raise PythonModelError(
+                f"model '{model.name}': {environment.PARAMETER} needs execution_mode 'process' (a model "
+                "in the server's own process runs in the server's Python environment)"
+            )
+        if not mode:
+            log.info("model '%s': %s given, so it runs in execution_mode 'process' with %s",
+                     model.name, environment.PARAMETER, own.python)
+        context.remember(model)
+        return PythonModelState(None, "process", own)
     context.remember(model)
-    return PythonModelState(_load(model), mode)
+    return PythonModelState(_load(model), mode or "thread")
 
 
 @hookimpl
@@ -142,7 +201,11 @@ def pyserve_model_finalize(model: ModelContext) -> None:
     """Forget the model module and the metric families only this model version created."""
     state: PythonModelState = model.state
     metrics.release_model(model.name, model.version)
-    loader.unload_module(state.module)
+    if state.module is not None:
+        loader.unload_module(state.module)
+    if state.environment is not None:
+        _environments.pop(model, None)
+        state.environment.close()
 
 
 @hookimpl
@@ -154,8 +217,9 @@ def pyserve_instance_create(instance: InstanceContext) -> Runner:
     state: PythonModelState = instance.model.state
     runner: Runner
     if state.execution_mode == "process":
-        runner = ProcessRunner(instance)
+        runner = ProcessRunner(instance, state.environment)
     else:
+        assert state.module is not None
         runner = ThreadRunner(instance, state.module)
     runner.create()
     return runner

@@ -1,7 +1,9 @@
 """``execution_mode: "process"``: one worker process per model instance.
 
 The parent (``ProcessRunner``, in the server) starts the worker with the ``spawn`` context
-(never ``fork``: the server has gRPC threads). The worker imports the model file and runs
+(never ``fork``: the server has gRPC threads), or, for a model with ``EXECUTION_ENV_PATH``,
+with that environment's interpreter (``start_in_environment``; see
+``pyserve_backend_python.environment``). The worker imports the model file and runs
 ``initialize`` / ``execute`` / ``finalize``. Tensors never go through pickle:
 
 * Inputs: the parent copies each batch's input bytes once into the instance's reusable
@@ -30,12 +32,18 @@ server shows them on its metrics page (values of several workers add up).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import mmap
 import os
 import queue
 import secrets
+import site
+import socket
+import subprocess
+import sys
+import sysconfig
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
@@ -44,11 +52,13 @@ from typing import Any
 
 import _posixshmem  # CPython's POSIX shared-memory primitives (as multiprocessing.shared_memory)
 import multiprocessing
+from multiprocessing.connection import Connection
 import numpy as np
 
-from pyserve import ErrorCode, InferError, InferRequest, InferResponse, InstanceContext
+from pyserve import ErrorCode, InferError, InferRequest, InferResponse, InstanceContext, ModelContext
 
 from pyserve_backend_python import metrics, results
+from pyserve_backend_python.environment import PARAMETER, ExecutionEnvironment
 from pyserve_backend_python.loader import PythonModelError
 from pyserve_backend_python.runner import initialize_args
 
@@ -227,22 +237,141 @@ class _Link:
         self.conn.close()
 
 
-class ProcessRunner:
-    """Runs one instance's ``TritonPythonModel`` in a worker process (see the module docstring)."""
+def worker_spec(model: ModelContext, instance_name: str = "") -> dict[str, Any]:
+    """What a worker needs to find and name the model (``worker.main``'s ``spec``)."""
+    return {
+        "name": model.name,
+        "version": int(model.version),
+        "path": str(model.path),
+        "version_path": str(model.version_path),
+        "default_model_filename": model.config.default_model_filename,
+        "instance_name": instance_name,
+        "decoupled": bool(model.config.model_transaction_policy.decoupled),
+    }
 
-    def __init__(self, instance: InstanceContext) -> None:
+
+class EnvironmentWorker:
+    """A worker started with an ``EXECUTION_ENV_PATH`` environment's interpreter: the
+    ``multiprocessing.Process`` methods ``ProcessRunner`` uses, over ``subprocess.Popen``."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while it runs; negative: the signal that ended it (as ``multiprocessing``)."""
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(timeout)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self._popen.kill()
+
+
+_ENVIRONMENT_BOOTSTRAP = """\
+import site, sys
+from multiprocessing.connection import Connection
+conn = Connection(int(sys.argv[1]))
+site_dirs, paths, spec, prefix = conn.recv()
+for directory in site_dirs:  # after the environment's own packages, with their .pth files
+    if directory not in sys.path:
+        site.addsitedir(directory)
+sys.path.extend(p for p in paths if p not in sys.path)
+from pyserve_backend_python import worker
+worker.main(conn, spec, prefix)
+"""
+"""How a worker starts in another environment: its own ``sys.path`` first, then the server's."""
+
+
+def _server_import_paths() -> tuple[list[str], list[str]]:
+    """The server's site directories, and its other ``sys.path`` entries (not the standard
+    library), for a worker in another environment to search after its own."""
+    sites = [d for d in [*site.getsitepackages(), site.getusersitepackages()] if os.path.isdir(d)]
+    stdlib = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")}
+    others = [p for p in sys.path if p and p not in sites and os.path.isdir(p)
+              and not any(p == lib or p.startswith(lib + os.sep) for lib in stdlib)]
+    return sites, others
+
+
+def start_in_environment(environment: ExecutionEnvironment, spec: dict[str, Any],
+                         out_prefix: str) -> tuple[EnvironmentWorker, Any]:
+    """Start ``worker.main`` with the environment's interpreter; (the process, the parent's end
+    of its connection).
+
+    :raises PythonModelError: the interpreter cannot be started.
+    """
+    parent, child = socket.socketpair()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["PATH"] = os.pathsep.join([str(environment.root / "bin"), env.get("PATH", "")])
+    try:
+        popen = subprocess.Popen(
+            [str(environment.python), "-c", _ENVIRONMENT_BOOTSTRAP, str(child.fileno())],
+            pass_fds=(child.fileno(),), env=env,
+        )
+    except OSError as exc:
+        parent.close()
+        raise PythonModelError(
+            f"model '{spec['name']}': the worker cannot be started with {environment.python}: {exc}") from None
+    finally:
+        child.close()
+    conn = Connection(parent.detach())
+    conn.send((*_server_import_paths(), spec, out_prefix))
+    return EnvironmentWorker(popen), conn
+
+
+def auto_complete_in_environment(environment: ExecutionEnvironment, spec: dict[str, Any],
+                                 config: dict[str, Any]) -> dict[str, Any] | None:
+    """Run the model's ``auto_complete_config`` in a short-lived worker in ``environment``
+    (where model.py's imports resolve); the completed config, or None if it has none.
+
+    :raises PythonModelError: the worker could not start, or model.py or its
+        ``auto_complete_config`` failed (traceback in the message).
+    """
+    process, conn = start_in_environment(environment, spec, f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(4)}_ac")
+    try:
+        conn.send(("auto_complete", config))
+        reply = conn.recv()
+        with contextlib.suppress(OSError):
+            conn.send(("stop",))
+    except (EOFError, OSError):
+        process.join(STOP_TIMEOUT_S)
+        raise PythonModelError(f"model '{spec['name']}': the worker in {PARAMETER} '{environment.configured}' "
+                               f"exited with code {process.exitcode} before auto_complete_config answered") from None
+    finally:
+        conn.close()
+        process.join(STOP_TIMEOUT_S)
+        if process.is_alive():
+            process.kill()
+            process.join(STOP_TIMEOUT_S)
+    if reply[0] != "ok":
+        raise PythonModelError(reply[1])
+    result: dict[str, Any] | None = reply[1]
+    return result
+
+
+class ProcessRunner:
+    """Runs one instance's ``TritonPythonModel`` in a worker process (see the module docstring).
+
+    :param environment: the model's ``EXECUTION_ENV_PATH`` environment, whose interpreter
+        starts the workers; None: the server's own (``multiprocessing``'s spawn).
+    """
+
+    def __init__(self, instance: InstanceContext, environment: ExecutionEnvironment | None = None) -> None:
         model = instance.model
         self._instance = instance
         self._model_name = model.name
-        self._spec = {
-            "name": model.name,
-            "version": int(model.version),
-            "path": str(model.path),
-            "version_path": str(model.version_path),
-            "default_model_filename": model.config.default_model_filename,
-            "instance_name": instance.name,
-            "decoupled": bool(model.config.model_transaction_policy.decoupled),
-        }
+        self._environment = environment
+        self._spec = worker_spec(model, instance.name)
         self._decoupled = self._spec["decoupled"]
         self._open: dict[int, InferRequest] = {}  # decoupled requests not yet ended, by key
         self._open_lock = threading.Lock()
@@ -269,16 +398,20 @@ class ProcessRunner:
 
     # lifecycle
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
-        from pyserve_backend_python import worker
+        process: Any
+        if self._environment is not None:
+            process, parent = start_in_environment(self._environment, self._spec, self._prefix + "o")
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            parent, child = ctx.Pipe()
+            from pyserve_backend_python import worker
 
-        process = ctx.Process(
-            target=worker.main, args=(child, self._spec, self._prefix + "o"),
-            name=f"pyserve-python-{self._model_name}-{self._instance.name}", daemon=True,
-        )
-        process.start()
-        child.close()
+            process = ctx.Process(
+                target=worker.main, args=(child, self._spec, self._prefix + "o"),
+                name=f"pyserve-python-{self._model_name}-{self._instance.name}", daemon=True,
+            )
+            process.start()
+            child.close()
         self._process, self._conn = process, parent
         self._link = _Link(parent, self._on_send, self._on_bls, self._on_eof, self._on_metrics, self._on_ready)
         if self._watcher is None:

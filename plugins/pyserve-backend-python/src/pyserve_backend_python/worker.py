@@ -1,7 +1,9 @@
 """The worker process of ``execution_mode: "process"`` (see ``pyserve_backend_python.process``).
 
 Messages from the parent: ``("init", args)``, ``("exec", arena_name, arena_size, requests)``,
-``("finalize",)``, ``("stop",)``. Replies: ``("ok",)`` / ``("error", message)`` for init and
+``("finalize",)``, ``("stop",)``, and ``("auto_complete", config dict)`` (to a worker started
+in an ``EXECUTION_ENV_PATH`` environment before the model loads; answered ``("ok", completed
+config dict or None)`` or ``("error", message)``). Replies: ``("ok",)`` / ``("error", message)`` for init and
 finalize; ``("results", segment_name, segment_size, responses)`` or
 ``("batch_error", message, code)`` for exec.
 
@@ -334,6 +336,24 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
                 reply = ("batch_error", error.message, int(error.code))
             report_metrics()
             send(reply)
+        elif kind == "auto_complete":  # a worker in an EXECUTION_ENV_PATH environment, before load
+            try:
+                module = loader.load_module(model)  # type: ignore[arg-type]
+                complete = getattr(getattr(module, loader.MODEL_CLASS), "auto_complete_config", None)
+                if complete is None:
+                    send(("ok", None))
+                else:
+                    from pyserve_backend_python.config import ModelConfig
+
+                    returned = complete(ModelConfig(message[1]))
+                    if not isinstance(returned, ModelConfig):
+                        raise TypeError("auto_complete_config must return the pb_utils.ModelConfig it was "
+                                        f"given, not {type(returned).__name__}")
+                    send(("ok", returned.as_dict()))
+            except loader.PythonModelError as exc:
+                send(("error", str(exc)))
+            except Exception as exc:
+                send(("error", loader.format_failure(f"auto_complete_config of model '{name}' failed", exc)))
         elif kind == "finalize":
             try:
                 finalize = getattr(obj, "finalize", None)
