@@ -197,3 +197,45 @@ def test_unusable_environments_leave_the_model_unavailable_with_the_reason(tmp_p
         assert "holds Python 2.7, but pyserve runs on Python" in reason, reason
         assert _ask(server, "fine")[0].tolist() == [2, 3, 4]  # the others load as usual
         assert json.dumps(_reason(server, "fine")) == '""'
+
+
+NUMPY_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            out.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("OUT", values + 1),
+                pb_utils.Tensor("WHERE", np.array([f"{np.__version__}|-|0".encode()], dtype=np.object_)),
+            ]))
+        return out
+"""
+
+
+@pytest.fixture(scope="module")
+def numpy1_environment(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A virtual environment with ``numpy<2`` (what a model built for Triton's stub often pins)."""
+    root = tmp_path_factory.mktemp("numpy1-env") / "env"
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", str(root)], check=True)
+    done = subprocess.run([str(root / "bin" / "python"), "-m", "pip", "install", "--quiet", "numpy<2"],
+                          capture_output=True, text=True, check=False, timeout=170)
+    if done.returncode != 0:
+        pytest.skip(f"cannot install numpy<2 into a test environment: {done.stderr[-500:]}")
+    return root
+
+
+def test_the_model_and_the_worker_run_on_the_environments_numpy(tmp_path: Path, numpy1_environment: Path) -> None:
+    if np.__version__.startswith("1."):
+        pytest.skip("the server itself has numpy 1: the environment's would not be told apart")
+    repo = tmp_path / "repo"
+    write_python_model(repo, "numpy1", CONFIG + _parameter(str(numpy1_environment)), NUMPY_PY)
+    with _serving(repo) as server:
+        out, version, _, _ = _ask(server, "numpy1")
+    assert out.tolist() == [2, 3, 4]
+    assert version.startswith("1.")  # pyserve's worker code ran on it too
