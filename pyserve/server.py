@@ -247,12 +247,14 @@ class Server:
         self.models.start_polling()
         if self.options.frontend_processes:
             await self._start_handoff()
-        if self.options.allow_http:
-            await self._start_http()
+        # Triton's order: gRPC, metrics, then HTTP, whose log line a script may wait for; without
+        # frontend processes nothing runs on the loop between that line and being ready
         if self.options.allow_grpc:
             await self._start_grpc()
         if self.options.allow_metrics:
             await self._start_metrics()
+        if self.options.allow_http:
+            await self._start_http()
         if self.options.frontend_processes:
             await self._start_frontends()
         self.dataplane.starting = False
