@@ -192,6 +192,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                           "(default: every request is handed to this process), auto (every model that can "
                           "be: no sequence batcher, decoupled, ensemble, GPU instances, response cache or "
                           "BLS / custom metrics in model.py), or comma-separated model names")
+    run.add_argument("--rate-limit", choices=["off", "execution_count"], default="off",
+                     help="execution_count: instances execute only while the resources of their "
+                          "instance_group rate_limiter are free (default off, as Triton)")
+    run.add_argument("--rate-limit-resource", action="append", default=[], metavar="NAME:COUNT[:DEVICE]",
+                     help="units of a rate-limiter resource, on one device or (without DEVICE) on every device "
+                          "(repeatable; default: the most any instance asks for)")
     run.add_argument("--busy-poll-us", type=_busy_poll_us, default=0, metavar="US",
                      help="after a model executed on the event loop (pyserve_inline_execute) answers, "
                           "keep polling the sockets for US microseconds instead of sleeping: lower latency "
@@ -339,6 +345,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         frontend_processes=args.frontend_processes,
         replicate_models=args.replicate_models,
         busy_poll_us=args.busy_poll_us,
+        rate_limit=args.rate_limit,
+        rate_limit_resources=args.rate_limit_resource,
         model_load_thread_count=args.model_load_thread_count,
         model_load_retry_count=args.model_load_retry_count,
         model_control_mode=args.model_control_mode,

@@ -35,6 +35,7 @@ from pyserve.protocol import ModelConfig
 from pyserve.repository import Fingerprint, ModelSource, fingerprint, select_versions, version_numbers
 from pyserve.scheduling import InstanceWorker, LoopScheduler, scheduler_for
 from pyserve.scheduling.ensemble import EnsembleScheduler, build_plan
+from pyserve.scheduling.rate_limiter import RateLimiter, RateLimitError, instance_claim
 from pyserve.warmup import WarmupError, run_warmup
 
 log = logging.getLogger("pyserve.models")
@@ -74,6 +75,7 @@ class ModelLoader:
     _load_order: list[ModelVersion]
     _lock: threading.Lock
     _leftover_dirs: list[Path]
+    rate_limiter: RateLimiter | None
 
     # -- loading one model -------------------------------------------------------------------
     def _load_locked(
@@ -346,8 +348,19 @@ class ModelLoader:
             self._finalize_model(version)
             version.fail(f"backend '{backend.info.name}' failed to create an instance: {_describe(exc)}")
             return
+        limiter = self.rate_limiter if any(c.needs for c in version.rate_claims) else None
+        if limiter is not None:
+            try:
+                limiter.register(version.rate_claims)
+            except RateLimitError as exc:
+                version.rate_claims = []
+                self._finalize_instances(version)
+                self._finalize_model(version)
+                version.fail(f"rate limiter: {exc}")
+                return
         try:
-            scheduler = scheduler_for(config, version.io, len(version.instances), source.path)
+            scheduler = scheduler_for(config, version.io, len(version.instances), source.path,
+                                      inline_allowed=limiter is None)
         except ValueError as exc:
             self._finalize_instances(version)
             self._finalize_model(version)
@@ -356,7 +369,8 @@ class ModelLoader:
         version.scheduler = scheduler
         version.workers = [
             InstanceWorker(inst, backend, scheduler.batch_source(i), version.io, scheduler.observe,
-                           getattr(scheduler, "iterations", None))
+                           getattr(scheduler, "iterations", None),
+                           rate=(limiter, version.rate_claims[i]) if limiter is not None else None)
             for i, inst in enumerate(version.instances)
         ]
         if isinstance(scheduler, LoopScheduler):
@@ -389,6 +403,9 @@ class ModelLoader:
                     )
                     instance.state = backend.hooks.instance_create(instance=instance)
                     version.instances.append(instance)
+                    if self.rate_limiter is not None:  # --rate-limit execution_count
+                        version.rate_claims.append(instance_claim(
+                            instance.name, kind, device, group.rate_limiter))
                     index += 1
                     in_group += 1
 
@@ -514,6 +531,9 @@ class ModelLoader:
 
     def _finalize_instances(self, version: ModelVersion) -> None:
         assert version.backend is not None
+        if self.rate_limiter is not None and version.rate_claims:
+            self.rate_limiter.unregister(version.rate_claims)
+            version.rate_claims = []
         for instance in reversed(version.instances):
             try:
                 version.backend.hooks.instance_finalize(instance=instance)

@@ -27,6 +27,7 @@ from pyserve.model_control import (
 from pyserve.models import ModelRecord, ModelState, ModelVersion
 from pyserve.plugins import LoadedBackend, PluginHost
 from pyserve.repository import scan
+from pyserve.scheduling.rate_limiter import RateLimiter
 
 __all__ = [
     "CONTROL_NOT_ALLOWED",
@@ -60,6 +61,8 @@ class ModelManager(ModelControl):
         backend libraries (``<dir>/<backend>/libtriton_<backend>.so``).
     :param config_name: ``--model-config-name``: models that have ``configs/<name>.pbtxt`` are
         read from it instead of ``config.pbtxt``.
+    :param rate_limiter: ``--rate-limit execution_count``: the pool instances take their
+        ``rate_limiter`` resources from before each execute; None: not limited.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class ModelManager(ModelControl):
         poll_secs: float = 15.0,
         backend_directory: str | None = None,
         config_name: str = "",
+        rate_limiter: RateLimiter | None = None,
     ) -> None:
         self.repositories = repositories
         self.host = host
@@ -88,6 +92,7 @@ class ModelManager(ModelControl):
         self.poll_secs = poll_secs
         self.backend_directory = backend_directory
         self.config_name = config_name
+        self.rate_limiter = rate_limiter
         self.records: dict[str, ModelRecord] = {}
         self._backend_contexts: dict[LoadedBackend, BackendContext] = {}
         self._initialized_backends: list[tuple[LoadedBackend, BackendContext]] = []

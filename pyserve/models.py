@@ -20,6 +20,7 @@ from pyserve.model_config import ModelIO
 from pyserve.plugins import LoadedBackend
 from pyserve.repository import ModelSource
 from pyserve.scheduling import InstanceWorker, Scheduler
+from pyserve.scheduling.rate_limiter import ResourceClaim
 
 
 class ModelState(str, enum.Enum):
@@ -53,6 +54,7 @@ class ModelVersion:
     backend: LoadedBackend | None = None
     instances: list[InstanceContext] = field(default_factory=list)
     workers: list[InstanceWorker] = field(default_factory=list)
+    rate_claims: list[ResourceClaim] = field(default_factory=list)
     scheduler: Scheduler | None = None
     successor: ModelVersion | None = None
     stats: ModelStats = field(default_factory=ModelStats)

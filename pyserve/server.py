@@ -46,6 +46,7 @@ from pyserve.metrics import MetricsService, MetricsSettings, MetricsStartError, 
 from pyserve.model_manager import ModelManager
 from pyserve.plugins import PluginHost
 from pyserve.repository import check_config_name
+from pyserve.scheduling.rate_limiter import RateLimiter, RateLimitError
 from pyserve import validation
 from pyserve.cache import create_cache
 from pyserve.restricted import Restriction
@@ -105,6 +106,10 @@ class ServerOptions:
     # --busy-poll-us: after a model executed on the event loop answers, the loop keeps polling
     # for this many microseconds instead of sleeping (pyserve.busy_poll); 0 = off
     busy_poll_us: int = 0
+    # --rate-limit: "off" or "execution_count" (instances wait for their instance group's
+    # rate_limiter resources; pyserve.scheduling.rate_limiter)
+    rate_limit: str = "off"
+    rate_limit_resources: list[str] = field(default_factory=list)  # --rate-limit-resource NAME:COUNT[:DEVICE]
 
 
 class _NoSignalUvicorn(uvicorn.Server):
@@ -151,6 +156,24 @@ def _config_name(name: str) -> str:
         raise StartupError(str(exc)) from None
 
 
+def _rate_limiter(options: ServerOptions) -> RateLimiter | None:
+    """The server's rate limiter (``--rate-limit execution_count``), or None when off.
+
+    :raises StartupError: an unknown ``--rate-limit`` value or a bad ``--rate-limit-resource``.
+    """
+    if options.rate_limit not in ("off", "execution_count"):
+        raise StartupError(f"--rate-limit must be off or execution_count, got '{options.rate_limit}'")
+    try:
+        limiter = RateLimiter(options.rate_limit_resources)  # parsed either way: a typo is an error
+    except RateLimitError as exc:
+        raise StartupError(str(exc)) from None
+    if options.rate_limit == "off":
+        if options.rate_limit_resources:
+            log.info("--rate-limit-resource has no effect with --rate-limit off")
+        return None
+    return limiter
+
+
 class Server:
     """One pyserve server.
 
@@ -173,6 +196,7 @@ class Server:
             poll_secs=options.repository_poll_secs,
             backend_directory=options.backend_directory,
             config_name=_config_name(options.model_config_name),
+            rate_limiter=_rate_limiter(options),
         )
         self.dataplane = DataPlane(self.models, options.server_id, __version__)
         self.dataplane.tracing = TraceManager(options.trace_config)

@@ -5,7 +5,7 @@ Two kinds (``pyserve run --help`` lists them under "Triton compatibility"):
 * tuning flags — thread counts, memory pools, GPU limits — whose job pyserve does differently:
   accepted with any value and reported once at start-up as having no effect;
 * feature flags that pyserve does not implement: accepted only at the value that matches what
-  pyserve does (e.g. ``--rate-limit off``); any other value stops ``pyserve run`` with a message
+  pyserve does (e.g. ``--model-namespacing false``); any other value stops ``pyserve run`` with a message
   naming the flag.
 """
 
@@ -29,12 +29,10 @@ TUNING_FLAGS: Mapping[str, str] = {
     "--cache-directory": "caches are Python plugins (--cache-config)",
     "--host-policy": "instances are not pinned to NUMA nodes",
     "--model-load-gpu-limit": "GPU memory is not limited per device at load",
-    "--rate-limit-resource": "there is no rate limiter",
 }
 """Accepted, with no effect (the reason is logged)."""
 
 FEATURE_FLAGS: Mapping[str, tuple[str, ...]] = {
-    "--rate-limit": ("off",),
     "--model-namespacing": ("false", "0"),
     "--allow-sagemaker": ("false", "0"),
     "--allow-vertex-ai": ("false", "0"),

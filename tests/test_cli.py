@@ -330,12 +330,20 @@ def test_tritonserver_tuning_flags_are_accepted_and_reported(run_server: Any) ->
     assert "--cuda-memory-pool-byte-size is accepted" in server.stderr
 
 
-@pytest.mark.parametrize("flag, value", [("--rate-limit", "execution_count"), ("--model-namespacing", "true"),
-                                         ("--allow-sagemaker", "true")])
+@pytest.mark.parametrize("flag, value", [("--model-namespacing", "true"), ("--allow-sagemaker", "true")])
 def test_tritonserver_features_pyserve_lacks_are_refused_by_name(flag: str, value: str) -> None:
     done = pyserve("run", flag, value, "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0")
     assert done.returncode == 2
     assert f"pyserve: {flag} '{value}' is not supported by pyserve" in done.stderr
+
+
+def test_rate_limit_flags_reach_the_server(tmp_path: Path) -> None:
+    done = pyserve("run", "--model-repository", str(tmp_path), "--rate-limit", "execution_count",
+                   "--rate-limit-resource", "R1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0")
+    assert done.returncode != 0
+    assert "--rate-limit-resource 'R1': expected NAME:COUNT or NAME:COUNT:DEVICE" in done.stderr
+    done = pyserve("run", "--model-repository", str(tmp_path), "--rate-limit", "sometimes")
+    assert done.returncode == 2 and "--rate-limit: invalid choice: 'sometimes'" in done.stderr
 
 
 def test_model_config_name_picks_each_models_named_config(run_server: Any, tmp_path: Path) -> None:

@@ -130,6 +130,8 @@ def _version(config: str, tmp_path: Path | None = None) -> ModelVersion:
         ('name: "a" backend: "identity" response_cache { enable: true }', "auto", False, "response cache"),
         ('name: "a" backend: "python" parameters { key: "EXECUTION_ENV_PATH" value { string_value: "env.tar.gz" } }',
          "auto", False, "own Python environment"),
+        ('name: "a" backend: "identity" instance_group [ { rate_limiter { resources [ { name: "R" count: 1 } ] } } ]',
+         "auto", False, "rate-limiter resources"),
         ('name: "a" backend: "identity" parameters { key: "pyserve_replicate" value { string_value: "false" } }',
          "auto", False, "is false"),
         ('name: "a" backend: "identity" instance_group [ { kind: KIND_GPU } ] '

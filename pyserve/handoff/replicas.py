@@ -80,6 +80,8 @@ def _auto_reason(version: ModelVersion) -> str | None:
         return "it has GPU instances"
     if config.response_cache.enable:
         return "it uses the response cache"
+    if any(group.rate_limiter.resources for group in config.instance_group):
+        return "its instances take rate-limiter resources (counted in one process)"
     if config.backend == "python" and "EXECUTION_ENV_PATH" in config.parameters:
         return "it runs in its own Python environment (EXECUTION_ENV_PATH), in worker processes"
     if config.backend == "python" and version.context is not None:

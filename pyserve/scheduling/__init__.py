@@ -6,6 +6,7 @@ free. ``enqueue`` is called on the event loop and must not block.
 
 from __future__ import annotations
 
+import logging
 import queue
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,8 @@ from pyserve.scheduling.dynamic import DynamicBatcher
 from pyserve.scheduling.inline import INLINE_PARAMETER, InlineBatcher, InlineScheduler, LoopScheduler, inline_requested
 from pyserve.scheduling.instance import STOP, Batch, InstanceWorker
 from pyserve.scheduling.sequence import SequenceBatcher
+
+log = logging.getLogger("pyserve.scheduling")
 
 __all__ = [
     "INLINE_PARAMETER", "STOP", "Batch", "DefaultScheduler", "DynamicBatcher", "InlineBatcher", "InlineScheduler",
@@ -63,12 +66,17 @@ class DefaultScheduler:
             self.work.put(STOP)
 
 
-def scheduler_for(config: Any, io: ModelIO, instances: int, model_dir: Path) -> Scheduler:
+def scheduler_for(config: Any, io: ModelIO, instances: int, model_dir: Path, inline_allowed: bool = True) -> Scheduler:
     """The scheduler a model's config asks for.
 
+    :param inline_allowed: False when the instances take rate-limiter resources, which they may
+        have to wait for: never on the event loop (``pyserve_inline_execute`` is then ignored).
     :raises ValueError: the scheduling block cannot be used as configured.
     """
-    if inline_requested(config):
+    if inline_requested(config) and not inline_allowed:
+        log.warning("model '%s': pyserve_inline_execute is ignored: its instances wait for rate-limiter "
+                    "resources, which the event loop must not", config.name)
+    elif inline_requested(config):
         return InlineBatcher(config, io) if config.HasField("dynamic_batching") else InlineScheduler()
     if config.HasField("sequence_batching"):
         return SequenceBatcher(config, io, instances, model_dir)

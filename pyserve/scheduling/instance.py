@@ -21,6 +21,7 @@ from pyserve.errors import ErrorCode, InferError
 from pyserve.inference import InferRequest, InferResponse, coalesced_delivery, error_response
 from pyserve.model_config import ModelIO
 from pyserve.plugins import LoadedBackend
+from pyserve.scheduling.rate_limiter import RateLimiter, ResourceClaim
 from pyserve.tracing import TRACING, mark_batch
 
 log = logging.getLogger("pyserve.execute")
@@ -54,6 +55,8 @@ class InstanceWorker:
         sequence batcher keeps implicit state this way).
     :param iterations: for iterative sequences, the scheduler told after each execute which
         requests go back to it (``reschedule``) and which are done (``iteration_done``).
+    :param rate: ``--rate-limit execution_count``: the server's rate limiter and this instance's
+        claim, taken before each execute and given back when it returns; None: not limited.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class InstanceWorker:
         io: ModelIO,
         observe: Callable[[InferRequest, InferResponse], None] | None = None,
         iterations: Iterations | None = None,
+        rate: tuple[RateLimiter, ResourceClaim] | None = None,
     ) -> None:
         self.instance = instance
         self._backend = backend
@@ -71,6 +75,7 @@ class InstanceWorker:
         self._io = io
         self._observe = observe
         self._iterations = iterations
+        self._rate = rate
         self._model_name = instance.model.name
         self._thread = threading.Thread(
             target=self._run, name=f"pyserve-instance-{instance.name}", daemon=True
@@ -95,6 +100,9 @@ class InstanceWorker:
                 continue
             if batch is STOP:
                 return
+            rate = self._rate
+            if rate is not None:
+                rate[0].acquire(rate[1])
             try:
                 with coalesced_delivery():  # one loop wake-up for the whole batch's replies
                     if self._iterations is None:
@@ -103,6 +111,9 @@ class InstanceWorker:
                         self._execute_iteration(batch, self._iterations)
             except BaseException:  # never let one batch kill the instance
                 log.exception("model '%s': unexpected failure while delivering a batch", self._model_name)
+            finally:
+                if rate is not None:
+                    rate[0].release(rate[1])
 
     def _execute_iteration(self, batch: Batch, iterations: Iterations) -> None:
         """One iteration of iterative sequences: requests the backend rescheduled (and left
