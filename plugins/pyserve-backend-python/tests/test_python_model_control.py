@@ -63,9 +63,11 @@ def _call(client: httpclient.InferenceServerClient, action: int, **parameters: s
     return int(client.infer("control", [tensor], parameters=parameters or None).as_numpy("OUT")[0])
 
 
-def test_a_model_loads_and_unloads_another(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_model_loads_and_unloads_another(tmp_path: Path, mode: str) -> None:
     repo = tmp_path / "repo"
-    write_python_model(repo, "control", IO, CONTROL_SOURCE)
+    config = IO + f'parameters {{ key: "execution_mode" value {{ string_value: "{mode}" }} }}\n'
+    write_python_model(repo, "control", config, CONTROL_SOURCE)
     write_python_model(repo, "target", IO, TARGET_SOURCE)
     server = start(repo, model_control_mode="explicit", load_models=["control"])
     try:
@@ -103,14 +105,17 @@ def test_loading_needs_explicit_mode(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_process_mode_refuses_the_loading_api(tmp_path: Path) -> None:
+def test_process_mode_reports_refusals_as_the_models_exception(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     process = IO + 'parameters { key: "execution_mode" value { string_value: "process" } }\n'
     write_python_model(repo, "control", process, CONTROL_SOURCE)
-    server = start(repo)
+    write_python_model(repo, "target", IO, TARGET_SOURCE)
+    server = start(repo)  # model control mode "none": loading is refused, readiness answered
     try:
         with httpclient.InferenceServerClient(server.url) as client:
-            with pytest.raises(InferenceServerException, match=r"pb_utils.is_model_ready\(\) is not supported in execution_mode 'process'"):
-                _call(client, 0)
+            assert _call(client, 0) == 1
+            with pytest.raises(InferenceServerException, match="explicit"):
+                _call(client, 2)
+            assert _call(client, 0) == 1  # the worker goes on serving
     finally:
         server.stop()

@@ -57,7 +57,8 @@ import numpy as np
 
 from pyserve import ErrorCode, InferError, InferRequest, InferResponse, InstanceContext, ModelContext
 
-from pyserve_backend_python import metrics, results
+from pyserve_backend_python import metrics, model_control, results
+from pyserve_backend_python.errors import TritonModelException
 from pyserve_backend_python.environment import PARAMETER, ExecutionEnvironment
 from pyserve_backend_python.loader import PythonModelError
 from pyserve_backend_python.runner import initialize_args
@@ -212,7 +213,7 @@ class _Link:
             kind = message[0]
             if kind == "send":
                 self._on_send(message)
-            elif kind == "bls":
+            elif kind in ("bls", "control"):
                 self._on_bls(message)
             elif kind == "metrics":
                 self._on_metrics(message[1])
@@ -470,13 +471,16 @@ class ProcessRunner:
             log.error("model '%s': a response of the worker could not be sent: %s", self._model_name, exc.message)
 
     def _on_bls(self, message: tuple) -> None:
-        """A BLS call of the worker: run it on a pool thread, answer on the pipe."""
+        """A BLS or model-control call of the worker: run it on a pool thread, answer on the pipe."""
         link = self._link
         if self._bls_pool is None:
             self._bls_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pyserve-python-bls")
 
         def run() -> None:
-            reply = self._bls(message[1], message[2])
+            if message[0] == "control":
+                reply = self._control(message[1], message[2])
+            else:
+                reply = self._bls(message[1], message[2])
             if link is not None:
                 try:
                     link.send(reply)
@@ -540,6 +544,16 @@ class ProcessRunner:
                     request.response_sender().send(error, True)
                 except InferError:
                     pass
+
+    def _control(self, operation: str, args: tuple[Any, ...]) -> tuple:
+        """``pb_utils.load_model`` / ``unload_model`` / ``is_model_ready`` of the worker, run on
+        the server (a pool thread; loads and unloads block until done)."""
+        try:
+            return ("bls_result", ("ok", model_control.run_on(self._instance.model.server, operation, args)))
+        except TritonModelException as exc:
+            return ("bls_result", ("error", str(exc)))
+        except Exception as exc:  # noqa: BLE001 - reported to the calling model as its exception
+            return ("bls_result", ("error", f"model control '{operation}' failed: {type(exc).__name__}: {exc}"))
 
     def _bls(self, fields: dict[str, Any], decoupled: bool) -> tuple:
         """Run a BLS request of the worker on the server (this is an instance thread)."""

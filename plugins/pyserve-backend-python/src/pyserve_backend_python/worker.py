@@ -10,7 +10,9 @@ finalize; ``("results", segment_name, segment_size, responses)`` or
 While it executes a batch, the worker may send ``("bls", request fields, decoupled)``; the parent
 runs that request on the server and answers ``("bls_result", responses)`` (BLS from
 ``execute``; tensors travel both ways in shared-memory segments, ``process.share_arrays`` /
-``take_arrays``: the receiver maps and unlinks each one). A decoupled model's response
+``take_arrays``: the receiver maps and unlinks each one). ``pb_utils.load_model`` /
+``unload_model`` / ``is_model_ready`` send ``("control", operation, args)`` the same way and get
+``("bls_result", ("ok", value))`` or ``("bls_result", ("error", message))``. A decoupled model's response
 senders send ``("send", request key, response or None, final)`` at any time, from any thread.
 Before a reply, the worker sends ``("metrics", families)`` when its custom metrics changed. The
 parent sends ``("cancel", request key)`` when a request's client went away (``is_cancelled()``),
@@ -54,9 +56,6 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
 
     import numpy as np
     import triton_python_backend_utils
-
-    for function in ("load_model", "unload_model", "is_model_ready"):  # they need the server process
-        setattr(triton_python_backend_utils, function, unsupported(f"pb_utils.{function}()"))
 
     from pyserve import InferError, InferResponse
     from pyserve_backend_python.response import ResponseIterator
@@ -198,6 +197,31 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
 
     async def remote_async_exec(request: Any, decoupled: bool = False) -> Any:
         return remote_exec(request, decoupled)
+
+    def remote_control(operation: str, *args: Any) -> Any:
+        """Model control from the worker: the server process runs it (``model_control.run_on``)."""
+        with bls_lock:  # the same pipe turn-taking as BLS; allowed in initialize and finalize too
+            send(("control", operation, args))
+            reply = bls_replies.get()
+        if reply is None:
+            raise TritonModelException("the server process went away during a model control call")
+        status, value = reply[1]
+        if status != "ok":
+            raise TritonModelException(value)
+        return value
+
+    def load_model(model_name: str, config: str = "", files: Any = None) -> None:
+        remote_control("load", model_name, config, dict(files or {}))
+
+    def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+        remote_control("unload", model_name, unload_dependents)
+
+    def is_model_ready(model_name: str, model_version: str = "") -> bool:
+        return bool(remote_control("ready", model_name, model_version))
+
+    triton_python_backend_utils.load_model = load_model
+    triton_python_backend_utils.unload_model = unload_model
+    triton_python_backend_utils.is_model_ready = is_model_ready
 
     InferenceRequest.exec = remote_exec  # type: ignore[method-assign,assignment]
     InferenceRequest.async_exec = remote_async_exec  # type: ignore[method-assign,assignment]
