@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 
 from pyserve import __version__, busy_poll, logs
 from pyserve.dataplane import DataPlane
@@ -112,12 +111,17 @@ class ServerOptions:
     rate_limit_resources: list[str] = field(default_factory=list)  # --rate-limit-resource NAME:COUNT[:DEVICE]
 
 
-class _NoSignalUvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the pyserve server owns shutdown."""
+def _uvicorn_server(config: Any) -> Any:
+    """A uvicorn server without its own signal handling (the pyserve server owns shutdown);
+    uvicorn is imported only for ``--http-server uvicorn``."""
+    import uvicorn
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
+    class NoSignalUvicorn(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:
+            yield
+
+    return NoSignalUvicorn(config)
 
 
 def _log_settings() -> dict[str, object]:
@@ -233,7 +237,7 @@ class Server:
         self.http_port: int | None = None
         self.grpc_port: int | None = None
         self._grpc: Any = None  # grpc.aio.Server or pyserve.grpc.listener.GrpcServer
-        self._uvicorn: _NoSignalUvicorn | None = None
+        self._uvicorn: Any = None  # the uvicorn server (--http-server uvicorn)
         self._http: HttpServer | None = None
         self._serve_task: asyncio.Task[None] | None = None
         self._handoff: HandoffServer | None = None
@@ -402,6 +406,8 @@ class Server:
             self.http_port = self._http.port
             log.info("Started HTTPService at %s:%d", self.options.host, self.http_port)
             return
+        import uvicorn
+
         config = uvicorn.Config(
             app,
             host=self.options.host,
@@ -413,7 +419,7 @@ class Server:
             server_header=False,
         )
         listener = _bind(self.options.host, self.options.http_port, reuse_port=self.options.reuse_http_port)
-        self._uvicorn = _NoSignalUvicorn(config)
+        self._uvicorn = _uvicorn_server(config)
         self._serve_task = asyncio.create_task(self._uvicorn.serve(sockets=[listener]))
         while not self._uvicorn.started:
             if self._serve_task.done():

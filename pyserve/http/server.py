@@ -902,6 +902,18 @@ class HttpServer:
         await asyncio.sleep(0)  # let connection_lost run
 
 
+class AppServer(HttpServer):
+    """pyserve's HTTP/1.1 server for an ASGI application alone: no native infer route, no data
+    plane (the metrics port). Same threading and shutdown as ``HttpServer``."""
+
+    def __init__(self, app: ASGIApp, *, max_input_size: int) -> None:
+        super().__init__(app, cast(DataPlane, None), max_input_size=max_input_size)
+
+    def infer_target(self, url: bytes) -> tuple[str, str | None] | None:
+        """Never native infer: every request goes to the application."""
+        return None
+
+
 def _address(value: Any) -> tuple[str, int] | None:
     if isinstance(value, tuple) and len(value) >= 2:
         return str(value[0]), int(value[1])

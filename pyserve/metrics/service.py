@@ -6,39 +6,28 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from pyserve.metrics.prometheus import CONTENT_TYPE
 
 if TYPE_CHECKING:
+    from pyserve.http.server import AppServer
     from pyserve.metrics.prometheus import ServerMetrics
     from pyserve.metrics.system import SystemMonitor
 
 log = logging.getLogger("pyserve.metrics")
+
+_MAX_BODY = 64 * 1024
+"""The largest request body the metrics port reads (its requests have none)."""
 
 
 class MetricsStartError(RuntimeError):
     """The metrics service could not listen on its address."""
 
 
-class _QuietUvicorn:
-    """Builds a uvicorn server that leaves signal handling to the pyserve server."""
-
-    @staticmethod
-    def create(config: Any) -> Any:
-        import uvicorn
-
-        class _Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self) -> Generator[None, None, None]:
-                yield
-
-        return _Server(config)
-
-
 class MetricsService:
-    """``GET /metrics`` on its own uvicorn server, on the server's event loop.
+    """``GET /metrics`` on its own port, served by pyserve's HTTP/1.1 server
+    (``pyserve.http.server.AppServer``) on the server's event loop.
 
     :param metrics: what the page shows.
     :param monitor: the CPU/GPU readings refreshed every ``interval_ms``, or None.
@@ -48,8 +37,7 @@ class MetricsService:
         self.metrics = metrics
         self.monitor = monitor
         self.port: int | None = None
-        self._server: Any = None
-        self._serve_task: asyncio.Task[None] | None = None
+        self._server: AppServer | None = None
         self._sampler: asyncio.Task[None] | None = None
         self.before_render: Any = None
         """An async callable run before each scrape (frontend replicas report their counts)."""
@@ -77,33 +65,25 @@ class MetricsService:
 
         :raises MetricsStartError: the address cannot be bound.
         """
-        import uvicorn
+        from pyserve.http.server import AppServer  # (pyserve.http imports pyserve.metrics)
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind((host, port))
+            listener.listen(128)
         except OSError as exc:
             listener.close()
             raise MetricsStartError(
                 f"Metrics service cannot listen on {host}:{port}: {exc.strerror or exc}"
             ) from exc
-        config = uvicorn.Config(
-            self, host=host, port=port, lifespan="off", log_config=None, access_log=False,
-            timeout_graceful_shutdown=1, server_header=False,
-        )
-        self._server = _QuietUvicorn.create(config)
         if self.monitor is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.monitor.sample)
             self._sampler = asyncio.create_task(self._sample_every(self.metrics.settings.interval_ms / 1000))
-        self._serve_task = asyncio.create_task(self._server.serve(sockets=[listener]))
-        while not self._server.started:
-            if self._serve_task.done():
-                self._serve_task.result()
-                raise MetricsStartError(f"Metrics service could not start on {host}:{port}")
-            await asyncio.sleep(0.01)
-        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        self._server = AppServer(self, max_input_size=_MAX_BODY)
+        await self._server.start(listener)
+        self.port = self._server.port
         log.info("Started Metrics Service at %s:%d", host, self.port)
 
     async def _sample_every(self, seconds: float) -> None:
@@ -123,11 +103,8 @@ class MetricsService:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sampler
             self._sampler = None
-        if self._server is not None and self._serve_task is not None:
-            self._server.should_exit = True
-            with contextlib.suppress(Exception):
-                await self._serve_task
+        if self._server is not None:
+            await self._server.shutdown(1.0)
             self._server = None
-            self._serve_task = None
         if self.monitor is not None:
             self.monitor.close()

@@ -188,7 +188,7 @@ class DynamicBatcher:
             self._stopping = True
             self._cond.notify_all()
 
-    observe = None
+    observe: None = None  # no response hook (the sequence batcher has one)
 
     # -- instance thread side ----------------------------------------------------------------
     def batch_source(self, index: int) -> Callable[[], Batch | None]:

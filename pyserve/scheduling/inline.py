@@ -45,7 +45,7 @@ class LoopScheduler:
     ``InstanceWorker``, which executes on the loop) when the instances start, and every
     instance thread only waits until ``_stopped`` is set."""
 
-    observe = None
+    observe: None = None
 
     def _init_on_the_loop(self) -> None:
         self.worker: InstanceWorker | None = None
