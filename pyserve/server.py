@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from pyserve import __version__, busy_poll, logs
 from pyserve.dataplane import DataPlane
 from pyserve.grpc.server import GrpcOptions

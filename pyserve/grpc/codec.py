@@ -20,12 +20,12 @@ from pyserve.models import ModelVersion
 from pyserve.protocol import ModelInferRequest, ModelInferResponse
 from pyserve.shared_memory import SharedMemoryManager, ShmTarget, write_output
 from pyserve.validation import (
+    RequestOptions,
     check_input,
     check_outputs_requested,
     decode_bytes_elements,
     element_count,
     encode_bytes_elements,
-    RequestOptions,
     finish_inputs,
     parse_parameters,
 )

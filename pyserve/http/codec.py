@@ -21,12 +21,12 @@ from pyserve.model_config import ModelIO, TensorSpec
 from pyserve.models import ModelVersion
 from pyserve.shared_memory import SharedMemoryManager, ShmTarget, write_output
 from pyserve.validation import (
+    RequestOptions,
     check_input,
     check_outputs_requested,
     decode_bytes_elements,
     element_count,
     encode_bytes_elements,
-    RequestOptions,
     finish_inputs,
     parse_parameters,
 )
