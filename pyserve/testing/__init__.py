@@ -121,7 +121,7 @@ from pyserve.testing.client import TIMEOUT_S as TIMEOUT_S  # re-exported: how lo
 from pyserve.testing.client import _Model
 from pyserve.testing.conformance import BackendConformance
 from pyserve.testing.dlpack import DLPackProbe
-from pyserve.testing.helpers import BatchRecorder, ServerFactory, serve, write_model
+from pyserve.testing.helpers import BatchRecorder, ServerFactory, python_environment, serve, write_model
 from pyserve.testing.inputs import generate_inputs
 
 if TYPE_CHECKING:
@@ -133,6 +133,7 @@ __all__ = [
     "DLPackProbe",
     "ServerFactory",
     "generate_inputs",
+    "python_environment",
     "serve",
     "write_model",
 ]

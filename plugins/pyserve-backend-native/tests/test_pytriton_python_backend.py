@@ -14,7 +14,6 @@ import importlib.util
 import os
 import queue
 import shutil
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -24,7 +23,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from pyserve.testing import ServerFactory, write_model
+from pyserve.testing import ServerFactory, python_environment, write_model
 
 MODELS = Path(__file__).resolve().parent / "python_models"
 pytestmark = pytest.mark.timeout(300)
@@ -60,16 +59,10 @@ def triton_backends(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def stub_environment(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A virtual environment with numpy<2 for the models (the stub's pybind11 needs numpy 1)."""
-    env = tmp_path_factory.mktemp("stub-env") / "env"
-    base = getattr(sys, "_base_executable", sys.executable)
-    subprocess.run([base, "-m", "venv", str(env)], check=True)
-    result = subprocess.run(
-        [str(env / "bin" / "python"), "-m", "pip", "install", "--quiet", "numpy<2"],
-        capture_output=True, text=True, check=False,
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot install numpy<2 for the stub environment: {result.stderr[-500:]}")
-    return env
+    try:
+        return python_environment(tmp_path_factory.mktemp("stub-env") / "env", ["numpy<2"])
+    except RuntimeError as exc:
+        pytest.skip(f"cannot make the stub environment: {exc}")
 
 
 @pytest.fixture

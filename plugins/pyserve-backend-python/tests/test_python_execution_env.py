@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tarfile
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from pyserve.server import ServerThread
+from pyserve.testing import python_environment
 from python_backend_helpers import start, write_python_model
 
 pytestmark = pytest.mark.timeout(180)
@@ -92,9 +92,7 @@ def _parameter(value: str, mode: str | None = None) -> str:
 @pytest.fixture(scope="module")
 def environment(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A virtual environment of this Python with its own ``httpx`` package."""
-    root = tmp_path_factory.mktemp("model-env") / "env"
-    base = getattr(sys, "_base_executable", sys.executable)
-    subprocess.run([base, "-m", "venv", "--without-pip", str(root)], check=True)
+    root = python_environment(tmp_path_factory.mktemp("model-env") / "env")
     site = Path(subprocess.run(
         [str(root / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True, text=True, check=True).stdout.strip())
@@ -220,14 +218,10 @@ class TritonPythonModel:
 @pytest.fixture(scope="module")
 def numpy1_environment(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A virtual environment with ``numpy<2`` (what a model built for Triton's stub often pins)."""
-    root = tmp_path_factory.mktemp("numpy1-env") / "env"
-    base = getattr(sys, "_base_executable", sys.executable)
-    subprocess.run([base, "-m", "venv", str(root)], check=True)
-    done = subprocess.run([str(root / "bin" / "python"), "-m", "pip", "install", "--quiet", "numpy<2"],
-                          capture_output=True, text=True, check=False, timeout=170)
-    if done.returncode != 0:
-        pytest.skip(f"cannot install numpy<2 into a test environment: {done.stderr[-500:]}")
-    return root
+    try:
+        return python_environment(tmp_path_factory.mktemp("numpy1-env") / "env", ["numpy<2"])
+    except RuntimeError as exc:
+        pytest.skip(f"cannot make a test environment with numpy<2: {exc}")
 
 
 def test_the_model_and_the_worker_run_on_the_environments_numpy(tmp_path: Path, numpy1_environment: Path) -> None:
