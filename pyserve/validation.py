@@ -246,6 +246,8 @@ def parse_parameters(params: Mapping[str, Any], *, allow: frozenset[str] = froze
         value that is not a string, number or boolean.
     """
     options = RequestOptions()
+    if not params:  # most requests carry none
+        return options
     for key, value in params.items():
         if key == "sequence_id":
             if isinstance(value, str) or _is_uint(value):

@@ -20,7 +20,6 @@ from pyserve.models import ModelVersion
 from pyserve.protocol import ModelInferRequest, ModelInferResponse
 from pyserve.shared_memory import SharedMemoryManager, ShmTarget, write_output
 from pyserve.validation import (
-    RequestOptions,
     check_input,
     check_outputs_requested,
     decode_bytes_elements,
@@ -188,11 +187,8 @@ def decode_infer(
         inputs[spec.name] = array.reshape(shape)
         shapes[spec.name] = shape
     batch = finish_inputs(name, io, inputs, shapes)
-    parameters = message.parameters
-    if parameters:
-        options = parse_parameters(parameters_dict(parameters), allow=STREAM_PARAMETERS if stream else _NO_PARAMETERS)
-    else:
-        options = RequestOptions()
+    allow = STREAM_PARAMETERS if stream else _NO_PARAMETERS
+    options = parse_parameters(parameters_dict(message.parameters), allow=allow)
     outputs = message.outputs[:]
     names = check_outputs_requested(name, io, [o.name for o in outputs])
     classification: dict[str, int] = {}

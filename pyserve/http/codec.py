@@ -21,7 +21,6 @@ from pyserve.model_config import ModelIO, TensorSpec
 from pyserve.models import ModelVersion
 from pyserve.shared_memory import SharedMemoryManager, ShmTarget, write_output
 from pyserve.validation import (
-    RequestOptions,
     check_input,
     check_outputs_requested,
     decode_bytes_elements,
@@ -112,17 +111,14 @@ def _decode_header(
     if not isinstance(request_id, str):
         raise InferError.invalid("request 'id' must be a string")
     params = header.get("parameters")
-    if params:
-        if not isinstance(params, dict):
-            raise InferError.invalid("request 'parameters' must be a JSON object")
-        options = parse_parameters(params, allow=_REQUEST_ONLY_PARAMETERS)
-        binary_default = params.get("binary_data_output", False)
-        if not isinstance(binary_default, bool):
-            raise InferError.invalid("parameter 'binary_data_output' must be a boolean")
-    elif params is None or isinstance(params, dict):
-        options, binary_default = RequestOptions(), False
-    else:
+    if params is None:
+        params = {}
+    elif not isinstance(params, dict):
         raise InferError.invalid("request 'parameters' must be a JSON object")
+    options = parse_parameters(params, allow=_REQUEST_ONLY_PARAMETERS)
+    binary_default = params.get("binary_data_output", False)
+    if not isinstance(binary_default, bool):
+        raise InferError.invalid("parameter 'binary_data_output' must be a boolean")
     raw_inputs = header.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InferError.invalid("request 'inputs' must be a non-empty list")
