@@ -16,6 +16,10 @@ client is the closer measure of what the server adds. It keeps one core busy whi
 from __future__ import annotations
 
 import socket
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
 
 import hpack
 import numpy as np
@@ -123,6 +127,19 @@ class LeanGrpcClient:
         return self.frames.pop(0)
 
 
+def median_us(call: Callable[[np.ndarray], Any], x: np.ndarray, requests: int) -> float:
+    """The median of ``requests`` timed calls of ``call(x)``, in µs, after a warm-up of a tenth
+    as many (at least 20)."""
+    for _ in range(max(requests // 10, 20)):
+        call(x)
+    samples = []
+    for _ in range(requests):
+        start = time.perf_counter_ns()
+        call(x)
+        samples.append(time.perf_counter_ns() - start)
+    return statistics.median(samples) / 1000.0
+
+
 def main(argv: list[str] | None = None) -> None:
     """Time ``--requests`` calls in this fresh process and print ``{"median_us": …}`` as JSON.
 
@@ -131,8 +148,6 @@ def main(argv: list[str] | None = None) -> None:
     needs while it waits."""
     import argparse
     import json
-    import statistics
-    import time
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0] if main.__doc__ else None)
     parser.add_argument("--address", required=True, help="HOST:PORT of the gRPC server")
@@ -147,16 +162,9 @@ def main(argv: list[str] | None = None) -> None:
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     client = LeanGrpcClient(args.address, args.model, args.input, args.output, poll=args.poll)
     try:
-        for _ in range(max(args.requests // 10, 20)):
-            client.infer(x)
-        samples = []
-        for _ in range(args.requests):
-            start = time.perf_counter_ns()
-            client.infer(x)
-            samples.append(time.perf_counter_ns() - start)
+        print(json.dumps({"median_us": median_us(client.infer, x, args.requests)}))
     finally:
         client.close()
-    print(json.dumps({"median_us": statistics.median(samples) / 1000.0}))
 
 
 if __name__ == "__main__":

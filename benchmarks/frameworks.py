@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from _h2client import LeanGrpcClient  # sibling benchmark modules
+from _h2client import LeanGrpcClient, median_us  # sibling benchmark modules
 from batching import free_port, stop_process
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -288,17 +288,6 @@ def lean_median_us(url: str, model: str, inp: str, out: str, requests: int, poll
     if done.returncode != 0:
         raise RuntimeError(f"the lean client failed: {done.stderr.strip()[-2000:]}")
     return float(json.loads(done.stdout)["median_us"])
-
-
-def median_us(call: Callable[[np.ndarray], Any], x: np.ndarray, requests: int) -> float:
-    for _ in range(max(requests // 10, 20)):
-        call(x)
-    samples = []
-    for _ in range(requests):
-        start = time.perf_counter_ns()
-        call(x)
-        samples.append(time.perf_counter_ns() - start)
-    return statistics.median(samples) / 1000.0
 
 
 def concurrent_median_us(make_call: Callable[[], Callable[[np.ndarray], Any]], x: np.ndarray, requests: int,
