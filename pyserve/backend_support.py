@@ -422,10 +422,16 @@ class FrameworkInstance(abc.ABC):
         try:
             present = requests[0].inputs
             names = [t.name for t in model.inputs if t.name in present]
-            inputs = gather_inputs(requests, names) if model.batching else {n: present[n] for n in names}
-            wanted = [t.name for t in model.outputs if any(t.name in r.requested_outputs for r in requests)]
+            if len(requests) == 1:  # the common case at low load: no joining, no name merging
+                inputs = {n: present[n] for n in names}
+                requested = requests[0].requested_outputs
+                wanted = [t.name for t in model.outputs if t.name in requested]
+                rows = requests[0].batch_size
+            else:
+                inputs = gather_inputs(requests, names)
+                wanted = [t.name for t in model.outputs if any(t.name in r.requested_outputs for r in requests)]
+                rows = sum(r.batch_size for r in requests)
             results = self.run(inputs, wanted)
-            rows = sum(r.batch_size for r in requests)
             outputs: dict[str, np.ndarray] = {}
             for tensor in model.outputs:
                 if tensor.name in wanted:

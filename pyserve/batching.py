@@ -85,6 +85,8 @@ def split_outputs(
     for name, array in arrays.items():
         if array.ndim == 0 or array.shape[0] != total:
             raise InferError(f"output '{name}' has leading dimension {array.shape[:1]} but the batch holds {total}")
+    if len(sizes) == 1:  # one request: its outputs are the whole arrays
+        return [InferResponse(arrays, parameters)]
     responses = []
     start = 0
     for size in sizes:

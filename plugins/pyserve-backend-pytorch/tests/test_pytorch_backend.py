@@ -181,6 +181,31 @@ def test_inputs_share_memory_with_contiguous_arrays() -> None:
     assert back.ctypes.data == array.ctypes.data
 
 
+def test_results_reach_numpy_whatever_forward_returns() -> None:
+    """A parameter (requires grad), a bfloat16 tensor and an inference tensor all become arrays."""
+    from pyserve_backend_pytorch.runtime import BFLOAT16, to_numpy
+
+    weight = torch.nn.Parameter(torch.ones(2, 3))
+    np.testing.assert_array_equal(to_numpy(weight), np.ones((2, 3), np.float32))
+    halves = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    back = to_numpy(halves)
+    assert back.dtype == BFLOAT16 and back.astype(np.float32).tolist() == [1.5, -2.0]
+    with torch.inference_mode():
+        made = torch.arange(4.0)
+    assert to_numpy(made).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("inference_mode", [True, False])
+def test_forward_runs_under_the_configured_grad_mode(inference_mode: bool) -> None:
+    from pyserve_backend_pytorch.runtime import grad_guard
+
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    with grad_guard(inference_mode)():
+        assert not torch.is_grad_enabled()
+        assert torch.is_inference_mode_enabled() == inference_mode
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
 # --------------------------------------------------------------------------- inference
 
 

@@ -158,7 +158,29 @@ def test_aligned_writable_arrays_enter_tensorflow_without_a_copy() -> None:
     unaligned = buffer[start + 1:start + 9].reshape(2, 4)  # TensorFlow would abort on this one
     np.testing.assert_array_equal(tf.matmul(to_tf(unaligned), tf.ones([4, 1])).numpy(), unaligned @ np.ones((4, 1)))
     array.flags.writeable = False
-    np.testing.assert_array_equal(to_tf(array).numpy(), array)  # read-only: copied
+    copied = to_tf(array)  # read-only: copied once into an aligned buffer
+    np.testing.assert_array_equal(copied.numpy(), array)
+    buffer[start] = -1.0  # the source changes; the copy does not
+    assert float(copied.numpy()[0, 0]) == 42.0
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint16, np.int64, np.float16, np.float64])
+def test_request_shaped_arrays_reach_tensorflow_intact(dtype: Any) -> None:
+    """Inputs as a request carries them: read-only views at odd offsets of a received message."""
+    from pyserve_backend_tensorflow.runtime import TF_ALIGNMENT, aligned_copy, to_tf
+
+    values = np.arange(12).astype(dtype).reshape(3, 4)
+    message = b"\x07" + values.tobytes()  # the tensor starts one byte into the message
+    view = np.frombuffer(message, dtype=dtype, offset=1).reshape(3, 4)
+    assert not view.flags.writeable
+    tensor = to_tf(view)
+    assert tensor.dtype == tf.as_dtype(dtype) and tensor.shape == (3, 4)
+    np.testing.assert_array_equal(tensor.numpy(), values)
+    copy = aligned_copy(view)
+    assert copy.ctypes.data % TF_ALIGNMENT == 0 and copy.flags.writeable and copy.flags.c_contiguous
+    np.testing.assert_array_equal(copy, values)
+    empty = to_tf(np.zeros((0, 4), dtype))
+    assert empty.shape == (0, 4)
 
 
 # --------------------------------------------------------------------------- inference
