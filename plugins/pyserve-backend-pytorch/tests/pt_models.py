@@ -39,6 +39,28 @@ class TwoInputs(torch.nn.Module):
         return {"sum": x * 2 + y, "count": (x > 0).sum(dim=1, keepdim=True)}
 
 
+class Shout(torch.nn.Module):
+    """``text: List[str]`` → ``(upper-cased text: List[str], character counts: int64 [N])``."""
+
+    def forward(self, text: list[str]) -> tuple[list[str], torch.Tensor]:
+        shouted = [t.upper() + "!" for t in text]
+        return shouted, torch.tensor([len(t) for t in text], dtype=torch.int64)
+
+
+class Echo(torch.nn.Module):
+    """``INPUT__0: List[str]`` → the same list (one List[str] result, not a tuple)."""
+
+    def forward(self, words: list[str]) -> list[str]:
+        return words
+
+
+class TensorForStrings(torch.nn.Module):
+    """Returns a tensor where a config may wrongly declare a string output."""
+
+    def forward(self, words: list[str]) -> torch.Tensor:
+        return torch.zeros(len(words))
+
+
 def seeded(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     for parameter in module.parameters():
@@ -62,3 +84,9 @@ def save_exported(module: torch.nn.Module, example: torch.Tensor, path: Path) ->
     batch = torch.export.Dim("batch", max=1024)
     program = torch.export.export(module, (example,), dynamic_shapes={"x": {0: batch}})
     torch.export.save(program, str(path))
+
+
+def load_scripted(path: Path) -> torch.jit.ScriptModule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.load(str(path))

@@ -68,6 +68,24 @@ parameters [
 """
 
 
+SHOUT_CONFIG = """
+backend: "pytorch"
+input [ { name: "text", data_type: TYPE_STRING, dims: [ -1 ] } ]
+output [
+  { name: "OUTPUT__0", data_type: TYPE_STRING, dims: [ -1 ] },
+  { name: "OUTPUT__1", data_type: TYPE_INT64, dims: [ -1 ] }
+]
+"""
+
+ECHO_CONFIG = """
+backend: "pytorch"
+max_batch_size: 8
+input [ { name: "INPUT__0", data_type: TYPE_STRING, dims: [ 1 ], reshape: { shape: [ ] } } ]
+output [ { name: "OUTPUT__0", data_type: TYPE_STRING, dims: [ 1 ], reshape: { shape: [ ] } } ]
+dynamic_batching { max_queue_delay_microseconds: 20000 }
+"""
+
+
 def _broken(config: str, old: str, new: str) -> str:
     assert old in config
     return config.replace(old, new)
@@ -79,6 +97,9 @@ def modules() -> dict[str, torch.nn.Module]:
         "mlp": pt_models.seeded(pt_models.MLP(), 0),
         "conv": pt_models.seeded(pt_models.ConvNet(), 1),
         "two": pt_models.TwoInputs().eval(),
+        "shout": pt_models.Shout().eval(),
+        "echo": pt_models.Echo().eval(),
+        "tensor_for_strings": pt_models.TensorForStrings().eval(),
     }
 
 
@@ -122,6 +143,17 @@ def server(
                 ' { key: "ENABLE_CACHE_CLEANING", value: { string_value: "true" } } ]\n', {"1/model.pt": mlp})
     write_model(repo, "bad_flag", MLP_CONFIG + 'parameters [ { key: "ENABLE_WEIGHT_SHARING", '
                 'value: { string_value: "sometimes" } } ]\n', {"1/model.pt": mlp})
+    for name in ("shout", "echo", "tensor_for_strings"):
+        pt_models.save_scripted(modules[name], files / f"{name}.pt")
+    shout, echo, tensor_for_strings = ((files / f"{n}.pt").read_bytes() for n in ("shout", "echo", "tensor_for_strings"))
+    write_model(repo, "shout", SHOUT_CONFIG, {"1/model.pt": shout})
+    write_model(repo, "echo", ECHO_CONFIG, {"1/model.pt": echo})
+    write_model(repo, "bad_string_dims", _broken(SHOUT_CONFIG, "TYPE_STRING, dims: [ -1 ] }", "TYPE_STRING, dims: [ 2, -1 ] }"),
+                {"1/model.pt": shout})
+    write_model(repo, "bad_batched_string", _broken(ECHO_CONFIG, ', reshape: { shape: [ ] } } ]\noutput', " } ]\noutput"),
+                {"1/model.pt": echo})
+    write_model(repo, "bad_string_output", ECHO_CONFIG.replace("INPUT__0", "words").replace("dynamic_batching", "#"),
+                {"1/model.pt": tensor_for_strings})
     with serve(repo, backends=BACKENDS, server_plugins=(recorder,), use_entry_points=False) as thread:
         yield thread
 
@@ -341,8 +373,77 @@ def test_process_flags_are_set_once_per_process(monkeypatch: pytest.MonkeyPatch,
 
 def test_good_models_are_ready(server: ServerThread) -> None:
     index = repository_index(server)
-    for name in ("mlp", "conv", "two", "exported", "triton_flags"):
+    for name in ("mlp", "conv", "two", "exported", "triton_flags", "shout", "echo"):
         assert index[name]["state"] == "READY", index[name]
+
+
+# --------------------------------------------------------------------------- strings
+
+
+def _bytes_input(module: Any, name: str, values: np.ndarray) -> Any:
+    tensor = module.InferInput(name, list(values.shape), "BYTES")
+    tensor.set_data_from_numpy(values)
+    return tensor
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_string_inputs_and_outputs_are_lists_of_str(server: ServerThread, protocol: str, tmp_path: Path) -> None:
+    """TYPE_STRING tensors reach TorchScript as List[str] and come back as BYTES, as in Triton."""
+    module = httpclient if protocol == "http" else grpcclient
+    client = module.InferenceServerClient(server.url if protocol == "http" else server.grpc_url)
+    words = ["héllo", "", "torch script"]
+    text = np.array([w.encode() for w in words], dtype=object)
+    result = client.infer("shout", [_bytes_input(module, "text", text)])
+    pt_models.save_scripted(pt_models.Shout().eval(), tmp_path / "shout.pt")
+    shouted, counts = pt_models.load_scripted(tmp_path / "shout.pt")(words)  # the TorchScript module called directly
+    assert result.as_numpy("OUTPUT__0").tolist() == [s.encode() for s in shouted]
+    assert result.as_numpy("OUTPUT__0")[2] == b"TORCH SCRIPT!"
+    assert result.as_numpy("OUTPUT__1").tolist() == counts.tolist()
+
+
+def test_batched_strings_are_joined_and_split_per_request(server: ServerThread) -> None:
+    """With max_batch_size, each request's strings are one entry per batch row (dims [1], reshape [])."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    words = [[b"alpha"], [b"beta", b"gamma"], [b"delta"]]
+
+    def one(rows: list[bytes]) -> list[bytes]:
+        values = np.array(rows, dtype=object).reshape(len(rows), 1)
+        answer = client.infer("echo", [_bytes_input(grpcclient, "INPUT__0", values)]).as_numpy("OUTPUT__0")
+        assert answer.shape == (len(rows), 1)
+        return answer.reshape(-1).tolist()
+
+    with ThreadPoolExecutor(3) as pool:
+        assert list(pool.map(one, words)) == words
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_string_input_that_is_not_utf8_is_refused(server: ServerThread, protocol: str) -> None:
+    module = httpclient if protocol == "http" else grpcclient
+    client = module.InferenceServerClient(server.url if protocol == "http" else server.grpc_url)
+    text = np.array([b"fine", b"\xff\xfe broken"], dtype=object)
+    with pytest.raises(Exception) as caught:
+        client.infer("shout", [_bytes_input(module, "text", text)])
+    message = str(caught.value)
+    assert "input 'text'" in message and "not UTF-8" in message
+    status = caught.value.status()  # type: ignore[attr-defined]
+    assert status in ("400", "StatusCode.INVALID_ARGUMENT"), status
+    assert client.infer("shout", [_bytes_input(module, "text", text[:1])]).as_numpy("OUTPUT__1").tolist() == [4]
+
+
+@pytest.mark.parametrize(
+    ("model", "fragments"),
+    [
+        ("bad_string_dims", ["input 'text'", "TYPE_STRING", "[2, -1]", "one-dimensional List[str]"]),
+        ("bad_batched_string", ["input 'INPUT__0'", "['batch', 1]", "reshape"]),
+        ("bad_string_output", ["output 'OUTPUT__0'", "TYPE_STRING", "TYPE_FP32"]),
+    ],
+)
+def test_bad_string_models_are_unavailable_with_a_reason(server: ServerThread, model: str,
+                                                         fragments: list[str]) -> None:
+    entry = repository_index(server)[model]
+    assert entry["state"] == "UNAVAILABLE"
+    for fragment in fragments:
+        assert fragment in entry["reason"], entry["reason"]
 
 
 # --------------------------------------------------------------------------- GPU

@@ -21,6 +21,8 @@ What callers may rely on:
   datatype or dims disagree with the config (checked by a probe run on zeros) make the model
   UNAVAILABLE with a message naming the tensor and both sides;
 * a batch of requests runs as one forward over inputs gathered without copies;
+* TYPE_STRING tensors are ``List[str]`` (UTF-8), one-dimensional counting the batch (Triton's
+  rule), both ways;
 * parameters ``INTRA_OP_THREAD_COUNT`` / ``INTER_OP_THREAD_COUNT`` size torch's thread pools
   for the whole process, the first model to set one winning (as in Triton).
 """

@@ -22,6 +22,7 @@ import numpy as np
 from pyserve import ErrorCode, InferError, InstanceContext, ModelContext
 from pyserve.backend_support import (
     NUMPY_NAME_TO_CONFIG,
+    ConfigTensor,
     FrameworkInstance,
     FrameworkModel,
     ProcessWideSettings,
@@ -135,6 +136,58 @@ def to_numpy(tensor: Any) -> np.ndarray:
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(BFLOAT16)
     return tensor.numpy()
+
+
+STRING = "TYPE_STRING"
+"""TorchScript takes and returns these as ``List[str]``: one dimension, batch included (as Triton)."""
+
+
+def to_strings(array: np.ndarray, name: str) -> list[str]:
+    """A BYTES input as the ``List[str]`` TorchScript takes (UTF-8, row-major order).
+
+    :raises InferError: an element is not UTF-8 text (INVALID_ARG).
+    """
+    try:
+        return [item.decode("utf-8") if isinstance(item, bytes) else str(item) for item in array.reshape(-1)]
+    except UnicodeDecodeError as exc:
+        raise InferError.invalid(
+            f"input '{name}' holds bytes that are not UTF-8 text ({exc.reason} at byte {exc.start}), "
+            "which a TorchScript List[str] cannot take"
+        ) from None
+
+
+def from_strings(value: Any, name: str) -> np.ndarray:
+    """A ``List[str]`` result as a BYTES array (UTF-8 encoded elements, one dimension).
+
+    :raises InferError: the value is not a list of strings.
+    """
+    if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
+        raise InferError(
+            f"output '{name}' is TYPE_STRING, so forward must return a List[str] for it, not "
+            f"{type(value).__name__}",
+            ErrorCode.INTERNAL,
+        )
+    result = np.empty(len(value), dtype=object)
+    result[:] = [item.encode("utf-8") for item in value]
+    return result
+
+
+def string_tensors_checked(tensors: tuple[ConfigTensor, ...], kind: str, config: Any) -> tuple[ConfigTensor, ...]:
+    """The config's tensors, after checking that every TYPE_STRING one is one-dimensional
+    with the batch dimension counted (Triton's rule: a ``List[str]`` has one dimension).
+
+    :raises ValueError: a TYPE_STRING tensor with more dimensions.
+    """
+    batching = int(config.max_batch_size) > 0
+    for tensor in tensors:
+        if tensor.config_type == STRING and len(tensor.dims) + batching > 1:
+            shape = (["batch"] if batching else []) + list(tensor.dims)
+            raise ValueError(
+                f"{kind} '{tensor.name}' is TYPE_STRING with shape {shape}: the pytorch backend passes "
+                "strings as a one-dimensional List[str], so its dims must be one dimension without "
+                "batching, or none with batching (dims: [ 1 ] with reshape: { shape: [ ] })"
+            )
+    return tensors
 
 
 # --------------------------------------------------------------------------- config
@@ -305,8 +358,8 @@ class TorchModel(FrameworkModel):
             name=model.name,
             path=model_file(model),
             max_batch_size=int(config.max_batch_size),
-            inputs=config_tensors(config.input, "input", "pytorch", ("TYPE_STRING",)),
-            outputs=config_tensors(config.output, "output", "pytorch", ("TYPE_STRING",)),
+            inputs=string_tensors_checked(config_tensors(config.input, "input", "pytorch"), "input", config),
+            outputs=string_tensors_checked(config_tensors(config.output, "output", "pytorch"), "output", config),
             inference_mode=bool(bool_parameter(params, "INFERENCE_MODE", True)),
             compile=bool(bool_parameter(params, "torch_compile", False)),
             compile_backend=params.get("torch_compile_backend", "").strip() or "inductor",
@@ -419,6 +472,9 @@ class TorchModel(FrameworkModel):
             if tensor.optional:
                 continue
             shape = ((1,) if self.batching else ()) + tuple(d if d > 0 else 1 for d in tensor.dims)
+            if tensor.config_type == STRING:
+                arrays[tensor.name] = np.full(shape, b"", dtype=object)
+                continue
             dtype = from_config_name(tensor.config_type)
             assert dtype is not None
             arrays[tensor.name] = np.zeros(shape, dtype=dtype.dtype)
@@ -454,6 +510,9 @@ class TorchInstance(FrameworkInstance):
         self.output_indices = output_indices
         self.torch = _import_torch()
         self.guard = grad_guard(model.inference_mode)
+        self.string_inputs = frozenset(t.name for t in model.inputs if t.config_type == STRING)
+        self.string_outputs = tuple(t.name for t in model.outputs if t.config_type == STRING)
+        self._one_string_output = len(model.outputs) == 1 and bool(self.string_outputs)
 
     def close(self) -> None:
         """Drop the module (and the CUDA cache of its device)."""
@@ -478,16 +537,30 @@ class TorchInstance(FrameworkInstance):
 
     def _call(self, inputs: Mapping[str, np.ndarray]) -> Any:
         device = self.device
+        if self.string_inputs:
+            return self._call_with_strings(inputs)
         if self.binding.positions:
             args = [to_torch(inputs[name], device) for name in self.binding.positions if name in inputs]
             return self.module(*args)  # type: ignore[misc]
         kwargs = {name: to_torch(inputs[name], device) for name in self.binding.keywords if name in inputs}
         return self.module(**kwargs)  # type: ignore[misc]
 
+    def _call_with_strings(self, inputs: Mapping[str, np.ndarray]) -> Any:
+        strings, device = self.string_inputs, self.device
+
+        def argument(name: str) -> Any:
+            return to_strings(inputs[name], name) if name in strings else to_torch(inputs[name], device)
+
+        if self.binding.positions:
+            return self.module(*[argument(name) for name in self.binding.positions if name in inputs])  # type: ignore[misc]
+        return self.module(**{name: argument(name) for name in self.binding.keywords if name in inputs})  # type: ignore[misc]
+
     def _outputs(self, result: Any) -> dict[str, Any]:
         torch = _import_torch()
         if isinstance(result, torch.Tensor):
             result = (result,)
+        elif isinstance(result, list) and (self._one_string_output or (result and all(isinstance(x, str) for x in result))):
+            result = (result,)  # a List[str] is one result, not a list of results
         if isinstance(result, Mapping):
             missing = [t.name for t in self.model.outputs if t.name not in result]
             if missing:
@@ -529,7 +602,13 @@ class TorchInstance(FrameworkInstance):
             ) from None
         for tensor in model.outputs:
             value = outputs[tensor.name]
-            actual_type = config_type_of(value.dtype)
+            if isinstance(value, list) and all(isinstance(x, str) for x in value):
+                value = np.empty(len(value), dtype=object)
+                actual_type = STRING
+            elif isinstance(value, self.torch.Tensor):
+                actual_type = config_type_of(value.dtype)
+            else:
+                actual_type = type(value).__name__
             if actual_type != tensor.config_type:
                 raise ValueError(
                     f"output '{tensor.name}': the config declares data_type {tensor.config_type}, but "
@@ -543,9 +622,20 @@ class TorchInstance(FrameworkInstance):
                 )
 
     def run(self, inputs: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
-        return self.forward(inputs)
+        outputs = self.forward(inputs)
+        for name in self.string_outputs:
+            if name in outputs:
+                outputs[name] = from_strings(outputs[name], name)
+        return outputs
 
     def to_host(self, value: Any) -> np.ndarray:
+        if isinstance(value, np.ndarray):  # a TYPE_STRING output, made an array in run
+            return value
+        if not isinstance(value, self.torch.Tensor):
+            raise InferError(
+                f"forward of model '{self.model.name}' returned {type(value).__name__} for a tensor output",
+                ErrorCode.INTERNAL,
+            )
         return to_numpy(value)
 
     def error(self, exc: Exception) -> InferError:
