@@ -809,10 +809,10 @@ class GrpcConnection(asyncio.Protocol):
         if stream.messages is not None and not stream.remote_closed:
             stream.messages.fail(CallCancelled("the call has ended"))
         self._forget(stream)
-        if self._streams:
-            self._schedule_flush()  # other calls may finish in this loop turn: one write for all
+        if self._streams or len(self.server.connections) > 1:
+            self._schedule_flush()  # other calls may finish in this loop turn: answers leave in a burst
         else:
-            self._flush()  # the connection's only call: its answer goes out now, not a turn later
+            self._flush()  # the server's only call: nothing would join a burst, so it goes out now
 
     def _fail(self, stream: Stream, code: grpc.StatusCode, details: str) -> None:
         """End a call with ``code`` before (or instead of) its servicer function."""
