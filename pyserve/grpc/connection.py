@@ -3,7 +3,9 @@
 The protocol object parses frames as bytes arrive, keeps the streams and both directions of
 flow control, and runs each call as a task on the event loop (the servicer functions are
 ``async``; model execution itself happens on instance threads). Replies written during one
-loop turn leave in one ``writelines``.
+loop turn leave in one ``writelines``, one loop turn later, so that while several calls are in
+flight the clients are woken once per burst; a call that ends while no other call is in flight
+on the server has its answer written at once (nothing would join its burst).
 
 What a peer may rely on:
 
@@ -809,10 +811,10 @@ class GrpcConnection(asyncio.Protocol):
         if stream.messages is not None and not stream.remote_closed:
             stream.messages.fail(CallCancelled("the call has ended"))
         self._forget(stream)
-        if self._streams or len(self.server.connections) > 1:
+        if self._streams or any(c._streams for c in self.server.connections):
             self._schedule_flush()  # other calls may finish in this loop turn: answers leave in a burst
         else:
-            self._flush()  # the server's only call: nothing would join a burst, so it goes out now
+            self._flush()  # the server's only call in flight: nothing would join a burst, so it goes out now
 
     def _fail(self, stream: Stream, code: grpc.StatusCode, details: str) -> None:
         """End a call with ``code`` before (or instead of) its servicer function."""
