@@ -159,6 +159,7 @@ class GrpcConnection(asyncio.Protocol):
                 handle.cancel()
         for stream in list(self._streams.values()):
             self._cancel_stream(stream)
+        self.server.calls -= len(self._streams)
         self._streams.clear()
         self._blocked.clear()
         self._wake_drain()
@@ -341,7 +342,7 @@ class GrpcConnection(asyncio.Protocol):
         elif kind == h2.RST_STREAM:
             if stream_id == 0 or len(payload) != 4:
                 raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "malformed RST_STREAM")
-            stream = self._streams.pop(stream_id, None)
+            stream = self._drop_stream(stream_id)
             if stream is not None:
                 self._blocked.pop(stream_id, None)
                 self._cancel_stream(stream)
@@ -463,7 +464,7 @@ class GrpcConnection(asyncio.Protocol):
                 accepted = {item.strip() for item in value.split(",")}
                 stream.accept_gzip = "gzip" in accepted
                 stream.accept_deflate = "deflate" in accepted
-        self._streams[stream_id] = stream
+        self._add_stream(stream)
         stream.path = path
         deadline = None if timeout is None else self.loop.time() + timeout
         context = stream.context = CallContext(stream, headers, deadline, self.peer)
@@ -620,9 +621,22 @@ class GrpcConnection(asyncio.Protocol):
             stream.context.run_done_callbacks()
         self._wake_stream(stream)
 
+    def _add_stream(self, stream: Stream) -> None:
+        """Count a new stream in (its call is in flight until ``_drop_stream``)."""
+        if stream.id not in self._streams:
+            self.server.calls += 1
+        self._streams[stream.id] = stream
+
+    def _drop_stream(self, stream_id: int) -> Stream | None:
+        """Drop a stream; the one dropped, or None if there was none with that id."""
+        stream = self._streams.pop(stream_id, None)
+        if stream is not None:
+            self.server.calls -= 1
+        return stream
+
     def _reset(self, stream: Stream, code: int) -> None:
         """Reset a stream from this side (RST_STREAM ``code``) and cancel its call."""
-        self._streams.pop(stream.id, None)
+        self._drop_stream(stream.id)
         self._blocked.pop(stream.id, None)
         self._write(h2.rst_stream(stream.id, code))
         self._cancel_stream(stream)
@@ -634,7 +648,7 @@ class GrpcConnection(asyncio.Protocol):
         if not stream.remote_closed:
             stream.remote_closed = True  # the call is over: the rest of the request is not wanted
             self._write(h2.rst_stream(stream.id, h2.NO_ERROR))
-        self._streams.pop(stream.id, None)
+        self._drop_stream(stream.id)
         if self.closing and not self._streams:
             self._close()
 
@@ -811,7 +825,7 @@ class GrpcConnection(asyncio.Protocol):
         if stream.messages is not None and not stream.remote_closed:
             stream.messages.fail(CallCancelled("the call has ended"))
         self._forget(stream)
-        if self._streams or any(c._streams for c in self.server.connections):
+        if self.server.calls:
             self._schedule_flush()  # other calls may finish in this loop turn: answers leave in a burst
         else:
             self._flush()  # the server's only call in flight: nothing would join a burst, so it goes out now
