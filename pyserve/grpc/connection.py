@@ -3,9 +3,7 @@
 The protocol object parses frames as bytes arrive, keeps the streams and both directions of
 flow control, and runs each call as a task on the event loop (the servicer functions are
 ``async``; model execution itself happens on instance threads). Replies written during one
-loop turn leave in one ``writelines``, one loop turn later, so that while several calls are in
-flight the clients are woken once per burst; a call that ends while no other call is in flight
-on the server has its answer written at once (nothing would join its burst).
+loop turn leave in one ``writelines``.
 
 What a peer may rely on:
 
@@ -22,6 +20,7 @@ What a peer may rely on:
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import zlib
@@ -58,6 +57,13 @@ _ENCODINGS = {"identity", "gzip", "deflate"}
 _ACCEPT_ENCODING = h2.literal(b"grpc-accept-encoding", b"identity,deflate,gzip")
 _TRAILERS_OK = h2.literal(b"grpc-status", b"0")
 _PREFIX_PLAIN = 0
+
+
+@functools.lru_cache(maxsize=64)
+def _accepted_compressions(value: str) -> tuple[bool, bool]:
+    """(gzip, deflate) accepted by a ``grpc-accept-encoding`` value (clients repeat one value)."""
+    accepted = {item.strip() for item in value.split(",")}
+    return "gzip" in accepted, "deflate" in accepted
 
 
 class Stream:
@@ -159,7 +165,6 @@ class GrpcConnection(asyncio.Protocol):
                 handle.cancel()
         for stream in list(self._streams.values()):
             self._cancel_stream(stream)
-        self.server.calls -= len(self._streams)
         self._streams.clear()
         self._blocked.clear()
         self._wake_drain()
@@ -342,7 +347,7 @@ class GrpcConnection(asyncio.Protocol):
         elif kind == h2.RST_STREAM:
             if stream_id == 0 or len(payload) != 4:
                 raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "malformed RST_STREAM")
-            stream = self._drop_stream(stream_id)
+            stream = self._streams.pop(stream_id, None)
             if stream is not None:
                 self._blocked.pop(stream_id, None)
                 self._cancel_stream(stream)
@@ -461,10 +466,8 @@ class GrpcConnection(asyncio.Protocol):
             elif name == "grpc-encoding":
                 stream.encoding = value
             elif name == "grpc-accept-encoding":
-                accepted = {item.strip() for item in value.split(",")}
-                stream.accept_gzip = "gzip" in accepted
-                stream.accept_deflate = "deflate" in accepted
-        self._add_stream(stream)
+                stream.accept_gzip, stream.accept_deflate = _accepted_compressions(value)
+        self._streams[stream_id] = stream
         stream.path = path
         deadline = None if timeout is None else self.loop.time() + timeout
         context = stream.context = CallContext(stream, headers, deadline, self.peer)
@@ -621,22 +624,9 @@ class GrpcConnection(asyncio.Protocol):
             stream.context.run_done_callbacks()
         self._wake_stream(stream)
 
-    def _add_stream(self, stream: Stream) -> None:
-        """Count a new stream in (its call is in flight until ``_drop_stream``)."""
-        if stream.id not in self._streams:
-            self.server.calls += 1
-        self._streams[stream.id] = stream
-
-    def _drop_stream(self, stream_id: int) -> Stream | None:
-        """Drop a stream; the one dropped, or None if there was none with that id."""
-        stream = self._streams.pop(stream_id, None)
-        if stream is not None:
-            self.server.calls -= 1
-        return stream
-
     def _reset(self, stream: Stream, code: int) -> None:
         """Reset a stream from this side (RST_STREAM ``code``) and cancel its call."""
-        self._drop_stream(stream.id)
+        self._streams.pop(stream.id, None)
         self._blocked.pop(stream.id, None)
         self._write(h2.rst_stream(stream.id, code))
         self._cancel_stream(stream)
@@ -648,7 +638,7 @@ class GrpcConnection(asyncio.Protocol):
         if not stream.remote_closed:
             stream.remote_closed = True  # the call is over: the rest of the request is not wanted
             self._write(h2.rst_stream(stream.id, h2.NO_ERROR))
-        self._drop_stream(stream.id)
+        self._streams.pop(stream.id, None)
         if self.closing and not self._streams:
             self._close()
 
@@ -825,10 +815,7 @@ class GrpcConnection(asyncio.Protocol):
         if stream.messages is not None and not stream.remote_closed:
             stream.messages.fail(CallCancelled("the call has ended"))
         self._forget(stream)
-        if self.server.calls:
-            self._schedule_flush()  # other calls may finish in this loop turn: answers leave in a burst
-        else:
-            self._flush()  # the server's only call in flight: nothing would join a burst, so it goes out now
+        self._schedule_flush()
 
     def _fail(self, stream: Stream, code: grpc.StatusCode, details: str) -> None:
         """End a call with ``code`` before (or instead of) its servicer function."""

@@ -47,8 +47,6 @@ class GrpcServer:
         self.interceptors = tuple(interceptors or ())
         self.reuse_port = reuse_port
         self.connections: set[GrpcConnection] = set()
-        self.calls = 0
-        """Streams open on all connections, i.e. calls in flight (kept by ``GrpcConnection``)."""
         self._handlers: list[grpc.GenericRpcHandler] = []
         self._methods: dict[str, Any] = {}
         self._sockets: list[socket.socket] = []
