@@ -121,7 +121,14 @@ from pyserve.testing.client import TIMEOUT_S as TIMEOUT_S  # re-exported: how lo
 from pyserve.testing.client import _Model
 from pyserve.testing.conformance import BackendConformance
 from pyserve.testing.dlpack import DLPackProbe
-from pyserve.testing.helpers import BatchRecorder, ServerFactory, python_environment, serve, write_model
+from pyserve.testing.helpers import (
+    BatchRecorder,
+    ServerFactory,
+    python_environment,
+    serve,
+    shared_python_environment,
+    write_model,
+)
 from pyserve.testing.inputs import generate_inputs
 
 if TYPE_CHECKING:
@@ -134,6 +141,7 @@ __all__ = [
     "ServerFactory",
     "generate_inputs",
     "python_environment",
+    "shared_python_environment",
     "serve",
     "write_model",
 ]

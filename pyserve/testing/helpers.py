@@ -113,3 +113,26 @@ def python_environment(root: Path, packages: Sequence[str] = (), timeout: float 
         if done.returncode != 0:
             raise RuntimeError(f"pip could not install {', '.join(packages)}: {done.stderr[-500:]}")
     return root
+
+
+_SHARED_ENVIRONMENTS: dict[tuple[str, ...], Path | RuntimeError] = {}
+
+
+def shared_python_environment(tmp_path_factory: Any, packages: Sequence[str]) -> Path:
+    """``python_environment`` with ``packages``, made once per test session (in a directory of
+    ``tmp_path_factory``) and shared by every test that asks for the same packages, which must
+    only read it. Skips the asking test when pip cannot install the packages.
+    """
+    import pytest
+
+    key = tuple(packages)
+    made = _SHARED_ENVIRONMENTS.get(key)
+    if made is None:
+        try:
+            made = python_environment(tmp_path_factory.mktemp("python-env") / "env", key)
+        except RuntimeError as exc:
+            made = exc
+        _SHARED_ENVIRONMENTS[key] = made
+    if isinstance(made, RuntimeError):
+        pytest.skip(f"cannot make a test environment with {', '.join(key)}: {made}")
+    return made

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from pyserve.testing import ServerFactory, python_environment, write_model
+from pyserve.testing import ServerFactory, shared_python_environment, write_model
 
 MODELS = Path(__file__).resolve().parent / "python_models"
 pytestmark = pytest.mark.timeout(300)
@@ -59,10 +59,7 @@ def triton_backends(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def stub_environment(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A virtual environment with numpy<2 for the models (the stub's pybind11 needs numpy 1)."""
-    try:
-        return python_environment(tmp_path_factory.mktemp("stub-env") / "env", ["numpy<2"])
-    except RuntimeError as exc:
-        pytest.skip(f"cannot make the stub environment: {exc}")
+    return shared_python_environment(tmp_path_factory, ["numpy<2"])
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from pyserve.server import ServerThread
-from pyserve.testing import python_environment
+from pyserve.testing import python_environment, shared_python_environment
 from python_backend_helpers import start, write_python_model
 
 pytestmark = pytest.mark.timeout(180)
@@ -218,10 +218,7 @@ class TritonPythonModel:
 @pytest.fixture(scope="module")
 def numpy1_environment(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A virtual environment with ``numpy<2`` (what a model built for Triton's stub often pins)."""
-    try:
-        return python_environment(tmp_path_factory.mktemp("numpy1-env") / "env", ["numpy<2"])
-    except RuntimeError as exc:
-        pytest.skip(f"cannot make a test environment with numpy<2: {exc}")
+    return shared_python_environment(tmp_path_factory, ["numpy<2"])
 
 
 def test_the_model_and_the_worker_run_on_the_environments_numpy(tmp_path: Path, numpy1_environment: Path) -> None:
