@@ -2,8 +2,12 @@
 
 The protocol object parses frames as bytes arrive, keeps the streams and both directions of
 flow control, and runs each call as a task on the event loop (the servicer functions are
-``async``; model execution itself happens on instance threads). Replies written during one
-loop turn leave in one ``writelines``.
+``async``; model execution itself happens on instance threads, or on the loop for inline
+models). Replies written during one loop turn leave in one ``writelines``. On the server's only
+connection a unary call starts at once, inside ``data_received`` (``pyserve.grpc.eager``): a
+call that never waits is then answered by that read's own flush, with no task and no extra loop
+turn. With several connections, calls stay tasks, so that the answers of one loop turn leave
+together (clients woken once per burst).
 
 What a peer may rely on:
 
@@ -33,6 +37,7 @@ import grpc
 from pyserve.grpc import http2 as h2
 from pyserve.grpc.call import AbortError, CallCancelled, CallContext, RequestMessages, encode_metadata
 from pyserve.grpc.codec import WireParts
+from pyserve.grpc.eager import start_eagerly
 from pyserve.http.body import TooLarge, inflate
 
 if TYPE_CHECKING:
@@ -597,7 +602,23 @@ class GrpcConnection(asyncio.Protocol):
             if stream.unary_request is None:
                 self._fail(stream, grpc.StatusCode.UNIMPLEMENTED, "a unary call got no request message")
                 return
-            stream.task = self.loop.create_task(self._run(stream))
+            stream.task = self._start_unary(stream)
+
+    def _start_unary(self, stream: Stream) -> asyncio.Task[None] | None:
+        """Run a unary call whose request is complete; its task, or None if it already ended.
+
+        On the server's only connection the call runs at once, up to its first wait (nothing
+        else could join its answer's write). Otherwise it becomes a task, and calls arriving
+        on several connections in one loop turn run, and answer, together in the next.
+        """
+        if len(self.server.connections) != 1:
+            return self.loop.create_task(self._run(stream))
+        try:
+            return start_eagerly(self.loop, self._run(stream))
+        except Exception:  # _run answers its call's own errors: this is a bug in it
+            log.exception("gRPC call %s failed", stream.path)
+            self._fail(stream, grpc.StatusCode.INTERNAL, "internal error")
+            return None
 
     def _deadline(self, stream: Stream) -> None:
         stream.deadline_handle = None
