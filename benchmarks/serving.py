@@ -730,6 +730,8 @@ def serving_targets(results: Results) -> list[Target]:
         Target("gRPC req/s, 32 connections", ratio(results, key("grpc", "grpc", SMALL, 32), "rps"), 1.0, True),
         Target("p50 latency, 1 HTTP connection", ratio(results, key("http", "json", SMALL, 1), "p50_ms"), 0.6,
                False),
+        Target("p50 latency, 1 gRPC connection", ratio(results, key("grpc", "grpc", SMALL, 1), "p50_ms"), 0.6,
+               False),
         # "p99 no worse at any level" (HTTP, issue 9)
         *(Target(f"p99 latency, HTTP {encoding} {c} connection{'s' if c > 1 else ''}",
                  ratio(results, key("http", encoding, SMALL, c), "p99_ms"), 1.0, False)
