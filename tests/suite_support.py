@@ -6,6 +6,10 @@ resolves to this file whatever order pytest collects the plugin test folders in.
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,7 @@ __all__ = [
     "REPO_ROOT",
     "SQUARE_CONFIG",
     "StartServer",
+    "grpc_handler_server",
     "identity_config",
     "sample",
     "write_model",
@@ -170,3 +175,36 @@ def python_echo_config(name: str, extra: str = "") -> str:
 def echo_config(extra: str = "") -> str:
     """``echo``: the identity backend on FP32 ``INPUT0`` [-1] → ``OUTPUT0``, batching up to 8."""
     return _fp32_echo("echo", "identity", "dynamic_batching { }\n" + extra)
+
+
+@contextmanager
+def grpc_handler_server(handler: Any) -> Iterator[int]:
+    """pyserve's own ``GrpcServer`` serving one generic handler (no model server around it) on a
+    loopback port, on a thread of its own; yields the port and stops the server on exit."""
+    from pyserve.grpc.listener import GrpcServer
+    from pyserve.grpc.server import GrpcOptions
+
+    ready, stop = threading.Event(), threading.Event()
+    port: list[int] = []
+
+    def serve_forever() -> None:
+        async def main() -> None:
+            server = GrpcServer(GrpcOptions())
+            server.add_generic_rpc_handlers([handler])
+            port.append(server.add_insecure_port("127.0.0.1:0"))
+            await server.start()
+            ready.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.02)
+            await server.stop(None)
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=serve_forever, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    try:
+        yield port[0]
+    finally:
+        stop.set()
+        thread.join(10)

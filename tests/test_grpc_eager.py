@@ -21,11 +21,10 @@ from typing import Any
 
 import grpc
 import pytest
+from suite_support import grpc_handler_server
 
 from pyserve.grpc import http2 as h2
 from pyserve.grpc.eager import start_eagerly
-from pyserve.grpc.listener import GrpcServer
-from pyserve.grpc.server import GrpcOptions
 
 # -- start_eagerly on its own --------------------------------------------------------------------
 
@@ -184,30 +183,8 @@ def _probe_server() -> Iterator[tuple[int, _Probe]]:
     probe = _Probe()
     handler = grpc.method_handlers_generic_handler(
         "t.S", {"M": grpc.unary_unary_rpc_method_handler(probe.behaviour)})
-    ready, stop = threading.Event(), threading.Event()
-    port: list[int] = []
-
-    def serve_forever() -> None:
-        async def main() -> None:
-            server = GrpcServer(GrpcOptions())
-            server.add_generic_rpc_handlers([handler])
-            port.append(server.add_insecure_port("127.0.0.1:0"))
-            await server.start()
-            ready.set()
-            while not stop.is_set():
-                await asyncio.sleep(0.02)
-            await server.stop(None)
-
-        asyncio.run(main())
-
-    thread = threading.Thread(target=serve_forever, daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    try:
-        yield port[0], probe
-    finally:
-        stop.set()
-        thread.join(10)
+    with grpc_handler_server(handler) as port:
+        yield port, probe
 
 
 def test_on_the_only_connection_a_call_runs_in_the_read_and_with_two_in_a_task() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import gzip
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
-from suite_support import FP32_ECHO_CONFIG, write_model
+from suite_support import FP32_ECHO_CONFIG, grpc_handler_server, write_model
 from tritonclient.utils import InferenceServerException
 
 from pyserve import protocol as pb
@@ -543,10 +542,6 @@ def test_many_concurrent_calls_on_one_channel(server: ServerThread) -> None:
 
 def test_metadata_reaches_the_servicer_and_trailers_come_back(repo: Path) -> None:
     """A custom servicer on the same server class: -bin metadata decoded, abort trailers encoded."""
-    import asyncio
-
-    from pyserve.grpc.listener import GrpcServer
-
     seen: dict[str, Any] = {}
 
     async def behaviour(request: bytes, context: Any) -> bytes:
@@ -556,39 +551,16 @@ def test_metadata_reaches_the_servicer_and_trailers_come_back(repo: Path) -> Non
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "nope: 100%", (("why-bin", b"\x00\x01"), ("who", "me")))
 
     handler = grpc.method_handlers_generic_handler("t.S", {"M": grpc.unary_unary_rpc_method_handler(behaviour)})
-    ready, stop = threading.Event(), threading.Event()
-    port: list[int] = []
-
-    def serve_forever() -> None:
-        async def main() -> None:
-            server = GrpcServer(GrpcOptions())
-            server.add_generic_rpc_handlers([handler])
-            port.append(server.add_insecure_port("127.0.0.1:0"))
-            await server.start()
-            ready.set()
-            while not stop.is_set():
-                await asyncio.sleep(0.02)
-            await server.stop(None)
-
-        asyncio.run(main())
-
-    thread = threading.Thread(target=serve_forever, daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port[0]}") as channel:
-            call = channel.unary_unary("/t.S/M")
-            with pytest.raises(grpc.RpcError) as error:
-                call(b"hi", metadata=(("token-bin", b"\xff\x00"), ("user", "ann")), timeout=10)
-        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert error.value.details() == "nope: 100%"
-        assert dict(error.value.trailing_metadata()) == {"why-bin": b"\x00\x01", "who": "me"}
-        assert seen["token-bin"] == b"\xff\x00" and seen["user"] == "ann"
-        assert seen["peer"].startswith("ipv4:127.0.0.1:")
-        assert 0 < seen["remaining"] <= 10
-    finally:
-        stop.set()
-        thread.join(10)
+    with grpc_handler_server(handler) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary("/t.S/M")
+        with pytest.raises(grpc.RpcError) as error:
+            call(b"hi", metadata=(("token-bin", b"\xff\x00"), ("user", "ann")), timeout=10)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error.value.details() == "nope: 100%"
+    assert dict(error.value.trailing_metadata()) == {"why-bin": b"\x00\x01", "who": "me"}
+    assert seen["token-bin"] == b"\xff\x00" and seen["user"] == "ann"
+    assert seen["peer"].startswith("ipv4:127.0.0.1:")
+    assert 0 < seen["remaining"] <= 10
 
 
 # -- large messages: tensors stay where they arrived ---------------------------------------------
