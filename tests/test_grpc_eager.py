@@ -159,7 +159,7 @@ class _Probe:
     """A unary method that reports how it ran: ``b"task"`` or ``b"read"`` (no current task).
 
     A request ``b"wait"`` waits 50 ms first; ``b"forever"`` waits until cancelled, which is
-    then recorded in ``cancelled``.
+    then recorded in ``cancelled``; ``b"raise"`` raises at once, ``b"raise later"`` after a wait.
     """
 
     def __init__(self) -> None:
@@ -167,8 +167,13 @@ class _Probe:
 
     async def behaviour(self, request: bytes, context: Any) -> bytes:
         where = b"read" if asyncio.current_task() is None else b"task"
+        if request == b"raise":
+            raise ValueError("boom")
         if request == b"wait":
             await asyncio.sleep(0.05)
+        elif request == b"raise later":
+            await asyncio.sleep(0.01)
+            raise ValueError("boom later")
         elif request == b"forever":
             try:
                 await asyncio.Event().wait()
@@ -228,3 +233,19 @@ def test_a_call_started_at_once_is_cancelled_by_the_client_going_away() -> None:
             assert future.cancel()  # RST_STREAM(CANCEL) from grpcio
             assert probe.cancelled.wait(5)
             assert channel.unary_unary("/t.S/M")(b"", timeout=10) == b"read"
+
+
+def test_a_method_that_raises_answers_unknown_and_the_connection_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    """The servicer's exception, raised inside the read or after the call became a task: the
+    call ends with UNKNOWN naming it, it is logged, and the same connection serves on."""
+    with _probe_server() as (port, _):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary("/t.S/M")
+            for request, message in ((b"raise", "boom"), (b"raise later", "boom later")):
+                with pytest.raises(grpc.RpcError) as error:
+                    call(request, timeout=10)
+                assert error.value.code() == grpc.StatusCode.UNKNOWN
+                assert error.value.details() == f"Unexpected <class 'ValueError'>: {message}"
+                assert call(b"", timeout=10) == b"read"
+    failures = [r for r in caplog.records if r.levelname == "ERROR" and "failed" in r.getMessage()]
+    assert len(failures) == 2, caplog.text
