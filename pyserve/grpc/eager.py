@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import sys
 from collections.abc import Coroutine, Generator
 from typing import Any, TypeVar
 
@@ -27,9 +28,14 @@ def start_eagerly(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T])
     not need a task of its own before it first waits (``asyncio.timeout`` does). Its result,
     if it finishes at once, is dropped.
 
+    On Python 3.10 the coroutine simply becomes a task: a task there cannot be given the context
+    the first step ran in (``create_task(context=...)`` is 3.11's).
+
     :raises BaseException: what the first step raised (``coro`` is then closed); a coroutine
         that handles its own errors raises nothing here.
     """
+    if sys.version_info < (3, 11):
+        return loop.create_task(coro)
     context = contextvars.copy_context()
     try:
         first = context.run(coro.send, None)
