@@ -135,6 +135,7 @@ class GrpcConnection(asyncio.Protocol):
         # sending
         self._out: list[Any] = []
         self._flush_scheduled = False
+        self._receiving = False  # inside data_received, which writes what was queued at its end
         self._paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
         self.send_window = h2.DEFAULT_WINDOW
@@ -187,6 +188,15 @@ class GrpcConnection(asyncio.Protocol):
 
     # -- receiving -------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        self._receiving = True
+        try:
+            self._receive(data)
+        finally:
+            self._receiving = False
+
+    def _receive(self, data: bytes) -> None:
+        """Parse ``data``; everything its frames and the calls they finish queued is written at
+        the end (which is why ``_schedule_flush`` does nothing meanwhile)."""
         position = 0
         if self._buffer:
             position = self._complete_leftover(data)
@@ -266,7 +276,7 @@ class GrpcConnection(asyncio.Protocol):
         if not self._preface:
             self._buffer = None
             merged = bytes(leftover) + data
-            self.data_received(merged)
+            self._receive(merged)
             return -1
         if len(leftover) < 9:
             take = 9 - len(leftover)
@@ -300,7 +310,7 @@ class GrpcConnection(asyncio.Protocol):
             leftover += data[consumed:]
             return -1
         self._buffer = None
-        self.data_received(bytes(leftover) + data[consumed:consumed + missing])
+        self._receive(bytes(leftover) + data[consumed:consumed + missing])
         return -1 if self._closed else consumed + missing
 
     def _not_http2(self) -> None:
@@ -904,6 +914,8 @@ class GrpcConnection(asyncio.Protocol):
         self._out.append(data)
 
     def _schedule_flush(self) -> None:
+        if self._receiving:
+            return  # data_received writes at its end (a call it finished at once included)
         if not self._flush_scheduled and self._out:
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
