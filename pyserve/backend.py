@@ -60,6 +60,11 @@ class ModelContext:
     :ivar state: what ``pyserve_model_create`` returned.
     :ivar metrics: custom metric families shown on the server's ``/metrics`` page (the same
         object as ``backend.metrics``; see ``pyserve.metrics.CustomMetrics``).
+    :ivar compute_only: set by the backend (in ``pyserve_model_create``) when this model's
+        execute only computes: it never sleeps, waits for I/O, a lock held elsewhere or another
+        request, and never calls the server (BLS). The server may then run the model's short
+        executes on its event loop when nothing else waits for it (``pyserve_inline_execute``
+        ``"auto"``, the default for such a model on CPU instances). Default False.
     """
 
     name: str
@@ -72,6 +77,7 @@ class ModelContext:
     server: Any = None
     state: Any = None
     metrics: CustomMetrics = field(default_factory=CustomMetrics)
+    compute_only: bool = False
 
     @property
     def version_path(self) -> Path:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyserve import __version__, busy_poll, logs
+from pyserve import __version__, busy_poll, client_activity, logs
 from pyserve.dataplane import DataPlane
 from pyserve.grpc.server import GrpcOptions
 from pyserve.header_forwarding import compile_forwarding
@@ -428,6 +428,7 @@ class Server:
                 )
             await asyncio.sleep(0.01)
         self.http_port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
+        client_activity.untracked_server(True)  # its requests are not reported: executes stay on threads
         log.info("Started HTTPService at %s:%d", self.options.host, self.http_port)
 
     def _log_model_table(self) -> None:
@@ -474,6 +475,8 @@ class Server:
             self._uvicorn.should_exit = True
             with contextlib.suppress(Exception):
                 await self._serve_task
+            client_activity.untracked_server(False)
+            self._uvicorn = None
         if self._grpc is not None:
             await self._grpc.stop(grace=max(deadline - loop.time(), 0.0) if drained else 0)
         self.dataplane.live = False

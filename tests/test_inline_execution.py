@@ -121,7 +121,7 @@ def test_warmup_of_an_inline_model(start_server, make_repo) -> None:  # type: ig
     [
         (INLINE + " sequence_batching { }", "cannot be combined with the sequence batcher"),
         (INLINE + " model_transaction_policy { decoupled: true }", "cannot be used by a decoupled model"),
-        ('parameters { key: "pyserve_inline_execute" value { string_value: "yes" } }', "must be \"true\" or \"false\""),
+        ('parameters { key: "pyserve_inline_execute" value { string_value: "yes" } }', "must be \"true\", \"auto\" or \"false\""),
     ],
 )
 def test_refused_combinations(start_server, make_repo, extra: str, message: str) -> None:  # type: ignore[no-untyped-def]

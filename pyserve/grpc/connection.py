@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from pyserve import client_activity
 from pyserve.grpc import http2 as h2
 from pyserve.grpc.call import AbortError, CallCancelled, CallContext, RequestMessages, encode_metadata
 from pyserve.grpc.codec import WireParts
@@ -483,6 +484,7 @@ class GrpcConnection(asyncio.Protocol):
             elif name == "grpc-accept-encoding":
                 stream.accept_gzip, stream.accept_deflate = _accepted_compressions(value)
         self._streams[stream_id] = stream
+        client_activity.request_from(self)
         stream.path = path
         deadline = None if timeout is None else self.loop.time() + timeout
         context = stream.context = CallContext(stream, headers, deadline, self.peer)

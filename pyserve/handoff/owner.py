@@ -28,6 +28,7 @@ import os
 import weakref
 from typing import Any
 
+from pyserve import client_activity
 from pyserve.dataplane import DataPlane
 from pyserve.errors import ErrorCode, InferError
 from pyserve.grpc.codec import WireParts, encode_infer_wire, parse_infer_request
@@ -48,6 +49,9 @@ from pyserve.handoff.replicas import ReplicationMode, describe, replicable
 from pyserve.models import ModelVersion
 
 log = logging.getLogger("pyserve.handoff")
+
+_REQUEST_KINDS = frozenset((Kind.INFER, Kind.RAW_HTTP, Kind.RAW_GRPC))
+"""Frames that start a request (``client_activity``: each may come from another client)."""
 
 
 class HandoffServer:
@@ -273,6 +277,8 @@ class _FrontendConnection(asyncio.Protocol):
 
     # -- frames ------------------------------------------------------------------------------
     def _on_frame(self, kind: int, request_id: int, payload: bytes | bytearray) -> None:
+        if kind in _REQUEST_KINDS:  # a link carries many clients' requests
+            client_activity.request_mixed()
         if kind == Kind.INFER:
             try:
                 self._infer(request_id, payload)

@@ -38,6 +38,7 @@ from urllib.parse import unquote
 
 import httptools
 
+from pyserve import client_activity
 from pyserve.dataplane import DataPlane
 from pyserve.errors import InferError
 from pyserve.http.body import too_large
@@ -264,6 +265,7 @@ class HttpProtocol(asyncio.Protocol):
                 request.expect_continue = True
         if request.method == "POST":
             request.target = self.server.infer_target(request.url)
+        client_activity.request_from(self)
         if request.target is not None:
             self._check_infer(request)
         self.pipeline.append(request)

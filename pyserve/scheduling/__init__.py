@@ -14,15 +14,16 @@ from typing import Any, Protocol
 
 from pyserve.inference import InferRequest, InferResponse
 from pyserve.model_config import ModelIO
+from pyserve.scheduling.adaptive import AdaptiveScheduler
 from pyserve.scheduling.dynamic import DynamicBatcher
-from pyserve.scheduling.inline import INLINE_PARAMETER, InlineBatcher, InlineScheduler, LoopScheduler, inline_requested
+from pyserve.scheduling.inline import INLINE_PARAMETER, InlineBatcher, InlineScheduler, LoopScheduler, inline_blocker, inline_mode
 from pyserve.scheduling.instance import STOP, Batch, InstanceWorker
 from pyserve.scheduling.sequence import SequenceBatcher
 
 log = logging.getLogger("pyserve.scheduling")
 
 __all__ = [
-    "INLINE_PARAMETER", "STOP", "Batch", "DefaultScheduler", "DynamicBatcher", "InlineBatcher", "InlineScheduler",
+    "INLINE_PARAMETER", "STOP", "AdaptiveScheduler", "Batch", "DefaultScheduler", "DynamicBatcher", "InlineBatcher", "InlineScheduler",
     "InstanceWorker", "LoopScheduler", "Scheduler", "SequenceBatcher", "scheduler_for",
 ]
 
@@ -66,18 +67,27 @@ class DefaultScheduler:
             self.work.put(STOP)
 
 
-def scheduler_for(config: Any, io: ModelIO, instances: int, model_dir: Path, inline_allowed: bool = True) -> Scheduler:
+def scheduler_for(config: Any, io: ModelIO, instances: int, model_dir: Path, inline_allowed: bool = True,
+                  adaptive_default: bool = False) -> Scheduler:
     """The scheduler a model's config asks for.
 
     :param inline_allowed: False when the instances take rate-limiter resources, which they may
         have to wait for: never on the event loop (``pyserve_inline_execute`` is then ignored).
+    :param adaptive_default: the model may execute on the event loop when that is cheaper
+        (its backend declares it compute-only and its instances are CPU instances): without
+        ``pyserve_inline_execute`` in the config, a model with no other scheduling block gets
+        the ``AdaptiveScheduler``, as with ``"auto"``.
     :raises ValueError: the scheduling block cannot be used as configured.
     """
-    if inline_requested(config) and not inline_allowed:
+    mode = inline_mode(config)
+    if mode in ("true", "auto") and not inline_allowed:
         log.warning("model '%s': pyserve_inline_execute is ignored: its instances wait for rate-limiter "
                     "resources, which the event loop must not", config.name)
-    elif inline_requested(config):
+    elif mode == "true":
         return InlineBatcher(config, io) if config.HasField("dynamic_batching") else InlineScheduler()
+    elif mode == "auto" or (mode == "" and adaptive_default and inline_allowed and not inline_blocker(config)):
+        if not config.HasField("dynamic_batching"):  # a batcher keeps its instance threads
+            return AdaptiveScheduler()
     if config.HasField("sequence_batching"):
         return SequenceBatcher(config, io, instances, model_dir)
     if config.HasField("dynamic_batching"):

@@ -161,20 +161,32 @@ class InlineBatcher(LoopScheduler, DynamicBatcher):
         self._stopped.set()
 
 
-def inline_requested(config: Any) -> bool:
-    """Whether the config asks for inline execution (``pyserve_inline_execute: "true"``).
+def inline_mode(config: Any) -> str:
+    """The config's ``pyserve_inline_execute``: ``"true"``, ``"false"``, ``"auto"``, or ``""`` when unset.
 
-    :raises ValueError: the value is not true/false, or the model cannot run inline.
+    ``"true"`` runs every execute on the event loop (this module); ``"auto"`` runs it there when
+    that is the cheaper way (``pyserve.scheduling.adaptive``).
+
+    :raises ValueError: another value, or ``"true"``/``"auto"`` on a model that cannot run inline
+        (a sequence batcher, an ensemble, a decoupled model).
     """
     parameter = config.parameters.get(INLINE_PARAMETER)
     value = parameter.string_value.strip().lower() if parameter is not None else ""
     if value in ("", "false"):
-        return False
-    if value != "true":
-        raise ValueError(f"parameter '{INLINE_PARAMETER}' must be \"true\" or \"false\", got '{value}'")
+        return value
+    if value not in ("true", "auto"):
+        raise ValueError(f"parameter '{INLINE_PARAMETER}' must be \"true\", \"auto\" or \"false\", got '{value}'")
+    blocker = inline_blocker(config)
+    if blocker:
+        raise ValueError(f"parameter '{INLINE_PARAMETER}' cannot be {blocker}")
+    return value
+
+
+def inline_blocker(config: Any) -> str:
+    """Why no execute of this model may run on the event loop (as the end of a sentence), or ``""``."""
     for field, what in (("sequence_batching", "the sequence batcher"), ("ensemble_scheduling", "an ensemble")):
         if config.HasField(field):
-            raise ValueError(f"parameter '{INLINE_PARAMETER}' cannot be combined with {what}")
+            return f"combined with {what}"
     if config.model_transaction_policy.decoupled:
-        raise ValueError(f"parameter '{INLINE_PARAMETER}' cannot be used by a decoupled model")
-    return True
+        return "used by a decoupled model"
+    return ""

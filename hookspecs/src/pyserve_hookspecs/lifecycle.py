@@ -107,6 +107,12 @@ def pyserve_model_create(model: ModelContext) -> Any:
         ``ModelConfig`` message; treat it as read-only), ``path`` (model directory),
         ``version_path`` (the version directory), ``parameters`` (the config's
         ``parameters`` as ``dict[str, str]``), ``backend`` (the backend's context).
+        The implementation may set ``model.compute_only = True`` when this model's execute
+        only computes (it never sleeps, waits for I/O, a lock held elsewhere or another
+        request, and never calls the server): the server may then run its short executes
+        on the event loop while a single client sends requests one after another (config
+        parameter ``pyserve_inline_execute``, ``"auto"``), which saves two thread wake-ups
+        per request.
     :returns: any object; it is stored as ``model.state``. ``None`` is fine.
     :raises Exception: the version becomes UNAVAILABLE with the exception text as its reason;
         no instance is created and ``pyserve_model_finalize`` is not called. Other models

@@ -61,8 +61,11 @@ def pyserve_model_auto_complete(model: ModelContext) -> bool:
 
 @hookimpl
 def pyserve_model_create(model: ModelContext) -> OnnxModel:
-    """Locate the model file and read the session settings; becomes ``model.state``.
+    """Locate the model file and read the session settings; becomes ``model.state``. The model
+    is compute-only (``ModelContext.compute_only``): a session run waits for nothing else.
 
     :raises ValueError: missing model file, a bad parameter value, or an unsupported datatype.
     """
-    return OnnxModel.from_context(model)
+    state = OnnxModel.from_context(model)
+    model.compute_only = True
+    return state

@@ -59,8 +59,11 @@ def pyserve_model_create(model: ModelContext) -> TorchModel:
     """Locate the model file and read the parameters; becomes ``model.state``. Applies the
     process-wide thread counts the first model to ask for them asks for.
 
+    The model is compute-only (``ModelContext.compute_only``): a forward call waits for nothing else.
+
     :raises ValueError: missing model file, bad parameter value, unsupported datatype.
     """
     state = TorchModel.from_context(model)
     apply_thread_counts(state.name, state.intra_op_threads, state.inter_op_threads)
+    model.compute_only = True
     return state

@@ -65,8 +65,11 @@ def pyserve_model_auto_complete(model: ModelContext) -> bool:
 
 @hookimpl
 def pyserve_model_create(model: ModelContext) -> TensorFlowModel:
-    """Locate the model and read the config; becomes ``model.state``.
+    """Locate the model and read the config; becomes ``model.state``. The model is compute-only
+    (``ModelContext.compute_only``): a signature call waits for nothing else.
 
     :raises ValueError: the SavedModel directory or GraphDef file is missing.
     """
-    return TensorFlowModel.from_context(model)
+    state = TensorFlowModel.from_context(model)
+    model.compute_only = True
+    return state

@@ -1,0 +1,54 @@
+"""Whether this process's requests lately all came from one client connection.
+
+The adaptive scheduler (``pyserve.scheduling.adaptive``) asks it whether anyone else could be
+waiting for the event loop. When every request of the last ``WINDOW_NS`` came over the same
+connection, one client is talking to the server, request after request: a short execute run on
+the loop delays nobody, and it saves the two thread wake-ups of a hand-off to an instance
+thread. When requests came over several connections, executes stay on the instance threads and
+the loop goes on serving. Idle connections (a load balancer's pool, a client's unused channel)
+do not count: only requests do.
+
+The servers tell it of each request as it starts (``request_from``): HTTP when a request's
+headers are read, gRPC when a call's stream opens. A frontend process's link carries many
+clients' requests, so each of them counts as coming from a new connection (``request_mixed``),
+and a server that does not report its requests (uvicorn) turns the signal off while it runs
+(``untracked_server``). Called on the servers' event loop threads; process-wide.
+"""
+
+from __future__ import annotations
+
+import time
+
+WINDOW_NS = 10_000_000
+"""How long (10 ms) after a request from another connection the process is not alone with one client."""
+
+_last_connection = 0  # id() of the connection of the last request (not the object: never kept alive)
+_mixed_at_ns = 0  # when a request last came from another connection than the one before it
+_untracked = 0  # servers running that do not report their requests
+
+
+def request_from(connection: object) -> None:
+    """A request starts on ``connection``."""
+    global _last_connection, _mixed_at_ns
+    key = id(connection)
+    if key != _last_connection:
+        _last_connection = key
+        _mixed_at_ns = time.monotonic_ns()
+
+
+def request_mixed() -> None:
+    """A request starts that may come from any of several clients (a frontend process's link)."""
+    global _last_connection, _mixed_at_ns
+    _last_connection = 0
+    _mixed_at_ns = time.monotonic_ns()
+
+
+def untracked_server(running: bool) -> None:
+    """A server that does not report its requests starts (True) or stops (False)."""
+    global _untracked
+    _untracked = max(_untracked + (1 if running else -1), 0)
+
+
+def one_client() -> bool:
+    """Whether every request of the last ``WINDOW_NS`` came over one connection."""
+    return not _untracked and time.monotonic_ns() - _mixed_at_ns > WINDOW_NS

@@ -1,0 +1,269 @@
+"""The adaptive scheduler: a compute-only model executes on the event loop when that is cheaper.
+
+With a real server and tritonclient: a model whose backend declares it compute-only
+(``ModelContext.compute_only``) executes on the server's loop thread once one client alone sends
+requests and its executes are known to be short, and on its instance threads otherwise: while
+requests come over two connections, after a slow execute (until short ones bring the estimate
+down again), during warm-up, and before any execute was timed. ``pyserve_inline_execute``
+``"false"`` keeps the threads, ``"auto"`` asks for the scheduler on any backend; models with a
+batcher, a rate limiter or GPU instances keep their schedulers. Directly on the scheduler: an
+instance thread never starts a batch while the loop executes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from pyserve import InferRequest, InferResponse, InstanceContext, ModelContext, client_activity
+from pyserve.backend import Backend
+from pyserve.scheduling import AdaptiveScheduler, DefaultScheduler, DynamicBatcher
+from pyserve.scheduling.adaptive import AUTO_LIMIT_NS
+
+LOOP_THREAD = "pyserve-server"  # ServerThread's event loop thread
+
+
+def config(extra: str = "", backend: str = "compute") -> str:
+    return f"""
+    backend: "{backend}"
+    max_batch_size: 4
+    input [ {{ name: "IN" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+    output [ {{ name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+    {extra}
+    """
+
+
+def auto(value: str) -> str:
+    return f'parameters {{ key: "pyserve_inline_execute" value {{ string_value: "{value}" }} }}'
+
+
+class Compute(Backend):
+    """Doubles IN; records each execute's thread; request parameter ``sleep_ms`` makes one slow."""
+
+    def __init__(self, compute_only: bool = True) -> None:
+        self.compute_only = compute_only
+        self.threads: list[str] = []
+
+    def create_model(self, model: ModelContext) -> None:
+        model.compute_only = self.compute_only
+
+    def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
+        self.threads.append(threading.current_thread().name)
+        for request in requests:
+            pause = request.parameters.get("sleep_ms")
+            if pause:
+                time.sleep(float(pause) / 1000)
+        return [InferResponse({"OUT": request.inputs["IN"] * 2}) for request in requests]
+
+
+VALUES = np.array([[1, 2]], dtype=np.float32)
+
+
+def _input(module: Any = httpclient) -> Any:
+    tensor = module.InferInput("IN", [1, 2], "FP32")
+    tensor.set_data_from_numpy(VALUES)
+    return tensor
+
+
+def _call(client: Any, model: str, module: Any = httpclient, **parameters: Any) -> None:
+    answer = client.infer(model, [_input(module)], parameters=parameters or None)
+    assert np.array_equal(answer.as_numpy("OUT"), VALUES * 2)
+
+
+def _settle() -> None:
+    """Let the client-activity window of requests from other connections pass."""
+    time.sleep(client_activity.WINDOW_NS / 1e9 * 2)
+
+
+def _until_on_the_loop(backend: Compute, call: Callable[[], None], tries: int = 40) -> int:
+    """Call until an execute runs on the loop thread; the number of calls it took."""
+    for attempt in range(1, tries + 1):
+        call()
+        if backend.threads[-1] == LOOP_THREAD:
+            return attempt
+    raise AssertionError(f"no execute ran on the event loop in {tries} calls: {backend.threads[-tries:]}")
+
+
+def test_one_client_gets_its_executes_on_the_event_loop(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
+    backend = Compute()
+    server = start_server(make_repo({"m": config()}), backends={"compute": backend})
+    assert isinstance(server.server.models.get("m").scheduler, AdaptiveScheduler)
+    with httpclient.InferenceServerClient(server.url) as client:
+        _call(client, "m")
+        assert backend.threads[0].startswith("pyserve-instance-")  # nothing timed yet: a thread
+        _settle()
+        _until_on_the_loop(backend, lambda: _call(client, "m"))
+        for _ in range(5):
+            _call(client, "m")
+        assert backend.threads[-5:] == [LOOP_THREAD] * 5
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        _call(grpc, "m", grpcclient)
+        _settle()
+        _until_on_the_loop(backend, lambda: _call(grpc, "m", grpcclient))
+    finally:
+        grpc.close()
+    with httpclient.InferenceServerClient(server.url) as client:
+        stats = client.get_inference_statistics("m")["model_stats"][0]
+    count = len(backend.threads)
+    assert stats["inference_count"] == count and stats["execution_count"] == count
+
+
+def test_two_clients_keep_the_instance_threads(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
+    backend = Compute()
+    server = start_server(make_repo({"m": config()}), backends={"compute": backend})
+    with httpclient.InferenceServerClient(server.url) as one, httpclient.InferenceServerClient(server.url) as two:
+        _call(one, "m")
+        _settle()
+        _until_on_the_loop(backend, lambda: _call(one, "m"))
+        before = len(backend.threads)
+        for _ in range(10):  # requests alternate between two connections
+            _call(two, "m")
+            _call(one, "m")
+        assert all(name.startswith("pyserve-instance-") for name in backend.threads[before:])
+        _settle()  # one client alone again
+        _until_on_the_loop(backend, lambda: _call(one, "m"))
+
+
+def test_a_slow_execute_goes_back_to_the_threads(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
+    backend = Compute()
+    server = start_server(make_repo({"m": config()}), backends={"compute": backend})
+    scheduler = server.server.models.get("m").scheduler
+    with httpclient.InferenceServerClient(server.url) as client:
+        _call(client, "m")
+        _settle()
+        _until_on_the_loop(backend, lambda: _call(client, "m"))
+        slow_ms = 3 * AUTO_LIMIT_NS / 1e6
+        _call(client, "m", sleep_ms=slow_ms)  # runs on the loop once, and is timed there
+        assert backend.threads[-1] == LOOP_THREAD
+        assert scheduler.estimate_ns >= AUTO_LIMIT_NS
+        _call(client, "m")
+        assert backend.threads[-1].startswith("pyserve-instance-")
+        calls = _until_on_the_loop(backend, lambda: _call(client, "m"))  # short executes: back
+        assert calls > 1
+
+
+def test_warmup_runs_on_the_instance_threads(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
+    warmup = """
+    model_warmup [ { name: "w" batch_size: 1 inputs { key: "IN" value: { data_type: TYPE_FP32 dims: [ 2 ] zero_data: true } } } ]
+    """
+    backend = Compute()
+    start_server(make_repo({"m": config(warmup)}), backends={"compute": backend})
+    assert backend.threads and backend.threads[0].startswith("pyserve-instance-")
+
+
+@pytest.mark.parametrize(
+    ("compute_only", "extra", "expected"),
+    [
+        (True, "", AdaptiveScheduler),
+        (True, auto("false"), DefaultScheduler),
+        (False, "", DefaultScheduler),
+        (False, auto("auto"), AdaptiveScheduler),
+        (True, "dynamic_batching { }", DynamicBatcher),  # a batcher keeps its instance threads
+        (True, auto("auto") + " dynamic_batching { }", DynamicBatcher),
+        # instances that wait for rate-limiter resources never execute on the loop
+        (True, "instance_group [ { count: 1 kind: KIND_CPU rate_limiter { resources [ { name: \"R\" count: 1 } ] } } ]",
+         DefaultScheduler),
+    ],
+)
+def test_which_models_get_the_adaptive_scheduler(  # type: ignore[no-untyped-def]
+    start_server, make_repo, compute_only: bool, extra: str, expected: type
+) -> None:
+    server = start_server(make_repo({"m": config(extra)}), backends={"compute": Compute(compute_only)},
+                          rate_limit="execution_count")
+    assert type(server.server.models.get("m").scheduler) is expected
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (auto("auto") + " sequence_batching { }", "cannot be combined with the sequence batcher"),
+        (auto("auto") + " model_transaction_policy { decoupled: true }", "cannot be used by a decoupled model"),
+    ],
+)
+def test_auto_is_refused_where_no_execute_may_run_on_the_loop(  # type: ignore[no-untyped-def]
+    start_server, make_repo, extra: str, message: str
+) -> None:
+    server = start_server(make_repo({"m": config(extra)}), backends={"compute": Compute(False)})
+    with httpclient.InferenceServerClient(server.url) as client:
+        index = {m["name"]: m for m in client.get_model_repository_index()}
+    assert index["m"]["state"] == "UNAVAILABLE" and message in index["m"]["reason"]
+
+
+def test_a_compute_only_sequence_model_keeps_its_batcher(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
+    server = start_server(make_repo({"m": config("sequence_batching { }")}), backends={"compute": Compute()})
+    assert type(server.server.models.get("m").scheduler).__name__ == "SequenceBatcher"
+
+
+class _Worker:
+    """Stands in for ``InstanceWorker.execute_batch``: the scheduler calls nothing else of it."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.log: list[str] = []
+
+    def execute_batch(self, batch: Sequence[Any]) -> None:
+        where = "loop" if threading.current_thread().name == "adaptive-loop" else "thread"
+        self.log.append(f"{where} start")
+        if where == "loop":
+            self.started.set()
+            assert self.release.wait(10)
+        self.log.append(f"{where} end")
+
+
+def test_an_instance_thread_waits_while_the_loop_executes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client_activity, "one_client", lambda: True)
+    scheduler = AdaptiveScheduler()
+    worker = _Worker()
+    scheduler.worker = worker  # type: ignore[assignment]
+    scheduler._record(1_000)  # a short execute was timed
+    next_batch = scheduler.batch_source(0)
+
+    def instance_thread() -> None:
+        while (batch := next_batch()) is not None:
+            worker.execute_batch(batch)
+
+    thread = threading.Thread(target=instance_thread)
+    thread.start()
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, name="adaptive-loop")
+    loop_thread.start()
+    try:
+        loop.call_soon_threadsafe(scheduler.enqueue, object())  # type: ignore[arg-type]
+        assert worker.started.wait(10)
+        scheduler.enqueue(object())  # type: ignore[arg-type]  # from another thread: queued
+        time.sleep(0.1)
+        assert worker.log == ["loop start"]  # the instance thread waits for the loop's execute
+        worker.release.set()
+        deadline = time.monotonic() + 10
+        while len(worker.log) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.log == ["loop start", "loop end", "thread start", "thread end"]
+    finally:
+        worker.release.set()
+        scheduler.stop(1)
+        thread.join(10)
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join(10)
+        loop.close()
+    assert not thread.is_alive()
+
+
+def test_the_estimate_rises_at_once_and_falls_gradually() -> None:
+    scheduler = AdaptiveScheduler()
+    assert scheduler.estimate_ns > AUTO_LIMIT_NS  # unknown until timed
+    scheduler._record(100_000)
+    assert scheduler.estimate_ns == 100_000
+    scheduler._record(900_000)
+    assert scheduler.estimate_ns == 900_000
+    scheduler._record(100_000)
+    assert scheduler.estimate_ns == 800_000  # an eighth of the way down
