@@ -8,6 +8,10 @@ thread. When requests came over several connections, executes stay on the instan
 the loop goes on serving. Idle connections (a load balancer's pool, a client's unused channel)
 do not count: only requests do.
 
+A second, stricter question is whether that client also sends one request at a time: a request
+that starts while another of its connection is in progress (HTTP/1.1 pipelining, several gRPC
+streams at once) says it does not, and a batcher should then keep gathering such requests.
+
 The servers tell it of each request as it starts (``request_from``): HTTP when a request's
 headers are read, gRPC when a call's stream opens. A frontend process's link carries many
 clients' requests, so each of them counts as coming from a new connection (``request_mixed``),
@@ -22,25 +26,30 @@ import time
 WINDOW_NS = 10_000_000
 """How long (10 ms) after a request from another connection the process is not alone with one client."""
 
+_now = time.monotonic_ns  # the clock (a test may replace it)
 _last_connection = 0  # id() of the connection of the last request (not the object: never kept alive)
 _mixed_at_ns = 0  # when a request last came from another connection than the one before it
+_together_at_ns = 0  # when a request last started beside another of its connection
 _untracked = 0  # servers running that do not report their requests
 
 
-def request_from(connection: object) -> None:
-    """A request starts on ``connection``."""
-    global _last_connection, _mixed_at_ns
+def request_from(connection: object, together: bool = False) -> None:
+    """A request starts on ``connection``; ``together``: while another request of the same
+    connection is in progress (or arrived in the same read)."""
+    global _last_connection, _mixed_at_ns, _together_at_ns
     key = id(connection)
     if key != _last_connection:
         _last_connection = key
-        _mixed_at_ns = time.monotonic_ns()
+        _mixed_at_ns = _now()
+    if together:
+        _together_at_ns = _now()
 
 
 def request_mixed() -> None:
     """A request starts that may come from any of several clients (a frontend process's link)."""
-    global _last_connection, _mixed_at_ns
+    global _last_connection, _mixed_at_ns, _together_at_ns
     _last_connection = 0
-    _mixed_at_ns = time.monotonic_ns()
+    _mixed_at_ns = _together_at_ns = _now()
 
 
 def untracked_server(running: bool) -> None:
@@ -51,4 +60,11 @@ def untracked_server(running: bool) -> None:
 
 def one_client() -> bool:
     """Whether every request of the last ``WINDOW_NS`` came over one connection."""
-    return not _untracked and time.monotonic_ns() - _mixed_at_ns > WINDOW_NS
+    return not _untracked and _now() - _mixed_at_ns > WINDOW_NS
+
+
+def one_request_at_a_time() -> bool:
+    """Whether every request of the last ``WINDOW_NS`` came over one connection, each after the
+    previous one was answered."""
+    now = _now()
+    return not _untracked and now - _mixed_at_ns > WINDOW_NS and now - _together_at_ns > WINDOW_NS

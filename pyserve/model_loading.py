@@ -33,7 +33,7 @@ from pyserve.models import ModelRecord, ModelState, ModelVersion
 from pyserve.plugins import BackendUnavailable, LoadedBackend, PluginHost
 from pyserve.protocol import ModelConfig
 from pyserve.repository import Fingerprint, ModelSource, fingerprint, select_versions, version_numbers
-from pyserve.scheduling import AdaptiveScheduler, InstanceWorker, LoopScheduler, scheduler_for
+from pyserve.scheduling import InstanceWorker, LoopScheduler, LoopShortcut, scheduler_for
 from pyserve.scheduling.ensemble import EnsembleScheduler, build_plan
 from pyserve.scheduling.rate_limiter import RateLimiter, RateLimitError, instance_claim
 from pyserve.warmup import WarmupError, run_warmup
@@ -375,7 +375,7 @@ class ModelLoader:
                            rate=(limiter, version.rate_claims[i]) if limiter is not None else None)
             for i, inst in enumerate(version.instances)
         ]
-        if isinstance(scheduler, (LoopScheduler, AdaptiveScheduler)):
+        if isinstance(scheduler, (LoopScheduler, LoopShortcut)):
             scheduler.worker = version.workers[0]
         for worker in version.workers:
             worker.start()

@@ -16,16 +16,20 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
+import tritonclient.http.aio as aioclient
 
 from pyserve import InferRequest, InferResponse, InstanceContext, ModelContext, client_activity
 from pyserve.backend import Backend
-from pyserve.scheduling import AdaptiveScheduler, DefaultScheduler, DynamicBatcher
+from pyserve.scheduling import AdaptiveBatcher, AdaptiveScheduler, DefaultScheduler, DynamicBatcher
+from pyserve.model_config import model_io, parse_config
 from pyserve.scheduling.adaptive import AUTO_LIMIT_NS
 
 LOOP_THREAD = "pyserve-server"  # ServerThread's event loop thread
@@ -51,12 +55,14 @@ class Compute(Backend):
     def __init__(self, compute_only: bool = True) -> None:
         self.compute_only = compute_only
         self.threads: list[str] = []
+        self.sizes: list[int] = []
 
     def create_model(self, model: ModelContext) -> None:
         model.compute_only = self.compute_only
 
     def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
         self.threads.append(threading.current_thread().name)
+        self.sizes.append(len(requests))
         for request in requests:
             pause = request.parameters.get("sleep_ms")
             if pause:
@@ -151,6 +157,104 @@ def test_a_slow_execute_goes_back_to_the_threads(start_server, make_repo) -> Non
         assert calls > 1
 
 
+def test_the_batcher_executes_one_clients_requests_on_the_loop_and_batches_others(  # type: ignore[no-untyped-def]
+    start_server, make_repo
+) -> None:
+    backend = Compute()
+    server = start_server(make_repo({"m": config("dynamic_batching { preserve_ordering: true }")}),
+                          backends={"compute": backend})
+    assert isinstance(server.server.models.get("m").scheduler, AdaptiveBatcher)
+    with httpclient.InferenceServerClient(server.url) as client:
+        _call(client, "m")
+        assert backend.threads[0].startswith("pyserve-instance-")
+        _settle()
+        _until_on_the_loop(backend, lambda: _call(client, "m"))
+    before = len(backend.threads)
+
+    async def many() -> list[np.ndarray]:  # many connections, requests together, slow executes
+        clients = [aioclient.InferenceServerClient(server.url) for _ in range(8)]
+        try:
+            answers = await asyncio.gather(*(
+                clients[i % 8].infer("m", [_aio_input(i)], parameters={"sleep_ms": 5}) for i in range(32)
+            ))
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+        return [a.as_numpy("OUT") for a in answers]
+
+    results = asyncio.run(many())
+    assert [float(r[0, 0]) for r in results] == [2.0 * i for i in range(32)]
+    assert all(name.startswith("pyserve-instance-") for name in backend.threads[before:])
+    assert max(backend.sizes[before:]) > 1  # the batcher gathered what waited
+    assert sum(backend.sizes[before:]) == 32
+
+
+def _aio_input(value: int) -> Any:
+    tensor = aioclient.InferInput("IN", [1, 2], "FP32")
+    tensor.set_data_from_numpy(np.full((1, 2), value, dtype=np.float32))
+    return tensor
+
+
+def test_many_streams_of_one_grpc_connection_keep_the_batcher_gathering(  # type: ignore[no-untyped-def]
+    start_server, make_repo
+) -> None:
+    backend = Compute()
+    server = start_server(make_repo({"m": config("dynamic_batching { }"), "plain": config()}),
+                          backends={"compute": backend})
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        _call(grpc, "m", grpcclient)
+        _settle()
+        _until_on_the_loop(backend, lambda: _call(grpc, "m", grpcclient))
+    finally:
+        grpc.close()
+    before = len(backend.threads)
+
+    async def together() -> list[np.ndarray]:  # one channel: one connection, 24 streams at once
+        client = grpcaio.InferenceServerClient(server.grpc_url)
+        try:
+            tensors = []
+            for i in range(24):
+                tensor = grpcaio.InferInput("IN", [1, 2], "FP32")
+                tensor.set_data_from_numpy(np.full((1, 2), i, dtype=np.float32))
+                tensors.append(tensor)
+            answers = await asyncio.gather(*(
+                client.infer("m", [tensor], parameters={"sleep_ms": 2}) for tensor in tensors
+            ))
+        finally:
+            await client.close()
+        return [a.as_numpy("OUT") for a in answers]
+
+    results = asyncio.run(together())
+    assert [float(r[0, 0]) for r in results] == [2.0 * i for i in range(24)]
+    assert max(backend.sizes[before:]) > 1, backend.sizes[before:]  # requests that came together were batched
+    assert sum(backend.sizes[before:]) == 24
+
+
+def test_client_activity_answers_from_the_requests_it_was_told_of(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("_last_connection", "_mixed_at_ns", "_together_at_ns", "_untracked"):  # restored afterwards
+        monkeypatch.setattr(client_activity, name, 0)
+    now = [time.monotonic_ns()]
+    monkeypatch.setattr(client_activity, "_now", lambda: now[0])
+    first, second = object(), object()
+    client_activity.request_from(first)
+    client_activity.request_from(second)  # another connection: not alone for a window
+    assert not client_activity.one_client()
+    now[0] += client_activity.WINDOW_NS + 1
+    client_activity.request_from(second)
+    assert client_activity.one_client() and client_activity.one_request_at_a_time()
+    client_activity.request_from(second, together=True)  # pipelined, or streams at once
+    assert client_activity.one_client() and not client_activity.one_request_at_a_time()
+    now[0] += client_activity.WINDOW_NS + 1
+    assert client_activity.one_request_at_a_time()
+    client_activity.request_mixed()  # a frontend process's link: any client
+    assert not client_activity.one_client() and not client_activity.one_request_at_a_time()
+    now[0] += client_activity.WINDOW_NS + 1
+    client_activity.untracked_server(True)  # uvicorn: its requests are not told
+    assert not client_activity.one_client()
+    client_activity.untracked_server(False)
+    assert client_activity.one_client()
+
+
 def test_warmup_runs_on_the_instance_threads(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
     warmup = """
     model_warmup [ { name: "w" batch_size: 1 inputs { key: "IN" value: { data_type: TYPE_FP32 dims: [ 2 ] zero_data: true } } } ]
@@ -167,8 +271,12 @@ def test_warmup_runs_on_the_instance_threads(start_server, make_repo) -> None:  
         (True, auto("false"), DefaultScheduler),
         (False, "", DefaultScheduler),
         (False, auto("auto"), AdaptiveScheduler),
-        (True, "dynamic_batching { }", DynamicBatcher),  # a batcher keeps its instance threads
-        (True, auto("auto") + " dynamic_batching { }", DynamicBatcher),
+        (True, "dynamic_batching { }", AdaptiveBatcher),
+        (True, auto("auto") + " dynamic_batching { preserve_ordering: true }", AdaptiveBatcher),
+        (True, auto("false") + " dynamic_batching { }", DynamicBatcher),
+        # a queue delay waits for company: the batcher keeps its instance threads
+        (True, "dynamic_batching { max_queue_delay_microseconds: 100 }", DynamicBatcher),
+        (True, auto("auto") + " dynamic_batching { max_queue_delay_microseconds: 100 }", DynamicBatcher),
         # instances that wait for rate-limiter resources never execute on the loop
         (True, "instance_group [ { count: 1 kind: KIND_CPU rate_limiter { resources [ { name: \"R\" count: 1 } ] } } ]",
          DefaultScheduler),
@@ -220,9 +328,22 @@ class _Worker:
         self.log.append(f"{where} end")
 
 
-def test_an_instance_thread_waits_while_the_loop_executes(monkeypatch: pytest.MonkeyPatch) -> None:
+def _scheduler(kind: str) -> AdaptiveScheduler | AdaptiveBatcher:
+    if kind == "default":
+        return AdaptiveScheduler()
+    parsed = parse_config(config("dynamic_batching { }"), Path("config.pbtxt"))
+    return AdaptiveBatcher(parsed, model_io(parsed, Path(".")))
+
+
+def _request() -> InferRequest:
+    return InferRequest("m", 1, {"IN": np.zeros((1, 2), np.float32)}, ("OUT",))
+
+
+@pytest.mark.parametrize("kind", ["default", "dynamic_batching"])
+def test_an_instance_thread_waits_while_the_loop_executes(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     monkeypatch.setattr(client_activity, "one_client", lambda: True)
-    scheduler = AdaptiveScheduler()
+    monkeypatch.setattr(client_activity, "one_request_at_a_time", lambda: True)
+    scheduler = _scheduler(kind)
     worker = _Worker()
     scheduler.worker = worker  # type: ignore[assignment]
     scheduler._record(1_000)  # a short execute was timed
@@ -238,9 +359,9 @@ def test_an_instance_thread_waits_while_the_loop_executes(monkeypatch: pytest.Mo
     loop_thread = threading.Thread(target=loop.run_forever, name="adaptive-loop")
     loop_thread.start()
     try:
-        loop.call_soon_threadsafe(scheduler.enqueue, object())  # type: ignore[arg-type]
+        loop.call_soon_threadsafe(scheduler.enqueue, _request())
         assert worker.started.wait(10)
-        scheduler.enqueue(object())  # type: ignore[arg-type]  # from another thread: queued
+        scheduler.enqueue(_request())  # from another thread: queued
         time.sleep(0.1)
         assert worker.log == ["loop start"]  # the instance thread waits for the loop's execute
         worker.release.set()
@@ -248,6 +369,14 @@ def test_an_instance_thread_waits_while_the_loop_executes(monkeypatch: pytest.Mo
         while len(worker.log) < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert worker.log == ["loop start", "loop end", "thread start", "thread end"]
+        # the loop's execute took 0.1 s: the next request, although enqueued on the loop, goes
+        # to the instance thread
+        assert scheduler.estimate_ns >= AUTO_LIMIT_NS
+        loop.call_soon_threadsafe(scheduler.enqueue, _request())
+        deadline = time.monotonic() + 10
+        while len(worker.log) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.log[4:] == ["thread start", "thread end"]
     finally:
         worker.release.set()
         scheduler.stop(1)

@@ -137,6 +137,7 @@ class GrpcConnection(asyncio.Protocol):
         self._out: list[Any] = []
         self._flush_scheduled = False
         self._receiving = False  # inside data_received, which writes what was queued at its end
+        self._opened_in_read = 0  # streams opened by the current data_received (client_activity)
         self._paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
         self.send_window = h2.DEFAULT_WINDOW
@@ -190,6 +191,7 @@ class GrpcConnection(asyncio.Protocol):
     # -- receiving -------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
         self._receiving = True
+        self._opened_in_read = 0
         try:
             self._receive(data)
         finally:
@@ -484,7 +486,8 @@ class GrpcConnection(asyncio.Protocol):
             elif name == "grpc-accept-encoding":
                 stream.accept_gzip, stream.accept_deflate = _accepted_compressions(value)
         self._streams[stream_id] = stream
-        client_activity.request_from(self)
+        self._opened_in_read += 1
+        client_activity.request_from(self, together=self._opened_in_read > 1 or len(self._streams) > 1)
         stream.path = path
         deadline = None if timeout is None else self.loop.time() + timeout
         context = stream.context = CallContext(stream, headers, deadline, self.peer)

@@ -265,7 +265,7 @@ class HttpProtocol(asyncio.Protocol):
                 request.expect_continue = True
         if request.method == "POST":
             request.target = self.server.infer_target(request.url)
-        client_activity.request_from(self)
+        client_activity.request_from(self, together=bool(self.pipeline))  # pipelined: not one at a time
         if request.target is not None:
             self._check_infer(request)
         self.pipeline.append(request)

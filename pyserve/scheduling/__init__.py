@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from pyserve.inference import InferRequest, InferResponse
 from pyserve.model_config import ModelIO
-from pyserve.scheduling.adaptive import AdaptiveScheduler
+from pyserve.scheduling.adaptive import AdaptiveBatcher, AdaptiveScheduler, LoopShortcut
 from pyserve.scheduling.dynamic import DynamicBatcher
 from pyserve.scheduling.inline import INLINE_PARAMETER, InlineBatcher, InlineScheduler, LoopScheduler, inline_blocker, inline_mode
 from pyserve.scheduling.instance import STOP, Batch, InstanceWorker
@@ -23,8 +23,9 @@ from pyserve.scheduling.sequence import SequenceBatcher
 log = logging.getLogger("pyserve.scheduling")
 
 __all__ = [
-    "INLINE_PARAMETER", "STOP", "AdaptiveScheduler", "Batch", "DefaultScheduler", "DynamicBatcher", "InlineBatcher", "InlineScheduler",
-    "InstanceWorker", "LoopScheduler", "Scheduler", "SequenceBatcher", "scheduler_for",
+    "INLINE_PARAMETER", "STOP", "AdaptiveBatcher", "AdaptiveScheduler", "Batch", "DefaultScheduler",
+    "DynamicBatcher", "InlineBatcher", "InlineScheduler", "InstanceWorker", "LoopScheduler", "LoopShortcut",
+    "Scheduler", "SequenceBatcher", "scheduler_for",
 ]
 
 
@@ -75,8 +76,9 @@ def scheduler_for(config: Any, io: ModelIO, instances: int, model_dir: Path, inl
         have to wait for: never on the event loop (``pyserve_inline_execute`` is then ignored).
     :param adaptive_default: the model may execute on the event loop when that is cheaper
         (its backend declares it compute-only and its instances are CPU instances): without
-        ``pyserve_inline_execute`` in the config, a model with no other scheduling block gets
-        the ``AdaptiveScheduler``, as with ``"auto"``.
+        ``pyserve_inline_execute`` in the config, a model without a scheduling block gets the
+        ``AdaptiveScheduler`` and one with ``dynamic_batching`` and no queue delay the
+        ``AdaptiveBatcher``, as with ``"auto"``.
     :raises ValueError: the scheduling block cannot be used as configured.
     """
     mode = inline_mode(config)
@@ -86,8 +88,10 @@ def scheduler_for(config: Any, io: ModelIO, instances: int, model_dir: Path, inl
     elif mode == "true":
         return InlineBatcher(config, io) if config.HasField("dynamic_batching") else InlineScheduler()
     elif mode == "auto" or (mode == "" and adaptive_default and inline_allowed and not inline_blocker(config)):
-        if not config.HasField("dynamic_batching"):  # a batcher keeps its instance threads
+        if not config.HasField("dynamic_batching"):
             return AdaptiveScheduler()
+        if not config.dynamic_batching.max_queue_delay_microseconds:  # a queue delay waits for company
+            return AdaptiveBatcher(config, io)
     if config.HasField("sequence_batching"):
         return SequenceBatcher(config, io, instances, model_dir)
     if config.HasField("dynamic_batching"):

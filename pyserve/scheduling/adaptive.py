@@ -1,4 +1,4 @@
-"""Triton's default scheduler that executes on the event loop when that is the cheaper way.
+"""Schedulers that execute on the event loop when that is the cheaper way.
 
 ``pyserve_inline_execute: "auto"``, and the default for a model whose backend declares it
 compute-only (``ModelContext.compute_only``: the framework backends) and whose instances are all
@@ -16,21 +16,35 @@ someone else is waiting for the loop. So a request executes on the loop (with in
   unknown (above the limit): the first executes run on the threads and are timed there; one
   slow execute raises the estimate at once, short ones lower it gradually.
 
-Otherwise the request is queued for the instance threads, exactly as ``DefaultScheduler`` does.
+Otherwise the request goes to the instance threads, as with the scheduler the config names:
+
+* ``AdaptiveScheduler``: no scheduling block (Triton's default scheduler).
+* ``AdaptiveBatcher``: ``dynamic_batching`` without ``max_queue_delay_microseconds``, where the
+  batcher would send a lone request at once anyway; a request alone in an empty queue may then
+  run on the loop, and everything else is the ``DynamicBatcher``'s. The one client must also
+  send one request at a time (``client_activity.one_request_at_a_time``): requests that arrive
+  together (several gRPC streams of one connection) are worth batching, and executing each
+  alone on the loop would lose that (a TensorFlow model at eight streams: half the
+  throughput). With a queue delay the batcher should wait for company: it keeps its threads.
+
 While the loop executes, the instance threads do not start another batch, so an instance never
 runs two executes at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from pyserve import client_activity
 from pyserve.busy_poll import BusyPoll
 from pyserve.inference import InferRequest, RunningLoop, enter_inline_delivery, exit_inline_delivery
+from pyserve.model_config import ModelIO
+from pyserve.scheduling.dynamic import DynamicBatcher
 from pyserve.scheduling.instance import STOP, Batch, InstanceWorker
 
 AUTO_LIMIT_NS = 1_000_000
@@ -40,26 +54,25 @@ _UNKNOWN_NS = 1 << 62
 """The estimate before the first execute was timed."""
 
 
-class AdaptiveScheduler:
-    """Each request is its own execute: on the event loop when the model is idle, one client
-    connection alone sends requests and the model's executes are short; otherwise on the first
-    free instance thread.
+class LoopShortcut:
+    """What both adaptive schedulers share: the estimate, the choice, the execute on the loop.
 
-    ``enqueue`` is called on the event loop (or, rarely, from another thread: then the request
-    always goes to the threads) and never blocks for long: at most for the lock that the
-    instance threads hold while they take a batch. The model loader sets ``worker`` (instance
-    0's ``InstanceWorker``) before the first request.
+    A subclass provides ``_cond`` (its lock) and, to ``_init_shortcut``, ``pending`` (whether
+    requests wait for its threads; called with the lock held) and ``alone`` (whether nobody
+    else waits for the loop: a ``client_activity`` question). Its threads must not take a
+    batch while ``_held`` (the loop executes); ``_timed_source`` counts in ``_executing`` the
+    batches they took and did not finish.
     """
 
-    observe: None = None
+    _cond: threading.Condition
 
-    def __init__(self, limit_ns: int = AUTO_LIMIT_NS) -> None:
-        self.worker: InstanceWorker | None = None
+    def _init_shortcut(self, limit_ns: int, pending: Callable[[], object], alone: Callable[[], bool]) -> None:
+        self._pending = pending
+        self._alone = alone  # whether nobody else waits for the loop (``client_activity``)
+        self.worker: InstanceWorker | None = None  # set by the model loader: instance 0's
         self._limit_ns = limit_ns
-        self._cond = threading.Condition(threading.Lock())
-        self._queue: deque[Batch | None] = deque()
-        self._busy = 0  # requests queued for, or executing on, the instance threads
-        self._on_loop = False  # the loop executes now: the threads wait
+        self._held = False  # the loop executes now: the threads wait
+        self._executing = 0  # batches the threads took and did not finish
         self._estimate_ns = _UNKNOWN_NS
         self._running_loop = RunningLoop()
         self._busy_poll = BusyPoll()  # ``--busy-poll-us``: keep the loop polling after an execute
@@ -77,21 +90,20 @@ class AdaptiveScheduler:
         else:
             self._estimate_ns = estimate - ((estimate - elapsed_ns) >> 3)
 
-    def enqueue(self, request: InferRequest) -> None:
+    def _loop_takes(self) -> bool:
+        """With ``_cond`` held: whether the request being enqueued executes on the loop now
+        (then ``_held`` is set, and ``_run_on_loop`` must follow)."""
+        if (self._executing or self._held or self._estimate_ns >= self._limit_ns or self._pending()
+                or not self._alone()):
+            return False
+        self._held = True
+        return True
+
+    def _run_on_loop(self, loop: asyncio.AbstractEventLoop, request: InferRequest) -> None:
+        """Execute ``request`` alone on the loop (``_loop_takes`` said so), time it, let the
+        threads go on."""
         worker = self.worker
-        loop = self._running_loop.get()
-        cond = self._cond
-        with cond:
-            on_loop = (loop is not None and worker is not None and not self._busy and not self._on_loop
-                       and self._estimate_ns < self._limit_ns and client_activity.one_client())
-            if on_loop:
-                self._on_loop = True
-            else:
-                self._busy += 1
-                self._queue.append((request,))
-                cond.notify()
-                return
-        assert worker is not None and loop is not None
+        assert worker is not None
         outer = enter_inline_delivery(loop)  # not a context manager: this is the hot path
         start = time.monotonic_ns()
         try:
@@ -99,33 +111,71 @@ class AdaptiveScheduler:
         finally:
             elapsed = time.monotonic_ns() - start
             exit_inline_delivery(outer)
-            with cond:
-                self._on_loop = False
+            with self._cond:
+                self._held = False
                 self._record(elapsed)
-                if self._queue:  # queued from another thread meanwhile
-                    cond.notify()
+                if self._pending():  # queued meanwhile (another thread, a nested enqueue)
+                    self._cond.notify_all()
         self._busy_poll.touch(loop)
 
-    def batch_source(self, index: int) -> Callable[[], Batch | None]:
+    def _thread_done(self, started_ns: int) -> None:
+        """With ``_cond`` held: a thread finished the batch it took at ``started_ns``."""
+        self._executing -= 1
+        self._record(time.monotonic_ns() - started_ns)
+
+    def _timed_source(self, take: Callable[[], Batch | None]) -> Callable[[], Batch | None]:
+        """An instance thread's ``next_batch``: ``take`` (called with ``_cond`` held, waiting
+        while ``_held``) hands out a batch, which is counted and timed until the next call."""
         cond = self._cond
-        queue = self._queue
         started = 0  # when this thread took its current batch (0: none)
 
         def next_batch() -> Batch | None:
             nonlocal started
             with cond:
                 if started:  # the previous batch is done (executed and answered)
-                    self._busy -= 1
-                    self._record(time.monotonic_ns() - started)
+                    self._thread_done(started)
                     started = 0
-                while not queue or self._on_loop:
-                    cond.wait()
-                batch = queue.popleft()
+                batch = take()
                 if batch is not STOP:
+                    self._executing += 1
                     started = time.monotonic_ns()
                 return batch
 
         return next_batch
+
+
+class AdaptiveScheduler(LoopShortcut):
+    """Triton's default scheduler (each request its own execute, on the first free instance)
+    that executes a request on the event loop when that is the cheaper way (module docstring).
+
+    ``enqueue`` is called on the event loop (or, rarely, from another thread: then the request
+    always goes to the threads) and never blocks for long: at most for the lock that the
+    instance threads hold while they take a batch.
+    """
+
+    observe: None = None
+
+    def __init__(self, limit_ns: int = AUTO_LIMIT_NS) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: deque[Batch | None] = deque()
+        self._init_shortcut(limit_ns, pending=self._queue.__len__, alone=client_activity.one_client)
+
+    def enqueue(self, request: InferRequest) -> None:
+        loop = self._running_loop.get()
+        with self._cond:
+            if loop is None or self.worker is None or not self._loop_takes():
+                self._queue.append((request,))
+                self._cond.notify()
+                return
+        self._run_on_loop(loop, request)
+
+    def batch_source(self, index: int) -> Callable[[], Batch | None]:
+        return self._timed_source(self._take)
+
+    def _take(self) -> Batch | None:
+        while not self._queue or self._held:
+            self._cond.wait()
+        return self._queue.popleft()
 
     def stop(self, workers: int) -> None:
         """Let the threads finish what is queued, then stop each of them."""
@@ -133,3 +183,39 @@ class AdaptiveScheduler:
         with self._cond:
             self._queue.extend([STOP] * workers)
             self._cond.notify_all()
+
+
+class AdaptiveBatcher(LoopShortcut, DynamicBatcher):
+    """The dynamic batcher (``max_queue_delay_microseconds`` 0) that executes a request alone
+    in an empty queue on the event loop when that is the cheaper way (module docstring).
+
+    Everything else is ``DynamicBatcher``'s: preferred sizes, shapes, priorities, queue
+    policies, ordering; its instance threads wait while the loop executes (``_held``).
+    """
+
+    def __init__(self, config: Any, io: ModelIO, limit_ns: int = AUTO_LIMIT_NS) -> None:
+        DynamicBatcher.__init__(self, config, io)
+        # requests that arrive together should be batched: only one request at a time runs on the loop
+        self._init_shortcut(limit_ns, pending=self._head, alone=client_activity.one_request_at_a_time)
+
+    def enqueue(self, request: InferRequest) -> None:
+        loop = self._running_loop.get()
+        if loop is not None and self.worker is not None:
+            with self._cond:
+                if self._loop_takes():
+                    if self._order is not None:  # numbered in arrival order, as queued ones are
+                        self._order.wrap(request)
+                    taken = True
+                else:
+                    taken = False
+            if taken:
+                self._run_on_loop(loop, request)
+                return
+        DynamicBatcher.enqueue(self, request)
+
+    def batch_source(self, index: int) -> Callable[[], Batch | None]:
+        return self._timed_source(self._take_batch)
+
+    def stop(self, workers: int) -> None:
+        self._busy_poll.stop()
+        DynamicBatcher.stop(self, workers)

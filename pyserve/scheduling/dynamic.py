@@ -158,6 +158,7 @@ class DynamicBatcher:
         self._delayed: deque[_Queued] = deque()
         self._cond = threading.Condition(threading.Lock())
         self._stopping = False
+        self._held = False  # the event loop executes a request (``AdaptiveBatcher``): threads wait
         self._order = OrderGate() if batching.preserve_ordering else None
 
     # -- event loop side ---------------------------------------------------------------------
@@ -205,17 +206,24 @@ class DynamicBatcher:
         ``max_queue_delay_microseconds``.
         """
         with self._cond:
-            while True:
-                now = time.monotonic_ns()
-                batch, wake_at = self.due(now)
-                if batch is not None:
-                    if self._head() is not None:
-                        self._cond.notify()  # another free instance can start gathering
-                    return batch
-                if self._stopping and self._head() is None:
-                    self._cond.notify_all()
-                    return STOP
-                self._wait(wake_at, now)
+            return self._take_batch()
+
+    def _take_batch(self) -> Batch | None:
+        """``next_batch``, with the lock held."""
+        while True:
+            if self._held:  # the event loop executes (``AdaptiveBatcher``): wait for it
+                self._cond.wait()
+                continue
+            now = time.monotonic_ns()
+            batch, wake_at = self.due(now)
+            if batch is not None:
+                if self._head() is not None:
+                    self._cond.notify()  # another free instance can start gathering
+                return batch
+            if self._stopping and self._head() is None:
+                self._cond.notify_all()
+                return STOP
+            self._wait(wake_at, now)
 
     def due(self, now: int, force: bool = False) -> tuple[Batch | None, int]:
         """The batch due at ``now`` (taken off the queues), or ``(None, wake_at)``: the

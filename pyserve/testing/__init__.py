@@ -45,7 +45,8 @@ Helpers
     version folders and extra files (``bytes`` or ``str`` by relative path).
 
 ``BatchRecorder``
-    A server plugin recording how many requests each execute of a model received.
+    A server plugin recording how many requests each execute of a model received and on which
+    thread it ran; ``until_on_the_loop`` calls until a compute-only model executes on the loop.
 
 Conformance suite
 -----------------

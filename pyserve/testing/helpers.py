@@ -7,6 +7,8 @@ import contextlib
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +21,9 @@ if TYPE_CHECKING:
 
 ServerFactory = Callable[..., "ServerThread"]
 """The type of the ``pyserve_server_factory`` fixture."""
+
+LOOP_THREAD = "pyserve-server"
+"""The name of a ``ServerThread``'s event loop thread."""
 
 
 @contextlib.contextmanager
@@ -86,16 +91,39 @@ def write_model(
 
 
 class BatchRecorder:
-    """A server plugin that records how many requests each execute of a model received."""
+    """A server plugin that records how many requests each execute of a model received, and
+    on which thread it ran."""
 
     def __init__(self) -> None:
         self.sizes: dict[str, list[int]] = {}
         """Model name → the number of requests of each execute, in order."""
+        self.threads: dict[str, list[str]] = {}
+        """Model name → the name of the thread each execute ran on, in order."""
 
     @hookimpl(wrapper=True)
     def pyserve_execute(self, instance: Any, requests: Sequence[Any]) -> Any:
-        self.sizes.setdefault(instance.model.name, []).append(len(requests))
+        name = instance.model.name
+        self.sizes.setdefault(name, []).append(len(requests))
+        self.threads.setdefault(name, []).append(threading.current_thread().name)
         return (yield)
+
+    def until_on_the_loop(self, model: str, call: Callable[[], object], timeout: float = 10.0) -> int:
+        """Call ``call`` (one request to ``model``, from one client) until an execute of
+        ``model`` runs on a ``ServerThread``'s event loop thread, as a compute-only model's do
+        once one client alone sends requests (``pyserve.scheduling.adaptive``).
+
+        :returns: the number of calls it took.
+        :raises AssertionError: it did not happen within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        calls = 0
+        while True:
+            call()
+            calls += 1
+            if self.threads.get(model, [""])[-1] == LOOP_THREAD:
+                return calls
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no execute of '{model}' ran on the event loop in {calls} calls")
 
 
 def python_environment(root: Path, packages: Sequence[str] = (), timeout: float = 300.0) -> Path:

@@ -17,6 +17,7 @@ import pyserve_backend_onnxruntime
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from pyserve.model_config import gpu_count
+from pyserve.scheduling import AdaptiveBatcher, AdaptiveScheduler, DynamicBatcher
 from pyserve.server import ServerThread
 
 import ort_models
@@ -243,6 +244,23 @@ def test_dynamic_batching_gives_the_rows_of_single_calls(server: ServerThread, r
     sizes = recorder.sizes["mlp"][before:]
     assert sum(sizes) == 16
     assert max(sizes) > 1, f"the dynamic batcher never joined requests: {sizes}"
+
+
+def test_one_client_gets_its_executes_on_the_event_loop(server: ServerThread, recorder: BatchRecorder) -> None:
+    """ONNX models are compute-only: once one client alone sends requests, their short executes
+    run on the server's event loop (no thread hand-off), with the same results."""
+    schedulers = {name: type(server.server.models.get(name).scheduler) for name in ("mlp", "mlp_auto", "mlp_fixed")}
+    assert schedulers == {"mlp": DynamicBatcher, "mlp_auto": AdaptiveBatcher, "mlp_fixed": AdaptiveScheduler}
+    x = np.random.default_rng(11).standard_normal((1, 4)).astype(np.float32)
+    want = direct(ort_models.mlp(), {"x": x})[0]
+    client = grpcclient.InferenceServerClient(server.grpc_url)  # one connection for every call
+    tensor = grpcclient.InferInput("x", [1, 4], "FP32")
+    tensor.set_data_from_numpy(x)
+    try:
+        recorder.until_on_the_loop("mlp_auto", lambda: np.testing.assert_allclose(
+            client.infer("mlp_auto", [tensor]).as_numpy("y"), want, rtol=1e-5, atol=1e-6))
+    finally:
+        client.close()
 
 
 # --------------------------------------------------------------------------- auto-complete

@@ -16,6 +16,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from pyserve.scheduling import AdaptiveScheduler, DynamicBatcher
 from pyserve.server import ServerThread
 
 import pt_models
@@ -159,9 +160,11 @@ def server(
 
 
 def infer(server: ServerThread, protocol: str, model: str, inputs: dict[str, np.ndarray],
-          outputs: list[str] | None = None) -> Any:
+          outputs: list[str] | None = None, client: Any = None) -> Any:
+    """One call, on a new connection unless ``client`` (of ``protocol``) is given."""
     module = httpclient if protocol == "http" else grpcclient
-    client = module.InferenceServerClient(server.url if protocol == "http" else server.grpc_url)
+    if client is None:
+        client = module.InferenceServerClient(server.url if protocol == "http" else server.grpc_url)
     tensors = []
     for name, array in inputs.items():
         tensor = module.InferInput(name, list(array.shape), "FP32")
@@ -292,6 +295,24 @@ def test_dynamic_batching_gives_the_rows_of_single_calls(
     sizes = recorder.sizes["mlp"][before:]
     assert sum(sizes) == 16
     assert max(sizes) > 1, f"the dynamic batcher never joined requests: {sizes}"
+
+
+def test_one_client_gets_its_executes_on_the_event_loop(
+    server: ServerThread, modules: dict[str, Any], recorder: BatchRecorder
+) -> None:
+    """TorchScript models are compute-only: once one client alone sends requests, their short
+    executes run on the server's event loop (no thread hand-off), with the same results."""
+    assert type(server.server.models.get("mlp").scheduler) is DynamicBatcher  # it has a queue delay
+    assert type(server.server.models.get("triton_flags").scheduler) is AdaptiveScheduler  # two instances
+    x = np.random.default_rng(11).standard_normal((1, 4)).astype(np.float32)
+    want = call(modules["mlp"], x).numpy()
+    client = grpcclient.InferenceServerClient(server.grpc_url)  # one connection for every call
+    try:
+        recorder.until_on_the_loop("triton_flags", lambda: np.testing.assert_allclose(
+            infer(server, "grpc", "triton_flags", {"INPUT__0": x}, client=client).as_numpy("OUTPUT__0"),
+            want, rtol=1e-5, atol=1e-6))
+    finally:
+        client.close()
 
 
 # --------------------------------------------------------------------------- errors

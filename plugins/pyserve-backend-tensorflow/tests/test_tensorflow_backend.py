@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from pyserve.scheduling import AdaptiveBatcher, DynamicBatcher
 from pyserve.server import ServerThread
 
 import tf_models
@@ -108,9 +109,12 @@ def server(
         yield thread
 
 
-def infer(server: ServerThread, protocol: str, model: str, inputs: dict[str, np.ndarray], datatype: str = "FP32") -> Any:
+def infer(server: ServerThread, protocol: str, model: str, inputs: dict[str, np.ndarray], datatype: str = "FP32",
+          client: Any = None) -> Any:
+    """One call, on a new connection unless ``client`` (of ``protocol``) is given."""
     module = httpclient if protocol == "http" else grpcclient
-    client = module.InferenceServerClient(server.url if protocol == "http" else server.grpc_url)
+    if client is None:
+        client = module.InferenceServerClient(server.url if protocol == "http" else server.grpc_url)
     tensors = []
     for name, array in inputs.items():
         tensor = module.InferInput(name, list(array.shape), datatype)
@@ -231,6 +235,23 @@ def test_dynamic_batching_gives_the_rows_of_single_calls(
     sizes = recorder.sizes["mlp"][before:]
     assert sum(sizes) == 16
     assert max(sizes) > 1, f"the dynamic batcher never joined requests: {sizes}"
+
+
+def test_one_client_gets_its_executes_on_the_event_loop(
+    server: ServerThread, modules: dict[str, Any], recorder: BatchRecorder
+) -> None:
+    """SavedModels are compute-only: once one client alone sends requests, their short executes
+    run on the server's event loop (no thread hand-off), with the same results."""
+    assert type(server.server.models.get("mlp").scheduler) is DynamicBatcher  # it has a queue delay
+    assert type(server.server.models.get("mlp_auto").scheduler) is AdaptiveBatcher  # dynamic_batching { }
+    x = np.random.default_rng(11).standard_normal((1, 4)).astype(np.float32)
+    want = modules["mlp"](tf.constant(x))["y"].numpy()
+    client = grpcclient.InferenceServerClient(server.grpc_url)  # one connection for every call
+    try:
+        recorder.until_on_the_loop("mlp_auto", lambda: np.testing.assert_allclose(
+            infer(server, "grpc", "mlp_auto", {"x": x}, client=client).as_numpy("y"), want, rtol=1e-5, atol=1e-5))
+    finally:
+        client.close()
 
 
 # --------------------------------------------------------------------------- auto-complete
