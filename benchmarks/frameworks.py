@@ -30,6 +30,12 @@ floor) are measured in ``--rounds`` rounds (3), interleaved over the backends, s
 spell of this shared machine falls on every backend alike; the table shows the median of the
 rounds' medians, and each verdict line lists the overhead of every round.
 
+The batch-1 models carry no scheduling setting: a framework model then executes on the server's
+event loop while one client alone sends requests (``pyserve.scheduling.adaptive``), which the
+lean clients are, and on its instance thread otherwise. ``--inline`` sets
+``pyserve_inline_execute: "true"`` on them (every execute on the loop); ``--threads-only`` sets
+``"false"`` (every execute on an instance thread, the hand-off the adaptive choice avoids).
+
 ``--threads N`` gives each framework N intra-op threads, the same in the served models (Triton's
 parameters ``intra_op_thread_count``, ``INTRA_OP_THREAD_COUNT``, ``TF_NUM_INTRA_THREADS``) and in
 the direct calls; without it both use the frameworks' defaults (a pool as wide as the machine).
@@ -124,15 +130,16 @@ def build_torch_mlp(path: Path, weights: dict[str, np.ndarray]) -> None:
         torch.jit.trace(MLP().eval(), torch.zeros(2, 4)).save(str(path))
 
 
-INLINE = 'parameters { key: "pyserve_inline_execute" value { string_value: "true" } }\n'
+PLACEMENT = 'parameters {{ key: "pyserve_inline_execute" value {{ string_value: "{}" }} }}\n'
 
 
-def write_repository(repo: Path, store: Path, backends: tuple[str, ...], inline: bool = False,
+def write_repository(repo: Path, store: Path, backends: tuple[str, ...], placement: str = "",
                      threads: int | None = None) -> dict[str, Path]:
     """Two models per backend, ``<backend>`` and ``<backend>_batched``, linking to one model file
-    in ``store``; returns backend → model file. ``inline``: the batch-1 models execute on the
-    event loop (``pyserve_inline_execute``); ``threads``: the frameworks' intra-op threads."""
-    extra = INLINE if inline else ""
+    in ``store``; returns backend → model file. ``placement``: the batch-1 models'
+    ``pyserve_inline_execute`` ("true", "false"; "": not set); ``threads``: the frameworks'
+    intra-op threads."""
+    extra = PLACEMENT.format(placement) if placement else ""
     builders = _load_builders()
     files: dict[str, Path] = {}
     for backend in backends:
@@ -370,8 +377,11 @@ def main() -> None:
     parser.add_argument("--concurrent-requests", type=int, default=150, help="requests per client at concurrency 16")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--backends", default=",".join(BACKENDS))
-    parser.add_argument("--inline", action="store_true",
-                        help="batch-1 models execute on the event loop (config parameter pyserve_inline_execute)")
+    placement = parser.add_mutually_exclusive_group()
+    placement.add_argument("--inline", action="store_true",
+                           help="every execute of the batch-1 models on the event loop (pyserve_inline_execute: true)")
+    placement.add_argument("--threads-only", action="store_true",
+                           help="every execute of the batch-1 models on an instance thread (pyserve_inline_execute: false)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of the batch-1 direct and lean-client cells, interleaved over the backends; "
                              "the table shows the median of the rounds' medians")
@@ -387,7 +397,8 @@ def main() -> None:
         if args.threads:
             limit_threads(backends, args.threads)
         progress("building the models")
-        files = write_repository(repo, Path(tmp) / "files", backends, inline=args.inline, threads=args.threads)
+        files = write_repository(repo, Path(tmp) / "files", backends, threads=args.threads,
+                                 placement="true" if args.inline else "false" if args.threads_only else "")
         directs = {b: direct_caller(b, files.get(b, Path()), args.threads) for b in backends}
         progress("measuring the floor: the lean client against a bare HTTP/2 echo")
         floor_rounds: list[float] = []
