@@ -80,6 +80,18 @@ def sample(datatype: str, shape: tuple[int, ...] = (2, 3), blank: bytes = b"") -
     return np.array(values, dtype=np_dtype).reshape(shape)
 
 
+def pair_config(backend: str, extra: str = "") -> str:
+    """A model of ``backend`` taking ``IN`` and giving ``OUT``, both FP32 ``[ 2 ]``, batching up to
+    4, plus ``extra`` config text."""
+    return f"""
+    backend: "{backend}"
+    max_batch_size: 4
+    input [ {{ name: "IN" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+    output [ {{ name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+    {extra}
+    """
+
+
 def identity_config(name: str, datatype: str, max_batch_size: int = 4, dims: str = "[ -1 ]") -> str:
     """An ``identity`` model ``IN`` → ``OUT`` of one datatype."""
     config_type = DATATYPES[datatype][0]

@@ -31,18 +31,13 @@ from pyserve.backend import Backend
 from pyserve.scheduling import AdaptiveBatcher, AdaptiveScheduler, DefaultScheduler, DynamicBatcher
 from pyserve.model_config import model_io, parse_config
 from pyserve.scheduling.adaptive import AUTO_LIMIT_NS
+from suite_support import pair_config
 
 LOOP_THREAD = "pyserve-server"  # ServerThread's event loop thread
 
 
-def config(extra: str = "", backend: str = "compute") -> str:
-    return f"""
-    backend: "{backend}"
-    max_batch_size: 4
-    input [ {{ name: "IN" data_type: TYPE_FP32 dims: [ 2 ] }} ]
-    output [ {{ name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] }} ]
-    {extra}
-    """
+def config(extra: str = "") -> str:
+    return pair_config("compute", extra)
 
 
 def auto(value: str) -> str:
@@ -89,6 +84,15 @@ def _settle() -> None:
     time.sleep(client_activity.WINDOW_NS / 1e9 * 2)
 
 
+def _reach_the_loop(backend: Compute, client: Any, module: Any = httpclient) -> None:
+    """A first call on a new connection (on a thread: another connection came before it), the
+    activity window, then calls to model ``m`` until one executes on the loop."""
+    _call(client, "m", module)
+    assert backend.threads[-1].startswith("pyserve-instance-")
+    _settle()
+    _until_on_the_loop(backend, lambda: _call(client, "m", module))
+
+
 def _until_on_the_loop(backend: Compute, call: Callable[[], None], tries: int = 40) -> int:
     """Call until an execute runs on the loop thread; the number of calls it took."""
     for attempt in range(1, tries + 1):
@@ -103,18 +107,13 @@ def test_one_client_gets_its_executes_on_the_event_loop(start_server, make_repo)
     server = start_server(make_repo({"m": config()}), backends={"compute": backend})
     assert isinstance(server.server.models.get("m").scheduler, AdaptiveScheduler)
     with httpclient.InferenceServerClient(server.url) as client:
-        _call(client, "m")
-        assert backend.threads[0].startswith("pyserve-instance-")  # nothing timed yet: a thread
-        _settle()
-        _until_on_the_loop(backend, lambda: _call(client, "m"))
+        _reach_the_loop(backend, client)
         for _ in range(5):
             _call(client, "m")
         assert backend.threads[-5:] == [LOOP_THREAD] * 5
     grpc = grpcclient.InferenceServerClient(server.grpc_url)
     try:
-        _call(grpc, "m", grpcclient)
-        _settle()
-        _until_on_the_loop(backend, lambda: _call(grpc, "m", grpcclient))
+        _reach_the_loop(backend, grpc, grpcclient)
     finally:
         grpc.close()
     with httpclient.InferenceServerClient(server.url) as client:
@@ -127,9 +126,7 @@ def test_two_clients_keep_the_instance_threads(start_server, make_repo) -> None:
     backend = Compute()
     server = start_server(make_repo({"m": config()}), backends={"compute": backend})
     with httpclient.InferenceServerClient(server.url) as one, httpclient.InferenceServerClient(server.url) as two:
-        _call(one, "m")
-        _settle()
-        _until_on_the_loop(backend, lambda: _call(one, "m"))
+        _reach_the_loop(backend, one)
         before = len(backend.threads)
         for _ in range(10):  # requests alternate between two connections
             _call(two, "m")
@@ -144,9 +141,7 @@ def test_a_slow_execute_goes_back_to_the_threads(start_server, make_repo) -> Non
     server = start_server(make_repo({"m": config()}), backends={"compute": backend})
     scheduler = server.server.models.get("m").scheduler
     with httpclient.InferenceServerClient(server.url) as client:
-        _call(client, "m")
-        _settle()
-        _until_on_the_loop(backend, lambda: _call(client, "m"))
+        _reach_the_loop(backend, client)
         slow_ms = 3 * AUTO_LIMIT_NS / 1e6
         _call(client, "m", sleep_ms=slow_ms)  # runs on the loop once, and is timed there
         assert backend.threads[-1] == LOOP_THREAD
@@ -165,10 +160,7 @@ def test_the_batcher_executes_one_clients_requests_on_the_loop_and_batches_other
                           backends={"compute": backend})
     assert isinstance(server.server.models.get("m").scheduler, AdaptiveBatcher)
     with httpclient.InferenceServerClient(server.url) as client:
-        _call(client, "m")
-        assert backend.threads[0].startswith("pyserve-instance-")
-        _settle()
-        _until_on_the_loop(backend, lambda: _call(client, "m"))
+        _reach_the_loop(backend, client)
     before = len(backend.threads)
 
     async def many() -> list[np.ndarray]:  # many connections, requests together, slow executes
@@ -198,13 +190,10 @@ def test_many_streams_of_one_grpc_connection_keep_the_batcher_gathering(  # type
     start_server, make_repo
 ) -> None:
     backend = Compute()
-    server = start_server(make_repo({"m": config("dynamic_batching { }"), "plain": config()}),
-                          backends={"compute": backend})
+    server = start_server(make_repo({"m": config("dynamic_batching { }")}), backends={"compute": backend})
     grpc = grpcclient.InferenceServerClient(server.grpc_url)
     try:
-        _call(grpc, "m", grpcclient)
-        _settle()
-        _until_on_the_loop(backend, lambda: _call(grpc, "m", grpcclient))
+        _reach_the_loop(backend, grpc, grpcclient)
     finally:
         grpc.close()
     before = len(backend.threads)

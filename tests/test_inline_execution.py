@@ -25,18 +25,13 @@ from tritonclient.utils import InferenceServerException
 
 from pyserve import InferRequest, InferResponse, InstanceContext
 from pyserve.backend import Backend
+from suite_support import pair_config
 
 INLINE = 'parameters { key: "pyserve_inline_execute" value { string_value: "true" } }'
 
 
 def config(extra: str = INLINE) -> str:
-    return f"""
-    backend: "recorder"
-    max_batch_size: 4
-    input [ {{ name: "IN" data_type: TYPE_FP32 dims: [ 2 ] }} ]
-    output [ {{ name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] }} ]
-    {extra}
-    """
+    return pair_config("recorder", extra)
 
 
 class Recorder(Backend):
