@@ -375,8 +375,10 @@ class ModelLoader:
                            rate=(limiter, version.rate_claims[i]) if limiter is not None else None)
             for i, inst in enumerate(version.instances)
         ]
-        if isinstance(scheduler, (LoopScheduler, LoopShortcut)):
+        if isinstance(scheduler, LoopScheduler):
             scheduler.worker = version.workers[0]
+        elif isinstance(scheduler, LoopShortcut):
+            scheduler.attach(version.workers)
         for worker in version.workers:
             worker.start()
         if config.model_warmup:

@@ -36,8 +36,11 @@ from suite_support import pair_config
 LOOP_THREAD = "pyserve-server"  # ServerThread's event loop thread
 
 
-def config(extra: str = "") -> str:
-    return pair_config("compute", extra)
+def config(extra: str = "", limit_us: int = 100_000) -> str:
+    """A model of the compute backend; ``limit_us``: its ``pyserve_inline_max_us``, generous by
+    default, so that a slow test machine's executes still count as short."""
+    return pair_config("compute", f'parameters {{ key: "pyserve_inline_max_us" value {{ string_value: "{limit_us}" }} }}\n'
+                                  + extra)
 
 
 def auto(value: str) -> str:
@@ -138,14 +141,13 @@ def test_two_clients_keep_the_instance_threads(start_server, make_repo) -> None:
 
 def test_a_slow_execute_goes_back_to_the_threads(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
     backend = Compute()
-    server = start_server(make_repo({"m": config()}), backends={"compute": backend})
+    server = start_server(make_repo({"m": config(limit_us=20_000)}), backends={"compute": backend})
     scheduler = server.server.models.get("m").scheduler
     with httpclient.InferenceServerClient(server.url) as client:
         _reach_the_loop(backend, client)
-        slow_ms = 3 * AUTO_LIMIT_NS / 1e6
-        _call(client, "m", sleep_ms=slow_ms)  # runs on the loop once, and is timed there
+        _call(client, "m", sleep_ms=60)  # above the 20 ms limit: runs on the loop once, timed there
         assert backend.threads[-1] == LOOP_THREAD
-        assert scheduler.estimate_ns >= AUTO_LIMIT_NS
+        assert scheduler.estimate_ns >= 20_000_000
         _call(client, "m")
         assert backend.threads[-1].startswith("pyserve-instance-")
         calls = _until_on_the_loop(backend, lambda: _call(client, "m"))  # short executes: back
@@ -279,17 +281,29 @@ def test_which_models_get_the_adaptive_scheduler(  # type: ignore[no-untyped-def
     assert type(server.server.models.get("m").scheduler) is expected
 
 
+def test_the_limit_comes_from_the_config(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
+    server = start_server(make_repo({"m": pair_config("compute"), "wide": config(limit_us=2500)}),
+                          backends={"compute": Compute()})
+    assert server.server.models.get("m").scheduler._limit_ns == AUTO_LIMIT_NS
+    assert server.server.models.get("wide").scheduler._limit_ns == 2_500_000
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
+        ('parameters { key: "pyserve_inline_max_us" value { string_value: "0" } }',
+         "parameter 'pyserve_inline_max_us' must be a positive number of microseconds, got '0'"),
+        ('parameters { key: "pyserve_inline_max_us" value { string_value: "1ms" } }',
+         "parameter 'pyserve_inline_max_us' must be a positive number of microseconds, got '1ms'"),
         (auto("auto") + " sequence_batching { }", "cannot be combined with the sequence batcher"),
         (auto("auto") + " model_transaction_policy { decoupled: true }", "cannot be used by a decoupled model"),
     ],
 )
-def test_auto_is_refused_where_no_execute_may_run_on_the_loop(  # type: ignore[no-untyped-def]
+def test_bad_settings_are_refused(  # type: ignore[no-untyped-def]
     start_server, make_repo, extra: str, message: str
 ) -> None:
-    server = start_server(make_repo({"m": config(extra)}), backends={"compute": Compute(False)})
+    """A bad limit, or "auto" where no execute may run on the loop."""
+    server = start_server(make_repo({"m": pair_config("compute", extra)}), backends={"compute": Compute(False)})
     with httpclient.InferenceServerClient(server.url) as client:
         index = {m["name"]: m for m in client.get_model_repository_index()}
     assert index["m"]["state"] == "UNAVAILABLE" and message in index["m"]["reason"]

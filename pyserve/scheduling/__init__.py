@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from pyserve.inference import InferRequest, InferResponse
 from pyserve.model_config import ModelIO
-from pyserve.scheduling.adaptive import AdaptiveBatcher, AdaptiveScheduler, LoopShortcut
+from pyserve.scheduling.adaptive import AdaptiveBatcher, AdaptiveScheduler, LoopShortcut, inline_limit_ns
 from pyserve.scheduling.dynamic import DynamicBatcher
 from pyserve.scheduling.inline import INLINE_PARAMETER, InlineBatcher, InlineScheduler, LoopScheduler, inline_blocker, inline_mode
 from pyserve.scheduling.instance import STOP, Batch, InstanceWorker
@@ -82,6 +82,7 @@ def scheduler_for(config: Any, io: ModelIO, instances: int, model_dir: Path, inl
     :raises ValueError: the scheduling block cannot be used as configured.
     """
     mode = inline_mode(config)
+    limit = inline_limit_ns(config)  # checked whenever it is set
     if mode in ("true", "auto") and not inline_allowed:
         log.warning("model '%s': pyserve_inline_execute is ignored: its instances wait for rate-limiter "
                     "resources, which the event loop must not", config.name)
@@ -89,9 +90,9 @@ def scheduler_for(config: Any, io: ModelIO, instances: int, model_dir: Path, inl
         return InlineBatcher(config, io) if config.HasField("dynamic_batching") else InlineScheduler()
     elif mode == "auto" or (mode == "" and adaptive_default and inline_allowed and not inline_blocker(config)):
         if not config.HasField("dynamic_batching"):
-            return AdaptiveScheduler()
+            return AdaptiveScheduler(limit)
         if not config.dynamic_batching.max_queue_delay_microseconds:  # a queue delay waits for company
-            return AdaptiveBatcher(config, io)
+            return AdaptiveBatcher(config, io, limit)
     if config.HasField("sequence_batching"):
         return SequenceBatcher(config, io, instances, model_dir)
     if config.HasField("dynamic_batching"):

@@ -12,7 +12,8 @@ someone else is waiting for the loop. So a request executes on the loop (with in
 * every request of the last 10 ms came over one client connection (``pyserve.client_activity``):
   one client talks to the server, request after request, and nobody else's request is
   waiting behind the execute, and
-* the model's recent executes were short: a running estimate below ``AUTO_LIMIT_NS``. It starts
+* the model's recent executes were short: a running estimate below 1 ms (config parameter
+  ``pyserve_inline_max_us``, in microseconds, sets another limit). It starts
   unknown (above the limit): the first executes run on the threads and are timed there; one
   slow execute raises the estimate at once, short ones lower it gradually.
 
@@ -37,7 +38,7 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pyserve import client_activity
@@ -48,7 +49,25 @@ from pyserve.scheduling.dynamic import DynamicBatcher
 from pyserve.scheduling.instance import STOP, Batch, InstanceWorker
 
 AUTO_LIMIT_NS = 1_000_000
-"""Executes estimated longer than this (1 ms) always run on the instance threads."""
+"""Executes estimated longer than this (1 ms) run on the instance threads (the default of
+config parameter ``pyserve_inline_max_us``)."""
+
+LIMIT_PARAMETER = "pyserve_inline_max_us"
+"""Config parameter: the longest estimated execute, in microseconds, that runs on the loop."""
+
+
+def inline_limit_ns(config: Any) -> int:
+    """The config's ``pyserve_inline_max_us`` in nanoseconds (``AUTO_LIMIT_NS`` when unset).
+
+    :raises ValueError: the value is not a positive whole number of microseconds.
+    """
+    parameter = config.parameters.get(LIMIT_PARAMETER)
+    if parameter is None:
+        return AUTO_LIMIT_NS
+    text = parameter.string_value.strip()
+    if not text.isdigit() or int(text) <= 0:
+        raise ValueError(f"parameter '{LIMIT_PARAMETER}' must be a positive number of microseconds, got '{text}'")
+    return int(text) * 1000
 
 _UNKNOWN_NS = 1 << 62
 """The estimate before the first execute was timed."""
@@ -69,13 +88,19 @@ class LoopShortcut:
     def _init_shortcut(self, limit_ns: int, pending: Callable[[], object], alone: Callable[[], bool]) -> None:
         self._pending = pending
         self._alone = alone  # whether nobody else waits for the loop (``client_activity``)
-        self.worker: InstanceWorker | None = None  # set by the model loader: instance 0's
+        self.workers: Sequence[InstanceWorker] = ()  # set by the model loader (``attach``)
+        self.worker: InstanceWorker | None = None  # instance 0's: it executes on the loop
         self._limit_ns = limit_ns
         self._held = False  # the loop executes now: the threads wait
         self._executing = 0  # batches the threads took and did not finish
         self._estimate_ns = _UNKNOWN_NS
         self._running_loop = RunningLoop()
         self._busy_poll = BusyPoll()  # ``--busy-poll-us``: keep the loop polling after an execute
+
+    def attach(self, workers: Sequence[InstanceWorker]) -> None:
+        """The model's instance workers, in instance order; call before the first request."""
+        self.workers = workers
+        self.worker = workers[0]
 
     @property
     def estimate_ns(self) -> int:
@@ -118,13 +143,16 @@ class LoopShortcut:
                     self._cond.notify_all()
         self._busy_poll.touch(loop)
 
-    def _thread_done(self, started_ns: int) -> None:
-        """With ``_cond`` held: a thread finished the batch it took at ``started_ns``."""
+    def _thread_done(self, index: int, started_ns: int) -> None:
+        """With ``_cond`` held: instance ``index``'s thread finished the batch it took at
+        ``started_ns``. Its execute's own time counts (``InstanceWorker.last_execute_ns``: not
+        the hand-off, nor a wait for the GIL around it); without workers, the whole time."""
         self._executing -= 1
-        self._record(time.monotonic_ns() - started_ns)
+        workers = self.workers
+        self._record(workers[index].last_execute_ns if workers else time.monotonic_ns() - started_ns)
 
-    def _timed_source(self, take: Callable[[], Batch | None]) -> Callable[[], Batch | None]:
-        """An instance thread's ``next_batch``: ``take`` (called with ``_cond`` held, waiting
+    def _timed_source(self, index: int, take: Callable[[], Batch | None]) -> Callable[[], Batch | None]:
+        """Instance ``index``'s ``next_batch``: ``take`` (called with ``_cond`` held, waiting
         while ``_held``) hands out a batch, which is counted and timed until the next call."""
         cond = self._cond
         started = 0  # when this thread took its current batch (0: none)
@@ -133,7 +161,7 @@ class LoopShortcut:
             nonlocal started
             with cond:
                 if started:  # the previous batch is done (executed and answered)
-                    self._thread_done(started)
+                    self._thread_done(index, started)
                     started = 0
                 batch = take()
                 if batch is not STOP:
@@ -170,7 +198,7 @@ class AdaptiveScheduler(LoopShortcut):
         self._run_on_loop(loop, request)
 
     def batch_source(self, index: int) -> Callable[[], Batch | None]:
-        return self._timed_source(self._take)
+        return self._timed_source(index, self._take)
 
     def _take(self) -> Batch | None:
         while not self._queue or self._held:
@@ -214,7 +242,7 @@ class AdaptiveBatcher(LoopShortcut, DynamicBatcher):
         DynamicBatcher.enqueue(self, request)
 
     def batch_source(self, index: int) -> Callable[[], Batch | None]:
-        return self._timed_source(self._take_batch)
+        return self._timed_source(index, self._take_batch)
 
     def stop(self, workers: int) -> None:
         self._busy_poll.stop()

@@ -77,6 +77,8 @@ class InstanceWorker:
         self._iterations = iterations
         self._rate = rate
         self._model_name = instance.model.name
+        self.last_execute_ns = 0
+        """How long the backend's last successful execute took (for ``pyserve.scheduling.adaptive``)."""
         self._thread = threading.Thread(
             target=self._run, name=f"pyserve-instance-{instance.name}", daemon=True
         )
@@ -142,8 +144,8 @@ class InstanceWorker:
         for request in live:
             request.finish = self._finish_response
         stats = live[0].stats  # one model version per batch; None for uncounted (warmup) requests
+        start_ns = time.monotonic_ns()
         if stats is not None:
-            start_ns = time.monotonic_ns()
             stats.begin(live, start_ns)
         tracing = TRACING.on
         if tracing:
@@ -156,8 +158,10 @@ class InstanceWorker:
                 results = direct(self.instance, live)
             else:
                 results = hooks.execute(instance=self.instance, requests=live)
+            end_ns = time.monotonic_ns()
+            self.last_execute_ns = end_ns - start_ns
             if stats is not None:
-                stats.executed(live, start_ns, time.monotonic_ns())
+                stats.executed(live, start_ns, end_ns)
         except Exception as exc:
             log.error("model '%s' instance '%s': execute failed: %s: %s",
                       self._model_name, self.instance.name, type(exc).__name__, exc)

@@ -88,6 +88,9 @@ def server(
     repo = tmp_path_factory.mktemp("tf_repo")
     write_model(repo, "mlp", MLP_CONFIG, mlp)
     write_model(repo, "mlp_auto", None, mlp)  # no config.pbtxt at all
+    # the batcher without a queue delay, and a generous limit for "short" (a slow test machine)
+    write_model(repo, "mlp_loop", _broken(MLP_CONFIG, "max_queue_delay_microseconds: 20000", "")
+                + _parameters(pyserve_inline_max_us="100000"), mlp)
     write_model(repo, "conv", 'platform: "tensorflow_savedmodel"\n' + SIGNATURE, conv)
     write_model(repo, "upper", 'backend: "tensorflow"\nmax_batch_size: 0\n', upper)
     write_model(repo, "graphdef", GRAPHDEF_CONFIG, graphdef)
@@ -244,12 +247,13 @@ def test_one_client_gets_its_executes_on_the_event_loop(
     run on the server's event loop (no thread hand-off), with the same results."""
     assert type(server.server.models.get("mlp").scheduler) is DynamicBatcher  # it has a queue delay
     assert type(server.server.models.get("mlp_auto").scheduler) is AdaptiveBatcher  # dynamic_batching { }
+    assert type(server.server.models.get("mlp_loop").scheduler) is AdaptiveBatcher
     x = np.random.default_rng(11).standard_normal((1, 4)).astype(np.float32)
     want = modules["mlp"](tf.constant(x))["y"].numpy()
     client = grpcclient.InferenceServerClient(server.grpc_url)  # one connection for every call
     try:
-        recorder.until_on_the_loop("mlp_auto", lambda: np.testing.assert_allclose(
-            infer(server, "grpc", "mlp_auto", {"x": x}, client=client).as_numpy("y"), want, rtol=1e-5, atol=1e-5))
+        recorder.until_on_the_loop("mlp_loop", lambda: np.testing.assert_allclose(
+            infer(server, "grpc", "mlp_loop", {"x": x}, client=client).as_numpy("y"), want, rtol=1e-5, atol=1e-5))
     finally:
         client.close()
 
