@@ -315,20 +315,25 @@ def test_a_compute_only_sequence_model_keeps_its_batcher(start_server, make_repo
 
 
 class _Worker:
-    """Stands in for ``InstanceWorker.execute_batch``: the scheduler calls nothing else of it."""
+    """Stands in for an ``InstanceWorker``: ``execute_batch`` and ``last_execute_ns`` are all the
+    scheduler uses of it."""
 
     def __init__(self) -> None:
         self.started = threading.Event()
         self.release = threading.Event()
         self.log: list[str] = []
+        self.last_execute_ns = 0  # as InstanceWorker keeps it
+
 
     def execute_batch(self, batch: Sequence[Any]) -> None:
         where = "loop" if threading.current_thread().name == "adaptive-loop" else "thread"
+        start = time.monotonic_ns()
         self.log.append(f"{where} start")
         if where == "loop":
             self.started.set()
             assert self.release.wait(10)
         self.log.append(f"{where} end")
+        self.last_execute_ns = time.monotonic_ns() - start
 
 
 def _scheduler(kind: str) -> AdaptiveScheduler | AdaptiveBatcher:
@@ -348,7 +353,7 @@ def test_an_instance_thread_waits_while_the_loop_executes(monkeypatch: pytest.Mo
     monkeypatch.setattr(client_activity, "one_request_at_a_time", lambda: True)
     scheduler = _scheduler(kind)
     worker = _Worker()
-    scheduler.worker = worker  # type: ignore[assignment]
+    scheduler.attach([worker])  # type: ignore[list-item]
     scheduler._record(1_000)  # a short execute was timed
     next_batch = scheduler.batch_source(0)
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -88,8 +87,7 @@ class LoopShortcut:
     def _init_shortcut(self, limit_ns: int, pending: Callable[[], object], alone: Callable[[], bool]) -> None:
         self._pending = pending
         self._alone = alone  # whether nobody else waits for the loop (``client_activity``)
-        self.workers: Sequence[InstanceWorker] = ()  # set by the model loader (``attach``)
-        self.worker: InstanceWorker | None = None  # instance 0's: it executes on the loop
+        self.workers: Sequence[InstanceWorker] = ()  # set by the model loader; instance 0 executes on the loop
         self._limit_ns = limit_ns
         self._held = False  # the loop executes now: the threads wait
         self._executing = 0  # batches the threads took and did not finish
@@ -100,7 +98,6 @@ class LoopShortcut:
     def attach(self, workers: Sequence[InstanceWorker]) -> None:
         """The model's instance workers, in instance order; call before the first request."""
         self.workers = workers
-        self.worker = workers[0]
 
     @property
     def estimate_ns(self) -> int:
@@ -127,46 +124,37 @@ class LoopShortcut:
     def _run_on_loop(self, loop: asyncio.AbstractEventLoop, request: InferRequest) -> None:
         """Execute ``request`` alone on the loop (``_loop_takes`` said so), time it, let the
         threads go on."""
-        worker = self.worker
-        assert worker is not None
+        worker = self.workers[0]
         outer = enter_inline_delivery(loop)  # not a context manager: this is the hot path
-        start = time.monotonic_ns()
         try:
             worker.execute_batch((request,))
         finally:
-            elapsed = time.monotonic_ns() - start
             exit_inline_delivery(outer)
             with self._cond:
                 self._held = False
-                self._record(elapsed)
+                self._record(worker.last_execute_ns)
                 if self._pending():  # queued meanwhile (another thread, a nested enqueue)
                     self._cond.notify_all()
         self._busy_poll.touch(loop)
 
-    def _thread_done(self, index: int, started_ns: int) -> None:
-        """With ``_cond`` held: instance ``index``'s thread finished the batch it took at
-        ``started_ns``. Its execute's own time counts (``InstanceWorker.last_execute_ns``: not
-        the hand-off, nor a wait for the GIL around it); without workers, the whole time."""
-        self._executing -= 1
-        workers = self.workers
-        self._record(workers[index].last_execute_ns if workers else time.monotonic_ns() - started_ns)
-
     def _timed_source(self, index: int, take: Callable[[], Batch | None]) -> Callable[[], Batch | None]:
         """Instance ``index``'s ``next_batch``: ``take`` (called with ``_cond`` held, waiting
-        while ``_held``) hands out a batch, which is counted and timed until the next call."""
+        while ``_held``) hands out a batch, which counts in ``_executing`` until the thread asks
+        again; then its execute's own time (``InstanceWorker.last_execute_ns``: not the hand-off,
+        nor a wait for the GIL around it) goes into the estimate."""
         cond = self._cond
-        started = 0  # when this thread took its current batch (0: none)
+        holding = False  # this thread executes a batch it took
 
         def next_batch() -> Batch | None:
-            nonlocal started
+            nonlocal holding
             with cond:
-                if started:  # the previous batch is done (executed and answered)
-                    self._thread_done(index, started)
-                    started = 0
+                if holding:  # the previous batch is done (executed and answered)
+                    self._executing -= 1
+                    self._record(self.workers[index].last_execute_ns)
                 batch = take()
-                if batch is not STOP:
+                holding = batch is not STOP
+                if holding:
                     self._executing += 1
-                    started = time.monotonic_ns()
                 return batch
 
         return next_batch
@@ -191,7 +179,7 @@ class AdaptiveScheduler(LoopShortcut):
     def enqueue(self, request: InferRequest) -> None:
         loop = self._running_loop.get()
         with self._cond:
-            if loop is None or self.worker is None or not self._loop_takes():
+            if loop is None or not self.workers or not self._loop_takes():
                 self._queue.append((request,))
                 self._cond.notify()
                 return
@@ -228,7 +216,8 @@ class AdaptiveBatcher(LoopShortcut, DynamicBatcher):
 
     def enqueue(self, request: InferRequest) -> None:
         loop = self._running_loop.get()
-        if loop is not None and self.worker is not None:
+        # unlocked look first: under load a batch is executing, and one lock round is enough
+        if loop is not None and self.workers and not self._executing and not self._held:
             with self._cond:
                 if self._loop_takes():
                     if self._order is not None:  # numbered in arrival order, as queued ones are
