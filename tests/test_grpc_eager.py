@@ -4,8 +4,9 @@ The first half drives ``start_eagerly`` on a plain event loop: a coroutine that 
 finishes inside the call, one that waits goes on as a task exactly as if the task had started
 it (results, errors, cancellation, context variables). The second half serves a custom method
 from a real ``GrpcServer`` and asks it, through grpcio, where it ran: in the connection's read
-(no current task) on the server's only connection, in a task once a second connection is open,
-and that waiting, deadlines and resets still work for a call that started at once.
+(no current task) while one client calls, an idle second connection included; in a task while
+two connections call; and that waiting, deadlines and resets still work for a call that started
+at once.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import grpc
 import pytest
 from suite_support import grpc_handler_server
 
+from pyserve import client_activity
 from pyserve.grpc import http2 as h2
 from pyserve.grpc.eager import start_eagerly
 
@@ -192,25 +194,31 @@ def _probe_server() -> Iterator[tuple[int, _Probe]]:
         yield port, probe
 
 
-def test_on_the_only_connection_a_call_runs_in_the_read_and_with_two_in_a_task() -> None:
+def test_a_call_runs_in_the_read_while_one_client_calls_and_in_a_task_while_two_do(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     with _probe_server() as (port, _):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             call = channel.unary_unary("/t.S/M")
             assert [call(b"", timeout=10) for _ in range(3)] == [b"read"] * 3
             assert call(b"wait", timeout=10) == b"read"  # started at once, went on as a task
-            other = socket.create_connection(("127.0.0.1", port), timeout=5)  # a second (idle) connection
-            try:
-                other.sendall(h2.PREFACE + h2.settings({}))
-                deadline = time.monotonic() + 5
-                while call(b"", timeout=10) != b"task":
-                    assert time.monotonic() < deadline, "the second connection was never counted"
-                    time.sleep(0.01)
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as idle:  # a health checker's
+                idle.sendall(h2.PREFACE + h2.settings({}))
+                assert idle.recv(9)[3] == h2.SETTINGS  # the server has taken the connection
+                time.sleep(0.02)  # past client_activity's window
+                assert [call(b"", timeout=10) for _ in range(3)] == [b"read"] * 3  # idle: not counted
+            # two clients calling: a window long enough that the test's pace cannot end it
+            monkeypatch.setattr(client_activity, "WINDOW_NS", 60 * 10**9)
+            # a pool of its own: grpcio would otherwise share the first channel's connection
+            with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]) as second:
+                other = second.unary_unary("/t.S/M")
+                assert other(b"", timeout=10) == b"task"
+                assert call(b"", timeout=10) == b"task"
                 assert call(b"wait", timeout=10) == b"task"
-            finally:
-                other.close()
+                assert other(b"", timeout=10) == b"task"
+            monkeypatch.undo()
             deadline = time.monotonic() + 5
-            while call(b"", timeout=10) != b"read":  # alone again once the server saw it close
-                assert time.monotonic() < deadline, "the closed connection was never dropped"
+            while call(b"", timeout=10) != b"read":  # one client again once the window has passed
+                assert time.monotonic() < deadline, "the other client was never forgotten"
                 time.sleep(0.01)
 
 

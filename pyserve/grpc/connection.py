@@ -3,11 +3,13 @@
 The protocol object parses frames as bytes arrive, keeps the streams and both directions of
 flow control, and runs each call as a task on the event loop (the servicer functions are
 ``async``; model execution itself happens on instance threads, or on the loop for inline
-models). Replies written during one loop turn leave in one ``writelines``. On the server's only
-connection a unary call starts at once, inside ``data_received`` (``pyserve.grpc.eager``): a
-call that never waits is then answered by that read's own flush, with no task and no extra loop
-turn. With several connections, calls stay tasks, so that the answers of one loop turn leave
-together (clients woken once per burst).
+models). Replies written during one loop turn leave in one ``writelines``. While one client is
+calling (``pyserve.client_activity.one_client``: every request of the last 10 ms came over this
+connection; idle connections do not count) or the connection is the server's only one, a unary
+call starts at once, inside ``data_received`` (``pyserve.grpc.eager``): a call that never waits
+is then answered by that read's own flush, with no task and no extra loop turn. While several
+connections send calls, calls stay tasks, so that the answers of one loop turn leave together
+(clients woken once per burst).
 
 What a peer may rely on:
 
@@ -622,11 +624,12 @@ class GrpcConnection(asyncio.Protocol):
     def _start_unary(self, stream: Stream) -> asyncio.Task[None] | None:
         """Run a unary call whose request is complete; its task, or None if it already ended.
 
-        On the server's only connection the call runs at once, up to its first wait (nothing
-        else could join its answer's write). Otherwise it becomes a task, and calls arriving
-        on several connections in one loop turn run, and answer, together in the next.
+        While this connection's client is the only one calling (or the connection is the
+        server's only one) the call runs at once, up to its first wait: nothing else could join
+        its answer's write. Otherwise it becomes a task, and calls arriving on several
+        connections in one loop turn run, and answer, together in the next.
         """
-        if len(self.server.connections) != 1:
+        if len(self.server.connections) != 1 and not client_activity.one_client():
             return self.loop.create_task(self._run(stream))
         try:
             return start_eagerly(self.loop, self._run(stream))
