@@ -201,8 +201,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--busy-poll-us", type=_busy_poll_us, default=0, metavar="US",
                      help="after a model executed on the event loop (pyserve_inline_execute) answers, "
                           "keep polling the sockets for US microseconds instead of sleeping: lower latency "
-                          "for clients that send their next request at once, for CPU while polling "
-                          "(0-1000000; default 0: off; e.g. 300)")
+                          "for a client that sends its next request at once, for CPU while polling; not "
+                          "while several clients send requests (0-1000000; default 0: off; e.g. 300)")
     _add_operations(run)
     triton_flags.add_flags(run)
 

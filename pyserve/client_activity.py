@@ -6,7 +6,9 @@ connection, one client is talking to the server, request after request: a short 
 the loop delays nobody, and it saves the two thread wake-ups of a hand-off to an instance
 thread. When requests came over several connections, executes stay on the instance threads and
 the loop goes on serving. Idle connections (a load balancer's pool, a client's unused channel)
-do not count: only requests do.
+do not count: only requests do. The gRPC server asks the same to start a call inside the read
+that completed it (``pyserve.grpc.connection``), and ``--busy-poll-us`` polls only while no
+other client is seen (``several_clients``).
 
 A second, stricter question is whether that client also sends one request at a time: a request
 that starts while another of its connection is in progress (HTTP/1.1 pipelining, several gRPC
@@ -61,6 +63,12 @@ def untracked_server(running: bool) -> None:
 def one_client() -> bool:
     """Whether every request of the last ``WINDOW_NS`` came over one connection."""
     return not _untracked and _now() - _mixed_at_ns > WINDOW_NS
+
+
+def several_clients() -> bool:
+    """Whether requests came over more than one connection in the last ``WINDOW_NS`` (a server
+    that does not report its requests does not make this True)."""
+    return _now() - _mixed_at_ns <= WINDOW_NS
 
 
 def one_request_at_a_time() -> bool:

@@ -229,10 +229,11 @@ def test_client_activity_answers_from_the_requests_it_was_told_of(monkeypatch: p
     first, second = object(), object()
     client_activity.request_from(first)
     client_activity.request_from(second)  # another connection: not alone for a window
-    assert not client_activity.one_client()
+    assert not client_activity.one_client() and client_activity.several_clients()
     now[0] += client_activity.WINDOW_NS + 1
     client_activity.request_from(second)
     assert client_activity.one_client() and client_activity.one_request_at_a_time()
+    assert not client_activity.several_clients()
     client_activity.request_from(second, together=True)  # pipelined, or streams at once
     assert client_activity.one_client() and not client_activity.one_request_at_a_time()
     now[0] += client_activity.WINDOW_NS + 1
@@ -241,7 +242,7 @@ def test_client_activity_answers_from_the_requests_it_was_told_of(monkeypatch: p
     assert not client_activity.one_client() and not client_activity.one_request_at_a_time()
     now[0] += client_activity.WINDOW_NS + 1
     client_activity.untracked_server(True)  # uvicorn: its requests are not told
-    assert not client_activity.one_client()
+    assert not client_activity.one_client() and not client_activity.several_clients()
     client_activity.untracked_server(False)
     assert client_activity.one_client()
 

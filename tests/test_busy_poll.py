@@ -2,9 +2,11 @@
 
 Checked on real servers by the CPU time of the thread (or process) running the loop: for the
 window after an inline model answered it keeps a core busy, once the window has passed it is
-idle again; a model on instance threads, or a server without the option, does not poll. The
-setting reaches frontend processes (their replicas execute on their own loops), is restored
-when the server stops, and bad values are refused by name.
+idle again; a model on instance threads, a server without the option, or requests from several
+clients at once do not make it poll. The setting reaches frontend processes (their replicas
+execute on their own loops), is restored when the server stops, and bad values are refused by
+name. A client's first request on a new connection counts as another client's
+(``pyserve.client_activity``), so each check sends one request first and waits out that window.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from pyserve import busy_poll
+from pyserve import busy_poll, client_activity
 from pyserve.server import ServerThread, StartupError
 from pyserve.testing import serve, write_model
 from suite_support import ECHO_MODEL_PY, python_echo_config
@@ -41,12 +43,19 @@ def _repository(root: Path, batching: bool = False) -> Path:
     return repo
 
 
-def _infer(url: str, model: str) -> None:
+def _infer(client: httpclient.InferenceServerClient, model: str) -> None:
     values = np.arange(4, dtype=np.float32).reshape(1, 4)
     tensor = httpclient.InferInput("INPUT0", [1, 4], "FP32")
     tensor.set_data_from_numpy(values)
-    with httpclient.InferenceServerClient(url) as client:
-        assert np.array_equal(client.infer(model, [tensor]).as_numpy("OUTPUT0"), values)
+    assert np.array_equal(client.infer(model, [tensor]).as_numpy("OUTPUT0"), values)
+
+
+def _client(url: str) -> httpclient.InferenceServerClient:
+    """A client whose connection has sent a request, and the client window since passed."""
+    client = httpclient.InferenceServerClient(url)
+    _infer(client, "threaded")
+    time.sleep(2 * client_activity.WINDOW_NS / 1e9)
+    return client
 
 
 def _loop_thread_cpu(server: ServerThread) -> float:
@@ -64,23 +73,39 @@ def _cpu_over(measure: Callable[[], float], seconds: float) -> float:
 
 @pytest.mark.parametrize("batching", [False, True], ids=["inline", "inline-batcher"])
 def test_the_loop_polls_for_the_window_after_an_inline_answer(tmp_path: Path, batching: bool) -> None:
-    with serve(_repository(tmp_path, batching), busy_poll_us=WINDOW_US) as server:
+    with serve(_repository(tmp_path, batching), busy_poll_us=WINDOW_US) as server, _client(server.url) as client:
         assert busy_poll.window_us() == WINDOW_US
         time.sleep(WINDOW_US / 1e6)  # whatever start-up did has settled
         assert _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S) < 0.05, "an idle server polls"
-        _infer(server.url, "inline")
+        _infer(client, "inline")
         busy = _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S)
         assert busy > MEASURE_S * 0.4, f"the loop used {busy:.3f} s of CPU in {MEASURE_S} s after an inline answer"
         time.sleep(WINDOW_US / 1e6)
         assert _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S) < 0.05, "polling did not stop"
-        _infer(server.url, "threaded")  # on an instance thread: nothing to poll for
+        _infer(client, "threaded")  # on an instance thread: nothing to poll for
         assert _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S) < 0.05, "a threaded model made the loop poll"
     assert busy_poll.window_us() == 0, "the setting outlived the server"
 
 
+def test_no_polling_while_several_clients_send_requests(tmp_path: Path) -> None:
+    """Requests over two connections: the loop is seldom idle then, and polling would only take
+    CPU from the clients and other processes. One client alone again: polling comes back."""
+    with serve(_repository(tmp_path), busy_poll_us=WINDOW_US) as server, \
+            _client(server.url) as first, _client(server.url) as second:
+        time.sleep(WINDOW_US / 1e6)
+        for _ in range(3):
+            _infer(first, "inline")
+            _infer(second, "inline")
+        assert _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S) < 0.05, "the loop polled for two clients"
+        time.sleep(2 * client_activity.WINDOW_NS / 1e9)
+        _infer(second, "inline")
+        busy = _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S)
+        assert busy > MEASURE_S * 0.4, f"one client again, yet the loop used only {busy:.3f} s of CPU"
+
+
 def test_off_by_default(tmp_path: Path) -> None:
-    with serve(_repository(tmp_path)) as server:
-        _infer(server.url, "inline")
+    with serve(_repository(tmp_path)) as server, _client(server.url) as client:
+        _infer(client, "inline")
         assert _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S) < 0.05
 
 
@@ -103,10 +128,11 @@ def test_frontend_processes_poll_after_their_replicas_answer(tmp_path: Path) -> 
         [frontend] = server.server.frontends.pids
         busiest = 0.0
         for _ in range(24):
-            time.sleep(WINDOW_US / 1e6)  # the last window has passed
-            before = _process_cpu(frontend)
-            _infer(server.url, "inline")
-            time.sleep(MEASURE_S)
+            with _client(server.url) as client:  # a fresh connection: the owner's or the frontend's
+                time.sleep(WINDOW_US / 1e6)  # the last window has passed
+                before = _process_cpu(frontend)
+                _infer(client, "inline")
+                time.sleep(MEASURE_S)
             busiest = max(busiest, _process_cpu(frontend) - before)
             if busiest > MEASURE_S * 0.4:
                 break
