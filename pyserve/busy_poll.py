@@ -11,8 +11,8 @@ Only one client's requests make the loop poll. While requests come over several 
 (``pyserve.client_activity.several_clients``: within its 10 ms window) an execute does not start
 a window: the loop is seldom idle then, and each gap it did spin through was CPU taken from the
 clients and the other processes. With two processes and a load generator on two cores, polling
-at 8 connections cost 10–25% of the throughput. A client that opens a new connection for each
-request counts as several clients.
+at 8–32 connections cost 6–19% of the throughput. A client that opens a new connection for each
+request counts as several clients, and so do the requests a frontend process hands over.
 
 The price is CPU while polling (up to the window after each answer) and, for other threads of
 the process, the GIL: the polling loop takes it back between polls, so an instance thread of a

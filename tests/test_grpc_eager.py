@@ -204,7 +204,7 @@ def test_a_call_runs_in_the_read_while_one_client_calls_and_in_a_task_while_two_
             with socket.create_connection(("127.0.0.1", port), timeout=5) as idle:  # a health checker's
                 idle.sendall(h2.PREFACE + h2.settings({}))
                 assert idle.recv(9)[3] == h2.SETTINGS  # the server has taken the connection
-                time.sleep(0.02)  # past client_activity's window
+                time.sleep(2 * client_activity.WINDOW_NS / 1e9)  # past client_activity's window
                 assert [call(b"", timeout=10) for _ in range(3)] == [b"read"] * 3  # idle: not counted
             # two clients calling: a window long enough that the test's pace cannot end it
             monkeypatch.setattr(client_activity, "WINDOW_NS", 60 * 10**9)
