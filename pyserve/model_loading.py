@@ -375,9 +375,7 @@ class ModelLoader:
                            rate=(limiter, version.rate_claims[i]) if limiter is not None else None)
             for i, inst in enumerate(version.instances)
         ]
-        if isinstance(scheduler, LoopScheduler):
-            scheduler.worker = version.workers[0]
-        elif isinstance(scheduler, LoopShortcut):
+        if isinstance(scheduler, (LoopScheduler, LoopShortcut)):  # they execute on the loop
             scheduler.attach(version.workers)
         for worker in version.workers:
             worker.start()

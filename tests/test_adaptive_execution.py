@@ -25,6 +25,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
+from tritonclient.utils import InferenceServerException
 
 from pyserve import InferRequest, InferResponse, InstanceContext, ModelContext, client_activity
 from pyserve.backend import Backend
@@ -48,7 +49,8 @@ def auto(value: str) -> str:
 
 
 class Compute(Backend):
-    """Doubles IN; records each execute's thread; request parameter ``sleep_ms`` makes one slow."""
+    """Doubles IN; records each execute's thread; request parameter ``sleep_ms`` makes one slow,
+    ``fail`` makes it raise (after the sleep)."""
 
     def __init__(self, compute_only: bool = True) -> None:
         self.compute_only = compute_only
@@ -65,6 +67,8 @@ class Compute(Backend):
             pause = request.parameters.get("sleep_ms")
             if pause:
                 time.sleep(float(pause) / 1000)
+            if request.parameters.get("fail"):
+                raise RuntimeError("asked to fail")
         return [InferResponse({"OUT": request.inputs["IN"] * 2}) for request in requests]
 
 
@@ -152,6 +156,22 @@ def test_a_slow_execute_goes_back_to_the_threads(start_server, make_repo) -> Non
         assert backend.threads[-1].startswith("pyserve-instance-")
         calls = _until_on_the_loop(backend, lambda: _call(client, "m"))  # short executes: back
         assert calls > 1
+
+
+def test_a_slow_execute_that_raises_also_sends_the_next_request_to_the_threads(  # type: ignore[no-untyped-def]
+    start_server, make_repo
+) -> None:
+    backend = Compute()
+    server = start_server(make_repo({"m": config(limit_us=20_000)}), backends={"compute": backend})
+    scheduler = server.server.models.get("m").scheduler
+    with httpclient.InferenceServerClient(server.url) as client:
+        _reach_the_loop(backend, client)
+        with pytest.raises(InferenceServerException, match="asked to fail"):
+            client.infer("m", [_input()], parameters={"sleep_ms": 60, "fail": True})
+        assert backend.threads[-1] == LOOP_THREAD
+        assert scheduler.estimate_ns >= 20_000_000  # its time counted although it raised
+        _call(client, "m")
+        assert backend.threads[-1].startswith("pyserve-instance-")
 
 
 def test_the_batcher_executes_one_clients_requests_on_the_loop_and_batches_others(  # type: ignore[no-untyped-def]

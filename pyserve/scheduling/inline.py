@@ -23,7 +23,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pyserve.busy_poll import BusyPoll
@@ -41,8 +41,8 @@ INLINE_PARAMETER = "pyserve_inline_execute"
 
 
 class LoopScheduler:
-    """What both inline schedulers share: the model loader sets ``worker`` (instance 0's
-    ``InstanceWorker``, which executes on the loop) when the instances start, and every
+    """What both inline schedulers share: the model loader hands them the workers (``attach``;
+    instance 0's, ``worker``, executes on the loop) when the instances start, and every
     instance thread only waits until ``_stopped`` is set."""
 
     observe: None = None
@@ -52,6 +52,10 @@ class LoopScheduler:
         self._stopped = threading.Event()
         self._running_loop = RunningLoop()
         self._busy_poll = BusyPoll()  # ``--busy-poll-us``: keep the loop polling after an execute
+
+    def attach(self, workers: Sequence[InstanceWorker]) -> None:
+        """The model's instance workers, in instance order; call before the first request."""
+        self.worker = workers[0]
 
     def batch_source(self, index: int) -> Callable[[], Batch | None]:
         return self._idle

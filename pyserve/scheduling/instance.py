@@ -78,7 +78,7 @@ class InstanceWorker:
         self._rate = rate
         self._model_name = instance.model.name
         self.last_execute_ns = 0
-        """How long the backend's last successful execute took (for ``pyserve.scheduling.adaptive``)."""
+        """How long the backend's last execute took, returned or raised (for ``pyserve.scheduling.adaptive``)."""
         self._thread = threading.Thread(
             target=self._run, name=f"pyserve-instance-{instance.name}", daemon=True
         )
@@ -163,6 +163,7 @@ class InstanceWorker:
             if stats is not None:
                 stats.executed(live, start_ns, end_ns)
         except Exception as exc:
+            self.last_execute_ns = time.monotonic_ns() - start_ns  # a slow failure is slow too
             log.error("model '%s' instance '%s': execute failed: %s: %s",
                       self._model_name, self.instance.name, type(exc).__name__, exc)
             error = error_response(exc, self._model_name)
