@@ -244,6 +244,8 @@ def _operations_options(args: argparse.Namespace) -> tuple[dict[str, Any], dict[
         raise ValueError("--log-verbose must be >= 0")
     if args.max_tensor_elements < 0:
         raise ValueError("--max-tensor-elements must be >= 0")
+    if not 0 <= args.exit_timeout_secs < 1e9:  # also refuses nan and inf
+        raise ValueError(f"--exit-timeout-secs must be a number of seconds >= 0, not {args.exit_timeout_secs}")
     try:
         logs.configure(args.log_verbose, info=args.log_info, warning=args.log_warning, error=args.log_error,
                        log_format=args.log_format, log_file=args.log_file)

@@ -48,6 +48,8 @@ class DataPlane:
         self.server_name = server_name
         self.server_version = server_version
         self.live = False
+        self.exiting = False
+        """True from the start of shutdown: live answers "exiting" (HTTP 503, gRPC UNAVAILABLE), as Triton."""
         self.accepting = False
         self.starting = False
         """True while ``Server.start`` still opens listeners or starts frontend processes: the

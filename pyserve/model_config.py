@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from google.protobuf import text_format
@@ -206,7 +206,7 @@ def _normalize_instance_groups(config: Any, config_file: Path) -> None:
         where = f"instance_group[{index}]"
         if not group.name:
             group.name = f"{config.name}_{index}"
-        if group.count == 0:
+        if group.count < 1:  # as Triton: a count below 1 means the default, one instance
             group.count = 1
         kind = _kind_name(group)
         if kind == "KIND_AUTO":
@@ -310,6 +310,12 @@ def validate(config: Any, model_dir: Path) -> list[str]:
     problems: list[str] = []
     if config.max_batch_size < 0:
         problems.append(f"field 'max_batch_size' must be >= 0 (got {config.max_batch_size})")
+    filename = config.default_model_filename
+    if filename and (filename.startswith("/") or "\\" in filename or ".." in PurePosixPath(filename).parts):
+        problems.append(
+            f"field 'default_model_filename' ('{filename}') must name a file or directory inside the "
+            "version directory"
+        )
     if config.platform == ENSEMBLE_PLATFORM:
         if config.instance_group:
             problems.append("field 'instance_group' is not allowed for an ensemble")

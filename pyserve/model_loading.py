@@ -40,6 +40,9 @@ from pyserve.warmup import WarmupError, run_warmup
 
 log = logging.getLogger("pyserve.models")
 
+STOP_GRACE_S = 0.1
+"""Seconds a stopped worker gets to end even when the exit deadline has passed."""
+
 
 @dataclass
 class _Built:
@@ -377,18 +380,19 @@ class ModelLoader:
         ]
         if isinstance(scheduler, (LoopScheduler, LoopShortcut)):  # they execute on the loop
             scheduler.attach(version.workers)
-        for worker in version.workers:
-            worker.start()
-        if config.model_warmup:
-            try:
+        try:
+            for worker in version.workers:
+                worker.start()
+            if config.model_warmup:
                 run_warmup(version, source.path)
-            except WarmupError as exc:
-                version.state = ModelState.UNLOADING
-                self._stop_workers(version, None)
-                self._finalize_instances(version)
-                self._finalize_model(version)
-                version.fail(str(exc))
-                return
+        except Exception as exc:  # a thread that would not start, a failed warmup, MemoryError...
+            version.state = ModelState.UNLOADING
+            self._stop_workers(version, None)
+            self._finalize_instances(version)
+            self._finalize_model(version)
+            version.fail(str(exc) if isinstance(exc, WarmupError) else
+                         f"model '{source.name}' version {number} could not start: {_describe(exc)}")
+            return
         version.state = ModelState.READY
         self._notify("pyserve_model_ready", context)
 
@@ -463,9 +467,12 @@ class ModelLoader:
         return self._join_workers(version, deadline)
 
     def _join_workers(self, version: ModelVersion, deadline: float | None) -> bool:
-        for worker in version.workers:
-            worker.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
-        busy = [w.instance.name for w in version.workers if w.is_alive()]
+        """Wait for the workers to end; past the deadline each still gets ``STOP_GRACE_S``, the
+        time an idle worker needs to see its stop (only an executing one takes longer)."""
+        started = [w for w in version.workers if w.started()]
+        for worker in started:
+            worker.join(None if deadline is None else max(deadline - time.monotonic(), STOP_GRACE_S))
+        busy = [w.instance.name for w in started if w.is_alive()]
         if busy:
             log.error(
                 "model '%s' version %d: instance(s) %s still executing at the exit timeout; "

@@ -130,7 +130,12 @@ class ModelManager(ModelControl):
             )
             suffix = f" ({reason})" if reason else ""
             raise InferError.not_found(f"Request for unknown model: '{name}' has no available versions{suffix}")
-        number = int(version)
+        if isinstance(version, int):
+            number = version
+        elif version.isascii() and version.isdigit():  # int() would also take '١' or ' 1'
+            number = int(version)
+        else:
+            raise InferError.not_found(f"Request for unknown model: '{name}' version '{version}' is not found")
         found = record.versions.get(number)
         if found is None:
             raise InferError.not_found(f"Request for unknown model: '{name}' version {number} is not found")

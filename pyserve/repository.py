@@ -100,7 +100,7 @@ def version_numbers(model_dir: Path) -> list[int]:
     versions = []
     for entry in model_dir.iterdir():
         name = entry.name
-        if entry.is_dir() and name.isdigit() and not (name.startswith("0")):
+        if entry.is_dir() and name.isascii() and name.isdigit() and not (name.startswith("0")):
             versions.append(int(name))
     return sorted(versions)
 

@@ -456,6 +456,7 @@ class Server:
         if self._stopped:
             return
         self._stopped = True
+        self.dataplane.exiting = True
         loop = asyncio.get_running_loop()
         timeout = self.options.exit_timeout_secs
         deadline = loop.time() + timeout

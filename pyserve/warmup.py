@@ -59,6 +59,10 @@ class _WaitingSender:
         return self._done.wait(timeout)
 
 
+MAX_SAMPLE_INPUT_BYTES = 2 << 30
+"""The most memory one warmup input may take (BYTES elements counted at 8 bytes each)."""
+
+
 def run_warmup(version: Any, model_dir: Path, timeout: float | None = None) -> None:
     """Send every warmup sample of ``version``'s config through its scheduler and wait.
 
@@ -122,6 +126,12 @@ def build_inputs(model_name: str, io: ModelIO, sample: Any, model_dir: Path) -> 
             raise ValueError(f"input '{name}': dims {dims} must be fixed (no -1) in a warmup sample")
         shape = [batch, *dims] if io.batching else dims
         _, checked = check_input(model_name, io, name, datatype.name, shape)
+        size = math.prod(shape) * (datatype.itemsize if not datatype.is_bytes else 8)
+        if size > MAX_SAMPLE_INPUT_BYTES:  # before allocating: zero_data needs no file to be huge
+            raise ValueError(
+                f"input '{name}': shape {shape} needs {size} bytes, more than the {MAX_SAMPLE_INPUT_BYTES} "
+                "a warmup input may take"
+            )
         inputs[name] = _data(spec, datatype, tuple(shape), model_dir)
         shapes[name] = checked
     batch = finish_inputs(model_name, io, inputs, shapes)

@@ -412,3 +412,10 @@ def test_model_load_retry_count_retries_a_failed_load(tmp_path: Path) -> None:
         with serve(tmp_path / "repo", backends={"flaky": backend}, model_load_retry_count=retries) as thread:
             assert thread.server.dataplane.model_ready("flaky") is ready
             assert backend.calls == min(retries + 1, 3)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-5"])
+def test_exit_timeout_must_be_a_number_of_seconds(value: str) -> None:
+    result = pyserve("run", "--http-port", "0", f"--exit-timeout-secs={value}")
+    assert result.returncode == 2
+    assert "--exit-timeout-secs must be a number of seconds >= 0" in result.stderr

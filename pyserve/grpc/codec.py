@@ -64,7 +64,7 @@ def model_version(value: str) -> str | None:
     """
     if not value:
         return None
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):
         raise InferError.not_found(f"model version '{value}' is not a number")
     return value
 

@@ -88,6 +88,8 @@ class InferenceServicer:
 
     # -- health and metadata -----------------------------------------------------------------
     async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if self.dataplane.exiting:
+            await _abort(context, InferError.unavailable("Server exiting"))
         return pb.ServerLiveResponse(live=self.dataplane.live)
 
     async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

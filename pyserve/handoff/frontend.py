@@ -253,6 +253,7 @@ class FrontendDataPlane:
     def __init__(self, link: OwnerLink) -> None:
         self.link = link
         self.live = True
+        self.exiting = False
         self.accepting = True
         self.shared_memory = _OwnerOnlySharedMemory()
         self.tracing = _PassTraceParent()
@@ -575,6 +576,7 @@ async def serve(settings: dict[str, Any]) -> int:
     await asyncio.wait([lost, stopping], return_when=asyncio.FIRST_COMPLETED)
     graceful = stop.is_set() and not link.lost.is_set()
     timeout = float(settings.get("exit_timeout_secs", 30.0)) if graceful else 0.0
+    dataplane.exiting = True
     if http is not None:
         await http.shutdown(timeout)
     if grpc_server is not None:

@@ -88,6 +88,8 @@ def create_app(
     """
 
     async def live(request: Request) -> Response:
+        if dataplane.exiting:
+            return status_error(503, "Server exiting")
         if dataplane.live:
             return Response(b"", 200)
         return status_error(400, "Server is not live")

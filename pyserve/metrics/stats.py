@@ -431,7 +431,7 @@ def select_versions(records: Mapping[str, Any], name: str, version: str | None) 
         raise InferError.invalid(f"requested model '{name}' is not available")
     if not version:
         return ready
-    if not version.isdigit():
+    if not (version.isascii() and version.isdigit()):
         raise InferError.invalid(f"failed to get statistics: model version '{version}' is not a number")
     chosen = [v for v in ready if v.version == int(version)]
     if not chosen:

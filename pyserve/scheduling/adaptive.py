@@ -64,7 +64,7 @@ def inline_limit_ns(config: Any) -> int:
     if parameter is None:
         return AUTO_LIMIT_NS
     text = parameter.string_value.strip()
-    if not text.isdigit() or int(text) <= 0:
+    if not (text.isascii() and text.isdigit()) or int(text) <= 0:
         raise ValueError(f"parameter '{LIMIT_PARAMETER}' must be a positive number of microseconds, got '{text}'")
     return int(text) * 1000
 

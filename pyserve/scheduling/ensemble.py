@@ -17,6 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from pyserve import datatypes
 from pyserve.errors import ErrorCode, InferError
 from pyserve.inference import FutureSender, InferRequest, InferResponse, RunningLoop
 from pyserve.model_config import ModelIO
@@ -221,8 +224,8 @@ class EnsembleScheduler:
         try:
             for step_input, tensor in step.inputs.items():
                 array = pool[tensor]
-                datatype = io.inputs[step_input].datatype.name
-                _, shape = check_input(step.model_name, io, step_input, datatype, list(array.shape))
+                _, shape = check_input(step.model_name, io, step_input, _datatype(array, io, step_input),
+                                       list(array.shape))
                 inputs[step_input] = array
                 if io.batching:
                     batch = shape[0]
@@ -253,3 +256,19 @@ class EnsembleScheduler:
         except asyncio.CancelledError:
             child.cancel()
             raise
+
+
+def _datatype(array: Any, io: ModelIO, name: str) -> str:
+    """The datatype of a tensor an ensemble passes on, checked against the step model's current
+    config (the model may have been reloaded with other types since the plan was built).
+
+    numpy arrays are checked by their own dtype; other DLPack-capable arrays (torch, cupy...)
+    come from a backend that already checked them against its model's declared outputs.
+    """
+    if isinstance(array, np.ndarray):
+        found = datatypes.from_numpy(array.dtype)
+        if found is not None:
+            return found.name
+    spec = io.inputs.get(name)
+    return spec.datatype.name if spec is not None else ""
+

@@ -86,6 +86,10 @@ class InstanceWorker:
     def start(self) -> None:
         self._thread.start()
 
+    def started(self) -> bool:
+        """Whether ``start`` succeeded (a thread the system refused is never joined)."""
+        return self._thread.ident is not None
+
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 

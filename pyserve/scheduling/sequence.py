@@ -190,8 +190,13 @@ class SequenceBatcher:
         """Queue a request of a sequence.
 
         :raises InferError: INVALID_ARG without a correlation id, or for a sequence that was
-            never started, already ended, or expired.
+            never started, already ended, or expired, or with a batch of more than one.
         """
+        if request.batch_size > 1:  # as Triton: a sequence's requests are one element each
+            raise InferError.invalid(
+                f"inference request to model '{self.model_name}' must specify batch-size 1 due to "
+                "requirements of sequence batcher"
+            )
         if self.iterative:
             self._enqueue_iterative(request)
             return
