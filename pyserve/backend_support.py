@@ -44,6 +44,8 @@ __all__ = [
     "ProcessWideSettings",
     "FrameworkInstance",
     "FrameworkModel",
+    "INT32_MAX",
+    "MAX_THREAD_COUNT",
     "ModelTensor",
     "bool_parameter",
     "check_config",
@@ -128,10 +130,17 @@ def config_tensors(
     return tuple(result)
 
 
-def int_parameter(parameters: Mapping[str, str], key: str) -> int | None:
-    """A model parameter as an integer >= 0; ``None`` when unset or empty.
+INT32_MAX = 2**31 - 1
+"""The largest value ``int_parameter`` accepts by default (frameworks take C ``int`` settings)."""
 
-    :raises ValueError: the value is not such an integer.
+MAX_THREAD_COUNT = 1024
+"""The largest thread-count parameter the framework backends accept."""
+
+
+def int_parameter(parameters: Mapping[str, str], key: str, maximum: int = INT32_MAX) -> int | None:
+    """A model parameter as an integer in ``0..maximum``; ``None`` when unset or empty.
+
+    :raises ValueError: the value is not such an integer; the message names the parameter.
     """
     raw = parameters.get(key)
     if raw is None or raw.strip() == "":
@@ -140,8 +149,8 @@ def int_parameter(parameters: Mapping[str, str], key: str) -> int | None:
         value = int(raw)
     except ValueError:
         value = -1
-    if value < 0:
-        raise ValueError(f"model parameter '{key}' must be an integer >= 0 (got {raw!r})")
+    if not 0 <= value <= maximum:
+        raise ValueError(f"model parameter '{key}' must be an integer from 0 to {maximum} (got {raw!r})")
     return value
 
 
@@ -398,6 +407,9 @@ class FrameworkInstance(abc.ABC):
     """
 
     model: FrameworkModel
+    text_inputs: frozenset[str] = frozenset()
+    """BYTES inputs the framework takes as text: ``execute`` refuses a request whose elements
+    of one of them are not UTF-8, before the batch is joined. Empty (the default): no check."""
 
     def close(self) -> None:  # noqa: B027 - optional: most instances hold nothing to release
         """Release what the instance holds."""
@@ -415,10 +427,24 @@ class FrameworkInstance(abc.ABC):
         return InferError(f"model '{self.model.name}' failed: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL)
 
     def execute(self, requests: Sequence[InferRequest]) -> list[InferResponse | InferError]:
-        """One response (or error) per request, in order; a batching model runs them as one batch."""
+        """One response (or error) per request, in order; a batching model runs them as one batch.
+
+        A request whose ``text_inputs`` hold bytes that are not UTF-8 gets its own INVALID_ARG
+        error, and is left out of the batch the other requests run in.
+        """
+        if self.text_inputs:
+            refused = [_not_text(request, self.text_inputs) for request in requests]
+            if any(refused):
+                accepted = iter(self._execute([r for r, e in zip(requests, refused) if e is None]))
+                return [e if e is not None else next(accepted) for e in refused]
+        return self._execute(requests)
+
+    def _execute(self, requests: Sequence[InferRequest]) -> list[InferResponse | InferError]:
         model = self.model
+        if not requests:
+            return []
         if not model.batching and len(requests) > 1:
-            return [self.execute([r])[0] for r in requests]
+            return [self._execute([r])[0] for r in requests]
         try:
             present = requests[0].inputs
             names = [t.name for t in model.inputs if t.name in present]
@@ -455,6 +481,25 @@ class FrameworkInstance(abc.ABC):
                 f"output '{tensor.name}' of shape {list(array.shape)} cannot be reshaped to the config's "
                 f"dims {list(tensor.client_dims)}"
             ) from None
+
+
+def _not_text(request: InferRequest, names: frozenset[str]) -> InferError | None:
+    """An INVALID_ARG error naming the first input of ``names`` in ``request`` whose bytes are
+    not UTF-8 text, or None."""
+    for name in names:
+        array = request.inputs.get(name)
+        if array is None:
+            continue
+        for index, item in enumerate(array.flat):
+            if isinstance(item, bytes):
+                try:
+                    item.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    return InferError.invalid(
+                        f"input '{name}' holds bytes that are not UTF-8 text (element {index}: {exc.reason} at "
+                        f"byte {exc.start}), which model '{request.model_name}' takes as text"
+                    )
+    return None
 
 
 # --------------------------------------------------------------------------- hooks

@@ -16,6 +16,7 @@ import pytest
 import pyserve_backend_onnxruntime
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 from pyserve.model_config import gpu_count
 from pyserve.scheduling import AdaptiveBatcher, AdaptiveScheduler, DynamicBatcher
 from pyserve.server import ServerThread
@@ -84,6 +85,21 @@ def server(tmp_path_factory: pytest.TempPathFactory, recorder: BatchRecorder) ->
         'output [ { name: "echo", data_type: TYPE_STRING, dims: [ 2 ] } ]\n',
         {"1/model.onnx": ort_models.strings()},
     )
+    write_model(
+        repo,
+        "strings_batched",
+        'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
+        'input [ { name: "text", data_type: TYPE_STRING, dims: [ 2 ] } ]\n'
+        'output [ { name: "echo", data_type: TYPE_STRING, dims: [ 2 ] } ]\n'
+        'dynamic_batching { max_queue_delay_microseconds: 300000 }\n',
+        {"1/model.onnx": ort_models.strings()},
+    )
+    write_model(repo, "bad_arena", MLP_CONFIG + 'parameters { key: "memory.enable_memory_arena_shrinkage" '
+                'value { string_value: "bogus:9" } }\n', {"1/model.onnx": mlp})
+    write_model(repo, "arena_no_device", MLP_CONFIG + 'parameters { key: "memory.enable_memory_arena_shrinkage" '
+                'value { string_value: "cpu:7" } }\n', {"1/model.onnx": mlp})
+    write_model(repo, "huge_threads", MLP_CONFIG + 'parameters { key: "inter_op_thread_count" '
+                'value { string_value: "99999999999" } }\n', {"1/model.onnx": mlp})
     write_model(repo, "bad_name", _broken(MLP_CONFIG, 'name: "x"', 'name: "input"'), {"1/model.onnx": mlp})
     write_model(repo, "bad_type", _broken(MLP_CONFIG, "TYPE_FP32, dims: [ 4 ]", "TYPE_INT32, dims: [ 4 ]"), {"1/model.onnx": mlp})
     write_model(repo, "bad_dims", _broken(MLP_CONFIG, "dims: [ 3 ]", "dims: [ 5 ]"), {"1/model.onnx": mlp})
@@ -197,6 +213,47 @@ def test_strings_round_trip(server: ServerThread) -> None:
     text = np.array([[b"hello", "wörld".encode()], [b"", b"x"]], dtype=object)
     result = http_infer(server.url, "strings", {"text": text}, "BYTES")
     assert result.as_numpy("echo").tolist() == text.tolist()
+
+
+def test_non_utf8_string_fails_only_its_own_request_of_a_batch(server: ServerThread, recorder: BatchRecorder) -> None:
+    """onnxruntime takes strings as text: a request with other bytes gets 400 naming the input,
+    and the requests batched with it still get their results (HTTP and gRPC)."""
+    good = [np.array([[f"row{i}".encode(), "wörld".encode()]], dtype=object) for i in range(3)]
+    bad = np.array([[b"ok", b"\xff\xfe"]], dtype=object)
+    before = len(recorder.sizes.get("strings_batched", []))
+
+    def call(args: tuple[str, np.ndarray]) -> object:
+        protocol, text = args
+        try:
+            if protocol == "http":
+                return http_infer(server.url, "strings_batched", {"text": text}, "BYTES").as_numpy("echo")
+            return grpc_infer(server.grpc_url, "strings_batched", {"text": text}, "BYTES").as_numpy("echo")
+        except InferenceServerException as exc:
+            return exc
+
+    for protocol, refused_status in (("http", "400"), ("grpc", "StatusCode.INVALID_ARGUMENT")):
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(call, [(protocol, t) for t in (*good, bad)]))
+        for got, sent in zip(results[:3], good):
+            assert isinstance(got, np.ndarray), got
+            assert got.tolist() == sent.tolist()
+        error = results[3]
+        assert isinstance(error, InferenceServerException)
+        assert error.status() == refused_status
+        assert "input 'text'" in error.message() and "not UTF-8" in error.message()
+        # alone, the bad request is refused the same way (not a 500 from onnxruntime)
+        alone = call((protocol, bad))
+        assert isinstance(alone, InferenceServerException) and alone.status() == refused_status
+    assert max(recorder.sizes["strings_batched"][before:]) > 1, "the requests were never batched"
+
+
+def test_arena_shrinkage_device_without_arena_is_a_server_error(server: ServerThread) -> None:
+    """A well-formed device list naming a device the session has no arena for fails at run time:
+    500 naming the parameter, not a 400 blaming the client's inputs."""
+    with pytest.raises(InferenceServerException) as caught:
+        http_infer(server.url, "arena_no_device", {"x": np.ones((1, 4), dtype=np.float32)})
+    assert caught.value.status() == "500"
+    assert "memory.enable_memory_arena_shrinkage" in caught.value.message()
 
 
 def test_session_options_and_directory_model_file(server: ServerThread) -> None:
@@ -313,6 +370,8 @@ def test_auto_complete_fixed_batch_dimension_is_not_batching(server: ServerThrea
         ("bad_mode", ["execution_mode", "0 (sequential) or 1 (parallel)", "got 2"]),
         ("bad_accelerator", ["unknown cpu_execution_accelerator 'magic'"]),
         ("bad_trt", ["precision_mode must be FP32, FP16 or INT8", "'FP8'"]),
+        ("bad_arena", ["memory.enable_memory_arena_shrinkage", "'bogus:9'", "cpu:0;gpu:0"]),
+        ("huge_threads", ["'inter_op_thread_count'", "from 0 to 1024", "'99999999999'"]),
     ],
 )
 def test_bad_models_are_unavailable_with_a_reason(server: ServerThread, model: str, fragments: list[str]) -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 from pyserve.scheduling import AdaptiveScheduler, DynamicBatcher
 from pyserve.server import ServerThread
 
@@ -149,6 +150,7 @@ def server(
     shout, echo, tensor_for_strings = ((files / f"{n}.pt").read_bytes() for n in ("shout", "echo", "tensor_for_strings"))
     write_model(repo, "shout", SHOUT_CONFIG, {"1/model.pt": shout})
     write_model(repo, "echo", ECHO_CONFIG, {"1/model.pt": echo})
+    write_model(repo, "echo_slow", ECHO_CONFIG.replace("20000", "300000"), {"1/model.pt": echo})
     write_model(repo, "bad_string_dims", _broken(SHOUT_CONFIG, "TYPE_STRING, dims: [ -1 ] }", "TYPE_STRING, dims: [ 2, -1 ] }"),
                 {"1/model.pt": shout})
     write_model(repo, "bad_batched_string", _broken(ECHO_CONFIG, ', reshape: { shape: [ ] } } ]\noutput', " } ]\noutput"),
@@ -330,7 +332,7 @@ def test_one_client_gets_its_executes_on_the_event_loop(
         ("corrupt", ["cannot load PyTorch model", "model.pt"]),
         ("missing", ["model file", "not found"]),
         ("compile_script", ["torch_compile", "TorchScript"]),
-        ("bad_threads", ["INTRA_OP_THREAD_COUNT", "integer >= 0", "'-2'"]),
+        ("bad_threads", ["INTRA_OP_THREAD_COUNT", "integer from 0 to 1024", "'-2'"]),
     ],
 )
 def test_bad_models_are_unavailable_with_a_reason(server: ServerThread, model: str, fragments: list[str]) -> None:
@@ -449,6 +451,35 @@ def test_string_input_that_is_not_utf8_is_refused(server: ServerThread, protocol
     status = caught.value.status()  # type: ignore[attr-defined]
     assert status in ("400", "StatusCode.INVALID_ARGUMENT"), status
     assert client.infer("shout", [_bytes_input(module, "text", text[:1])]).as_numpy("OUTPUT__1").tolist() == [4]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_non_utf8_string_fails_only_its_own_request_of_a_batch(server: ServerThread, recorder: BatchRecorder,
+                                                               protocol: str) -> None:
+    """The bad request alone gets 400 / INVALID_ARGUMENT; the requests batched with it run."""
+    module = httpclient if protocol == "http" else grpcclient
+    url = server.url if protocol == "http" else server.grpc_url
+    sent = [[b"alpha"], [b"beta"], [b"gamma"], [b"\xff broken"]]
+    before = len(recorder.sizes.get("echo_slow", []))
+
+    def one(rows: list[bytes]) -> Any:
+        values = np.array(rows, dtype=object).reshape(len(rows), 1)
+        try:
+            client = module.InferenceServerClient(url)
+            return client.infer("echo_slow", [_bytes_input(module, "INPUT__0", values)]).as_numpy("OUTPUT__0")
+        except InferenceServerException as exc:
+            return exc
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, sent))
+    for got, rows in zip(results[:3], sent):
+        assert isinstance(got, np.ndarray), got
+        assert got.reshape(-1).tolist() == rows
+    error = results[3]
+    assert isinstance(error, InferenceServerException)
+    assert error.status() in ("400", "StatusCode.INVALID_ARGUMENT"), error.status()
+    assert "input 'INPUT__0'" in error.message() and "not UTF-8" in error.message()
+    assert max(recorder.sizes["echo_slow"][before:]) > 1, "the requests were never batched"
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,10 @@ def server(
                 + _parameters(pyserve_inline_max_us="100000"), mlp)
     write_model(repo, "conv", 'platform: "tensorflow_savedmodel"\n' + SIGNATURE, conv)
     write_model(repo, "upper", 'backend: "tensorflow"\nmax_batch_size: 0\n', upper)
+    write_model(repo, "upper_batched", 'backend: "tensorflow"\nmax_batch_size: 8\n'
+                'input [ { name: "text", data_type: TYPE_STRING, dims: [ 1 ], reshape: { shape: [ ] } } ]\n'
+                'output [ { name: "upper", data_type: TYPE_STRING, dims: [ 1 ], reshape: { shape: [ ] } } ]\n'
+                'dynamic_batching { max_queue_delay_microseconds: 300000 }\n', upper)
     write_model(repo, "graphdef", GRAPHDEF_CONFIG, graphdef)
     write_model(repo, "bad_name", _broken(MLP_CONFIG, 'name: "x"', 'name: "input"'), mlp)
     write_model(repo, "bad_type", _broken(MLP_CONFIG, "TYPE_FP32, dims: [ 4 ]", "TYPE_FP16, dims: [ 4 ]"), mlp)
@@ -225,6 +229,23 @@ def test_strings_one_scalar_per_row(server: ServerThread) -> None:
     assert result.as_numpy("upper").tolist() == [[b"HELLO"], [b"TF"]]
 
 
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_non_utf8_strings_in_a_batch_are_raw_bytes(server: ServerThread, recorder: BatchRecorder,
+                                                   protocol: str) -> None:
+    """tf.string holds raw bytes: a request with bytes that are not UTF-8 runs, batched with others."""
+    sent = [b"alpha", b"beta", b"\xff\xfe raw", b"gamma"]
+    before = len(recorder.sizes.get("upper_batched", []))
+
+    def one(word: bytes) -> list[bytes]:
+        text = np.array([[word]], dtype=object)
+        return infer(server, protocol, "upper_batched", {"text": text}, "BYTES").as_numpy("upper").reshape(-1).tolist()
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, sent))
+    assert results == [[b"ALPHA"], [b"BETA"], [b"\xff\xfe RAW"], [b"GAMMA"]]
+    assert max(recorder.sizes["upper_batched"][before:]) > 1, "the requests were never batched"
+
+
 def test_dynamic_batching_gives_the_rows_of_single_calls(
     server: ServerThread, modules: dict[str, Any], recorder: BatchRecorder
 ) -> None:
@@ -302,7 +323,7 @@ def test_auto_complete_named_signature_and_scalar_rows(server: ServerThread) -> 
         ("graphdef_bad_name", ["output 'logits'", "not a tensor of GraphDef", "placeholders: x"]),
         ("graphdef_corrupt", ["cannot load TensorFlow GraphDef"]),
         ("bad_tag", ["cannot load TensorFlow SavedModel", "with tags ['train']"]),
-        ("bad_threads", ["TF_NUM_INTRA_THREADS must be a whole number >= 0, got '-2'"]),
+        ("bad_threads", ["TF_NUM_INTRA_THREADS must be a whole number from 0 to 1024, got '-2'"]),
     ],
 )
 def test_bad_models_are_unavailable_with_a_reason(server: ServerThread, model: str, fragments: list[str]) -> None:

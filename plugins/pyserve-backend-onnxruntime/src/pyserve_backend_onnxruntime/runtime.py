@@ -17,6 +17,7 @@ from pyserve import ErrorCode, InferError, InstanceContext, ModelContext
 from pyserve.backend_support import (
     NUMPY_NAME_TO_CONFIG,
     FrameworkInstance,
+    MAX_THREAD_COUNT,
     FrameworkModel,
     ModelTensor,
     bool_parameter,
@@ -86,6 +87,39 @@ def tensorrt_options(parameters: Mapping[str, str]) -> dict[str, str]:
         else:
             raise ValueError(f"tensorrt accelerator: unknown parameter '{key}'")
     return options
+
+
+ARENA_SHRINK_DEVICES = ("cpu", "gpu")
+"""The devices ``memory.enable_memory_arena_shrinkage`` may name (``cpu:0;gpu:1``, the id optional)."""
+
+
+def arena_shrinkage_checked(value: str) -> str:
+    """A ``memory.enable_memory_arena_shrinkage`` value, checked at load: ``;``-separated
+    ``<device>[:<id>]`` entries, device ``cpu`` or ``gpu``, id a non-negative integer.
+
+    :raises ValueError: any other value; the message names the parameter.
+    """
+    for entry in value.split(";"):
+        if not entry:
+            continue
+        device, _, device_id = entry.partition(":")
+        if device not in ARENA_SHRINK_DEVICES or (device_id and not device_id.isdigit()):
+            raise ValueError(
+                f"model parameter 'memory.enable_memory_arena_shrinkage' must be ';'-separated devices "
+                f"such as 'cpu:0;gpu:0' (got {value!r}: entry {entry!r})"
+            )
+    return value
+
+
+def run_config_entries(parameters: Mapping[str, str]) -> dict[str, str] | None:
+    """The run config entries (``RUN_CONFIG_PARAMETERS``) the model sets, checked; None when none.
+
+    :raises ValueError: a value onnxruntime would refuse at every run.
+    """
+    entries = {k: parameters[k] for k in RUN_CONFIG_PARAMETERS if parameters.get(k, "").strip()}
+    if "memory.enable_memory_arena_shrinkage" in entries:
+        arena_shrinkage_checked(entries["memory.enable_memory_arena_shrinkage"])
+    return entries or None
 
 
 @dataclass(frozen=True)
@@ -235,14 +269,14 @@ class OnnxModel(FrameworkModel):
             max_batch_size=int(config.max_batch_size),
             inputs=config_tensors(config.input, "input", "onnxruntime", UNSUPPORTED_TYPES),
             outputs=config_tensors(config.output, "output", "onnxruntime", UNSUPPORTED_TYPES),
-            intra_op_threads=int_parameter(params, "intra_op_thread_count"),
-            inter_op_threads=int_parameter(params, "inter_op_thread_count"),
+            intra_op_threads=int_parameter(params, "intra_op_thread_count", MAX_THREAD_COUNT),
+            inter_op_threads=int_parameter(params, "inter_op_thread_count", MAX_THREAD_COUNT),
             graph_level=GRAPH_LEVELS.get(level, "ORT_ENABLE_ALL"),
             enable_mem_arena=bool_parameter(params, "enable_mem_arena"),
             enable_mem_pattern=bool_parameter(params, "enable_mem_pattern"),
             parallel_execution=mode == 1,
             session_config={k: params[k] for k in SESSION_CONFIG_PARAMETERS if params.get(k, "").strip()} or None,
-            run_config={k: params[k] for k in RUN_CONFIG_PARAMETERS if params.get(k, "").strip()} or None,
+            run_config=run_config_entries(params),
             cuda_options=cuda or None,
             tensorrt=tensorrt,
             openvino=openvino,
@@ -332,9 +366,10 @@ def _on_cuda(array: Any) -> bool:
 
 
 def _to_feed(array: Any, config_type: str) -> Any:
-    """onnxruntime takes string tensors as object arrays of ``str``."""
+    """onnxruntime takes string tensors as object arrays of ``str`` (UTF-8 text only: the
+    instance's ``text_inputs`` make ``execute`` refuse other bytes per request beforehand)."""
     if config_type == "TYPE_STRING" and isinstance(array, np.ndarray):
-        flat = [v.decode("utf-8", "surrogateescape") if isinstance(v, bytes) else str(v) for v in array.flat]
+        flat = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.flat]
         return np.array(flat, dtype=object).reshape(array.shape)
     return array
 
@@ -350,6 +385,7 @@ class OnnxInstance(FrameworkInstance):
         self.session: onnxruntime.InferenceSession | None = session
         self.device_id = device_id
         self._input_types = {t.name: t.config_type for t in model.inputs}
+        self.text_inputs = frozenset(t.name for t in model.inputs if t.config_type == "TYPE_STRING")
         self._run_options = model.run_options()
 
     def close(self) -> None:
@@ -368,6 +404,11 @@ class OnnxInstance(FrameworkInstance):
 
     def error(self, exc: Exception) -> InferError:
         kind = type(exc).__name__
+        if "memory arena shrink list" in str(exc):  # a device the session has no arena for
+            return InferError(
+                f"model '{self.model.name}': onnxruntime refused model parameter "
+                f"'memory.enable_memory_arena_shrinkage': {exc}", ErrorCode.INTERNAL,
+            )
         if kind in ("InvalidArgument", "InvalidGraph"):
             return InferError.invalid(f"onnxruntime rejected the inputs of model '{self.model.name}': {exc}")
         return InferError(f"onnxruntime failed to run model '{self.model.name}': {kind}: {exc}", ErrorCode.INTERNAL)

@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 from pyserve import ErrorCode, InferError, InstanceContext, ModelContext
 from pyserve.backend_support import (
+    MAX_THREAD_COUNT,
     NUMPY_NAME_TO_CONFIG,
     ConfigTensor,
     FrameworkInstance,
@@ -365,8 +366,8 @@ class TorchModel(FrameworkModel):
             compile_backend=params.get("torch_compile_backend", "").strip() or "inductor",
             compile_mode=params.get("torch_compile_mode", "").strip() or None,
             probe_run=bool(bool_parameter(params, "probe_run", True)),
-            intra_op_threads=int_parameter(params, "INTRA_OP_THREAD_COUNT"),
-            inter_op_threads=int_parameter(params, "INTER_OP_THREAD_COUNT"),
+            intra_op_threads=int_parameter(params, "INTRA_OP_THREAD_COUNT", MAX_THREAD_COUNT),
+            inter_op_threads=int_parameter(params, "INTER_OP_THREAD_COUNT", MAX_THREAD_COUNT),
             optimized_execution=not bool_parameter(params, "DISABLE_OPTIMIZED_EXECUTION", False),
             weight_sharing=bool(bool_parameter(params, "ENABLE_WEIGHT_SHARING", False)),
             cache_cleaning=bool(bool_parameter(params, "ENABLE_CACHE_CLEANING", False)),
@@ -511,6 +512,7 @@ class TorchInstance(FrameworkInstance):
         self.torch = _import_torch()
         self.guard = grad_guard(model.inference_mode)
         self.string_inputs = frozenset(t.name for t in model.inputs if t.config_type == STRING)
+        self.text_inputs = self.string_inputs  # List[str] takes UTF-8 text: checked per request
         self.string_outputs = tuple(t.name for t in model.outputs if t.config_type == STRING)
         self._one_string_output = len(model.outputs) == 1 and bool(self.string_outputs)
 

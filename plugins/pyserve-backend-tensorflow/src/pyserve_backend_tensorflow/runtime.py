@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from pyserve import ErrorCode, InferError, InstanceContext, ModelContext
 from pyserve.backend_support import (
+    MAX_THREAD_COUNT,
     NUMPY_NAME_TO_CONFIG,
     FrameworkInstance,
     FrameworkModel,
@@ -62,7 +63,7 @@ def apply_model_parameters(model_name: str, parameters: Mapping[str, str], warn:
     (logged; the model still loads). The TF1 session parameters are logged as having no effect
     (``warn``: off for the auto-complete call, which precedes the model's creation).
 
-    :raises ValueError: a thread count that is not a whole number >= 0.
+    :raises ValueError: a thread count that is not a whole number from 0 to ``MAX_THREAD_COUNT``.
     """
     for key in SESSION_PARAMETERS if warn else ():
         if parameters.get(key, "").strip():
@@ -77,8 +78,8 @@ def apply_model_parameters(model_name: str, parameters: Mapping[str, str], warn:
             value = int(text)
         except ValueError:
             value = -1
-        if value < 0:
-            raise ValueError(f"model parameter {key} must be a whole number >= 0, got '{text}'")
+        if not 0 <= value <= MAX_THREAD_COUNT:
+            raise ValueError(f"model parameter {key} must be a whole number from 0 to {MAX_THREAD_COUNT}, got '{text}'")
         if value == 0:  # TensorFlow's own choice
             continue
         tf = tf or _import_tf()
