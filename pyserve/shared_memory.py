@@ -11,6 +11,15 @@ Each server owns one ``SharedMemoryManager``. System and CUDA regions share one 
 as in Triton. Only objects a client registered are ever mapped, and every offset and size is
 checked against the registered window before any byte is touched.
 
+A client may shrink (``ftruncate``) its object after registering it; touching a mapped page
+past the object's new end would kill the server with SIGBUS. So every use of a system region
+(each input read and each output write) first ``fstat``s the object and refuses, with the same
+INVALID_ARG as an out-of-range offset, a window the object no longer covers. What remains is a
+race the server cannot close without copying: a client that shrinks its object *after* that
+check (while a request waits in a queue or runs, since inputs are views read by the backend,
+or during an output copy) can still crash it. Only a client that can register regions, which is
+a local process sharing ``/dev/shm`` with the server, can do this, as with Triton.
+
 Lifetime: a request holds a reference to the ``Region`` (and its numpy views hold the
 mapping's buffer), so unregistering a region that a request is using only removes the
 name; the mapping itself is unmapped when the last request using it lets go of it.
@@ -63,6 +72,15 @@ class Region(abc.ABC):
                 f"{self.byte_size} byte(s) of region '{self.name}'"
             )
 
+    def check_backing(self, offset: int, byte_size: int, what: str) -> None:
+        """Refuse a window (already inside the region) whose memory is no longer there.
+
+        The base class has nothing to check; ``SystemRegion`` checks its object's current size.
+
+        :raises InferError: INVALID_ARG naming ``what`` and the region.
+        """
+        return
+
     @abc.abstractmethod
     def read(self, offset: int, byte_size: int) -> memoryview | bytes:
         """The bytes of ``[offset, offset + byte_size)`` (a view where possible)."""
@@ -77,7 +95,13 @@ class Region(abc.ABC):
 
 
 class SystemRegion(Region):
-    """A window of a POSIX shared-memory object, mapped read-write."""
+    """A window of a POSIX shared-memory object, mapped read-write.
+
+    The object's descriptor stays open while the region lives, so ``check_backing`` can
+    ``fstat`` the very object that is mapped (not whatever the key names now).
+    """
+
+    _fd = -1
 
     def __init__(self, name: str, key: str, offset: int, byte_size: int) -> None:
         super().__init__(name, byte_size)
@@ -106,8 +130,31 @@ class SystemRegion(Region):
                 # map from 0: mmap offsets must be page aligned, region offsets need not be
                 self._map = mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 self._view = memoryview(self._map)[offset : offset + byte_size]
+                self._fd, fd = fd, -1
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
+
+    def check_backing(self, offset: int, byte_size: int, what: str) -> None:
+        """Refuse ``[offset, offset + byte_size)`` when the object was shrunk below its end.
+
+        One ``fstat`` per call. A shrink after this check is not caught (see the module docstring).
+        """
+        if byte_size == 0 or self._fd < 0:
+            return
+        end = self.offset + offset + byte_size
+        size = os.fstat(self._fd).st_size
+        if end > size:
+            raise InferError.invalid(
+                f"{what}: shared memory offset {offset} and byte size {byte_size} of region '{self.name}' "
+                f"exceed the {size} byte(s) that shared memory object '{self.key}' now holds "
+                "(it was shrunk after registration)"
+            )
+
+    def __del__(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def read(self, offset: int, byte_size: int) -> memoryview:
         return self._view[offset : offset + byte_size]
@@ -311,6 +358,7 @@ class SharedMemoryManager:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InferError.invalid(f"{what}: '{label}' must be a non-negative integer")
         region.check_window(offset, byte_size, what)
+        region.check_backing(offset, byte_size, what)
         return region, offset, byte_size
 
     # -- internals -------------------------------------------------------------------------------
@@ -330,13 +378,15 @@ class SharedMemoryManager:
 def write_output(target: ShmTarget, data: memoryview | bytes, what: str) -> None:
     """Write an output's wire bytes into its region.
 
-    :raises InferError: the output does not fit in the bytes the client reserved.
+    :raises InferError: the output does not fit in the bytes the client reserved, or the
+        region's object was shrunk below the output's window.
     """
     if len(data) > target.byte_size:
         raise InferError.invalid(
             f"shared memory size specified with the request for output '{what}' ({target.byte_size} bytes) "
             f"should be at least {len(data)} bytes to hold the results"
         )
+    target.region.check_backing(target.offset, len(data), f"output '{what}'")
     target.region.write(target.offset, data)
 
 

@@ -287,5 +287,6 @@ def create_app(
         routes=routes,
         exception_handlers={HTTPException: http_error, Exception: internal_error},
     )
+    app.router.redirect_slashes = False  # as Triton: '/infer/' is an unknown route (404 JSON), not a 307
     fast = InferFastPath(app, dataplane, max_input_size)
     return RestrictedHttp(fast, restrictions) if restrictions else fast

@@ -42,15 +42,24 @@ Reply = tuple[int, bytes, list[tuple[bytes, bytes]]]
 
 
 def route(path: str) -> tuple[str, str | None] | None:
-    """``(model, version)`` for an infer path, or None for anything else."""
+    """``(model, version)`` for an infer path, or None for anything else.
+
+    A version is ASCII digits only (``str.isdigit`` alone would take '²' or '١'), as the
+    ``{model_version:int}`` routes of the application match; any other version segment is
+    left to the application, which answers it as an unknown route.
+    """
     if not (path.startswith(_PREFIX) and path.endswith(_SUFFIX)):
         return None
     parts = path[len(_PREFIX) : -len(_SUFFIX)].split("/")
     if len(parts) == 1 and parts[0]:
         return parts[0], None
-    if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2].isdigit():
+    if len(parts) == 3 and parts[0] and parts[1] == "versions" and _ascii_digits(parts[2]):
         return parts[0], parts[2]
     return None
+
+
+def _ascii_digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()
 
 
 _route = route  # the former private name

@@ -18,7 +18,11 @@ streaming with chunked transfer encoding when no ``Content-Length`` is given).
 
 Connections support keep-alive, pipelining (requests answered in order), HTTP/1.0,
 ``Connection: close``, ``Expect: 100-continue`` and chunked request bodies. A malformed
-request gets 400 and the connection is closed. A client that disconnects while its infer
+request gets 400 and the connection is closed. The request line plus headers of one request
+may take at most ``MAX_HEAD_SIZE`` bytes: past that the request is answered 431 (414 when the
+URL alone is most of it) and the connection closed, so an endless header can neither grow the
+server's memory nor keep the event loop busy re-joining it. A transfer coding other than
+``chunked`` gets 501 and the connection is closed. A client that disconnects while its infer
 request waits has the request cancelled, so a queued request never executes. Reading pauses
 while the transport's write buffer is full, while too many requests are pipelined, or while
 an ASGI handler has not consumed the body already buffered.
@@ -72,6 +76,11 @@ MAX_PIPELINED = 16
 """Reading pauses while more requests than this wait on one connection."""
 BODY_HIGH_WATER = 1 << 20
 """Reading pauses while an ASGI handler leaves more than this many body bytes unconsumed."""
+MAX_HEAD_SIZE = 64 * 1024
+"""Bytes the request line plus headers of one request may take (as Triton's HTTP server, and
+most servers, allow between 8 and 64 KiB). Counted as bytes arrive; because the count restarts
+when a message ends, a request pipelined behind another in the same packet may take up to about
+twice this before it is refused."""
 _SINGLE_WRITE_LIMIT = 1 << 16
 """Bodies up to this size are joined to the head; larger ones go out with ``writelines``."""
 
@@ -97,12 +106,13 @@ class _Request:
     __slots__ = (
         "method", "url", "headers", "http_version", "keep_alive", "expect_continue", "target",
         "chunks", "buffered", "complete", "early", "close_after", "model", "discard_body",
-        "started", "waiter", "asgi", "infer_request", "future", "bad",
+        "started", "waiter", "asgi", "infer_request", "future", "bad", "url_parts",
     )
 
     def __init__(self) -> None:
         self.method = ""
         self.url = b""
+        self.url_parts: list[bytes] | None = None  # a URL arriving in pieces: joined once
         self.headers: list[tuple[bytes, bytes]] = []
         self.http_version = "1.1"
         self.keep_alive = True
@@ -120,7 +130,7 @@ class _Request:
         self.asgi: _AsgiCycle | None = None
         self.infer_request: Any = None
         self.future: asyncio.Future[Any] | None = None
-        self.bad = False  # a malformed request: answer 400 and close
+        self.bad = False  # a malformed request: answer 400 (or ``early``) and close
 
     def wake(self) -> None:
         waiter = self.waiter
@@ -140,7 +150,9 @@ class HttpProtocol(asyncio.Protocol):
         self.server = server
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpRequestParser(self)
+        self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
+        self.in_head = True  # the next bytes belong to a request line or headers
+        self.head_room = MAX_HEAD_SIZE  # bytes the current request's head may still take
         self.pipeline: deque[_Request] = deque()
         self.current: _Request | None = None  # the request being parsed
         self.closed = False
@@ -178,6 +190,7 @@ class HttpProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.deadline = None
+        self.deadline_action = None  # a bound method of this protocol: a reference cycle
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -185,6 +198,10 @@ class HttpProtocol(asyncio.Protocol):
         for request in self.pipeline:
             self._abandon(request)
         self.pipeline.clear()
+        # the parser refers back to this protocol: drop it (and a half-parsed request with its
+        # headers) now, rather than at the next full garbage collection
+        self.parser = None
+        self.current = None
         for waiter in self.drain_waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -209,8 +226,63 @@ class HttpProtocol(asyncio.Protocol):
         if self.ignore_input or self.closed:
             return
         self.deadline = None
+        if self.in_head and len(data) > self.head_room:
+            self._receive_past_head_room(data)
+        else:
+            if self.in_head:
+                self.head_room -= len(data)  # reset by on_message_complete when the message ends
+            self._feed(data)
+        if self.current is not None and not self.closed:
+            self._arm_read_timer()
+        self._update_reading()
+
+    def _receive_past_head_room(self, data: bytes) -> None:
+        """Feed ``data``, which may take the current head past ``MAX_HEAD_SIZE``: only the
+        allowed bytes go to the parser; if the head is still not complete, refuse it."""
+        while not (self.ignore_input or self.closed):
+            if not self.in_head or len(data) <= self.head_room:
+                if self.in_head:
+                    self.head_room -= len(data)
+                self._feed(data)
+                return
+            room = self.head_room
+            self.head_room = 0
+            self._feed(data[:room])
+            if self.ignore_input or self.closed:
+                return
+            if self.in_head and self.head_room == 0:  # no message ended: the same head goes on
+                self._refuse_head()
+                return
+            data = data[room:]
+
+    def _refuse_head(self) -> None:
+        """The request line plus headers passed ``MAX_HEAD_SIZE``: answer 431 (414 when the
+        URL is most of it) after the requests before it, read nothing more, then close."""
+        current = self.current
+        self.current = None
+        self.ignore_input = True
+        url_size = 0
+        if current is not None:
+            url_size = len(current.url) + sum(map(len, current.url_parts or ()))
+        if url_size > MAX_HEAD_SIZE // 2:
+            reply = (414, error_body(f"the request URL exceeds the limit of {MAX_HEAD_SIZE} bytes"), JSON_HEADERS)
+        else:
+            reply = (431, error_body(
+                f"the request line and headers exceed the limit of {MAX_HEAD_SIZE} bytes"), JSON_HEADERS)
+        refused = _Request()
+        refused.bad = True
+        refused.complete = True
+        refused.early = reply
+        self.pipeline.append(refused)
+        self._next()
+
+    def _feed(self, data: bytes) -> None:
+        """Hand ``data`` to the parser; a malformed or upgrade request ends the reading."""
+        parser = self.parser
+        if parser is None:
+            return
         try:
-            self.parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             # no protocol upgrades: the request is answered as a plain one, then the connection closes
             self.ignore_input = True
@@ -235,9 +307,6 @@ class HttpProtocol(asyncio.Protocol):
             bad.complete = True
             self.pipeline.append(bad)
             self._next()
-        if self.current is not None and not self.closed:
-            self._arm_read_timer()
-        self._update_reading()
 
     # -- parser callbacks (httptools) ------------------------------------------------------
 
@@ -245,29 +314,56 @@ class HttpProtocol(asyncio.Protocol):
         self.current = None if self.ignore_input else _Request()
 
     def on_url(self, url: bytes) -> None:
-        if self.current is not None:
-            self.current.url += url
+        request = self.current
+        if request is None:
+            return
+        if request.url_parts is None:
+            if not request.url:  # the usual case: the whole URL in one piece
+                request.url = url
+                return
+            request.url_parts = [request.url]
+        request.url_parts.append(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.current is not None:
             self.current.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        self.in_head = False
         request = self.current
-        if request is None:  # after a refused request: what follows is not read
-            return
         parser = self.parser
+        if request is None or parser is None:  # after a refused request: what follows is not read
+            return
+        if request.url_parts is not None:
+            request.url = b"".join(request.url_parts)
+            request.url_parts = None
         request.method = parser.get_method().decode("ascii")
         request.http_version = parser.get_http_version()
         request.keep_alive = parser.should_keep_alive() and not self.server.shutting_down
         for name, value in request.headers:
             if name == b"expect" and value.lower() == b"100-continue":
                 request.expect_continue = True
+            elif name == b"transfer-encoding" and _unsupported_coding(value):
+                self._refuse_transfer_coding(request, value)
+                return
         if request.method == "POST":
             request.target = self.server.infer_target(request.url)
         client_activity.request_from(self, together=bool(self.pipeline))  # pipelined: not one at a time
         if request.target is not None:
             self._check_infer(request)
+        self.pipeline.append(request)
+        self._next()
+
+    def _refuse_transfer_coding(self, request: _Request, value: bytes) -> None:
+        """Answer 501 (RFC 9112: a transfer coding the server does not implement) after the
+        requests before it, read nothing more, then close."""
+        coding = value.decode("latin-1").strip()
+        request.bad = True
+        request.early = (501, error_body(
+            f"unsupported transfer coding '{coding}': only 'chunked' is implemented"), JSON_HEADERS)
+        request.discard_body = True
+        request.complete = True
+        self.ignore_input = True
         self.pipeline.append(request)
         self._next()
 
@@ -295,6 +391,8 @@ class HttpProtocol(asyncio.Protocol):
             self._update_reading()
 
     def on_message_complete(self) -> None:
+        self.in_head = True
+        self.head_room = MAX_HEAD_SIZE
         request = self.current
         self.current = None
         if request is None or request.complete:
@@ -344,7 +442,8 @@ class HttpProtocol(asyncio.Protocol):
             return
         if request.bad:
             request.started = True
-            self._write_reply(request, 400, error_body("Invalid HTTP request received."), JSON_HEADERS)
+            reply = request.early or (400, error_body("Invalid HTTP request received."), JSON_HEADERS)
+            self._write_reply(request, *reply)
             return
         if request.target is None:
             request.started = True
@@ -914,6 +1013,11 @@ class AppServer(HttpServer):
     def infer_target(self, url: bytes) -> tuple[str, str | None] | None:
         """Never native infer: every request goes to the application."""
         return None
+
+
+def _unsupported_coding(value: bytes) -> bool:
+    """Whether a ``Transfer-Encoding`` value names a coding other than ``chunked``."""
+    return any(coding.strip().lower() != b"chunked" for coding in value.split(b","))
 
 
 def _address(value: Any) -> tuple[str, int] | None:
