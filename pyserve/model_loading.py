@@ -43,6 +43,14 @@ log = logging.getLogger("pyserve.models")
 STOP_GRACE_S = 0.1
 """Seconds a stopped worker gets to end even when the exit deadline has passed."""
 
+STEPS_UNAVAILABLE = "ensemble contains models that are not available or no longer fit: "
+"""How the reason of an ensemble version made UNAVAILABLE by a change of its step models starts."""
+
+
+def _ready_again(version: ModelVersion) -> None:
+    version.state = ModelState.READY
+    version.reason = ""
+
 
 @dataclass
 class _Built:
@@ -241,6 +249,7 @@ class ModelLoader:
         for version in retired:
             self._drain(version)
         self._remove_override(stale_dir)
+        self._recheck_ensembles(name)
         if built.error:
             return built.error
         if failures:
@@ -532,6 +541,36 @@ class ModelLoader:
             log.info("model '%s' unloaded", record.name)
         self._remove_override(record.override_dir)
         record.override_dir = None
+        self._recheck_ensembles(record.name)
+
+    def _recheck_ensembles(self, changed: str) -> None:
+        """Check the ensembles that use ``changed`` against the step models as they are now.
+
+        As Triton: an ensemble whose step model was unloaded, or reloaded with other tensors,
+        becomes UNAVAILABLE (reason ``STEPS_UNAVAILABLE`` + the problems); one that became
+        UNAVAILABLE this way is READY again once its step models fit. Not at shutdown.
+        """
+        if getattr(self, "_closing", False):
+            return
+        for name, record in sorted(list(self.records.items())):
+            for version in list(record.versions.values()):
+                config = version.config
+                if (config is None or version.io is None or version.scheduler is None
+                        or config.platform != model_config.ENSEMBLE_PLATFORM
+                        or all(step.model_name != changed for step in config.ensemble_scheduling.step)
+                        or not (version.ready or version.reason.startswith(STEPS_UNAVAILABLE))):
+                    continue
+                try:
+                    build_plan(config, version.io, self.get)
+                except ValueError as exc:
+                    reason = STEPS_UNAVAILABLE + "; ".join(str(exc).splitlines())
+                    if version.ready:
+                        log.error("ensemble '%s' version %d is UNAVAILABLE: %s", name, version.version, reason)
+                    self._on_loop(lambda v=version, r=reason: v.fail(r))  # type: ignore[misc]
+                    continue
+                if not version.ready:
+                    log.info("ensemble '%s' version %d is READY again: its step models fit", name, version.version)
+                    self._on_loop(lambda v=version: _ready_again(v))  # type: ignore[misc]
 
     @staticmethod
     def _remove_override(path: Path | None) -> None:

@@ -215,8 +215,9 @@ def test_default_model_filename_must_stay_in_the_version_folder(
 def test_an_ensemble_checks_its_step_against_the_step_models_current_config(
     start_server: StartServer, tmp_path: Path
 ) -> None:
-    """The step model reloaded with an INT32 input: FP32 tensors passed on by the ensemble are
-    refused as they are for a direct request, instead of reaching the model."""
+    """The step model reloaded with an INT32 input: the ensemble becomes UNAVAILABLE, naming
+    the mismatch, instead of passing FP32 tensors to it (and a request already inside the
+    ensemble then is checked by the tensors' real datatype)."""
     repo = tmp_path / "repo"
     write_model(repo, "step", config())
     write_model(repo, "ens", """
@@ -239,4 +240,36 @@ def test_an_ensemble_checks_its_step_against_the_step_models_current_config(
             infer(server, "ens", data)
     finally:
         client.close()
-    assert "data-type is 'FP32'" in str(caught.value) and "expects 'INT32'" in str(caught.value)
+    assert "input 'IN' is INT32 but ensemble tensor 'IN' is FP32" in str(caught.value)
+
+
+def test_an_ensemble_follows_its_step_model_out_and_back(start_server: StartServer, tmp_path: Path) -> None:
+    """As Triton: unloading a step model makes the ensemble UNAVAILABLE (it used to stay READY
+    and answer 404 to every request); loading the step model again makes it READY again."""
+    repo = tmp_path / "repo"
+    write_model(repo, "step", config())
+    write_model(repo, "ens", """
+        platform: "ensemble"
+        max_batch_size: 4
+        input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] } ]
+        output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] } ]
+        ensemble_scheduling { step [ { model_name: "step" model_version: -1
+          input_map { key: "IN" value: "IN" } output_map { key: "OUT" value: "OUT" } } ] }
+        """)
+    server = start_server(repo, backends={"echo": Echo()}, model_control_mode="explicit", load_models=["ens"])
+    data = np.ones((1, 2), np.float32)
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        assert client.is_model_ready("ens")
+        client.unload_model("step")
+        assert not client.is_model_ready("ens")
+        entry = index(server)[("ens", "1")]
+        assert entry["state"] == "UNAVAILABLE" and "step 0 (model 'step')" in entry["reason"]
+        with pytest.raises(InferenceServerException):
+            infer(server, "ens", data)
+        client.load_model("step")
+        assert client.is_model_ready("ens")
+        assert index(server)[("ens", "1")]["state"] == "READY"
+    finally:
+        client.close()
+    assert infer(server, "ens", data).tolist() == [[1.0, 1.0]]

@@ -369,10 +369,12 @@ def test_unload_dependents_unloads_the_ensembles_using_a_model(
     result = hc.infer("ens", [httpclient.InferInput("X", [2], "FP32").set_data_from_numpy(np.ones(2, np.float32))])
     assert result.as_numpy("Y").tolist() == [2.0, 2.0]
 
-    hc.unload_model("base")  # without dependents: the ensemble stays loaded
-    assert hc.is_model_ready("ens") and not hc.is_model_ready("base")
+    hc.unload_model("base")  # without dependents: the ensemble stays loaded, but UNAVAILABLE (as Triton)
+    assert not hc.is_model_ready("ens") and not hc.is_model_ready("base")
+    assert "model 'base'" in index(server)["ens"][0]["reason"]
 
-    hc.load_model("base")
+    hc.load_model("base")  # and READY again with its step model
+    assert hc.is_model_ready("ens")
     gc = grpc(server)
     clients.append(gc)
     gc.unload_model("base", unload_dependents=True)
