@@ -19,7 +19,11 @@ What a peer may rely on:
   ``max_header_list_size``, invalid HPACK and other protocol violations end the connection
   with GOAWAY and the matching error code; other connections and calls are not disturbed;
 * RST_STREAM or a lost connection cancels the call's task (a queued inference is withdrawn);
-  ``grpc-timeout`` ends the call with DEADLINE_EXCEEDED;
+  ``grpc-timeout`` ends the call with DEADLINE_EXCEEDED and frees its stream, also when it has
+  already expired on arrival;
+* a streaming reply gives the event loop a turn every ``YIELD_EVERY`` messages and waits while
+  more than ``DRAIN_ABOVE`` bytes of it are held back by flow control or the transport is full:
+  one call's responses never starve other connections, and a reset stops its writer promptly;
 * data is never sent beyond the peer's flow-control windows; trailers follow the last DATA.
 """
 
@@ -58,6 +62,9 @@ MAX_MESSAGE_DETAILS = 8192
 """``grpc-message`` is cut to this many bytes: a header list must fit the peer's limit."""
 DRAIN_ABOVE = 4 * 1024 * 1024
 """A streaming reply waits for the peer once this much of it is queued behind flow control."""
+YIELD_EVERY = 32
+"""A streaming reply gives the event loop a turn after this many messages, even when nothing
+makes it wait: other connections, resets and the peer's window updates are then handled."""
 
 _CONTENT_TYPE = h2.literal(b"content-type", b"application/grpc")
 _RESPONSE_HEADERS = h2.STATUS_200 + _CONTENT_TYPE
@@ -81,7 +88,7 @@ class Stream:
         "id", "connection", "handler", "context", "task", "messages", "message", "filled", "head",
         "compressed", "unary_request", "send_window", "pending", "headers_sent", "remote_closed",
         "finished", "cancelled", "deadline_handle", "deadline_hit", "encoding", "accept_gzip",
-        "accept_deflate", "unacked", "drain_waiter", "initial_metadata", "path",
+        "accept_deflate", "unacked", "drain_waiter", "initial_metadata", "path", "pending_bytes", "writes",
     )
 
     def __init__(self, stream_id: int, connection: GrpcConnection, send_window: int) -> None:
@@ -98,6 +105,8 @@ class Stream:
         self.unary_request: Any = None  # the one request message of a unary call
         self.send_window = send_window
         self.pending: deque[Any] = deque()  # data (memoryview) and frames (bytes) behind flow control
+        self.pending_bytes = 0  # the length of everything in ``pending``, kept as items come and go
+        self.writes = 0  # messages written by write_message (a turn for the loop every YIELD_EVERY)
         self.headers_sent = False
         self.remote_closed = False
         self.finished = False  # trailers (or a reset) are queued: the call is over
@@ -386,6 +395,8 @@ class GrpcConnection(asyncio.Protocol):
         if stream_id != 0:
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "SETTINGS on a stream")
         if flags & h2.ACK:
+            if payload:
+                raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "SETTINGS acknowledgement with a payload")
             return
         if len(payload) % 6:
             raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "malformed SETTINGS")
@@ -398,6 +409,9 @@ class GrpcConnection(asyncio.Protocol):
                 delta, self.peer_initial_window = value - self.peer_initial_window, value
                 for stream in self._streams.values():
                     stream.send_window += delta
+            elif key == h2.ENABLE_PUSH:
+                if value > 1:
+                    raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "SETTINGS_ENABLE_PUSH must be 0 or 1")
             elif key == h2.MAX_FRAME_SIZE:
                 if not h2.DEFAULT_MAX_FRAME <= value <= 16_777_215:
                     raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "invalid max frame size")
@@ -429,6 +443,9 @@ class GrpcConnection(asyncio.Protocol):
             self._reset(stream, h2.PROTOCOL_ERROR)
             return
         stream.send_window += increment
+        if stream.send_window > h2.MAX_WINDOW:
+            self._reset(stream, h2.FLOW_CONTROL_ERROR)
+            return
         if stream.pending:
             self._send_pending(stream)
 
@@ -507,6 +524,10 @@ class GrpcConnection(asyncio.Protocol):
                        f"Compression algorithm '{stream.encoding}' is not supported (identity, deflate, gzip)")
             return
         stream.handler = handler
+        if timeout is not None and timeout <= 0:  # expired on arrival: nothing to run
+            stream.deadline_hit = True
+            self._fail(stream, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            return
         if timeout is not None:
             stream.deadline_handle = self.loop.call_later(timeout, self._deadline, stream)
         if handler.request_streaming:
@@ -643,22 +664,21 @@ class GrpcConnection(asyncio.Protocol):
         if stream.finished:
             return
         stream.deadline_hit = True
-        if stream.task is not None and not stream.task.done():
-            stream.task.cancel()
-        else:
-            self._fail(stream, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        # answered here, not by the task: a task cancelled before its first step never runs _run
+        self._fail(stream, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
     def _cancel_stream(self, stream: Stream) -> None:
         """The peer reset the stream or went away: the call is cancelled."""
         stream.cancelled = True
         was_finished, stream.finished = stream.finished, True
         stream.pending.clear()
+        stream.pending_bytes = 0
         if stream.deadline_handle is not None:
             stream.deadline_handle.cancel()
         if stream.messages is not None:
             stream.messages.fail(CallCancelled("the call was cancelled"))
         if stream.task is not None and not stream.task.done():
-            stream.task.cancel()
+            self._cancel_task(stream, stream.task)
         elif not was_finished and stream.context is not None:
             stream.context.run_done_callbacks()
         self._wake_stream(stream)
@@ -765,8 +785,11 @@ class GrpcConnection(asyncio.Protocol):
         serializer = stream.handler.response_serializer if stream.handler is not None else None
         self._send_message(stream, message, serializer)
         self._schedule_flush()
-        while (self._paused or (stream.pending and sum(len(item) for item in stream.pending) > DRAIN_ABOVE)) \
-                and not stream.finished:
+        stream.writes += 1
+        if not (self._paused or stream.pending_bytes > DRAIN_ABOVE):
+            if stream.writes % YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # one loop turn: the flush, other connections, a reset
+        while (self._paused or stream.pending_bytes > DRAIN_ABOVE) and not stream.finished:
             waiter = self.loop.create_future()
             stream.drain_waiter = waiter  # woken when the stream's queue empties (_wake_stream)
             if self._paused:  # ... or when the transport can take more (_wake_drain)
@@ -805,15 +828,20 @@ class GrpcConnection(asyncio.Protocol):
             return
         stream.pending.append(memoryview(prefix))
         stream.pending.append(memoryview(payload).cast("B") if length else memoryview(b""))
+        stream.pending_bytes += total
         self._send_pending(stream)
 
     def _send_parts(self, stream: Stream, parts: WireParts) -> None:
         """A large serialized message whose pieces (views of the output arrays) are not joined."""
         pending = stream.pending
         pending.append(memoryview(b"\x00" + parts.nbytes.to_bytes(4, "big")))
+        added = 5
         for part in parts:
             if len(part):
-                pending.append(part if type(part) is memoryview else memoryview(part))
+                view = part if type(part) is memoryview else memoryview(part)
+                pending.append(view)
+                added += len(view)
+        stream.pending_bytes += added
         self._send_pending(stream)
 
     def _send_headers(self, stream: Stream, compression: grpc.Compression | None) -> None:
@@ -866,9 +894,18 @@ class GrpcConnection(asyncio.Protocol):
         task = stream.task
         self._finish(stream)
         if task is not None and not task.done():
-            task.cancel()
+            self._cancel_task(stream, task)
         elif task is None and stream.context is not None:
             stream.context.run_done_callbacks()
+
+    @staticmethod
+    def _cancel_task(stream: Stream, task: asyncio.Task[None]) -> None:
+        """Cancel a call's task; its context's done callbacks run even if the task never started
+        (``_run``, which runs them, is then never entered; running them twice is harmless)."""
+        task.cancel()
+        context = stream.context
+        if context is not None:
+            task.add_done_callback(lambda _: context.run_done_callbacks())
 
     def _http_error(self, stream: Stream, status: int) -> None:
         """A request that is not gRPC at all: an HTTP status, as gRPC servers answer it."""
@@ -881,6 +918,7 @@ class GrpcConnection(asyncio.Protocol):
     def _queue_frames(self, stream: Stream, frames: bytes) -> None:
         if stream.pending:
             stream.pending.append(frames)
+            stream.pending_bytes += len(frames)
         else:
             self._out.append(frames)
 
@@ -892,6 +930,7 @@ class GrpcConnection(asyncio.Protocol):
             if type(item) is bytes:
                 self._out.append(item)
                 pending.popleft()
+                stream.pending_bytes -= len(item)
                 continue
             allowed = min(self.send_window, stream.send_window, self.peer_max_frame)
             if not item:
@@ -907,6 +946,7 @@ class GrpcConnection(asyncio.Protocol):
             self._out.append(chunk)
             self.send_window -= size
             stream.send_window -= size
+            stream.pending_bytes -= size
             self._data_since_ping = True
             if size < len(item):
                 pending[0] = item[size:]

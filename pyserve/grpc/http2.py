@@ -165,7 +165,8 @@ class HeaderDecoder:
         try:
             headers: list[tuple[str, str]] = self._decoder.decode(block, raw=False)  # type: ignore[assignment]
         except (HPACKError, ValueError, UnicodeDecodeError) as exc:  # hpack raises all three for bad input
-            raise ConnectionError_(COMPRESSION_ERROR, f"invalid header block: {exc}") from None
+            # the type only: hpack's messages show object addresses of this process
+            raise ConnectionError_(COMPRESSION_ERROR, f"invalid header block ({type(exc).__name__})") from None
         entries = self._table.dynamic_entries
         if len(entries) == size and (entries[0] if entries else None) is first and self._table.maxsize == limit:
             if len(self._remembered) >= 256:  # headers that vary per call (e.g. ids): keep the set small

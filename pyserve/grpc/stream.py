@@ -10,12 +10,15 @@ ends the stream with a status). Closing or cancelling the stream cancels every o
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
 from pyserve import protocol as pb
 from pyserve.dataplane import DataPlane
-from pyserve.errors import InferError
+from pyserve.errors import ErrorCode, InferError
 from pyserve.grpc.codec import decode_infer, encode_infer, error_only_response, model_version
 from pyserve.inference import InferRequest, InferResponse
 
@@ -25,19 +28,18 @@ _END = object()
 class _StreamSender:
     """Turns one request's responses into stream messages, from any thread."""
 
-    __slots__ = ("_decoded", "_empty_final", "_loop", "_model", "_session")
+    __slots__ = ("_decoded", "_empty_final", "_model", "_session")
 
     def __init__(self, session: StreamSession, decoded: Any, model: Any, empty_final: bool) -> None:
         self._session = session
         self._decoded = decoded
         self._model = model
         self._empty_final = empty_final
-        self._loop = session.loop
 
     def send(self, response: InferResponse | InferError | None, final: bool) -> None:
         if self._session.closed:  # the stream ended: drop it (the loop may be gone too)
             return
-        self._loop.call_soon_threadsafe(self._session.deliver, self, response, final)
+        self._session.post(self, response, final)
 
     def is_cancelled(self) -> bool:
         return self._session.closed
@@ -78,15 +80,25 @@ class StreamSession:
         self.forwarded = forwarded
         self.loop = asyncio.get_running_loop()
         self.closed = False
-        self._out: asyncio.Queue[Any] = asyncio.Queue()
+        # (sender, response, final) from any thread, or (None, message to write, False) from the
+        # loop; turned into messages only as the writer asks for them, so a reader that does not
+        # keep up costs the loop nothing (deque appends and pops are atomic)
+        self._inbox: deque[tuple[_StreamSender | None, Any, bool]] = deque()
+        self._waiter: asyncio.Future[None] | None = None  # set while responses() waits for the inbox
         self._open: set[InferRequest] = set()
         self._reading = True
 
     async def read(self, requests: AsyncIterator[Any]) -> None:
-        """Schedule every request of the stream as it arrives."""
+        """Schedule every request of the stream as it arrives.
+
+        A message that cannot be deserialized ends the stream with INTERNAL (after the
+        responses already queued), as it ends a unary call.
+        """
         try:
             async for message in requests:
                 self._start(message)
+        except DecodeError:
+            self._put(InferError("Exception deserializing request!", ErrorCode.INTERNAL))
         finally:
             self._reading = False
             self._maybe_end()
@@ -113,41 +125,69 @@ class StreamSession:
         else:
             self._open.add(request)
 
-    def deliver(self, sender: _StreamSender, response: InferResponse | InferError | None, final: bool) -> None:
-        """Runs on the loop: queue the message, close the request on its final response."""
-        if self.closed:
-            return
+    def post(self, sender: _StreamSender, response: InferResponse | InferError | None, final: bool) -> None:
+        """Queue one response for the writer (any thread); wakes the writer if it waits."""
+        self._inbox.append((sender, response, final))
+        if self._waiter is not None:
+            self.loop.call_soon_threadsafe(self._wake)
+
+    def _put(self, item: Any) -> None:
+        """Queue a message (or an error ending the stream) made on the loop."""
+        self._inbox.append((None, item, False))
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _deliver(self, sender: _StreamSender, response: InferResponse | InferError | None, final: bool) -> Any:
+        """On the loop: the item to write for one response (None: nothing); closes the request
+        on its final response."""
         if isinstance(response, InferError) and self.error_closes:
-            self._out.put_nowait(response)
+            item: Any = response
         else:
-            message = sender.message(response, final)
-            if message is not None:
-                self._out.put_nowait(message)
+            item = sender.message(response, final)
         if final:
             request = sender._decoded.request
             if request in self._open:
                 self._open.discard(request)
                 self.dataplane.finished(request)
             self._maybe_end()
+        return item
 
     def _emit_error(self, error: InferError) -> None:
-        self._out.put_nowait(error if self.error_closes else pb.ModelStreamInferResponse(error_message=error.message))
+        self._put(error if self.error_closes else pb.ModelStreamInferResponse(error_message=error.message))
 
     def _maybe_end(self) -> None:
         if not self._reading and not self._open:
-            self._out.put_nowait(_END)
+            self._put(_END)
 
     async def responses(self) -> AsyncIterator[Any]:
         """Messages to write, in the order they were sent; ends when all requests are done."""
-        while True:
-            item = await self._out.get()
-            if item is _END:
+        inbox = self._inbox
+        while not self.closed:
+            if not inbox:
+                self._waiter = self.loop.create_future()
+                try:
+                    if not inbox:  # a post may have come before the waiter was set
+                        await self._waiter
+                finally:
+                    self._waiter = None
+                continue
+            sender, item, final = inbox.popleft()
+            if sender is not None:
+                item = self._deliver(sender, item, final)
+                if item is None:
+                    continue
+            elif item is _END:
                 return
             yield item
 
     def cancel_open(self) -> None:
         """The stream ended or broke: cancel what is still running."""
         self.closed = True
+        self._inbox.clear()
         for request in list(self._open):
             request.cancel()
             self.dataplane.finished(request)
