@@ -543,15 +543,18 @@ class ModelLoader:
         record.override_dir = None
         self._recheck_ensembles(record.name)
 
-    def _recheck_ensembles(self, changed: str) -> None:
+    def _recheck_ensembles(self, changed: str, seen: frozenset[str] = frozenset()) -> None:
         """Check the ensembles that use ``changed`` against the step models as they are now.
 
         As Triton: an ensemble whose step model was unloaded, or reloaded with other tensors,
         becomes UNAVAILABLE (reason ``STEPS_UNAVAILABLE`` + the problems); one that became
-        UNAVAILABLE this way is READY again once its step models fit. Not at shutdown.
+        UNAVAILABLE this way is READY again once its step models fit. An ensemble that changed
+        state has the ensembles using it checked in turn. Not at shutdown.
         """
         if getattr(self, "_closing", False):
             return
+        seen = seen | {changed}
+        flipped: set[str] = set()
         for name, record in sorted(list(self.records.items())):
             for version in list(record.versions.values()):
                 config = version.config
@@ -566,11 +569,15 @@ class ModelLoader:
                     reason = STEPS_UNAVAILABLE + "; ".join(str(exc).splitlines())
                     if version.ready:
                         log.error("ensemble '%s' version %d is UNAVAILABLE: %s", name, version.version, reason)
+                        flipped.add(name)
                     self._on_loop(lambda v=version, r=reason: v.fail(r))  # type: ignore[misc]
                     continue
                 if not version.ready:
                     log.info("ensemble '%s' version %d is READY again: its step models fit", name, version.version)
+                    flipped.add(name)
                     self._on_loop(lambda v=version: _ready_again(v))  # type: ignore[misc]
+        for name in sorted(flipped - seen):  # ensembles of ensembles
+            self._recheck_ensembles(name, seen)
 
     @staticmethod
     def _remove_override(path: Path | None) -> None:

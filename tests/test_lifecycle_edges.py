@@ -65,6 +65,17 @@ def config(extra: str = "", dims: str = "2", datatype: str = "TYPE_FP32", batch:
         """
 
 
+ENSEMBLE = """
+    platform: "ensemble"
+    max_batch_size: 4
+    input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] } ]
+    output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] } ]
+    ensemble_scheduling { step [ { model_name: "step" model_version: -1
+      input_map { key: "IN" value: "IN" } output_map { key: "OUT" value: "OUT" } } ] }
+"""
+"""One step, model ``step``: OUT = step(IN)."""
+
+
 def index(server: ServerThread) -> dict[tuple[str, str], dict[str, Any]]:
     entries = httpx.post(f"http://{server.url}/v2/repository/index").json()
     return {(e["name"], e.get("version", "")): e for e in entries}
@@ -220,14 +231,7 @@ def test_an_ensemble_checks_its_step_against_the_step_models_current_config(
     ensemble then is checked by the tensors' real datatype)."""
     repo = tmp_path / "repo"
     write_model(repo, "step", config())
-    write_model(repo, "ens", """
-        platform: "ensemble"
-        max_batch_size: 4
-        input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] } ]
-        output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] } ]
-        ensemble_scheduling { step [ { model_name: "step" model_version: -1
-          input_map { key: "IN" value: "IN" } output_map { key: "OUT" value: "OUT" } } ] }
-        """)
+    write_model(repo, "ens", ENSEMBLE)
     server = start_server(repo, backends={"echo": Echo()}, model_control_mode="explicit",
                           load_models=["ens"])
     data = np.ones((1, 2), np.float32)
@@ -245,31 +249,28 @@ def test_an_ensemble_checks_its_step_against_the_step_models_current_config(
 
 def test_an_ensemble_follows_its_step_model_out_and_back(start_server: StartServer, tmp_path: Path) -> None:
     """As Triton: unloading a step model makes the ensemble UNAVAILABLE (it used to stay READY
-    and answer 404 to every request); loading the step model again makes it READY again."""
+    and answer 404 to every request); loading the step model again makes it READY again. An
+    ensemble using that ensemble follows it."""
     repo = tmp_path / "repo"
     write_model(repo, "step", config())
-    write_model(repo, "ens", """
-        platform: "ensemble"
-        max_batch_size: 4
-        input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] } ]
-        output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] } ]
-        ensemble_scheduling { step [ { model_name: "step" model_version: -1
-          input_map { key: "IN" value: "IN" } output_map { key: "OUT" value: "OUT" } } ] }
-        """)
-    server = start_server(repo, backends={"echo": Echo()}, model_control_mode="explicit", load_models=["ens"])
+    write_model(repo, "ens", ENSEMBLE)
+    write_model(repo, "outer", ENSEMBLE.replace('model_name: "step"', 'model_name: "ens"'))
+    server = start_server(repo, backends={"echo": Echo()}, model_control_mode="explicit",
+                          load_models=["ens", "outer"])
     data = np.ones((1, 2), np.float32)
     client = httpclient.InferenceServerClient(server.url)
     try:
-        assert client.is_model_ready("ens")
+        assert client.is_model_ready("ens") and client.is_model_ready("outer")
         client.unload_model("step")
-        assert not client.is_model_ready("ens")
+        assert not client.is_model_ready("ens") and not client.is_model_ready("outer")
         entry = index(server)[("ens", "1")]
         assert entry["state"] == "UNAVAILABLE" and "step 0 (model 'step')" in entry["reason"]
         with pytest.raises(InferenceServerException):
             infer(server, "ens", data)
         client.load_model("step")
-        assert client.is_model_ready("ens")
+        assert client.is_model_ready("ens") and client.is_model_ready("outer")
         assert index(server)[("ens", "1")]["state"] == "READY"
     finally:
         client.close()
     assert infer(server, "ens", data).tolist() == [[1.0, 1.0]]
+    assert infer(server, "outer", data).tolist() == [[1.0, 1.0]]
