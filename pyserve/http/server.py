@@ -260,21 +260,13 @@ class HttpProtocol(asyncio.Protocol):
         URL is most of it) after the requests before it, read nothing more, then close."""
         current = self.current
         self.current = None
-        self.ignore_input = True
         url_size = 0
         if current is not None:
             url_size = len(current.url) + sum(map(len, current.url_parts or ()))
         if url_size > MAX_HEAD_SIZE // 2:
-            reply = (414, error_body(f"the request URL exceeds the limit of {MAX_HEAD_SIZE} bytes"), JSON_HEADERS)
+            self._refuse(_Request(), 414, f"the request URL exceeds the limit of {MAX_HEAD_SIZE} bytes")
         else:
-            reply = (431, error_body(
-                f"the request line and headers exceed the limit of {MAX_HEAD_SIZE} bytes"), JSON_HEADERS)
-        refused = _Request()
-        refused.bad = True
-        refused.complete = True
-        refused.early = reply
-        self.pipeline.append(refused)
-        self._next()
+            self._refuse(_Request(), 431, f"the request line and headers exceed the limit of {MAX_HEAD_SIZE} bytes")
 
     def _feed(self, data: bytes) -> None:
         """Hand ``data`` to the parser; a malformed or upgrade request ends the reading."""
@@ -358,11 +350,15 @@ class HttpProtocol(asyncio.Protocol):
         """Answer 501 (RFC 9112: a transfer coding the server does not implement) after the
         requests before it, read nothing more, then close."""
         coding = value.decode("latin-1").strip()
-        request.bad = True
-        request.early = (501, error_body(
-            f"unsupported transfer coding '{coding}': only 'chunked' is implemented"), JSON_HEADERS)
         request.discard_body = True
+        self._refuse(request, 501, f"unsupported transfer coding '{coding}': only 'chunked' is implemented")
+
+    def _refuse(self, request: _Request, status: int, message: str) -> None:
+        """Queue ``request`` to be answered ``status`` with ``message`` after the requests
+        before it; nothing more is read, and the connection closes after the answer."""
+        request.bad = True
         request.complete = True
+        request.early = (status, error_body(message), JSON_HEADERS)
         self.ignore_input = True
         self.pipeline.append(request)
         self._next()
