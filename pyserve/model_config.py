@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from google.protobuf import text_format
@@ -19,6 +19,7 @@ from google.protobuf import text_format
 from pyserve import datatypes
 from pyserve.datatypes import DataType
 from pyserve.errors import ModelConfigError
+from pyserve.repository import contained_path
 from pyserve.protocol import ModelConfig, data_type_name
 
 ENSEMBLE_PLATFORM = "ensemble"
@@ -310,12 +311,11 @@ def validate(config: Any, model_dir: Path) -> list[str]:
     problems: list[str] = []
     if config.max_batch_size < 0:
         problems.append(f"field 'max_batch_size' must be >= 0 (got {config.max_batch_size})")
-    filename = config.default_model_filename
-    if filename and (filename.startswith("/") or "\\" in filename or ".." in PurePosixPath(filename).parts):
-        problems.append(
-            f"field 'default_model_filename' ('{filename}') must name a file or directory inside the "
-            "version directory"
-        )
+    if config.default_model_filename:
+        try:
+            contained_path(model_dir, config.default_model_filename)
+        except ValueError as exc:
+            problems.append(f"field 'default_model_filename': {exc}")
     if config.platform == ENSEMBLE_PLATFORM:
         if config.instance_group:
             problems.append("field 'instance_group' is not allowed for an ensemble")

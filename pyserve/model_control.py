@@ -67,7 +67,6 @@ class ModelControl(ModelLoader):
     _model_locks: dict[str, threading.RLock]
     _operations: threading.Condition
     _running_operations: int
-    _closing: bool
     _poll_stop: threading.Event
     _poller: threading.Thread | None
     _local: threading.local

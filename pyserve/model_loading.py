@@ -86,6 +86,7 @@ class ModelLoader:
     _load_order: list[ModelVersion]
     _lock: threading.Lock
     _leftover_dirs: list[Path]
+    _closing: bool  # shutdown began: no more ensemble re-checks
     rate_limiter: RateLimiter | None
 
     # -- loading one model -------------------------------------------------------------------
@@ -551,7 +552,7 @@ class ModelLoader:
         UNAVAILABLE this way is READY again once its step models fit. An ensemble that changed
         state has the ensembles using it checked in turn. Not at shutdown.
         """
-        if getattr(self, "_closing", False):
+        if self._closing:
             return
         seen = seen | {changed}
         flipped: set[str] = set()

@@ -26,7 +26,7 @@ from pyserve.model_control import (
 )
 from pyserve.models import ModelRecord, ModelState, ModelVersion
 from pyserve.plugins import LoadedBackend, PluginHost
-from pyserve.repository import scan
+from pyserve.repository import is_version_number, scan
 from pyserve.scheduling.rate_limiter import RateLimiter
 
 __all__ = [
@@ -132,7 +132,7 @@ class ModelManager(ModelControl):
             raise InferError.not_found(f"Request for unknown model: '{name}' has no available versions{suffix}")
         if isinstance(version, int):
             number = version
-        elif version.isascii() and version.isdigit():  # int() would also take '١' or ' 1'
+        elif is_version_number(version):
             number = int(version)
         else:
             raise InferError.not_found(f"Request for unknown model: '{name}' version '{version}' is not found")

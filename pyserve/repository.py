@@ -95,12 +95,18 @@ def scan(repositories: list[Path], config_name: str = "") -> dict[str, ModelSour
     return models
 
 
+def is_version_number(text: str) -> bool:
+    """Whether ``text`` is written as a version number: ASCII digits only (``str.isdigit``
+    alone takes '²' or '١', and ``int`` takes ' 1' or '١')."""
+    return text.isascii() and text.isdigit()
+
+
 def version_numbers(model_dir: Path) -> list[int]:
     """The numeric version directories of a model, ascending."""
     versions = []
     for entry in model_dir.iterdir():
         name = entry.name
-        if entry.is_dir() and name.isascii() and name.isdigit() and not (name.startswith("0")):
+        if entry.is_dir() and is_version_number(name) and not (name.startswith("0")):
             versions.append(int(name))
     return sorted(versions)
 

@@ -18,6 +18,7 @@ from pyserve.errors import InferError
 from pyserve.inference import InferRequest, InferResponse, ParameterValue
 from pyserve.models import ModelVersion
 from pyserve.protocol import ModelInferRequest, ModelInferResponse
+from pyserve.repository import is_version_number
 from pyserve.shared_memory import SharedMemoryManager, ShmTarget, write_output
 from pyserve.validation import (
     check_input,
@@ -64,7 +65,7 @@ def model_version(value: str) -> str | None:
     """
     if not value:
         return None
-    if not (value.isascii() and value.isdigit()):
+    if not is_version_number(value):
         raise InferError.not_found(f"model version '{value}' is not a number")
     return value
 

@@ -24,6 +24,7 @@ from pyserve.http.codec import JSON_TYPE, DecodedRequest, decode_infer, encode_i
 from pyserve.http.errors import HTTP_STATUS, error_body
 from pyserve.inference import FutureSender, InferRequest, InferResponse
 from pyserve.models import ModelVersion
+from pyserve.repository import is_version_number
 
 Scope = dict[str, Any]
 ASGIApp = Any
@@ -53,13 +54,9 @@ def route(path: str) -> tuple[str, str | None] | None:
     parts = path[len(_PREFIX) : -len(_SUFFIX)].split("/")
     if len(parts) == 1 and parts[0]:
         return parts[0], None
-    if len(parts) == 3 and parts[0] and parts[1] == "versions" and _ascii_digits(parts[2]):
+    if len(parts) == 3 and parts[0] and parts[1] == "versions" and is_version_number(parts[2]):
         return parts[0], parts[2]
     return None
-
-
-def _ascii_digits(text: str) -> bool:
-    return text.isascii() and text.isdigit()
 
 
 _route = route  # the former private name

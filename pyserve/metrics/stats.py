@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pyserve.errors import ErrorCode, InferError
+from pyserve.repository import is_version_number
 
 if TYPE_CHECKING:
     from pyserve.inference import InferRequest, InferResponse
@@ -431,7 +432,7 @@ def select_versions(records: Mapping[str, Any], name: str, version: str | None) 
         raise InferError.invalid(f"requested model '{name}' is not available")
     if not version:
         return ready
-    if not (version.isascii() and version.isdigit()):
+    if not is_version_number(version):
         raise InferError.invalid(f"failed to get statistics: model version '{version}' is not a number")
     chosen = [v for v in ready if v.version == int(version)]
     if not chosen:
