@@ -379,7 +379,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     from pyserve.validate_repo import validate_repositories
 
-    problems = validate_repositories([Path(p) for p in args.repository], config_name=args.model_config_name)
+    problems = validate_repositories(
+        [Path(p) for p in args.repository],
+        config_name=args.model_config_name,
+        auto_complete=not (args.strict_model_config or args.disable_auto_complete_config),
+    )
     for line in problems:
         print(line)
     if problems:
@@ -451,6 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("repository", nargs="+", help="model repository directories")
     validate.add_argument("--model-config-name", default="", type=_config_name, metavar="NAME",
                           help="check configs/NAME.pbtxt instead of config.pbtxt where a model has one")
+    validate.add_argument("--strict-model-config", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
+                          help="as for run: every config must declare its inputs and outputs")
+    validate.add_argument("--disable-auto-complete-config", action="store_true",
+                          help="as for run: backends will not complete model configs")
     backends = sub.add_parser("backends", help="list installed backends")
     backends.add_argument("--json", action="store_true", help="print JSON instead of a table")
     backends.add_argument("--check", action="store_true",

@@ -23,6 +23,9 @@ from pyserve.repository import contained_path
 from pyserve.protocol import ModelConfig, data_type_name
 
 ENSEMBLE_PLATFORM = "ensemble"
+NO_INPUT = "the model declares no 'input'"
+NO_OUTPUT = "the model declares no 'output'"
+"""``validate``'s problems for a config without tensors (left to auto-complete or missing)."""
 
 DEFAULT_FILENAMES: dict[str, str] = {
     "tensorrt_plan": "model.plan",
@@ -324,9 +327,9 @@ def validate(config: Any, model_dir: Path) -> list[str]:
     elif config.HasField("ensemble_scheduling"):
         problems.append("field 'ensemble_scheduling' is only allowed with platform 'ensemble'")
     if not config.input:
-        problems.append("the model declares no 'input'")
+        problems.append(NO_INPUT)
     if not config.output:
-        problems.append("the model declares no 'output'")
+        problems.append(NO_OUTPUT)
     for kind, tensors in (("input", config.input), ("output", config.output)):
         seen: set[str] = set()
         for index, tensor in enumerate(tensors):

@@ -1,23 +1,62 @@
 """``pyserve validate``: every problem in a model repository, without loading any model.
 
-Checks what can be checked without importing a backend: config syntax and fields,
-normalization, the version directories and policy, label files, and whether the backend a
-model names is installed.
+Checks what can be checked without loading a model: config syntax and fields, normalization,
+the version directories and policy, label files, whether the backend a model names is
+installed, and each ensemble's steps against the configs of the models they name (the same plan
+check the server runs when it loads the ensemble).
+
+A config may leave its inputs and outputs out when its backend auto-completes configs (as
+``pyserve run`` lets backends do unless ``--disable-auto-complete-config``): to know that, the
+backend's plugin module is imported, never the model or its framework. Such a model's tensors
+are only known once it is loaded, so ensembles naming it are not checked; neither are ensembles
+naming a model whose own config has problems (those are reported under that model's name).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pyserve import model_config
-from pyserve.errors import ModelConfigError
-from pyserve.plugins import PluginHost
+from pyserve.backend import Backend
+from pyserve.errors import ErrorCode, InferError, ModelConfigError
+from pyserve.plugins import BackendUnavailable, PluginHost
 from pyserve.repository import scan, select_versions, version_numbers
+from pyserve.scheduling.ensemble import build_plan
 
 
-def validate_repositories(repositories: list[Path], host: PluginHost | None = None, config_name: str = "") -> list[str]:
-    """One line per problem, each starting with the model name and the file it is about
-    (``config_name``: ``--model-config-name``, as ``pyserve run`` reads the configs)."""
+@dataclass(frozen=True)
+class _CheckedModel:
+    """A model whose config passed every check: what an ensemble step is checked against."""
+
+    config: Any
+    path: Path
+    versions: list[int]
+    tensors_known: bool
+    """False when auto-complete will fill in inputs or outputs the config leaves out."""
+
+
+@dataclass(frozen=True)
+class _StepTables:
+    """What ``build_plan`` reads of a step model: its tensor tables."""
+
+    io: model_config.ModelIO
+
+
+class _Unknowable(Exception):
+    """A step model's tensors are not known before loading it."""
+
+
+def validate_repositories(
+    repositories: list[Path], host: PluginHost | None = None, config_name: str = "", auto_complete: bool = True
+) -> list[str]:
+    """One line per problem, each starting with the model name and the file it is about.
+
+    :param config_name: ``--model-config-name``, as ``pyserve run`` reads the configs.
+    :param auto_complete: as ``pyserve run`` without ``--disable-auto-complete-config``: a
+        config may leave its tensors to a backend that auto-completes configs.
+    """
     host = host if host is not None else PluginHost()
     problems: list[str] = []
     try:
@@ -26,10 +65,12 @@ def validate_repositories(repositories: list[Path], host: PluginHost | None = No
         return [str(exc)]
     if not sources:
         return [f"{', '.join(str(r) for r in repositories)}: no model directories found"]
+    checked: dict[str, _CheckedModel] = {}
     for name, source in sorted(sources.items()):
         if source.conflict:
             problems.append(f"{name}: {source.conflict}")
             continue
+        before = len(problems)
         path = source.config_path
         try:
             if path.is_file():
@@ -42,7 +83,12 @@ def validate_repositories(repositories: list[Path], host: PluginHost | None = No
         except (ModelConfigError, UnicodeDecodeError) as exc:
             problems.append(f"{name}: {exc}")
             continue
-        problems.extend(f"{name}: {path}: {p}" for p in model_config.validate(config, source.path))
+        config_problems = model_config.validate(config, source.path)
+        untold = (model_config.NO_INPUT, model_config.NO_OUTPUT)
+        tensors_known = not any(p in untold for p in config_problems)
+        if not tensors_known and auto_complete and _completes_configs(host, config):
+            config_problems = [p for p in config_problems if p not in untold]
+        problems.extend(f"{name}: {path}: {p}" for p in config_problems)
         versions = version_numbers(source.path)
         selected, policy_problems = select_versions(config.version_policy, versions)
         problems.extend(f"{name}: {path}: {p}" for p in policy_problems)
@@ -60,4 +106,49 @@ def validate_repositories(repositories: list[Path], host: PluginHost | None = No
                 f"{name}: {path}: backend '{config.backend}' is not installed "
                 f"(pip install pyserve-backend-{config.backend})"
             )
+        if len(problems) == before:
+            checked[name] = _CheckedModel(config, source.path, selected, tensors_known)
+    for name, model in sorted(checked.items()):
+        if model.config.platform == model_config.ENSEMBLE_PLATFORM:
+            problems.extend(f"{name}: {sources[name].config_path}: invalid ensemble: {p}"
+                            for p in _ensemble_problems(model, checked))
     return problems
+
+
+def _completes_configs(host: PluginHost, config: Any) -> bool:
+    """Whether the model's backend implements auto-complete (imports its plugin module only)."""
+    if config.platform == model_config.ENSEMBLE_PLATFORM or not host.is_installed(config.backend):
+        return False
+    try:
+        hooks = host.backend(config.backend).hooks
+    except BackendUnavailable:
+        return False
+    for impl in hooks.model_auto_complete.get_hookimpls():
+        plugin = impl.plugin
+        if isinstance(plugin, Backend) and type(plugin).auto_complete_config is Backend.auto_complete_config:
+            continue  # the base class's forwarding method, not overridden
+        return True
+    return False
+
+
+def _ensemble_problems(ensemble: _CheckedModel, checked: dict[str, _CheckedModel]) -> list[str]:
+    """What the server's plan check would say when loading ``ensemble``; ``[]`` when it cannot
+    be known before loading."""
+
+    def lookup(step_name: str, version: int | None) -> Any:
+        step = checked.get(step_name)
+        if step is None or not step.tensors_known:
+            raise _Unknowable(step_name)
+        if version is not None and version not in step.versions:
+            served = ", ".join(map(str, step.versions)) or "none"
+            raise InferError(f"version {version} of model '{step_name}' is not served "
+                             f"(its version policy serves: {served})", ErrorCode.NOT_FOUND)
+        return _StepTables(model_config.model_io(step.config, step.path))
+
+    try:
+        build_plan(ensemble.config, model_config.model_io(ensemble.config, ensemble.path), lookup)
+    except _Unknowable:
+        return []
+    except ValueError as exc:
+        return str(exc).splitlines()
+    return []

@@ -232,6 +232,56 @@ def test_validate_reports_every_problem(tmp_path: Path) -> None:
     assert f"{len(lines)} problem(s) found" in result.stderr
 
 
+def test_validate_checks_ensembles_against_their_step_configs(tmp_path: Path) -> None:
+    """The plan check the server runs when it loads an ensemble, run on the configs alone."""
+    repo = tmp_path / "repo"
+    step_config = """
+        backend: "identity"
+        input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+        output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+        """
+    write_model(repo, "ident", step_config, versions=(1, 2))
+    write_model(repo, "ident_int", step_config.replace("TYPE_FP32", "TYPE_INT32"))
+    write_model(repo, "broken", 'backend: "identity"\n')  # its own problems: no inputs, no outputs
+    write_model(repo, "completed", 'backend: "python"\n')  # the Python backend auto-completes configs
+
+    def ensemble(name: str, steps: str) -> None:
+        write_model(repo, name, f"""
+            platform: "ensemble"
+            input [ {{ name: "IN" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+            output [ {{ name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+            ensemble_scheduling {{ step [ {steps} ] }}
+            """)
+
+    def step(model: str, version: int, imap: str, omap: str) -> str:
+        return (f'{{ model_name: "{model}" model_version: {version} '
+                f'input_map {{ key: "{imap}" value: "IN" }} output_map {{ key: "{omap}" value: "OUT" }} }}')
+
+    ensemble("good", step("ident", -1, "INPUT0", "OUTPUT0"))
+    ensemble("pinned", step("ident", 2, "INPUT0", "OUTPUT0"))
+    ensemble("unchecked", step("broken", -1, "INPUT0", "OUTPUT0"))  # reported under 'broken' only
+    ensemble("unknowable", step("completed", -1, "X", "Y"))  # tensors known only once loaded
+    ensemble("wrong_names", step("ident", -1, "INPUT9", "OUTPUT0"))
+    ensemble("wrong_type", step("ident_int", -1, "INPUT0", "OUTPUT0"))
+    ensemble("old_version", step("ident", 1, "INPUT0", "OUTPUT0"))
+    result = pyserve("validate", str(repo))
+    assert result.returncode == 1, result.stdout + result.stderr
+    by_model: dict[str, list[str]] = {}
+    for line in result.stdout.splitlines():
+        by_model.setdefault(line.split(":", 1)[0], []).append(line)
+    assert sorted(by_model) == ["broken", "old_version", "wrong_names", "wrong_type"], result.stdout
+    names = "\n".join(by_model["wrong_names"])
+    assert "wrong_names/config.pbtxt: invalid ensemble: step 0 (model 'ident'): input_map names 'INPUT9'" in names
+    assert "the model's input 'INPUT0' is not mapped in input_map" in names
+    assert "input 'INPUT0' is INT32 but ensemble tensor 'IN' is FP32" in "\n".join(by_model["wrong_type"])
+    assert "version 1 of model 'ident' is not served (its version policy serves: 2)" in by_model["old_version"][0]
+    strict = pyserve("validate", "--disable-auto-complete-config", str(repo))
+    assert [line for line in strict.stdout.splitlines() if line.startswith("completed:")] == [
+        f"completed: {repo / 'completed' / 'config.pbtxt'}: the model declares no 'input'",
+        f"completed: {repo / 'completed' / 'config.pbtxt'}: the model declares no 'output'",
+    ]
+
+
 def test_validate_missing_repository(tmp_path: Path) -> None:
     result = pyserve("validate", str(tmp_path / "nothing"))
     assert result.returncode == 1
