@@ -93,7 +93,13 @@ def _kind_value(group: Any, name: str) -> int:
     return group.DESCRIPTOR.fields_by_name["kind"].enum_type.values_by_name[name].number
 
 
-def normalize(config: Any, model_dir: Path, platform_backend: Any = None, config_file: Path | None = None) -> None:
+LOAD_REQUEST_CONFIG = "the load request's 'config' parameter"
+"""Where a config given with a model-control load request (instead of a file) came from, for messages."""
+
+
+def normalize(
+    config: Any, model_dir: Path, platform_backend: Any = None, config_file: Path | str | None = None
+) -> None:
     """Fill in Triton's defaults in place.
 
     :param config: the parsed ``ModelConfig``.
@@ -101,7 +107,8 @@ def normalize(config: Any, model_dir: Path, platform_backend: Any = None, config
     :param platform_backend: ``callable(platform) -> backend name | None`` for platforms
         beyond Triton's own table (the plugin host's ``platform_backend``).
     :param config_file: the file the config came from, for messages (default
-        ``<model_dir>/config.pbtxt``; ``configs/<name>.pbtxt`` with ``--model-config-name``).
+        ``<model_dir>/config.pbtxt``; ``configs/<name>.pbtxt`` with ``--model-config-name``),
+        or a description such as ``LOAD_REQUEST_CONFIG`` when it came from no file.
     :raises ModelConfigError: when the config cannot be completed (name mismatch, no way to
         tell the backend, GPU instances without GPUs).
     """
@@ -134,7 +141,7 @@ def normalize(config: Any, model_dir: Path, platform_backend: Any = None, config
         config.optimization.output_pinned_memory.enable = True
 
 
-def _resolve_backend(config: Any, model_dir: Path, platform_backend: Any, where: Path) -> None:
+def _resolve_backend(config: Any, model_dir: Path, platform_backend: Any, where: Path | str) -> None:
     if config.platform == ENSEMBLE_PLATFORM:
         if config.backend:
             raise ModelConfigError(
@@ -195,14 +202,16 @@ def _first_version_dir(model_dir: Path) -> Path | None:
     return model_dir / str(versions[0]) if versions else None
 
 
-def _short(config_file: Path) -> str:
+def _short(config_file: Path | str) -> str:
     """``<model>/config.pbtxt`` or ``<model>/configs/<name>.pbtxt``, for messages."""
+    if isinstance(config_file, str):
+        return config_file
     if config_file.parent.name == "configs":
         return f"{config_file.parent.parent.name}/configs/{config_file.name}"
     return f"{config_file.parent.name}/{config_file.name}"
 
 
-def _normalize_instance_groups(config: Any, config_file: Path) -> None:
+def _normalize_instance_groups(config: Any, config_file: Path | str) -> None:
     if not config.instance_group:
         config.instance_group.add()
     gpus = gpu_count()

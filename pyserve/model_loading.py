@@ -65,6 +65,9 @@ class _Built:
     config: Any = None
     versions: dict[int, ModelVersion] = field(default_factory=dict)
     error: str = ""
+    config_origin: Path | str = ""
+    """Where the config came from, for messages: its file (or the model directory when there
+    is none: auto-complete), or the load request that carried it."""
 
 
 class ModelLoader:
@@ -114,10 +117,13 @@ class ModelLoader:
             return
         try:
             if override_config is not None:
+                built.config_origin = model_config.LOAD_REQUEST_CONFIG
                 config = ModelConfig()
                 config.CopyFrom(override_config)
-                model_config.normalize(config, source.path, self.host.platform_backend)
+                model_config.normalize(config, source.path, self.host.platform_backend, built.config_origin)
             else:
+                path = source.config_path
+                built.config_origin = path if path.exists() else source.path
                 config = self.read_config(source)
         except ModelConfigError as exc:
             built.error = str(exc)
@@ -149,7 +155,7 @@ class ModelLoader:
             for attempt in range(self.load_retries + 1):  # --model-load-retry-count
                 version = ModelVersion(source.name, number)
                 built.versions[number] = version
-                self._load_version(source, config, number, version, backend, backend_ctx)
+                self._load_version(built, config, number, version, backend, backend_ctx)
                 if version.ready or attempt == self.load_retries:
                     break
                 log.warning("model '%s' version %d failed to load (%s); retry %d of %d",
@@ -162,14 +168,14 @@ class ModelLoader:
             version = ModelVersion(source.name, number)
             built.versions[number] = version
             if problems:
-                version.fail(f"{source.config_path}: " + "; ".join(problems))
+                version.fail(f"{built.config_origin}: " + "; ".join(problems))
                 continue
             version.config = config
             version.io = model_config.model_io(config, source.path)
             try:
                 steps = build_plan(config, version.io, self.get)
             except ValueError as exc:
-                version.fail(f"{source.config_path}: invalid ensemble: " + "; ".join(str(exc).splitlines()))
+                version.fail(f"{built.config_origin}: invalid ensemble: " + "; ".join(str(exc).splitlines()))
                 continue
             version.scheduler = EnsembleScheduler(source.name, steps, version.io, self.get)
             version.state = ModelState.READY
@@ -312,13 +318,14 @@ class ModelLoader:
 
     def _load_version(
         self,
-        source: ModelSource,
+        built: _Built,
         base_config: Any,
         number: int,
         version: ModelVersion,
         backend: LoadedBackend,
         backend_ctx: BackendContext,
     ) -> None:
+        source = built.source
         config = ModelConfig()
         config.CopyFrom(base_config)
         context = ModelContext(
@@ -336,14 +343,13 @@ class ModelLoader:
         if self.auto_complete:
             try:
                 if hooks.model_auto_complete(model=context):
-                    model_config.normalize(config, source.path, self.host.platform_backend, source.config_path)
+                    model_config.normalize(config, source.path, self.host.platform_backend, built.config_origin)
             except Exception as exc:
                 version.fail(f"auto-complete of the config failed: {_describe(exc)}")
                 return
         problems = model_config.validate(config, source.path)
         if problems:
-            where = source.config_path if source.config_path.exists() else source.path
-            version.fail(f"{where}: " + "; ".join(problems))
+            version.fail(f"{built.config_origin}: " + "; ".join(problems))
             return
         version.config = config
         version.io = model_config.model_io(config, source.path)
@@ -379,7 +385,7 @@ class ModelLoader:
         except ValueError as exc:
             self._finalize_instances(version)
             self._finalize_model(version)
-            version.fail(f"{source.config_path}: {exc}")
+            version.fail(f"{built.config_origin}: {exc}")
             return
         version.scheduler = scheduler
         version.workers = [

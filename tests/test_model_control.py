@@ -292,6 +292,30 @@ def test_load_with_config_override(start_server: StartServer, tmp_path: Path, sc
     assert infer_out(server, "base") == [2.0, 4.0]
 
 
+def test_a_bad_config_override_is_reported_as_the_load_requests(
+    start_server: StartServer, tmp_path: Path, scale: Scale
+) -> None:
+    """Problems in a load request's ``config`` name that parameter, not the model's config.pbtxt
+    (which was not read); the served version stays."""
+    repo = tmp_path / "repo"
+    write_model(repo, "base", scale_config(2))
+    server = start_server(repo, backends={"scale": scale}, model_control_mode="explicit", load_models=["base"])
+    bad = [
+        ({"backend": "scale", "max_batch_size": -3}, "field 'max_batch_size' must be >= 0 (got -3)"),
+        ({"backend": "scale", "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [0]}],
+          "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [2]}]}, "field 'dims': dimension 0"),
+        ({"name": "other", "backend": "scale"}, "field 'name': 'other' does not match the model directory name"),
+    ]
+    for config, problem in bad:
+        response = httpx.post(f"http://{server.url}/v2/repository/models/base/load",
+                              json={"parameters": {"config": json.dumps(config)}})
+        assert response.status_code >= 400
+        message = response.json()["error"]
+        assert "the load request's 'config' parameter: " in message and problem in message, message
+        assert "config.pbtxt" not in message
+    assert infer_out(server, "base") == [2.0, 4.0]
+
+
 def test_load_with_file_override(start_server: StartServer, tmp_path: Path, scale: Scale, clients: list[Any]) -> None:
     repo = tmp_path / "repo"
     write_model(repo, "base", scale_config(2))
