@@ -269,8 +269,8 @@ class ModelControl(ModelLoader):
                 self._local.loading = set()
             with self._model_lock(name):
                 error = self._load_locked(name, source, override_config, override_dir)
-            if error:
-                raise InferError(f"load failed for model '{name}': {error}", ErrorCode.INTERNAL)
+            if error:  # Triton 2.51 answers a model that fails to load with 400 / INVALID_ARGUMENT
+                raise InferError(f"load failed for model '{name}': {error}", ErrorCode.INVALID_ARG)
 
     def _load_composing(self, name: str, sources: Mapping[str, ModelSource]) -> None:
         """Load a model an ensemble uses, unless it is loaded (or being loaded) already."""
