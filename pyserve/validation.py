@@ -208,16 +208,17 @@ def finish_inputs(
 
 
 def check_outputs_requested(model_name: str, io: ModelIO, names: Sequence[object]) -> tuple[str, ...]:
-    """Check requested output names; an empty list means every output, in config order."""
+    """Check requested output names; an empty list means every output, in config order.
+
+    A name requested twice is answered once, as Triton does (its first place counts).
+    """
     if not names:
         return tuple(io.outputs)
-    seen: list[str] = []
+    seen: dict[str, None] = {}
     for name in names:
         if not isinstance(name, str) or name not in io.outputs:
             raise InferError.invalid(f"unexpected inference output '{name}' for model '{model_name}'")
-        if name in seen:
-            raise InferError.invalid(f"output '{name}' is requested more than once for model '{model_name}'")
-        seen.append(name)
+        seen[name] = None
     return tuple(seen)
 
 

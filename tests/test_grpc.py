@@ -453,6 +453,9 @@ def test_requested_outputs(client: grpcclient.InferenceServerClient) -> None:
     result = client.infer("two", inputs)
     assert [o.name for o in result.get_response().outputs] == ["OUTPUT0", "OUTPUT1"]
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a)
+    twice = [grpcclient.InferRequestedOutput(n) for n in ("OUTPUT1", "OUTPUT0", "OUTPUT1")]
+    response = client.infer("two", inputs, outputs=twice).get_response()  # answered once, as in Triton
+    assert [o.name for o in response.outputs] == ["OUTPUT1", "OUTPUT0"] and len(response.raw_output_contents) == 2
     error = client_error(client.infer, "two", inputs, outputs=[grpcclient.InferRequestedOutput("NOPE")])
     assert error.status() == "StatusCode.INVALID_ARGUMENT"
     assert error.message() == "unexpected inference output 'NOPE' for model 'two'"

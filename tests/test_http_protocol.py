@@ -528,6 +528,58 @@ def test_json_wire_form(http: httpx.Client) -> None:
     ]
 
 
+def test_json_data_nesting_is_free_as_in_triton(http: httpx.Client) -> None:
+    """Triton reads JSON ``data`` elements in order whatever their nesting (even ragged); only
+    their number must match the shape."""
+    for data in ([[1, 2, 3, 4, 5, 6]], [[1, 2], [3, 4], [5, 6]], [[1, 2, 3, 4], [5], [[6]]], [1, 2, 3, 4, 5, 6]):
+        body = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [2, 3], "data": data}]}
+        response = http.post("/v2/models/fixed_nb/infer", json=body)
+        assert response.status_code == 200, (data, response.text)
+        assert response.json()["outputs"][0]["data"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    body = {"inputs": [{"name": "IN", "datatype": "BYTES", "shape": [1, 3], "data": [["a"], ["b", ["c"]]]}]}
+    assert http.post("/v2/models/id_bytes/infer", json=body).json()["outputs"][0]["data"] == ["a", "b", "c"]
+    body = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [2, 3], "data": [[1, 2, 3], [4, 5]]}]}
+    response = http.post("/v2/models/fixed_nb/infer", json=body)
+    assert response.status_code == 400
+    assert "it holds 5 element(s) but the input shape [2, 3] needs 6" in response.json()["error"]
+
+
+@pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64", "BF16"])
+def test_non_finite_floats_in_json(http: httpx.Client, client: httpclient.InferenceServerClient, datatype: str) -> None:
+    """NaN and the infinities are written as Triton writes them (``NaN``, ``Infinity``,
+    ``-Infinity``: not strict JSON, but what Python's json and tritonclient read), and read
+    back from a request the same way."""
+    dtype = ml_dtypes.bfloat16 if datatype == "BF16" else np.dtype(datatype.replace("FP", "float").lower())
+    values = np.array([[np.nan, np.inf, -np.inf, 1.5]], dtype=dtype)
+    model = f"id_{datatype.lower()}"
+    result = client.infer(model, [make_input("IN", values, datatype, True)],
+                          outputs=[httpclient.InferRequestedOutput("OUT", binary_data=False)])
+    np.testing.assert_array_equal(result.as_numpy("OUT").astype(np.float64), values.astype(np.float64))
+    header = json.dumps({"inputs": [{"name": "IN", "datatype": datatype, "shape": [1, 4],
+                                     "parameters": {"binary_data_size": values.nbytes}}],
+                         "outputs": [{"name": "OUT", "parameters": {"binary_data": False}}]}).encode()
+    response = http.post(f"/v2/models/{model}/infer", content=header + values.tobytes(),
+                         headers={"Inference-Header-Content-Length": str(len(header))})
+    assert b'"data":[NaN,Infinity,-Infinity,1.5]' in response.content
+    if datatype in JSON_INPUT_UNSUPPORTED:
+        return
+    body = b'{"inputs":[{"name":"IN","datatype":"%s","shape":[1,4],"data":[NaN,Infinity,-Infinity,1.5]}]}' % (
+        datatype.encode())
+    response = http.post(f"/v2/models/{model}/infer", content=body)
+    assert response.status_code == 200, response.text
+    np.testing.assert_array_equal(np.array(json.loads(response.content)["outputs"][0]["data"]),
+                                  [np.nan, np.inf, -np.inf, 1.5])
+
+
+def test_json_requests_keep_refusing_what_cannot_be_written_back(http: httpx.Client) -> None:
+    """Only the non-finite literals are read beyond strict JSON: a lone surrogate is still a
+    parse error (the standard library would take it)."""
+    body = b'{"inputs":[{"name":"IN","datatype":"BYTES","shape":[1,1],"data":["\\ud800"]}]}'
+    response = http.post("/v2/models/id_bytes/infer", content=body)
+    assert response.status_code == 400
+    assert "failed to parse the request JSON buffer" in response.json()["error"]
+
+
 # -- inference: id, parameters, outputs ------------------------------------------------------
 
 
@@ -610,6 +662,21 @@ def test_requested_output_subset(client: httpclient.InferenceServerClient, http:
         "OUTPUT0",
         "OUTPUT1",
     ]
+    # an output listed twice is answered once (Triton 2.51 does the same)
+    twice = {**body, "outputs": [{"name": "OUTPUT1"}, {"name": "OUTPUT0"}, {"name": "OUTPUT1"}]}
+    assert [o["name"] for o in http.post("/v2/models/two/infer", json=twice).json()["outputs"]] == [
+        "OUTPUT1",
+        "OUTPUT0",
+    ]
+    # 'binary_data_output' is the default of the outputs not listed; a listed output without
+    # 'binary_data' comes back as JSON (as in Triton 2.51)
+    listed = {**body, "parameters": {"binary_data_output": True}, "outputs": [{"name": "OUTPUT0"}]}
+    response = http.post("/v2/models/two/infer", json=listed)
+    assert response.headers["content-type"] == "application/json"
+    assert response.json()["outputs"][0]["data"] == list(range(16))
+    unlisted = {**body, "parameters": {"binary_data_output": True}}
+    response = http.post("/v2/models/two/infer", json=unlisted)
+    assert response.headers["content-type"] == "application/octet-stream"
 
 
 def test_binary_data_output_parameter(http: httpx.Client) -> None:
@@ -622,13 +689,25 @@ def test_binary_data_output_parameter(http: httpx.Client) -> None:
     assert [o["parameters"] for o in meta["outputs"]] == [{"binary_data_size": 64}] * 2
     assert "data" not in meta["outputs"][0]
     assert tail == np.array(data * 2, dtype="<i4").tobytes()
-    # a per-output binary_data overrides the request default
+    # listed outputs take only their own 'binary_data' (default false), as in Triton 2.51, which
+    # answers this request with JSON alone
     response = http.post(
         "/v2/models/two/infer",
         json={
             "parameters": {"binary_data_output": True},
             "inputs": inputs,
             "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": False}}, {"name": "OUTPUT1"}],
+        },
+    )
+    assert response.headers["content-type"] == "application/json"
+    assert [o["data"] for o in response.json()["outputs"]] == [data, data]
+    response = http.post(
+        "/v2/models/two/infer",
+        json={
+            "parameters": {"binary_data_output": False},
+            "inputs": inputs,
+            "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": False}},
+                        {"name": "OUTPUT1", "parameters": {"binary_data": True}}],
         },
     )
     meta, tail = split_binary(response)

@@ -8,6 +8,7 @@ A response carries JSON ``data`` or, per output, binary data after the JSON head
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +76,16 @@ def _load_json(data: bytes | memoryview) -> Any:
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError as exc:
-        raise InferError.invalid(f"failed to parse the request JSON buffer: {exc}") from None
+        error = exc
+    # Triton also reads the literals NaN, Infinity and -Infinity, which orjson refuses: the
+    # standard library parses those; what it takes beyond them (lone surrogates, integers
+    # beyond 64 bits) orjson cannot write back, so that keeps orjson's error.
+    try:
+        payload = json.loads(bytes(data))
+        orjson.dumps(payload)
+    except (ValueError, TypeError, RecursionError):
+        raise InferError.invalid(f"failed to parse the request JSON buffer: {error}") from None
+    return payload
 
 
 def decode_infer(
@@ -235,7 +245,11 @@ def shm_input_array(
 
 
 def _json_to_array(data: Any, spec: TensorSpec, shape: tuple[int, ...], count: int, model: str) -> np.ndarray:
-    """Convert JSON ``data`` (flat or nested, row-major) to an array of the input's dtype."""
+    """Convert JSON ``data`` to an array of the input's dtype.
+
+    As Triton does, ``data`` may be flat or nested in any way (even ragged): its elements are
+    read in order and only their number must match ``shape``.
+    """
     name = spec.name
     dtype = spec.datatype
     if not isinstance(data, list):
@@ -244,27 +258,16 @@ def _json_to_array(data: Any, spec: TensorSpec, shape: tuple[int, ...], count: i
         raise InferError.invalid(
             f"input '{name}': receiving {dtype.name} data via JSON is not supported; send it as binary data"
         )
-    try:
-        raw = np.array(data, dtype=object if dtype.is_bytes else None)
-    except (ValueError, TypeError, OverflowError):
-        raise InferError.invalid(
-            f"'data' of input '{name}' is not a well-formed array: its nested lists are ragged or "
-            "nested too deeply"
-        ) from None
-    if raw.size != count or (raw.ndim != 1 and raw.shape != shape):
-        raise InferError.invalid(
-            f"Unable to parse 'data' of input '{name}': its shape {list(raw.shape)} does not match "
-            f"the input shape {list(shape)} ({count} element(s))"
-        )
-    kind = raw.dtype.kind
     if dtype.is_bytes:
-        flat = raw.reshape(-1)
-        out = np.empty(count, dtype=object)
-        for i, item in enumerate(flat):
-            if not isinstance(item, str):
-                raise InferError.invalid(f"'data' of BYTES input '{name}' must hold strings")
-            out[i] = item.encode("utf-8")
-        return out.reshape(shape)
+        return _json_to_bytes_array(_flatten_json(data), name, shape, count)
+    try:
+        raw = np.array(data)
+        elements = data
+    except (ValueError, TypeError, OverflowError):  # ragged nesting, or beyond numpy's 64 dims
+        elements = _flatten_json(data)
+        raw = np.array(elements)
+    _check_element_count(raw.size, name, shape, count)
+    kind = raw.dtype.kind
     if dtype.name == "BOOL":
         if kind != "b":
             raise InferError.invalid(f"'data' of BOOL input '{name}' must hold true/false values")
@@ -272,7 +275,7 @@ def _json_to_array(data: Any, spec: TensorSpec, shape: tuple[int, ...], count: i
         if kind not in "iu":
             # numpy infers float64 (or object) for integers beyond int64, e.g. large UINT64
             # values: re-read those exactly instead of refusing or rounding them.
-            exact = _exact_integers(data, shape)
+            exact = _exact_integers(elements, shape)
             if exact is None:
                 raise InferError.invalid(f"'data' of {dtype.name} input '{name}' must hold integers")
             raw = exact
@@ -284,12 +287,45 @@ def _json_to_array(data: Any, spec: TensorSpec, shape: tuple[int, ...], count: i
     return raw.astype(dtype.dtype, copy=False).reshape(shape)
 
 
+def _json_to_bytes_array(elements: list[Any], name: str, shape: tuple[int, ...], count: int) -> np.ndarray:
+    _check_element_count(len(elements), name, shape, count)
+    out = np.empty(count, dtype=object)
+    for i, item in enumerate(elements):
+        if not isinstance(item, str):
+            raise InferError.invalid(f"'data' of BYTES input '{name}' must hold strings")
+        out[i] = item.encode("utf-8")
+    return out.reshape(shape)
+
+
+def _check_element_count(size: int, name: str, shape: tuple[int, ...], count: int) -> None:
+    if size != count:
+        raise InferError.invalid(
+            f"Unable to parse 'data' of input '{name}': it holds {size} element(s) but the input shape "
+            f"{list(shape)} needs {count}"
+        )
+
+
 def _exact_integers(data: list[Any], shape: tuple[int, ...]) -> np.ndarray | None:
     """``data`` as an object array of Python ints, or None if any element is not an int."""
-    flat = np.array(data, dtype=object).reshape(-1)
+    flat = np.array(_flatten_json(data), dtype=object)
     if not all(type(v) is int for v in flat):
         return None
     return flat.reshape(shape)
+
+
+def _flatten_json(data: list[Any]) -> list[Any]:
+    """The elements of nested JSON lists in order, however deep or ragged (no recursion)."""
+    out: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            out.append(item)
+        else:
+            stack.pop()
+    return out
 
 
 def _decode_raw_binary(body: bytes, model: ModelVersion) -> DecodedRequest:
@@ -357,7 +393,7 @@ def _decode_outputs(
         params = entry.get("parameters") or {}
         if not isinstance(params, dict):
             raise InferError.invalid(f"'parameters' of output '{entry['name']}' must be a JSON object")
-        binary = params.get("binary_data", binary_default)
+        binary = params.get("binary_data", False)  # as Triton: 'binary_data_output' is for unlisted outputs
         if not isinstance(binary, bool):
             raise InferError.invalid(f"output '{entry['name']}': 'binary_data' must be a boolean")
         k = params.get("classification", 0)
@@ -452,5 +488,8 @@ def _to_json_data(array: np.ndarray, datatype: str, name: str) -> Any:
                 ) from None
         return data
     if datatype == "BF16":
-        return flat.astype(np.float32)
+        flat = flat.astype(np.float32)
+    if flat.dtype.kind == "f" and not np.isfinite(flat).all():
+        # as Triton writes them: NaN, Infinity, -Infinity (orjson would write null)
+        return orjson.Fragment(json.dumps(flat.tolist(), separators=(",", ":")))
     return flat
