@@ -25,7 +25,7 @@ from pyserve.protocol import ModelConfig, data_type_name
 ENSEMBLE_PLATFORM = "ensemble"
 NO_INPUT = "the model declares no 'input'"
 NO_OUTPUT = "the model declares no 'output'"
-"""``validate``'s problems for a config without tensors (left to auto-complete or missing)."""
+"""``validate``'s problems for an ensemble without tensors (other models may have none, as in Triton)."""
 
 DEFAULT_FILENAMES: dict[str, str] = {
     "tensorrt_plan": "model.plan",
@@ -212,12 +212,12 @@ def _short(config_file: Path | str) -> str:
 
 
 def _normalize_instance_groups(config: Any, config_file: Path | str) -> None:
-    if not config.instance_group:
-        config.instance_group.add()
+    if not config.instance_group:  # Triton 2.51 names the group it adds after the model ...
+        config.instance_group.add(name=config.name)
     gpus = gpu_count()
     for index, group in enumerate(config.instance_group):
         where = f"instance_group[{index}]"
-        if not group.name:
+        if not group.name:  # ... and an unnamed group of the config "<model>_<index>"
             group.name = f"{config.name}_{index}"
         if group.count < 1:  # as Triton: a count below 1 means the default, one instance
             group.count = 1
@@ -274,9 +274,12 @@ class ModelIO:
     """``max_batch_size > 0``: the first dim of every input and output is the batch."""
     reshaped_inputs: tuple[str, ...] = field(init=False)
     """The inputs with a config ``reshape``."""
+    has_no_required_inputs: bool = field(init=False)
+    """Every input is optional (or there is none): a request may carry no input at all."""
 
     def __post_init__(self) -> None:  # derived once: the request checks read them per request
         object.__setattr__(self, "batching", self.max_batch_size > 0)
+        object.__setattr__(self, "has_no_required_inputs", all(s.optional for s in self.inputs.values()))
         object.__setattr__(
             self, "reshaped_inputs", tuple(n for n, s in self.inputs.items() if s.reshape is not None)
         )
@@ -333,12 +336,12 @@ def validate(config: Any, model_dir: Path) -> list[str]:
             problems.append("field 'instance_group' is not allowed for an ensemble")
         if not config.ensemble_scheduling.step:
             problems.append("field 'ensemble_scheduling' must list at least one step for an ensemble")
+        if not config.input:
+            problems.append(NO_INPUT)
+        if not config.output:
+            problems.append(NO_OUTPUT)
     elif config.HasField("ensemble_scheduling"):
         problems.append("field 'ensemble_scheduling' is only allowed with platform 'ensemble'")
-    if not config.input:
-        problems.append(NO_INPUT)
-    if not config.output:
-        problems.append(NO_OUTPUT)
     for kind, tensors in (("input", config.input), ("output", config.output)):
         seen: set[str] = set()
         for index, tensor in enumerate(tensors):

@@ -6,10 +6,11 @@ installed, and each ensemble's steps against the configs of the models they name
 check the server runs when it loads the ensemble).
 
 A config may leave its inputs and outputs out when its backend auto-completes configs (as
-``pyserve run`` lets backends do unless ``--disable-auto-complete-config``): to know that, the
-backend's plugin module is imported, never the model or its framework. Such a model's tensors
-are only known once it is loaded, so ensembles naming it are not checked; neither are ensembles
-naming a model whose own config has problems (those are reported under that model's name).
+``pyserve run`` lets backends do unless ``--disable-auto-complete-config``; to know whether it
+does, the backend's plugin module is imported, never the model or its framework). Such a
+model's tensors are only known once it is loaded, so ensembles naming it are not checked;
+neither are ensembles naming a model whose own config has problems (those are reported under
+that model's name). A config that declares tensors is taken as complete.
 """
 
 from __future__ import annotations
@@ -83,12 +84,8 @@ def validate_repositories(
         except (ModelConfigError, UnicodeDecodeError) as exc:
             problems.append(f"{name}: {exc}")
             continue
-        config_problems = model_config.validate(config, source.path)
-        untold = (model_config.NO_INPUT, model_config.NO_OUTPUT)
-        tensors_known = not any(p in untold for p in config_problems)
-        if not tensors_known and auto_complete and _completes_configs(host, config):
-            config_problems = [p for p in config_problems if p not in untold]
-        problems.extend(f"{name}: {path}: {p}" for p in config_problems)
+        problems.extend(f"{name}: {path}: {p}" for p in model_config.validate(config, source.path))
+        tensors_known = bool(config.input or config.output) or not (auto_complete and _completes_configs(host, config))
         versions = version_numbers(source.path)
         selected, policy_problems = select_versions(config.version_policy, versions)
         problems.extend(f"{name}: {path}: {p}" for p in policy_problems)

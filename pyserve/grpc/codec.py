@@ -141,14 +141,14 @@ def decode_infer(
     # slice is a plain list, which iterates for less than the repeated field itself
     in_region = [("shared_memory_region" in t.parameters) for t in tensors]
     in_shm = sum(in_region) if shm is not None else 0
-    if raw and len(raw) != len(in_region) - in_shm:
+    if raw and len(raw) < len(in_region) - in_shm:  # more are ignored, as Triton 2.51 does
         which = "one per input not in shared memory" if in_shm else "one per input"
         raise InferError.invalid(
             f"expected {len(in_region) - in_shm} raw_input_contents ({which}) but got {len(raw)} "
             f"for model '{name}'"
         )
     raw_index = 0
-    if not in_region:
+    if not in_region and not io.has_no_required_inputs:
         raise InferError.invalid(f"the request for model '{name}' has no inputs")
     inputs: dict[str, np.ndarray] = {}
     shapes: dict[str, tuple[int, ...]] = {}

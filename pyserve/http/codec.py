@@ -129,8 +129,8 @@ def _decode_header(
     binary_default = params.get("binary_data_output", False)
     if not isinstance(binary_default, bool):
         raise InferError.invalid("parameter 'binary_data_output' must be a boolean")
-    raw_inputs = header.get("inputs")
-    if not isinstance(raw_inputs, list) or not raw_inputs:
+    raw_inputs = header.get("inputs", [] if io.has_no_required_inputs else None)
+    if not isinstance(raw_inputs, list) or not (raw_inputs or io.has_no_required_inputs):
         raise InferError.invalid("request 'inputs' must be a non-empty list")
     inputs: dict[str, np.ndarray] = {}
     shapes: dict[str, tuple[int, ...]] = {}

@@ -142,7 +142,7 @@ def test_a_failing_or_non_bool_is_ready_means_not_ready(serve: Serve, mode: str,
             assert not _grpc(server).is_model_ready(name)
             assert _infer(server, name, 1) == 0  # the model still answers requests
     text = caplog.text
-    assert "model 'raises' version 1 instance 'raises_0_0': readiness check failed" in text
+    assert "model 'raises' version 1 instance 'raises_0': readiness check failed" in text
     assert "ZeroDivisionError" in text and "cannot tell" in text
     assert "is_ready() of model 'returns_none' returned NoneType, expected bool" in text
     assert "is_ready() of model 'returns_int' returned int, expected bool" in text

@@ -87,7 +87,7 @@ def test_initialize_args_have_every_triton_key(python_server: ServerThread) -> N
     assert args["model_name"] == "init_args"
     assert args["model_version"] == "1"
     assert args["model_instance_kind"] == "CPU"
-    assert args["model_instance_name"] == "init_args_0_0"
+    assert args["model_instance_name"] == "init_args_0"  # Triton 2.51: group "init_args", instance 0
     assert args["model_instance_device_id"] == "0"
     assert args["model_repository"].endswith("init_args")  # the model directory, not the repository
     config = json.loads(args["model_config"])
@@ -173,3 +173,28 @@ def test_torch_model_through_dlpack(serve: Any) -> None:
     result = httpclient.InferenceServerClient(server.url).infer(
         "torch_cumsum", http_inputs({"IN": values}, {"IN": "FP32"}))
     np.testing.assert_array_equal(result.as_numpy("OUT"), [1.0, 3.0, 6.0])
+
+
+NO_TENSORS_MODEL = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([]) for _ in requests]
+'''
+
+
+def test_a_model_without_tensors_loads_and_answers(serve: Any) -> None:
+    """Triton 2.51 serves a config.pbtxt of only ``backend: "python"`` (model.py without
+    auto_complete_config): READY, and a request without inputs gets an answer without outputs."""
+    server = serve({"bare": ('backend: "python"\n', NO_TENSORS_MODEL)})
+    config = httpx.get(f"http://{server.url}/v2/models/bare/config").json()
+    assert config["input"] == [] and config["output"] == []
+    assert config["instance_group"][0]["name"] == "bare"
+    response = httpx.post(f"http://{server.url}/v2/models/bare/infer", json={"inputs": []})
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"] == []
+    with grpcclient.InferenceServerClient(server.grpc_url) as grpc:
+        answer = grpc.infer("bare", []).get_response()
+        assert answer.model_name == "bare" and not answer.outputs
