@@ -445,3 +445,37 @@ def test_without_the_header_errors_are_messages_not_statuses(server: ServerThrea
         assert is_final(s.response())
     finally:
         s.close()
+
+
+def test_stream_errors_name_their_request(server: ServerThread) -> None:
+    """As Triton 2.51: a refused request's error carries ``infer_response{id}``; an error from
+    the model carries its model name, the id and ``triton_final_response``."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    def request(model: str, request_id: str, values: list[int], **params: int) -> Any:
+        message = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+        tensor = message.inputs.add(name="N" if model == "counter" else "IN", datatype="INT32", shape=[len(values)])
+        tensor.contents.int_contents.extend(values)
+        for key, value in params.items():
+            message.parameters[key].int64_param = value
+        message.parameters["triton_enable_empty_final_response"].bool_param = True
+        return message
+
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        replies = list(stub.ModelStreamInfer(iter([request("nope", "refused", [1]),
+                                                   request("counter", "partly", [2], fail_at=0)]),
+                                             timeout=TIMEOUT))
+    by_id: dict[str, list[Any]] = {}
+    for reply in replies:
+        by_id.setdefault(reply.infer_response.id, []).append(reply)
+    assert sorted(by_id) == ["partly", "refused"], replies
+    [refused] = by_id["refused"]
+    assert refused.error_message and refused.infer_response == service_pb2.ModelInferResponse(id="refused")
+    failed, answered, last = by_id["partly"]
+    assert failed.error_message == "counter failed at 0"
+    assert failed.infer_response.model_name == "counter"
+    assert failed.infer_response.parameters["triton_final_response"].bool_param is False
+    assert not answered.error_message and answered.infer_response.outputs[0].name == "OUT"
+    assert last.infer_response.parameters["triton_final_response"].bool_param is True

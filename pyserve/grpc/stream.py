@@ -2,8 +2,8 @@
 
 A ``StreamSession`` reads requests as they arrive, schedules each one, and yields responses
 in the order they are sent — from any instance thread — each tagged with the request's id
-and the ``triton_final_response`` parameter. Errors are per request (``error_message``) and
-keep the stream open, unless the client asked for ``triton_grpc_error`` (then the first error
+and the ``triton_final_response`` parameter. Errors are per request (``error_message``, with
+an ``infer_response`` naming the request) and keep the stream open, unless the client asked for ``triton_grpc_error`` (then the first error
 ends the stream with a status). Closing or cancelling the stream cancels every open request.
 """
 
@@ -45,10 +45,15 @@ class _StreamSender:
         return self._session.closed
 
     def message(self, response: InferResponse | InferError | None, final: bool) -> Any:
-        """The stream message for one response, or None when nothing is to be sent."""
+        """The stream message for one response, or None when nothing is to be sent.
+
+        An error carries, as Triton 2.51 sends it, an ``infer_response`` with the model name,
+        the request id and the ``triton_final_response`` flag, so a client can tell which
+        request failed and whether more responses follow.
+        """
         request: InferRequest = self._decoded.request
         if isinstance(response, InferError):
-            return pb.ModelStreamInferResponse(error_message=response.message)
+            return self._error(response, final)
         if response is None:
             if not (final and self._empty_final):
                 return None
@@ -57,9 +62,14 @@ class _StreamSender:
             try:
                 infer = encode_infer(response, self._decoded, self._model)
             except InferError as exc:
-                return pb.ModelStreamInferResponse(error_message=exc.message)
+                return self._error(exc, final)
         infer.parameters["triton_final_response"].bool_param = final
         return pb.ModelStreamInferResponse(infer_response=infer)
+
+    def _error(self, error: InferError, final: bool) -> Any:
+        infer = pb.ModelInferResponse(model_name=self._model.name, id=self._decoded.request.id)
+        infer.parameters["triton_final_response"].bool_param = final
+        return pb.ModelStreamInferResponse(error_message=error.message, infer_response=infer)
 
 
 class StreamSession:
@@ -108,7 +118,7 @@ class StreamSession:
             model = self.dataplane.model(message.model_name, model_version(message.model_version))
             decoded = decode_infer(message, model, stream=True, shm=self.dataplane.shared_memory)
         except InferError as exc:
-            self._emit_error(exc)
+            self._emit_error(exc, message.id)
             return
         request = decoded.request
         for name, value in self.forwarded:
@@ -121,7 +131,7 @@ class StreamSession:
         request.trace_parent = self.trace_parent
         error = self.dataplane.submit(model, request)
         if error is not None:
-            self._emit_error(error)
+            self._emit_error(error, request.id)
         else:
             self._open.add(request)
 
@@ -156,8 +166,14 @@ class StreamSession:
             self._maybe_end()
         return item
 
-    def _emit_error(self, error: InferError) -> None:
-        self._put(error if self.error_closes else pb.ModelStreamInferResponse(error_message=error.message))
+    def _emit_error(self, error: InferError, request_id: str) -> None:
+        """A request refused before it was scheduled: as Triton 2.51, its error carries an
+        ``infer_response`` with only the request id."""
+        if self.error_closes:
+            self._put(error)
+        else:
+            self._put(pb.ModelStreamInferResponse(error_message=error.message,
+                                                  infer_response=pb.ModelInferResponse(id=request_id)))
 
     def _maybe_end(self) -> None:
         if not self._reading and not self._open:
