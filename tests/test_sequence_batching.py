@@ -228,12 +228,24 @@ def test_control_inputs_have_configured_types_and_values(start_server: StartServ
         assert s.controls["END"].dtype == np.bool_
         assert s.controls["CORRID"].dtype == np.uint64
         assert all(c.shape[0] == 1 for c in s.controls.values())  # one value per batch row
+        assert all(c.shape == (1, 1) for c in s.controls.values())  # dims [1] after the batch dim, as Triton
     flags = [
         (int(s.controls["START"].flat[0]), float(s.controls["READY"].flat[0]), bool(s.controls["END"].flat[0]),
          int(s.controls["CORRID"].flat[0]))
         for s in seen
     ]
     assert flags == [(1, 1.0, False, 42), (0, 1.0, False, 42), (0, 1.0, True, 42), (1, 1.0, True, 43)]
+
+
+def test_control_inputs_of_a_non_batching_model_have_shape_1(start_server: StartServer, make_repo: MakeRepo) -> None:
+    server, backend = serve(start_server, make_repo, {"m": config(max_batch_size=0)})
+    client = Client(server, "m", False)
+    try:
+        client.send(42, 1, start=True, end=True)
+    finally:
+        client.close()
+    [seen] = backend.of("m")
+    assert all(c.shape == (1,) for c in seen.controls.values())
 
 
 # -- errors -----------------------------------------------------------------------------------------

@@ -375,19 +375,20 @@ class SequenceBatcher:
             request.rescheduled = False
             sequence.running = True
         batch = (request.batch_size,) if self._batching else ()
+        control_shape = (*batch, 1)  # a control input's dims are [1], after the batch dim if any (Triton)
         if request.flags & SEQUENCE_START:
             sequence.state = {}
         for control in self._controls:
             if control.kind == "CONTROL_SEQUENCE_CORRID":
                 cid = request.correlation_id
                 if control.dtype == np.dtype(object):
-                    array = np.full(batch or (1,), str(cid).encode("utf-8"), dtype=object)
+                    array = np.full(control_shape, str(cid).encode("utf-8"), dtype=object)
                 else:  # a uint64 id; narrower CORRID types truncate it, as Triton does
-                    array = np.full(batch or (1,), cid, dtype=np.uint64).astype(control.dtype)
+                    array = np.full(control_shape, cid, dtype=np.uint64).astype(control.dtype)
             else:
                 flag = _CONTROL_FLAG.get(control.kind)
                 on = True if flag is None else bool(request.flags & flag)
-                array = np.full(batch or (1,), control.false_true[1 if on else 0], dtype=control.dtype)
+                array = np.full(control_shape, control.false_true[1 if on else 0], dtype=control.dtype)
             request.inputs[control.input_name] = array
         for spec in self._states:
             current = sequence.state.get(spec.input_name)
