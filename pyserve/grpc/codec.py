@@ -433,8 +433,11 @@ def _encode_head(
         for key, value in response.parameters.items():
             set_parameter(message.parameters[key], value)
     add_output = message.outputs.add
+    produced = response.outputs
     for name in request.requested_outputs:
-        array = response.outputs[name]
+        array = produced.get(name)
+        if array is None:  # the model did not produce it: left out, as Triton does
+            continue
         spec = io.outputs.get(name)
         datatype = spec.datatype.name if spec else "BYTES"
         k = decoded.classification.get(name)

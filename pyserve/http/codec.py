@@ -424,8 +424,11 @@ def encode_infer(
     request = decoded.request
     out_entries: list[dict[str, Any]] = []
     blobs: list[bytes | memoryview] = []
+    produced = response.outputs
     for name, opts in decoded.outputs.items():
-        array = response.outputs[name]
+        array = produced.get(name)
+        if array is None:  # the model did not produce it: left out, as Triton does
+            continue
         spec = io.outputs.get(name)
         datatype = spec.datatype.name if spec else "BYTES"
         if opts.classification:

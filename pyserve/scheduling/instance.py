@@ -230,26 +230,58 @@ class InstanceWorker:
 def check_outputs(
     request: InferRequest, response: InferResponse, io: ModelIO, model_name: str
 ) -> InferResponse | InferError:
-    """Keep the requested outputs, as numpy arrays whose datatype matches the config."""
+    """Keep the requested outputs, as numpy arrays of the datatype the config declares.
+
+    Lenient where Triton is (its Python backend sends what the model produced): a requested
+    output the model did not produce is left out of the response, and an output of another
+    numeric datatype is converted to the declared one when numpy can cast it within its kind
+    (e.g. float64 to FP32); each is logged once per model and output. An output that cannot be
+    converted (text for a number, floats for integers) fails the request.
+    """
     outputs: dict[str, np.ndarray] = {}
     produced = response.outputs
     for name in request.requested_outputs:
         value = produced.get(name)
         if value is None:
-            return InferError(
-                f"model '{model_name}' did not produce the requested output '{name}'", ErrorCode.INTERNAL
-            )
+            _warn_once(model_name, name, "did not produce the requested output '%s' (left out of the response)")
+            continue
         array = value if isinstance(value, np.ndarray) else np.asarray(value)
         spec = io.outputs.get(name)
         if spec is not None:
             actual = datatypes.from_numpy(array.dtype)
             if actual is None or actual.name != spec.datatype.name:
-                got = actual.name if actual else str(array.dtype)
-                return InferError(
-                    f"model '{model_name}' produced output '{name}' as {got}, but its config "
-                    f"declares {spec.datatype.name}",
-                    ErrorCode.INTERNAL,
-                )
+                converted = _converted(array, spec.datatype)
+                if converted is None:
+                    got = actual.name if actual else str(array.dtype)
+                    return InferError(
+                        f"model '{model_name}' produced output '{name}' as {got}, but its config "
+                        f"declares {spec.datatype.name}",
+                        ErrorCode.INTERNAL,
+                    )
+                _warn_once(model_name, name, f"produced output '%s' as {actual.name if actual else array.dtype}; "
+                           f"converted to {spec.datatype.name} as its config declares")
+                array = converted
         outputs[name] = array
     response.outputs = outputs
     return response
+
+
+def _converted(array: np.ndarray, datatype: datatypes.DataType) -> np.ndarray | None:
+    target = datatype.dtype
+    if datatype.is_bytes or array.dtype == object or not np.can_cast(array.dtype, target, casting="same_kind"):
+        return None
+    if target.kind in "iu" and array.dtype.kind in "iu" and array.size:  # narrowing must not wrap
+        info = np.iinfo(target)
+        if array.min() < info.min or array.max() > info.max:
+            return None
+    return array.astype(target)
+
+
+_warned: set[tuple[str, str, str]] = set()
+
+
+def _warn_once(model_name: str, output: str, what: str) -> None:
+    key = (model_name, output, what)
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("model '%s' " + what, model_name, output)
