@@ -25,11 +25,12 @@ from pyserve.tracing import TraceManager
 log = logging.getLogger("pyserve.dataplane")
 
 EXTENSIONS = (
-    "classification", "binary_tensor_data", "parameters", "model_configuration",
-    "model_repository", "model_repository(unload_dependents)",
-    "system_shared_memory", "statistics", "trace", "logging",
+    "classification", "sequence", "model_repository", "model_repository(unload_dependents)",
+    "schedule_policy", "model_configuration", "system_shared_memory", "cuda_shared_memory",
+    "binary_tensor_data", "parameters", "statistics", "trace", "logging",
 )
-"""The protocol extensions this server implements (reported by server metadata)."""
+"""The protocol extensions this server implements, in the order Triton 2.51 reports them
+(``cuda_shared_memory`` is left out where it cannot be used: no cupy or no GPU)."""
 
 
 class DataPlane:
@@ -75,8 +76,8 @@ class DataPlane:
         self.stats_sources: list[Any] = []
         """Async callables run before statistics are read: replicas in frontend processes
         report their counts (``pyserve.handoff``)."""
-        self.extensions = list(EXTENSIONS) + (["cuda_shared_memory"] if cuda_available() else [])
-        """What server metadata reports: ``EXTENSIONS``, plus CUDA shared memory when usable."""
+        self.extensions = [e for e in EXTENSIONS if e != "cuda_shared_memory" or cuda_available()]
+        """What server metadata reports: ``EXTENSIONS``, CUDA shared memory only when usable."""
 
     # -- health and metadata -----------------------------------------------------------------
     def is_ready(self) -> bool:
@@ -94,6 +95,14 @@ class DataPlane:
         :raises InferError: NOT_FOUND / UNAVAILABLE, with Triton's messages.
         """
         return self.models.get(name, version)
+
+    def check_trace_model(self, name: str) -> None:
+        """Per-model trace settings must name a model of the repository (in any state).
+
+        :raises InferError: INVALID_ARG for an unknown model, as Triton 2.51 answers.
+        """
+        if name not in self.models.records:
+            raise InferError.invalid(f"Request for unknown model : {name}")
 
     def model_ready(self, name: str, version: str | None = None) -> bool:
         """Whether the version is READY (its state only; the endpoints use ``check_model_ready``)."""

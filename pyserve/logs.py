@@ -168,8 +168,11 @@ def get_settings() -> dict[str, Any]:
 def update_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
     """Apply a logging-extension update (all keys checked before any is applied).
 
+    Unknown keys are ignored (logged), as Triton 2.51 ignores them (its own documentation's
+    ``log_warnings`` / ``log_errors`` among them).
+
     :returns: the settings after the update.
-    :raises InferError: INVALID_ARG for an unknown key, a read-only key, or a bad value.
+    :raises InferError: INVALID_ARG for a read-only key or a bad value.
     """
     if not isinstance(changes, Mapping):
         raise InferError.invalid("the logging settings must be a JSON object")
@@ -195,7 +198,7 @@ def update_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
                 )
             staged[key] = value
         else:
-            raise InferError.invalid(f"unknown logging setting '{key}'")
+            logging.getLogger("pyserve.logs").warning("ignoring unknown logging setting '%s'", key)
     with _lock:
         for key, value in staged.items():
             setattr(SETTINGS, key, value)

@@ -329,13 +329,14 @@ class SharedMemoryManager:
     def region(self, name: object, what: str) -> Region:
         """The region a tensor names.
 
-        :raises InferError: INVALID_ARG for a non-string or unregistered name.
+        :raises InferError: INVALID_ARG for a non-string name, NOT_FOUND (as Triton 2.51) for
+            an unregistered one.
         """
         if not isinstance(name, str):
             raise InferError.invalid(f"{what}: 'shared_memory_region' must be a string")
         region = self._regions.get(name)
         if region is None:
-            raise InferError.invalid(f"{what}: Unable to find shared memory region: '{name}'")
+            raise InferError.not_found(f"{what}: Unable to find shared memory region: '{name}'")
         return region
 
     def input_bytes(self, params: Any, what: str) -> memoryview | bytes:

@@ -339,8 +339,10 @@ class TraceManager:
     def update(self, changes: Mapping[str, Any], model: str | None = None) -> dict[str, Any]:
         """Apply a trace-setting update; ``None`` values clear (model: back to global).
 
+        Unknown keys are ignored (logged), as Triton 2.51 ignores them.
+
         :returns: the effective settings after the update.
-        :raises InferError: INVALID_ARG for an unknown or read-only key, or a bad value.
+        :raises InferError: INVALID_ARG for a read-only key or a bad value.
         """
         if not isinstance(changes, Mapping):
             raise InferError.invalid("the trace settings must be a JSON object")
@@ -349,7 +351,8 @@ class TraceManager:
             if key not in _SETTING_KEYS:
                 if key == "trace_mode":
                     raise InferError.invalid("'trace_mode' can not be updated through network protocol")
-                raise InferError.invalid(f"unknown trace setting '{key}'")
+                log.warning("ignoring unknown trace setting '%s'", key)
+                continue
             if key == "trace_file" and value is not None:
                 raise InferError.invalid("trace file location can not be updated through network protocol")
             staged[key] = None if value is None else _check_value(key, value)

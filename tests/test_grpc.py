@@ -223,7 +223,19 @@ def test_model_ready(client: grpcclient.InferenceServerClient) -> None:
     assert client.is_model_ready("id_fp32", "1")
     assert not client.is_model_ready("id_fp32", "2")
     assert not client.is_model_ready("nope")  # an unknown model is not ready, not an error
-    assert not client.is_model_ready("id_fp32", "x")
+
+
+def test_a_version_that_is_not_a_number_is_invalid(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
+    """INVALID_ARGUMENT, as Triton 2.51 answers ModelReady, ModelMetadata and ModelInfer."""
+    message = ("failed to get model version from specified version string 'x': "
+               "version should be an integral value > 0")
+    for call, request in (
+        (stub.ModelReady, service_pb2.ModelReadyRequest(name="id_fp32", version="x")),
+        (stub.ModelMetadata, service_pb2.ModelMetadataRequest(name="id_fp32", version="x")),
+        (stub.ModelInfer, service_pb2.ModelInferRequest(model_name="id_fp32", model_version="x")),
+    ):
+        error = rpc_error(call, request)
+        assert (error.code(), error.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def test_model_metadata(client: grpcclient.InferenceServerClient, http: httpx.Client) -> None:

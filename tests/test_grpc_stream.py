@@ -304,7 +304,8 @@ def test_per_request_errors_keep_the_stream_open(server: ServerThread, stream: S
     assert wrong.message() == "inference input 'IN' data-type is 'UINT32', but model 'ident' expects 'INT32'"
 
     stream.send("square", [int32("IN", [1])], model_version="x", request_id="e5")  # not a version
-    assert stream.error().message() == "model version 'x' is not a number"
+    assert stream.error().message() == ("failed to get model version from specified version string 'x': "
+                                        "version should be an integral value > 0")
     stream.send("square", [int32("IN", [1])], model_version="3", request_id="e6")
     assert stream.error().message() == "Request for unknown model: 'square' version 3 is not found"
 

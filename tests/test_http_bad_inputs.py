@@ -336,7 +336,7 @@ CASES: list[Case] = [
     Case("non-scalar-parameter", "parameter p: [1, 2]", body(A, B, parameters={"p": [1, 2]}), 400,
          "parameter 'p' must be a string, number or boolean, not list"),
     Case("shared-memory-input", "an input naming an unregistered shared memory region",
-         body(tensor("FP32", [1], shared_memory_region="r", shared_memory_byte_size=4)), 400,
+         body(tensor("FP32", [1], shared_memory_region="r", shared_memory_byte_size=4)), 404,
          "input 'IN': Unable to find shared memory region: 'r'", model="f32"),
     # -- encodings and size limits
     Case("unsupported-content-encoding", "Content-Encoding: br", GOOD, 501,

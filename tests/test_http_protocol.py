@@ -273,6 +273,12 @@ def test_server_metadata(client: httpclient.InferenceServerClient) -> None:
     assert {"classification", "binary_tensor_data", "parameters", "model_configuration"} <= set(
         metadata["extensions"]
     )
+    # Triton 2.51's list and order (CUDA shared memory only where it can be used)
+    assert [e for e in metadata["extensions"] if e != "cuda_shared_memory"] == [
+        "classification", "sequence", "model_repository", "model_repository(unload_dependents)",
+        "schedule_policy", "model_configuration", "system_shared_memory", "binary_tensor_data",
+        "parameters", "statistics", "trace", "logging",
+    ]
 
 
 def test_model_metadata(client: httpclient.InferenceServerClient) -> None:

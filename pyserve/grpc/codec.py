@@ -61,12 +61,15 @@ _FIELD_DTYPE = {
 def model_version(value: str) -> str | None:
     """A request's ``model_version`` field: None for the latest, else a version number.
 
-    :raises InferError: not a number (NOT_FOUND).
+    :raises InferError: not a number (INVALID_ARG, as Triton 2.51).
     """
     if not value:
         return None
     if not is_version_number(value):
-        raise InferError.not_found(f"model version '{value}' is not a number")
+        raise InferError.invalid(
+            f"failed to get model version from specified version string '{value}': "
+            "version should be an integral value > 0"
+        )
     return value
 
 

@@ -59,7 +59,7 @@ def trace_setting(dataplane: DataPlane, request: Any) -> Any:
     """``TraceSetting``: an empty value list clears a setting (per model: back to global)."""
     model = request.model_name or None
     if model is not None:
-        dataplane.models.get(model)
+        dataplane.check_trace_model(model)
     changes: dict[str, Any] = {}
     for key, value in request.settings.items():
         values = list(value.value)

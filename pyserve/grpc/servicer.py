@@ -98,8 +98,8 @@ class InferenceServicer:
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             version = model_version(request.version)
-        except InferError:
-            return pb.ModelReadyResponse(ready=False)
+        except InferError as exc:
+            await _abort(context, exc)
         return pb.ModelReadyResponse(ready=await self.dataplane.check_model_ready(request.name, version))
 
     async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -83,7 +83,7 @@ def extension_routes(dataplane: DataPlane, max_input_size: int) -> list[Route]:
         model = request.path_params.get("model_name")
         try:
             if model is not None:
-                dataplane.models.get(model)  # unknown model → NOT_FOUND
+                dataplane.check_trace_model(model)
             if request.method == "GET":
                 return _json(dataplane.tracing.settings(model))
             body = await _json_body(request, max_input_size, required=False)
