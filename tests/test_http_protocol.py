@@ -409,6 +409,7 @@ def test_repository_index(client: httpclient.InferenceServerClient, http: httpx.
     assert http.post("/v2/repository/index", json={"ready": True}).json() == expected
     assert http.post("/v2/repository/index", json={"ready": False}).json() == expected
     assert client.get_model_repository_index() == expected
+    assert http.post("/v2/repository/myrepo/index").json() == expected  # a repository name, as Triton 2.51
     assert_error(http.post("/v2/repository/index", json={"ready": "yes"}), 400, "'ready' must be a boolean")
     assert_error(
         http.post("/v2/repository/index", json=[1]), 400, "the repository index body must be a JSON object"

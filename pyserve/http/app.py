@@ -267,6 +267,8 @@ def create_app(
         Route("/v2", server_metadata, methods=["GET"]),
         Route("/v2/models/stats", model_stats, methods=["GET"]),  # before /v2/models/{model_name}
         Route("/v2/repository/index", repository_index, methods=["POST"]),
+        # Triton 2.51 answers the index with a repository name too (as its gRPC RepositoryIndex does)
+        Route("/v2/repository/{repository_name}/index", repository_index, methods=["POST"]),
         Route("/v2/repository/models/{model_name}/load", repository_load, methods=["POST"]),
         Route("/v2/repository/models/{model_name}/unload", repository_unload, methods=["POST"]),
         Route("/v2/repository/{repository_name}/models/{model_name}/load", repository_named, methods=["POST"]),
