@@ -36,7 +36,8 @@ DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "comp
 
 
 class HoldBackend(Backend):
-    """Echoes INPUT0 after ``delay`` seconds; a negative first element fails; ``gate`` holds executes."""
+    """Echoes INPUT0 after ``delay`` seconds; a negative first element fails, 1000 or more makes
+    the execute raise; ``gate`` holds executes."""
 
     def __init__(self) -> None:
         self.gate = threading.Event()
@@ -48,6 +49,8 @@ class HoldBackend(Backend):
         self.executing.set()
         assert self.gate.wait(30)
         time.sleep(self.delay)
+        if any(r.inputs["INPUT0"].reshape(-1)[0] >= 1000 for r in requests):
+            raise RuntimeError("execute raised on purpose")
         results: list[Any] = []
         for request in requests:
             data = request.inputs["INPUT0"]
@@ -92,6 +95,16 @@ def get(server: ServerThread, path: str) -> tuple[int, Any]:
     except urllib.error.HTTPError as exc:
         with exc:
             return int(exc.code), json.loads(exc.read())
+
+
+def test_an_execute_that_raises_is_still_an_execution(server: ServerThread) -> None:
+    """As Triton 2.51 counts it: the failed requests, and the execution with its batch."""
+    assert infer(server, "alpha", value=1000.0) == 500
+    assert infer(server, "alpha", value=1000.0, batch=2) == 500
+    entry = get(server, "/v2/models/alpha/versions/2/stats")[1]["model_stats"][0]
+    assert entry["inference_stats"]["fail"]["count"] == 2
+    assert entry["execution_count"] == 2 and entry["inference_count"] == 3
+    assert sorted(b["batch_size"] for b in entry["batch_stats"]) == [1, 2]
 
 
 def test_statistics_is_a_reported_extension(server: ServerThread) -> None:

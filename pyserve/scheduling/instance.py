@@ -167,7 +167,10 @@ class InstanceWorker:
             if stats is not None:
                 stats.executed(live, start_ns, end_ns)
         except Exception as exc:
-            self.last_execute_ns = time.monotonic_ns() - start_ns  # a slow failure is slow too
+            end_ns = time.monotonic_ns()
+            self.last_execute_ns = end_ns - start_ns  # a slow failure is slow too
+            if stats is not None:  # an execution all the same (Triton counts it and its batch)
+                stats.executed(live, start_ns, end_ns)
             log.error("model '%s' instance '%s': execute failed: %s: %s",
                       self._model_name, self.instance.name, type(exc).__name__, exc)
             error = error_response(exc, self._model_name)
