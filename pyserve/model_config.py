@@ -128,6 +128,7 @@ def normalize(
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
     if config.platform == ENSEMBLE_PLATFORM:
+        config.model_transaction_policy.SetInParent()  # Triton 2.51 shows {decoupled: false} for ensembles
         return
     _normalize_instance_groups(config, where)
     if config.HasField("dynamic_batching") and not config.dynamic_batching.preferred_batch_size:

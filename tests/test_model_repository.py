@@ -435,3 +435,20 @@ def test_model_config_name_must_be_a_file_name(start_server: StartServer, tmp_pa
     write_model(repo, "plain", identity())
     with pytest.raises(pyserve.server.StartupError, match="--model-config-name must be a file name"):
         start_server(repo, model_config_name=name)
+
+
+def test_an_ensembles_config_shows_its_transaction_policy(start_server: StartServer, make_repo: MakeRepo) -> None:
+    """Triton 2.51 fills in ``model_transaction_policy { decoupled: false }`` for an ensemble."""
+    repo = make_repo({
+        "plain": identity(),
+        "chain": """
+            platform: "ensemble"
+            input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] } ]
+            output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] } ]
+            ensemble_scheduling { step [ { model_name: "plain" model_version: -1
+              input_map { key: "INPUT0" value: "IN" } output_map { key: "OUTPUT0" value: "OUT" } } ] }
+        """,
+    })
+    server = start_server(repo)
+    assert entry(server, "chain")["state"] == "READY"
+    assert model_config_json(server, "chain")["model_transaction_policy"] == {"decoupled": False}
