@@ -84,12 +84,15 @@ def test_type_helpers() -> None:
 
 def test_byte_tensor_serialization() -> None:
     items = np.array([b"ab", "c\u00e9", b""], dtype=np.object_)
-    packed = pb_utils.serialize_byte_tensor(items)
-    assert packed.dtype == np.object_ and packed.shape == ()
-    raw = packed.item()
+    raw = pb_utils.serialize_byte_tensor(items)
+    assert type(raw) is bytes  # as Triton's pb_utils returns it
     assert raw == b"\x02\x00\x00\x00ab\x03\x00\x00\x00c\xc3\xa9\x00\x00\x00\x00"
     assert pb_utils.deserialize_bytes_tensor(raw).tolist() == [b"ab", "c\u00e9".encode(), b""]
-    assert pb_utils.serialize_byte_tensor(np.array([], dtype=np.object_)).size == 0
+    assert pb_utils.serialize_byte_tensor(np.array([], dtype=np.object_)) == ()  # Triton's empty result
+    assert pb_utils.deserialize_bytes_tensor(pb_utils.serialize_byte_tensor(np.array([], dtype=np.object_))).size == 0
+    ints = pb_utils.serialize_byte_tensor(np.array([[1, 22]], dtype=np.object_))
+    assert ints == b"\x01\x00\x00\x001\x02\x00\x00\x0022"  # str(x), as Triton
+    assert pb_utils.deserialize_bytes_tensor(pb_utils.serialize_byte_tensor(np.array([b"x", b"yz"], dtype="S2"))).tolist() == [b"x", b"yz"]
     with pytest.raises(pb_utils.TritonModelException):
         pb_utils.serialize_byte_tensor(np.array([1, 2]))
 
@@ -144,7 +147,7 @@ def test_served_request_wrapper_and_response_sender() -> None:
     request = InferenceRequest._from_server(server_request)
     assert [t.name() for t in request.inputs()] == ["IN"]
     assert request.inputs()[0].as_numpy() is server_request.inputs["IN"]
-    assert request.requested_output_names() == ["OUT"]
+    assert request.requested_output_names() == {"OUT"}
     assert request.request_id() == "r7" and request.correlation_id() == 42
     assert request.flags() == pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
     assert request.timeout() == 100 and json.loads(request.parameters()) == {"p": 1.5}

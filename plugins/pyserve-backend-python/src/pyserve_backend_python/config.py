@@ -9,6 +9,15 @@ from typing import Any
 from pyserve.protocol.config_json import model_config_from_dict, model_config_to_dict
 
 _REQUIRED = ("name", "data_type", "dims")
+_ALLOWED: dict[str, tuple[str, ...]] = {
+    "input": ("name", "data_type", "dims", "optional"),
+    "output": ("name", "data_type", "dims"),
+}
+"""The keys ``add_input`` / ``add_output`` accept (those of Triton's ``pb_utils``)."""
+_ALLOWED_TEXT = {
+    "input": "'name', 'data_type', 'dims' and 'optional'",
+    "output": "'name', 'data_type' and 'dims'",
+}
 _DEFAULTS: tuple[Any, ...] = (None, False, 0, "", [], {}, "TYPE_INVALID", "FORMAT_NONE")
 """Values the JSON form prints for fields config.pbtxt did not set."""
 
@@ -72,14 +81,16 @@ class ModelConfig:
         """Add an input (keys ``name``, ``data_type``, ``dims``, optionally ``optional``), or fill in
         the data_type / dims of an input config.pbtxt declares without them.
 
-        :raises ValueError: a required key is missing, or the input contradicts config.pbtxt.
+        :raises ValueError: a key other than those four (Triton's message), a required key is
+            missing, or the input contradicts config.pbtxt; the config is then left unchanged.
         """
         self._add_tensor("input", input)
 
     def add_output(self, output: dict[str, Any]) -> None:
         """Add an output (keys ``name``, ``data_type``, ``dims``), like ``add_input``.
 
-        :raises ValueError: a required key is missing, or the output contradicts config.pbtxt.
+        :raises ValueError: another key (Triton's message), a required key is missing, or the
+            output contradicts config.pbtxt; the config is then left unchanged.
         """
         self._add_tensor("output", output)
 
@@ -109,26 +120,40 @@ class ModelConfig:
     def _add_tensor(self, kind: str, tensor: dict[str, Any]) -> None:
         if not isinstance(tensor, dict):
             raise ValueError(f"model '{self._name}': add_{kind} expects a dict, got {type(tensor).__name__}")
-        for key in _REQUIRED:
-            if key not in tensor:
-                raise ValueError(f"model '{self._name}': {kind} {tensor.get('name', '')!r} is missing property '{key}'")
+        self._check_keys(kind, tensor)
         tensor = copy.deepcopy(tensor)
         tensor["dims"] = [int(d) for d in tensor["dims"]]
         tensors = self._model_config.setdefault(kind, [])
         for existing in tensors:
-            if existing.get("name") != tensor["name"]:
-                continue
-            for key, value in tensor.items():
-                old = existing.get(key)
-                if key == "name" or old == value or any(old is d or (type(old) is type(d) and old == d) for d in _DEFAULTS):
-                    existing[key] = value
-                    continue
-                raise ValueError(
-                    f"model '{self._name}', tensor '{tensor['name']}': the model configuration specifies "
-                    f"{key} {old!r}, but auto-complete-config gives {value!r}"
-                )
-            return
+            if existing.get("name") == tensor["name"]:
+                self._merge(existing, tensor)
+                return
         tensors.append(tensor)
+
+    def _check_keys(self, kind: str, tensor: dict[str, Any]) -> None:
+        """Refuse unknown and missing keys, with Triton's wording for unknown ones."""
+        for key in tensor:
+            if key not in _ALLOWED[kind]:
+                raise ValueError(
+                    f"{kind} '{tensor.get('name', '')}' in auto-complete-config function for model "
+                    f"'{self._name}' contains property other than {_ALLOWED_TEXT[kind]}."
+                )
+        for key in _REQUIRED:
+            if key not in tensor:
+                raise ValueError(f"model '{self._name}': {kind} {tensor.get('name', '')!r} is missing property '{key}'")
+
+    def _merge(self, existing: dict[str, Any], tensor: dict[str, Any]) -> None:
+        """Fill in what ``existing`` (from config.pbtxt) leaves unset; a contradiction raises
+        ValueError before anything is changed."""
+        for key, value in tensor.items():
+            old = existing.get(key)
+            if key == "name" or old == value or any(old is d or (type(old) is type(d) and old == d) for d in _DEFAULTS):
+                continue
+            raise ValueError(
+                f"model '{self._name}', tensor '{tensor['name']}': the model configuration specifies "
+                f"{key} {old!r}, but auto-complete-config gives {value!r}"
+            )
+        existing.update(tensor)
 
     def to_message(self) -> Any:
         """The config as a ``ModelConfig`` protobuf message.

@@ -9,18 +9,20 @@ class TritonError:
     """An error a Python model attaches to a response (Triton's ``pb_utils.TritonError``).
 
     Callers may rely on ``message()`` and ``code()`` returning what was given, and on the code
-    constants having Triton's ``TRITONSERVER_Error_Code`` values (``INTERNAL`` = 1, ...).
+    constants having Triton's ``TRITONSERVER_Error_Code`` values (``INTERNAL`` = 1, ...). As in
+    Triton, the constants and ``code()`` are enum members (``.name``, ``.value``); they are
+    ``IntEnum`` members, so they also compare equal to the plain numbers.
     It is a value, not an exception: raise ``TritonModelException`` to fail an execute.
     """
 
-    UNKNOWN = int(ErrorCode.UNKNOWN)
-    INTERNAL = int(ErrorCode.INTERNAL)
-    NOT_FOUND = int(ErrorCode.NOT_FOUND)
-    INVALID_ARG = int(ErrorCode.INVALID_ARG)
-    UNAVAILABLE = int(ErrorCode.UNAVAILABLE)
-    UNSUPPORTED = int(ErrorCode.UNSUPPORTED)
-    ALREADY_EXISTS = int(ErrorCode.ALREADY_EXISTS)
-    CANCELLED = int(ErrorCode.CANCELLED)
+    UNKNOWN = ErrorCode.UNKNOWN
+    INTERNAL = ErrorCode.INTERNAL
+    NOT_FOUND = ErrorCode.NOT_FOUND
+    INVALID_ARG = ErrorCode.INVALID_ARG
+    UNAVAILABLE = ErrorCode.UNAVAILABLE
+    UNSUPPORTED = ErrorCode.UNSUPPORTED
+    ALREADY_EXISTS = ErrorCode.ALREADY_EXISTS
+    CANCELLED = ErrorCode.CANCELLED
 
     __slots__ = ("_code", "_message")
 
@@ -32,9 +34,13 @@ class TritonError:
         """The error text."""
         return self._message
 
-    def code(self) -> int:
-        """The error code (one of the class constants)."""
-        return self._code
+    def code(self) -> ErrorCode | int:
+        """The error code: the class constant (an ``ErrorCode`` member) for a known code, the
+        int given otherwise."""
+        try:
+            return ErrorCode(self._code)
+        except ValueError:
+            return self._code
 
     def __str__(self) -> str:
         return self._message

@@ -9,10 +9,11 @@ with that environment's interpreter (``start_in_environment``; see
 * Inputs: the parent copies each batch's input bytes once into the instance's reusable
   shared-memory *input arena* (grown, under a new name, when a batch does not fit) and sends
   only names, offsets, dtypes and shapes over a pipe. The worker wraps them as read-only numpy
-  views, valid for the duration of ``execute`` (the arena is overwritten by the next batch).
+  views, valid for the duration of ``execute`` (the arena is overwritten by the next batch);
+  ``as_numpy()`` hands the model a copy of such a view, made on its first call.
 * Outputs: the worker writes a batch's outputs into one fresh shared-memory segment and sends
   the layout. The parent maps it, unlinks its name at once (nothing is left in ``/dev/shm``)
-  and wraps the outputs as numpy views of the mapping, without copying; the memory is released
+  and wraps the outputs as read-only numpy views of the mapping, without copying; the memory is released
   when the last of these arrays is garbage collected (after the responses were sent).
 * BYTES tensors go over the pipe serialized as length-prefixed bytes.
 
@@ -124,8 +125,8 @@ def _pack(arrays: Sequence[tuple[str, np.ndarray]], segment: mmap.mmap | None, b
     offset = base
     for name, array in arrays:
         if array.dtype == np.object_:
-            packed = serialize_byte_tensor(array)  # a 0-d object array holding the bytes
-            entries.append((name, _BYTES, array.shape, packed.item() if packed.ndim == 0 else b""))
+            packed = serialize_byte_tensor(array)  # bytes, or () for an empty tensor
+            entries.append((name, _BYTES, array.shape, packed or b""))
             continue
         array = np.ascontiguousarray(array)
         nbytes = array.nbytes
@@ -713,7 +714,8 @@ class ProcessRunner:
             if item[0] == "error":
                 out.append(InferError(item[1], _code(item[2])))
             else:
-                out.append(InferResponse(_unpack(item[2], segment, True), item[1] or None))
+                # read-only, as thread mode's outputs: whoever receives them copies before writing
+                out.append(InferResponse(_unpack(item[2], segment, False), item[1] or None))
         return out
 
     def finalize(self) -> None:

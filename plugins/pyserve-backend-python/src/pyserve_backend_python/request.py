@@ -3,8 +3,9 @@ with ``PreferredMemory`` and ``InferenceTrace``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pyserve import InferError, InferRequest
@@ -22,7 +23,7 @@ from pyserve_backend_python.response import (
     ResponseIterator,
     parse_parameters,
 )
-from pyserve_backend_python.tensor import Tensor
+from pyserve_backend_python.tensor import Tensor, server_array
 
 
 class PreferredMemory:
@@ -62,7 +63,8 @@ class InferenceRequest:
     Two ways to get one:
 
     * ``execute(requests)`` receives them (wrapping the server's requests). ``inputs()``
-      are the request tensors (shared, not copied), ``get_response_sender()`` answers them.
+      are the request tensors (not copied; a read-only one is copied when the model first
+      calls its ``as_numpy()``), ``get_response_sender()`` answers them.
     * A model builds one to call another model (BLS):
       ``InferenceRequest(model_name=..., inputs=[Tensor...], requested_output_names=[...])``,
       then ``exec()`` (blocking; returns an ``InferenceResponse`` whose ``has_error()`` tells
@@ -95,7 +97,7 @@ class InferenceRequest:
         self._model_name = str(model_name)
         self._model_version = int(model_version)
         self._inputs = tensors
-        self._requested_output_names = [str(name) for name in requested_output_names]
+        self._requested_output_names = tuple(str(name) for name in requested_output_names)
         self._request_id = str(request_id)
         self._correlation_id = correlation_id
         self._flags = int(flags)
@@ -114,7 +116,7 @@ class InferenceRequest:
         self._model_name = request.model_name
         self._model_version = int(request.model_version)
         self._inputs = [Tensor._wrap(name, array) for name, array in request.inputs.items()]
-        self._requested_output_names = list(request.requested_outputs)
+        self._requested_output_names = tuple(request.requested_outputs)
         self._request_id = request.id
         self._correlation_id = request.correlation_id
         self._flags = int(request.flags)
@@ -132,9 +134,10 @@ class InferenceRequest:
         """The input tensors."""
         return self._inputs
 
-    def requested_output_names(self) -> list[str]:
-        """The outputs to produce (for served requests: all outputs when the client named none)."""
-        return self._requested_output_names
+    def requested_output_names(self) -> set[str]:
+        """The outputs to produce, as a new ``set`` (as in Triton) on every call; for served
+        requests all outputs when the client named none."""
+        return set(self._requested_output_names)
 
     def request_id(self) -> str:
         """The client's request id (``""`` when none)."""
@@ -231,24 +234,31 @@ class InferenceRequest:
 
         return bls.exec_request(self, decoupled)
 
-    def async_exec(self, decoupled: bool = False) -> Awaitable[InferenceResponse | ResponseIterator]:
-        """Like ``exec``, as an awaitable for ``async def execute`` (any running event loop)."""
+    def async_exec(self, decoupled: bool = False) -> asyncio.Future[InferenceResponse | ResponseIterator]:
+        """Like ``exec``, for ``async def execute``: an ``asyncio.Future`` (a task) on the running
+        event loop, started at once, as Triton returns (``await`` it, ``asyncio.gather`` /
+        ``asyncio.wait`` it, or add done callbacks).
+
+        :raises RuntimeError: no event loop is running in this thread (as in Triton).
+        """
         from pyserve_backend_python import bls
 
-        return bls.async_exec_request(self, decoupled)
+        loop = asyncio.get_running_loop()
+        return loop.create_task(bls.async_exec_request(self, decoupled))
 
     def _to_server(self) -> InferRequest:
-        """The server request for a BLS call (input arrays by reference)."""
+        """The server request for a BLS call: input arrays as read-only views (no copy; the
+        called model copies before writing), BYTES elements as ``bytes`` (``tensor.server_array``)."""
         inputs: dict[str, Any] = {}
         for tensor in self._inputs:
             if tensor.name() in inputs:
                 raise TritonModelException(f"input '{tensor.name()}' is given more than once")
-            inputs[tensor.name()] = tensor.as_numpy()
+            inputs[tensor.name()] = server_array(tensor._array)  # not as_numpy: no copy of a received input
         call = InferRequest(
             self._model_name,
             self._model_version,
             inputs,
-            tuple(self._requested_output_names),
+            self._requested_output_names,
             id=self._request_id,
             parameters=dict(self._parameters),
             flags=self._flags,

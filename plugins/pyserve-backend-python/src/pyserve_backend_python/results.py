@@ -15,7 +15,6 @@ from typing import Any
 
 from pyserve import ErrorCode, InferError, InferRequest, InferResponse
 
-from pyserve_backend_python.errors import TritonModelException
 from pyserve_backend_python.response import InferenceResponse
 
 log = logging.getLogger("pyserve.python_backend")
@@ -24,10 +23,12 @@ ServerResults = list[InferResponse | InferError] | None
 
 
 def execute_failure(model_name: str, instance_name: str, exc: BaseException) -> InferError:
-    """The error every request of a batch gets when execute raised."""
+    """The error every request of a batch gets when execute raised: the message names the
+    exception class as Triton's does (``TritonModelException: boom``, ``ValueError: boom``),
+    except for an ``InferError``, whose message and code are kept."""
     code = exc.code if isinstance(exc, InferError) else ErrorCode.INTERNAL
     detail = exc.message if isinstance(exc, InferError) else str(exc)
-    kind = "" if isinstance(exc, (InferError, TritonModelException)) else f"{type(exc).__name__}: "
+    kind = "" if isinstance(exc, InferError) else f"{type(exc).__name__}: "
     return InferError(
         f"Failed to process the request(s) for model '{model_name}' instance '{instance_name}', "
         f"message: {kind}{detail}",

@@ -2,8 +2,13 @@
 
 Tensors live in host memory as numpy arrays; creating one from a numpy array, handing an
 input to ``as_numpy`` and exchanging through DLPack never copy, except that a read-only
-array (request inputs may be read-only views of received bytes) is copied once before it is
-exported through DLPack, since DLPack's legacy protocol cannot mark memory read-only.
+array the server handed over (request inputs may be read-only views of received bytes, or
+arrays another consumer also sees) is copied once, when the model first asks for it, so that
+model code may write into its inputs as it can in Triton.
+
+What the backend hands to the server (outputs, BLS inputs) goes through ``server_array``:
+a read-only view (no copy), so that whoever receives it copies before writing, and BYTES
+elements as ``bytes``, as Triton's serialisation leaves them.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ def triton_to_numpy_type(data_type: int) -> Any:
     if name == "BYTES":
         return np.object_
     if name == "BOOL":
-        return bool
+        return np.bool_
     return datatypes.BY_NAME[name].dtype.type
 
 
@@ -74,23 +79,32 @@ def numpy_to_triton_type(data_type: Any) -> int | None:
     return _TRITON_NUMBER[found.name] if found is not None else None
 
 
-def serialize_byte_tensor(input_tensor: np.ndarray) -> np.ndarray:
-    """Pack a BYTES tensor as Triton does: each element as a 4-byte little-endian length and
-    its bytes, in C order. Returns a 0-d object array holding the packed ``bytes`` (or an
-    empty object array for an empty tensor).
+def bytes_element(item: Any) -> bytes:
+    """One BYTES element as Triton serialises it: ``bytes`` as they are, ``str`` as UTF-8, and
+    anything else as the UTF-8 of ``str(item)`` (the int 12 becomes ``b"12"``)."""
+    if isinstance(item, bytes):
+        return item
+    return (item if isinstance(item, str) else str(item)).encode("utf-8")
+
+
+def serialize_byte_tensor(input_tensor: np.ndarray) -> bytes | tuple[()]:
+    """Pack a BYTES tensor as Triton does: each element (see ``bytes_element``) as a 4-byte
+    little-endian length and its bytes, in C order. Returns the packed ``bytes``, or ``()``
+    for an empty tensor, as Triton's ``pb_utils`` does.
 
     :raises TritonModelException: the array is neither an object nor a bytes array.
     """
     if input_tensor.size == 0:
-        return np.empty([0], dtype=np.object_)
+        return ()
     if input_tensor.dtype != np.object_ and input_tensor.dtype.kind != "S":
         raise TritonModelException("cannot serialize bytes tensor: invalid datatype")
     parts: list[bytes] = []
+    pack = struct.pack
     for item in np.asarray(input_tensor).reshape(-1, order="C"):
-        element = item if isinstance(item, bytes) else str(item).encode("utf-8")
-        parts.append(struct.pack("<I", len(element)))
+        element = bytes_element(item)
+        parts.append(pack("<I", len(element)))
         parts.append(element)
-    return np.asarray(b"".join(parts), dtype=np.object_)
+    return b"".join(parts)
 
 
 def deserialize_bytes_tensor(encoded_tensor: bytes) -> np.ndarray:
@@ -106,6 +120,35 @@ def deserialize_bytes_tensor(encoded_tensor: bytes) -> np.ndarray:
     array = np.empty(len(items), dtype=np.object_)
     array[:] = items
     return array
+
+
+def _bytes_elements(array: np.ndarray) -> np.ndarray:
+    """An object array as one whose elements are all ``bytes`` (see ``bytes_element``): the
+    array itself when they already are, else a new array (the given one is left alone)."""
+    for item in array.flat:
+        if type(item) is not bytes:
+            break
+    else:
+        return array
+    out = np.empty(array.shape, dtype=np.object_)
+    flat = out.reshape(-1)
+    for index, item in enumerate(array.flat):
+        flat[index] = bytes_element(item)
+    return out
+
+
+def server_array(array: np.ndarray) -> np.ndarray:
+    """``array`` as the backend hands it to the server (a model output, a BLS input): a
+    read-only view of it (no copy), so that another model receiving it copies before writing
+    instead of changing the model's own array; an object (BYTES) array whose elements are not
+    all ``bytes`` is first converted into a new array of ``bytes`` (see ``bytes_element``)."""
+    if array.dtype == np.object_:
+        array = _bytes_elements(array)
+    if not array.flags.writeable:
+        return array
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def _as_object_bytes(array: np.ndarray) -> np.ndarray:
@@ -135,12 +178,14 @@ class Tensor:
 
     Callers may rely on: ``Tensor(name, array)`` keeping the array without a copy
     (fixed-width str/bytes arrays become object arrays of ``bytes``, as Triton's BYTES
-    tensors are); ``as_numpy()`` returning that array; ``is_cpu()`` always being True here;
+    tensors are); ``as_numpy()`` returning that array; ``as_numpy()`` of a tensor pyserve
+    hands the model (request inputs, BLS outputs) being writeable, as in Triton, and writes
+    into it never reaching anyone else; ``is_cpu()`` always being True here;
     and DLPack export/import working with numpy and PyTorch (CPU tensors; GPU tensors are
     copied to the host on import). BF16 tensors are ``ml_dtypes.bfloat16`` numpy arrays.
     """
 
-    __slots__ = ("_array", "_name")
+    __slots__ = ("_array", "_name", "_received")
 
     def __init__(self, name: str, tensor: Any) -> None:
         if not isinstance(name, str):
@@ -152,13 +197,16 @@ class Tensor:
             raise TritonModelException(f"tensor '{name}': unsupported numpy dtype {array.dtype}")
         self._name = name
         self._array = array
+        self._received = False
 
     @classmethod
     def _wrap(cls, name: str, array: np.ndarray) -> Tensor:
-        """A tensor around an array the server already validated (no checks)."""
+        """A tensor around an array the server already validated and handed to the model (no
+        checks, no copy; a read-only array is copied when the model first asks for it)."""
         tensor = cls.__new__(cls)
         tensor._name = name
         tensor._array = array
+        tensor._received = True
         return tensor
 
     def name(self) -> str:
@@ -166,8 +214,13 @@ class Tensor:
         return self._name
 
     def as_numpy(self) -> np.ndarray:
-        """The tensor as a numpy array (the array itself, not a copy)."""
-        return self._array
+        """The tensor as a numpy array: the array itself, not a copy, except for a read-only
+        array the server handed over, which is copied on the first call so that the model may
+        write into it (every later call returns that same copy)."""
+        array = self._array
+        if self._received and not array.flags.writeable:
+            array = self._array = array.copy()
+        return array
 
     def shape(self) -> list[int]:
         """The tensor's dims."""

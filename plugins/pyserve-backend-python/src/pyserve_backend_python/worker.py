@@ -195,8 +195,12 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
                 "use exec(decoupled=True) to receive them all", ErrorCode.INTERNAL))
         return InferenceResponse.from_server(answers[0])
 
-    async def remote_async_exec(request: Any, decoupled: bool = False) -> Any:
-        return remote_exec(request, decoupled)
+    def remote_async_exec(request: Any, decoupled: bool = False) -> Any:
+        """``async_exec`` in the worker: a task on the running loop (``RuntimeError`` without one)."""
+        async def call() -> Any:
+            return remote_exec(request, decoupled)
+
+        return asyncio.get_running_loop().create_task(call())
 
     def remote_control(operation: str, *args: Any) -> Any:
         """Model control from the worker: the server process runs it (``model_control.run_on``)."""
@@ -247,7 +251,7 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
         request._model_name = meta["model_name"]
         request._model_version = meta["model_version"]
         request._inputs = [Tensor._wrap(n, a) for n, a in inputs.items()]
-        request._requested_output_names = meta["requested_outputs"]
+        request._requested_output_names = tuple(meta["requested_outputs"])
         request._request_id = meta["id"]
         request._correlation_id = meta["correlation_id"]
         request._flags = meta["flags"]
@@ -299,10 +303,10 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
             if isinstance(item, InferenceResponse):
                 failure = item.error()
                 if failure is not None:
-                    items.append(("error", failure.message(), failure.code()))
+                    items.append(("error", failure.message(), int(failure.code())))
                     outputs.append([])
                 else:
-                    arrays = [(t.name(), t.as_numpy()) for t in item.output_tensors()]
+                    arrays = [(t.name(), t._array) for t in item.output_tensors()]  # no copy of an echoed input
                     items.append(("ok", dict(item._parameters)))
                     outputs.append(arrays)
             else:
