@@ -111,6 +111,7 @@ def test_inference_response() -> None:
     response = pb_utils.InferenceResponse(output_tensors=[out], parameters={"a": 1, "b": "x"})
     assert not response.has_error() and response.error() is None
     assert json.loads(response.parameters()) == {"a": 1, "b": "x"}
+    assert response.parameters() == '{"a":1,"b":"x"}'  # compact, as Triton's string is
     assert pb_utils.get_output_tensor_by_name(response, "OUT") is out
     assert pb_utils.get_output_tensor_by_name(response, "MISSING") is None
     failed = pb_utils.InferenceResponse(error=pb_utils.TritonError("bad"))
@@ -150,7 +151,7 @@ def test_served_request_wrapper_and_response_sender() -> None:
     assert request.requested_output_names() == {"OUT"}
     assert request.request_id() == "r7" and request.correlation_id() == 42
     assert request.flags() == pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
-    assert request.timeout() == 100 and json.loads(request.parameters()) == {"p": 1.5}
+    assert request.timeout() == 100 and request.parameters() == '{"p":1.5}'  # compact, as Triton's
     assert not request.is_cancelled()
     sender = request.get_response_sender()
     assert request.get_response_sender() is sender

@@ -161,7 +161,7 @@ class InferenceRequest:
 
     def parameters(self) -> str:
         """The request parameters as a JSON object string."""
-        return json.dumps(self._parameters)
+        return json.dumps(self._parameters, separators=(",", ":"))  # compact, as Triton writes it
 
     def trace(self) -> InferenceTrace:
         """The request's trace (its OpenTelemetry context while the server traces it)."""

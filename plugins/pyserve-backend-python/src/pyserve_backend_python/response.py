@@ -80,7 +80,7 @@ class InferenceResponse:
 
     def parameters(self) -> str:
         """The response parameters as a JSON object string."""
-        return json.dumps(self._parameters)
+        return json.dumps(self._parameters, separators=(",", ":"))  # compact, as Triton writes it
 
     def __repr__(self) -> str:
         if self._error is not None:

@@ -59,7 +59,7 @@ def initialize_args(instance: InstanceContext) -> dict[str, str]:
     """The ``args`` dict Triton passes to ``initialize``."""
     model = instance.model
     return {
-        "model_config": json.dumps(model_config_to_dict(model.config)),
+        "model_config": json.dumps(model_config_to_dict(model.config), separators=(",", ":")),  # as Triton
         "model_instance_kind": instance.kind,
         "model_instance_name": instance.name,
         "model_instance_device_id": str(instance.device_id),
