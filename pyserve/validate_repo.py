@@ -40,9 +40,10 @@ class _CheckedModel:
 
 @dataclass(frozen=True)
 class _StepTables:
-    """What ``build_plan`` reads of a step model: its tensor tables."""
+    """What ``build_plan`` reads of a step model: its tensor tables and transaction policy."""
 
     io: model_config.ModelIO
+    decoupled: bool = False
 
 
 class _Unknowable(Exception):
@@ -140,7 +141,8 @@ def _ensemble_problems(ensemble: _CheckedModel, checked: dict[str, _CheckedModel
             served = ", ".join(map(str, step.versions)) or "none"
             raise InferError(f"version {version} of model '{step_name}' is not served "
                              f"(its version policy serves: {served})", ErrorCode.NOT_FOUND)
-        return _StepTables(model_config.model_io(step.config, step.path))
+        return _StepTables(model_config.model_io(step.config, step.path),
+                           bool(step.config.model_transaction_policy.decoupled))
 
     try:
         build_plan(ensemble.config, model_config.model_io(ensemble.config, ensemble.path), lookup)

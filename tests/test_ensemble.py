@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from pyserve import InferRequest, InferResponse, InstanceContext
@@ -268,3 +269,91 @@ def test_only_requested_output_is_returned(start_server: StartServer, make_repo:
     finally:
         client.close()
 
+
+
+BATCHING_CHAIN = {
+    "bident": """
+        backend: "identity"
+        max_batch_size: 8
+        input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+        output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+        """,
+    "bscale": """
+        backend: "scale"
+        max_batch_size: 8
+        input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] } ]
+        output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] } ]
+        """,
+    "bchain": """
+        platform: "ensemble"
+        max_batch_size: 8
+        input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] } ]
+        output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] } ]
+        ensemble_scheduling { step [
+        """ + step("bident", {"INPUT0": "IN"}, {"OUTPUT0": "mid"}) + ","
+        + step("bscale", {"IN": "mid"}, {"OUT": "OUT"}) + "] }",
+}
+
+
+def model_stats(server: ServerThread, model: str) -> dict[str, Any]:
+    reply = httpx.get(f"http://{server.url}/v2/models/{model}/stats")
+    assert reply.status_code == 200, reply.text
+    return dict(reply.json()["model_stats"][0])
+
+
+def test_ensemble_statistics_count_executions_batches_and_step_time(
+    start_server: StartServer, make_repo: MakeRepo
+) -> None:
+    """As Triton: one execution per ensemble request, of its batch size; queue is the wait for
+    the ensemble scheduler, compute the time its steps' requests computed."""
+    server = start_server(make_repo(BATCHING_CHAIN), backends={"scale": Scale()}, allow_metrics=True)
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        one = infer(client, "bchain", np.array([[1, 2]], np.float32))
+        two = infer(client, "bchain", np.array([[1, 2], [3, 4]], np.float32))
+        np.testing.assert_array_equal(one, [[3, 5]])
+        np.testing.assert_array_equal(two, [[3, 5], [7, 9]])
+    finally:
+        client.close()
+    stats = model_stats(server, "bchain")
+    assert stats["inference_count"] == 3
+    assert stats["execution_count"] == 2
+    inference = stats["inference_stats"]
+    for key in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
+        assert inference[key]["count"] == 2, (key, inference)
+    assert inference["fail"]["count"] == 0
+    assert inference["queue"]["ns"] > 0
+    assert inference["compute_infer"]["ns"] > 0
+    batches = {b["batch_size"]: b for b in stats["batch_stats"]}
+    assert sorted(batches) == [1, 2]
+    for entry in batches.values():
+        assert entry["compute_infer"]["count"] == 1
+        assert entry["compute_infer"]["ns"] > 0
+    # compute infer is the steps' compute infer, summed
+    steps = [model_stats(server, name)["inference_stats"]["compute_infer"]["ns"] for name in ("bident", "bscale")]
+    assert inference["compute_infer"]["ns"] == sum(steps)
+    assert sum(b["compute_infer"]["ns"] for b in batches.values()) == sum(steps)
+    # the nv_inference_* metrics read the same counters
+    metrics = httpx.get(f"http://127.0.0.1:{server.server.metrics_port}/metrics").text
+    samples = {(s.name.removesuffix("_total"), s.labels.get("model")): s.value
+               for family in text_string_to_metric_families(metrics) for s in family.samples}
+    assert samples[("nv_inference_count", "bchain")] == 3
+    assert samples[("nv_inference_exec_count", "bchain")] == 2
+    assert samples[("nv_inference_request_success", "bchain")] == 2
+    assert samples[("nv_inference_compute_infer_duration_us", "bchain")] > 0
+
+
+def test_failed_ensemble_request_counts_no_execution(start_server: StartServer, make_repo: MakeRepo) -> None:
+    server = start_server(make_repo(BATCHING_CHAIN), backends={"scale": Scale()})
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        with pytest.raises(InferenceServerException, match="negative values"):
+            infer(client, "bchain", np.array([[-1, 2]], np.float32))
+        np.testing.assert_array_equal(infer(client, "bchain", np.array([[0, 0]], np.float32)), [[1, 1]])
+    finally:
+        client.close()
+    stats = model_stats(server, "bchain")
+    assert (stats["inference_count"], stats["execution_count"]) == (1, 1)
+    assert stats["inference_stats"]["fail"]["count"] == 1
+    assert stats["inference_stats"]["success"]["count"] == 1
+    assert [b["batch_size"] for b in stats["batch_stats"]] == [1]

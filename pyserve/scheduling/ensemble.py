@@ -2,18 +2,34 @@
 
 ``build_plan`` checks an ensemble's ``ensemble_scheduling`` against the models it names
 (unknown models, unmapped or unknown tensors, tensors written twice, cycles, datatype
-mismatches, unused inputs, outputs nothing produces) with messages naming the step and
-tensor. ``EnsembleScheduler`` runs one request as an asyncio task on the event loop: a step
+mismatches, unused inputs, outputs nothing produces, a step or the outputs fed from different
+decoupled steps) with messages naming the step and tensor, and, as Triton does, makes the
+ensemble decoupled exactly when one of its steps is.
+
+``EnsembleScheduler`` runs one request on the event loop, with no task of its own: a step
 starts as soon as all its input tensors exist, independent steps run concurrently on their
 models' own instances, and tensors pass between steps as the very arrays the previous step
-produced (no copies, no host round trip for device arrays). An error in a step fails only
-that request.
+produced (no copies, no host round trip for device arrays). Only the steps the requested
+outputs need run.
+
+Decoupled steps (Triton's semantics): each response of a decoupled step starts a *wave*, its own
+copy of the tensors, that runs the steps downstream of it; every wave that completes the
+requested outputs becomes one response of the (decoupled) ensemble, sent as it completes; the
+final flag follows when no step of any wave is left running (it rides on the last response when
+that one ends the run). An error in any wave fails that request at once, as Triton 2.51 does:
+its steps still in flight are cancelled and whatever they send later is dropped.
+
+Statistics (Triton's rules): a successful ensemble request counts one execution of its batch
+size; its queue time is the wait until the scheduler took it and its compute input / infer /
+output times are the sums of those of its steps' requests.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +41,8 @@ from pyserve.inference import FutureSender, InferRequest, InferResponse, Running
 from pyserve.model_config import ModelIO
 from pyserve.scheduling.instance import STOP, Batch, check_outputs
 from pyserve.validation import check_input
+
+log = logging.getLogger("pyserve.scheduling")
 
 ModelLookup = Callable[[str, int | None], Any]
 """``lookup(name, version or None)`` → the READY ``ModelVersion``; raises ``InferError``."""
@@ -44,10 +62,15 @@ class Step:
 def build_plan(config: Any, io: ModelIO, lookup: ModelLookup) -> list[Step]:
     """Validate ``ensemble_scheduling`` against the step models.
 
+    On success, sets ``config.model_transaction_policy.decoupled`` as Triton derives it: true
+    exactly when a step model is decoupled, whatever the config said (called again when a step
+    model is reloaded, it follows the step models as they are then).
+
     :raises ValueError: every problem found, one per line.
     """
     problems: list[str] = []
     steps: list[Step] = []
+    decoupled: set[int] = set()  # indexes of the steps whose model is decoupled
     dtypes: dict[str, str] = {name: spec.datatype.name for name, spec in io.inputs.items()}
     producers: dict[str, int] = {}
     for index, raw in enumerate(config.ensemble_scheduling.step):
@@ -59,6 +82,8 @@ def build_plan(config: Any, io: ModelIO, lookup: ModelLookup) -> list[Step]:
             problems.append(f"{where}: {exc.message}")
             continue
         step_io: ModelIO = model.io
+        if model.decoupled:
+            decoupled.add(index)
         for step_input in raw.input_map:
             if step_input not in step_io.inputs:
                 problems.append(f"{where}: input_map names '{step_input}', which is not an input of the model")
@@ -102,7 +127,46 @@ def build_plan(config: Any, io: ModelIO, lookup: ModelLookup) -> list[Step]:
         problems.append("the steps form a cycle: " + " -> ".join(f"step {i}" for i in cycle))
     if problems:
         raise ValueError("\n".join(problems))
+    problems = _decoupled_origins(steps, io, decoupled)
+    if problems:
+        raise ValueError("\n".join(problems))
+    config.model_transaction_policy.decoupled = bool(decoupled)
     return steps
+
+
+def _decoupled_origins(steps: list[Step], io: ModelIO, decoupled: set[int]) -> list[str]:
+    """Triton's check that waves never mix: every tensor originates from the ensemble's inputs or
+    from one decoupled step (passing through non-decoupled steps keeps the origin); a step's
+    inputs, and the ensemble's outputs, must all share one origin. Needs an acyclic plan.
+
+    :returns: the problems found (empty: the plan is fine).
+    """
+    problems: list[str] = []
+    origin: dict[str, int] = dict.fromkeys(io.inputs, -1)  # tensor -> decoupled step index, -1: the inputs
+    pending = list(steps)
+    while pending:
+        ready = [s for s in pending if all(t in origin for t in s.inputs.values())]
+        if not ready:
+            break  # not in a plan that passed the checks above (acyclic, every tensor provided)
+        for step in ready:
+            pending.remove(step)
+            sources = {origin[t] for t in step.inputs.values()}
+            if len(sources) > 1:
+                problems.append(f"step {step.index} (model '{step.model_name}') receives inputs originated "
+                                f"from different decoupled models ({_origins(sources, steps)})")
+            source = step.index if step.index in decoupled else min(sources, default=-1)
+            for tensor in step.outputs.values():
+                origin[tensor] = source
+    sources = {origin[name] for name in io.outputs if name in origin}
+    if len(sources) > 1:
+        problems.append(f"the ensemble's outputs originate from different decoupled models ({_origins(sources, steps)})")
+    return problems
+
+
+def _origins(sources: set[int], steps: list[Step]) -> str:
+    by_index = {s.index: s for s in steps}
+    return ", ".join("the ensemble's inputs" if i < 0 else f"step {i} (model '{by_index[i].model_name}')"
+                     for i in sorted(sources))
 
 
 def _find_cycle(steps: list[Step], producers: dict[str, int]) -> list[int]:
@@ -133,7 +197,7 @@ def _find_cycle(steps: list[Step], producers: dict[str, int]) -> list[int]:
 
 
 class EnsembleScheduler:
-    """Runs an ensemble's requests as asyncio tasks on the server's event loop.
+    """Runs an ensemble's requests on the server's event loop.
 
     :param name: the ensemble's model name.
     :param steps: the validated plan.
@@ -147,8 +211,8 @@ class EnsembleScheduler:
         self.name = name
         self.steps = steps
         self.io = io
-        self._lookup = lookup
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.lookup = lookup
+        self._plans: dict[tuple[str, ...], tuple[Step, ...]] = {}  # requested outputs -> steps to run
         self._running_loop = RunningLoop()  # no getpid system call per request
 
     def _loop(self) -> asyncio.AbstractEventLoop:
@@ -158,9 +222,10 @@ class EnsembleScheduler:
         return loop
 
     def enqueue(self, request: InferRequest) -> None:
-        task = self._loop().create_task(self._run(request))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        """Start ``request`` on the next turn of the loop (event loop only; never raises
+        ``InferError``: errors are answered through the request's sender)."""
+        loop = self._loop()
+        loop.call_soon(_Run(self, request, loop, self._plan(request.requested_outputs)).start)
 
     def batch_source(self, index: int) -> Callable[[], Batch | None]:
         return lambda: STOP  # an ensemble has no instances
@@ -168,70 +233,228 @@ class EnsembleScheduler:
     def stop(self, workers: int) -> None:
         """In-flight ensemble requests finish on their own (the server drains them first)."""
 
-    async def _run(self, request: InferRequest) -> None:
+    def _plan(self, requested: tuple[str, ...]) -> tuple[Step, ...]:
+        """The steps the requested outputs need, in config order (as Triton prunes the others)."""
+        plan = self._plans.get(requested)
+        if plan is None:
+            plan = needed_steps(self.steps, requested)
+            if len(self._plans) < 64:
+                self._plans[requested] = plan
+        return plan
+
+
+def needed_steps(steps: Sequence[Step], outputs: Iterable[str]) -> tuple[Step, ...]:
+    """The steps that ``outputs`` depend on, in plan order."""
+    producers = {tensor: step for step in steps for tensor in step.outputs.values()}
+    needed: set[int] = set()
+    todo = list(outputs)
+    while todo:
+        step = producers.get(todo.pop())
+        if step is not None and step.index not in needed:
+            needed.add(step.index)
+            todo.extend(step.inputs.values())
+    return tuple(s for s in steps if s.index in needed)
+
+
+class _Wave:
+    """The tensors of one flow through the graph: the request's inputs and the outputs of the
+    steps that ran in it; a decoupled step's every response forks a new wave."""
+
+    __slots__ = ("emitted", "pool", "started")
+
+    def __init__(self, pool: dict[str, Any], started: set[int]) -> None:
+        self.pool = pool
+        self.started = started  # indexes of the steps started in this wave (or the one it forked from)
+        self.emitted = False
+
+    def fork(self) -> _Wave:
+        return _Wave(dict(self.pool), set(self.started))
+
+
+class _Call:
+    """One step request of a run: which step, in which wave, and how its responses come back."""
+
+    __slots__ = ("child", "decoupled", "future", "run", "step", "wave")
+
+    def __init__(self, run: _Run, step: Step, wave: _Wave, child: InferRequest, decoupled: bool) -> None:
+        self.run = run
+        self.step = step
+        self.wave = wave
+        self.child = child
+        self.decoupled = decoupled
+        self.future: asyncio.Future[InferResponse | InferError] | None = None
+
+    def resolved(self, future: asyncio.Future[InferResponse | InferError]) -> None:
+        """Done callback of a non-decoupled step's future (event loop)."""
+        if not future.cancelled():
+            self.run.on_step_response(self, future.result(), True)
+
+
+class _StepSender:
+    """The ``ResponseSender`` of a decoupled step's request: hands each response to the run on
+    the event loop, in the order sent (any thread)."""
+
+    __slots__ = ("_call", "_loop")
+
+    def __init__(self, call: _Call, loop: asyncio.AbstractEventLoop) -> None:
+        self._call = call
+        self._loop = loop
+
+    def send(self, response: InferResponse | InferError | None, final: bool) -> None:
         try:
-            result: InferResponse | InferError = await self._execute(request)
-        except InferError as exc:
-            result = exc
+            self._loop.call_soon_threadsafe(self._call.run.on_step_response, self._call, response, final)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+    def is_cancelled(self) -> bool:
+        run = self._call.run
+        return run.closed or run.request.is_cancelled()
+
+
+class _Run:
+    """One ensemble request on its way through the steps. Event loop only, except
+    ``closed``, which step senders read from any thread.
+
+    Ends exactly once (``closed``): with the final response (success; counted in the
+    ensemble's statistics as one execution), or with an error (in-flight steps cancelled).
+    """
+
+    __slots__ = ("calls", "closed", "durations", "loop", "needed", "plan", "request", "root", "scheduler",
+                 "start_ns", "streaming")
+
+    def __init__(self, scheduler: EnsembleScheduler, request: InferRequest, loop: asyncio.AbstractEventLoop,
+                 plan: tuple[Step, ...]) -> None:
+        self.scheduler = scheduler
+        self.request = request
+        self.loop = loop
+        self.plan = plan
+        self.needed = frozenset(request.requested_outputs)
+        self.calls: set[_Call] = set()  # step requests without their final response yet
+        self.closed = False
+        self.streaming = False  # a decoupled step took part: responses are streamed
+        self.durations = [0, 0, 0]  # the steps' compute input / infer / output ns
+        self.start_ns = 0
+        self.root = _Wave(dict(request.inputs), set())
+
+    def start(self) -> None:
+        """Start the steps the request's inputs feed (a loop callback)."""
+        try:
+            self.start_ns = time.monotonic_ns()
+            self._advance(self.root)
+            if not self.closed:
+                self._settle(None, ())
         except Exception as exc:  # a bug must still answer the request
-            result = InferError(f"ensemble '{self.name}' failed: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL)
-        if isinstance(result, InferResponse):
-            result = check_outputs(request, result, self.io, self.name)
-        request.reply(result)
+            self._bug(exc)
 
-    async def _execute(self, request: InferRequest) -> InferResponse:
-        pool: dict[str, Any] = dict(request.inputs)
-        waiting = list(self.steps)
-        running: dict[asyncio.Task[InferResponse | InferError], Step] = {}
-        needed = set(request.requested_outputs)
+    def on_step_response(self, call: _Call, response: InferResponse | InferError | None, final: bool) -> None:
+        """One response of a step request (event loop): record its outputs, start what they
+        make ready, send what is complete."""
+        if self.closed:
+            return
         try:
-            while not needed.issubset(pool):
-                for step in [s for s in waiting if all(t in pool for t in s.inputs.values())]:
-                    waiting.remove(step)
-                    task = asyncio.ensure_future(self._call_step(step, request, pool))
-                    running[task] = step
-                if not running:
-                    missing = sorted(needed - set(pool))
-                    raise InferError(f"ensemble '{self.name}' cannot produce {missing}", ErrorCode.INTERNAL)
-                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    step = running.pop(task)
-                    result = task.result()
-                    if isinstance(result, InferError):
-                        raise InferError(
-                            f"in ensemble '{self.name}', step {step.index} (model '{step.model_name}'): "
-                            f"{result.message}",
-                            result.code,
-                        )
-                    for step_output, tensor in step.outputs.items():
-                        if step_output in result.outputs:
-                            pool[tensor] = result.outputs[step_output]
-                if request.is_cancelled():
-                    raise InferError("request was cancelled", ErrorCode.CANCELLED)
-        finally:
-            for task in running:
-                task.cancel()
-        return InferResponse({name: pool[name] for name in request.requested_outputs})
+            if final:
+                self.calls.discard(call)
+                self._add_durations(call.child)
+            if isinstance(response, InferError):
+                step = call.step
+                self._fail(InferError(f"in ensemble '{self.scheduler.name}', step {step.index} "
+                                      f"(model '{step.model_name}'): {response.message}", response.code))
+            elif self.request.is_cancelled():
+                self._fail(InferError("request was cancelled", ErrorCode.CANCELLED))
+            elif response is None:
+                self._settle(None, ())
+            else:
+                wave = call.wave.fork() if call.decoupled else call.wave
+                updated = []
+                for step_output, tensor in call.step.outputs.items():
+                    value = response.outputs.get(step_output)
+                    if value is not None:
+                        wave.pool[tensor] = value
+                        updated.append(tensor)
+                self._advance(wave)
+                if not self.closed:
+                    self._settle(wave, updated)
+        except Exception as exc:
+            self._bug(exc)
 
-    async def _call_step(self, step: Step, parent: InferRequest, pool: dict[str, Any]) -> InferResponse | InferError:
+    # -- moving on ------------------------------------------------------------------------------
+    def _advance(self, wave: _Wave) -> None:
+        """Start every step of the plan whose inputs ``wave`` now holds (once per wave)."""
+        pool, started = wave.pool, wave.started
+        for step in self.plan:
+            if step.index not in started and all(t in pool for t in step.inputs.values()):
+                started.add(step.index)
+                self._launch(step, wave)
+                if self.closed:
+                    return
+
+    def _settle(self, wave: _Wave | None, updated: Sequence[str]) -> None:
+        """After an update of ``wave`` (None: a step only ended): send the response the update
+        completed, the final flag once nothing runs, or the error of a run that cannot finish."""
+        response = None
+        if wave is not None and not wave.emitted and self.needed.issubset(wave.pool) \
+                and not self.needed.isdisjoint(updated):
+            wave.emitted = True
+            response = InferResponse({name: wave.pool[name] for name in self.request.requested_outputs})
+        if response is not None:
+            if self.calls and self.streaming:
+                checked = check_outputs(self.request, response, self.scheduler.io, self.scheduler.name)
+                if isinstance(checked, InferError):
+                    self._fail(checked)
+                else:
+                    self.request.reply(checked, final=False)
+            else:  # the last response (a non-decoupled run needs nothing more)
+                self._succeed(response)
+        elif not self.calls:
+            if self.streaming:
+                self._succeed(None)  # a decoupled ensemble may answer with the final flag alone
+            else:
+                missing = sorted(self.needed - set(self.root.pool))
+                self._fail(InferError(f"ensemble '{self.scheduler.name}' cannot produce {missing}",
+                                      ErrorCode.INTERNAL))
+
+    def _launch(self, step: Step, wave: _Wave) -> None:
+        """Send ``step`` its request for ``wave``; a refusal fails the run."""
         try:
-            model = self._lookup(step.model_name, step.version)
+            model = self.scheduler.lookup(step.model_name, step.version)
+            child = self._step_request(step, model, wave.pool)
         except InferError as exc:
-            return exc
+            self._step_failed(step, exc)
+            return
+        call = _Call(self, step, wave, child, model.decoupled)
+        if call.decoupled:
+            self.streaming = True
+            child.attach_sender(_StepSender(call, self.loop))
+        else:
+            future: asyncio.Future[InferResponse | InferError] = self.loop.create_future()
+            future.add_done_callback(call.resolved)
+            call.future = future
+            child.attach_sender(FutureSender(self.loop, future))
+        self.calls.add(call)
+        try:
+            model.enqueue(child)
+        except InferError as exc:
+            self.calls.discard(call)
+            self._step_failed(step, exc)
+
+    def _step_request(self, step: Step, model: Any, pool: dict[str, Any]) -> InferRequest:
+        """The request of one step: its inputs from ``pool``, checked against the step model as
+        it is now; the rest from the ensemble's request.
+
+        :raises InferError: an input does not fit the step model.
+        """
         io: ModelIO = model.io
         inputs = {}
         batch = 1
-        try:
-            for step_input, tensor in step.inputs.items():
-                array = pool[tensor]
-                _, shape = check_input(step.model_name, io, step_input, _datatype(array, io, step_input),
-                                       list(array.shape))
-                inputs[step_input] = array
-                if io.batching:
-                    batch = shape[0]
-        except InferError as exc:
-            return exc
-        child = InferRequest(
+        for step_input, tensor in step.inputs.items():
+            array = pool[tensor]
+            _, shape = check_input(step.model_name, io, step_input, _datatype(array, io, step_input),
+                                   list(array.shape))
+            inputs[step_input] = _shared(array)
+            if io.batching:
+                batch = shape[0]
+        parent = self.request
+        return InferRequest(
             step.model_name,
             model.version,
             inputs,
@@ -244,18 +467,87 @@ class EnsembleScheduler:
             timeout_us=parent.timeout_us,
             batch_size=batch,
         )
-        loop = self._loop()
-        future: asyncio.Future[InferResponse | InferError] = loop.create_future()
-        child.attach_sender(FutureSender(loop, future))
-        try:
-            model.enqueue(child)
-        except InferError as exc:
-            return exc
-        try:
-            return await future
-        except asyncio.CancelledError:
-            child.cancel()
-            raise
+
+    def _add_durations(self, child: InferRequest) -> None:
+        """Add a finished step request's compute input / infer / output time, as its model's
+        statistics counted them (0 for a request that never reached an execute)."""
+        start, end = child.exec_start_ns, child.exec_end_ns
+        if start <= 0 or end < start:
+            return
+        compute = child.compute_ns
+        durations = self.durations
+        if compute is not None and start <= compute[0] <= compute[1] <= end:
+            durations[0] += compute[0] - start
+            durations[1] += compute[1] - compute[0]
+            durations[2] += end - compute[1]
+        else:
+            durations[1] += end - start
+
+    # -- ending ---------------------------------------------------------------------------------
+    def _succeed(self, response: InferResponse | None) -> None:
+        """Send the final response (None: the final flag alone) and count the execution."""
+        request = self.request
+        if response is not None:
+            checked = check_outputs(request, response, self.scheduler.io, self.scheduler.name)
+            if isinstance(checked, InferError):
+                self._fail(checked)
+                return
+            response = checked
+        self._close()
+        self._count_execution()
+        request.reply(response, final=True)
+
+    def _count_execution(self) -> None:
+        """Count the request as one execution: queued until ``start_ns``, computing for the
+        steps' summed durations. The window is recorded on the request (exec start and end,
+        compute) as an instance's execute would be, so that the statistics count it when the
+        final response goes out and an enclosing ensemble can sum it in turn."""
+        request = self.request
+        start = self.start_ns
+        before, infer, after = self.durations
+        request.exec_start_ns = start
+        request.compute_ns = (start + before, start + before + infer)
+        stats = request.stats
+        if stats is not None:
+            stats.begin((request,), start)
+            stats.executed((request,), start, start + before + infer + after)
+        else:
+            request.exec_end_ns = start + before + infer + after
+
+    def _step_failed(self, step: Step, error: InferError) -> None:
+        self._fail(InferError(f"in ensemble '{self.scheduler.name}', step {step.index} "
+                              f"(model '{step.model_name}'): {error.message}", error.code))
+
+    def _bug(self, exc: Exception) -> None:
+        log.exception("ensemble '%s' failed", self.scheduler.name)
+        self._fail(InferError(f"ensemble '{self.scheduler.name}' failed: {type(exc).__name__}: {exc}",
+                              ErrorCode.INTERNAL))
+
+    def _fail(self, error: InferError) -> None:
+        """End the run with ``error`` (once): cancel the steps still running, answer the request."""
+        if self.closed:
+            return
+        self._close()
+        self.request.reply(error)
+
+    def _close(self) -> None:
+        self.closed = True
+        for call in self.calls:
+            call.child.cancel()
+            if call.future is not None:
+                call.future.cancel()
+        self.calls.clear()
+
+
+def _shared(array: Any) -> Any:
+    """A numpy array as a read-only view (no copy): the same tensor may feed several steps, and
+    a model that writes into its input must copy first (the Python backend does) rather than
+    change what the other steps see. Other arrays pass as they are."""
+    if isinstance(array, np.ndarray) and array.flags.writeable:
+        view = array.view()
+        view.flags.writeable = False
+        return view
+    return array
 
 
 def _datatype(array: Any, io: ModelIO, name: str) -> str:
