@@ -98,12 +98,13 @@ def get(server: ServerThread, path: str) -> tuple[int, Any]:
 
 
 def test_an_execute_that_raises_is_still_an_execution(server: ServerThread) -> None:
-    """As Triton 2.51 counts it: the failed requests, and the execution with its batch."""
+    """As Triton 2.51 counts it: the failed requests, and the execution with its batch, but no
+    inferences (its ``nv_inference_count`` stays 0)."""
     assert infer(server, "alpha", value=1000.0) == 500
     assert infer(server, "alpha", value=1000.0, batch=2) == 500
     entry = get(server, "/v2/models/alpha/versions/2/stats")[1]["model_stats"][0]
     assert entry["inference_stats"]["fail"]["count"] == 2
-    assert entry["execution_count"] == 2 and entry["inference_count"] == 3
+    assert entry["execution_count"] == 2 and entry["inference_count"] == 0
     assert sorted(b["batch_size"] for b in entry["batch_stats"]) == [1, 2]
 
 

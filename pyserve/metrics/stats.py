@@ -99,8 +99,12 @@ class ModelStats:
         with self.lock:
             self.dequeued += len(requests)
 
-    def executed(self, requests: Sequence[InferRequest], start_ns: int, end_ns: int) -> None:
-        """The execute call of ``requests`` returned: one execution of their total batch size."""
+    def executed(self, requests: Sequence[InferRequest], start_ns: int, end_ns: int, failed: bool = False) -> None:
+        """The execute call of ``requests`` returned: one execution of their total batch size.
+
+        :param failed: the execute raised: as Triton counts it, still an execution (and its
+            batch), but no inferences (``inference_count``).
+        """
         size = 0
         first = last = 0
         for request in requests:
@@ -119,7 +123,8 @@ class ModelStats:
             after = end_ns - last
         with self.lock:
             self.execution_count += 1
-            self.inference_count += size
+            if not failed:
+                self.inference_count += size
             entry = self.batches.get(size)
             if entry is None:
                 self.batches[size] = [1, before, duration - before - after, after]

@@ -170,7 +170,7 @@ class InstanceWorker:
             end_ns = time.monotonic_ns()
             self.last_execute_ns = end_ns - start_ns  # a slow failure is slow too
             if stats is not None:  # an execution all the same (Triton counts it and its batch)
-                stats.executed(live, start_ns, end_ns)
+                stats.executed(live, start_ns, end_ns, failed=True)
             log.error("model '%s' instance '%s': execute failed: %s: %s",
                       self._model_name, self.instance.name, type(exc).__name__, exc)
             error = error_response(exc, self._model_name)
