@@ -3,7 +3,8 @@
 Each flag value is ``<api>[,<api>...]:<key>=<value>``: requests to an API of those categories
 must carry header ``<key>: <value>`` (HTTP) or metadata ``triton-grpc-protocol-<key>:
 <value>`` (gRPC). Otherwise HTTP answers 403 ``This API is restricted, expecting header
-'<key>'`` and gRPC ``PERMISSION_DENIED`` with the same text. Only installed when a flag is
+'<key>'`` and gRPC ``UNAVAILABLE`` ``This protocol is restricted, expecting header
+'triton-grpc-protocol-<key>'`` (Triton 2.51's code and text). Only installed when a flag is
 given, so unrestricted servers pay nothing.
 """
 
@@ -45,7 +46,13 @@ class Restriction:
 
     @property
     def message(self) -> str:
+        """The HTTP 403 error text."""
         return f"This API is restricted, expecting header '{self.key}'"
+
+    @property
+    def grpc_message(self) -> str:
+        """The gRPC UNAVAILABLE status text (the key has its ``triton-grpc-protocol-`` prefix)."""
+        return f"This protocol is restricted, expecting header '{self.key}'"
 
 
 Restrictions = Mapping[str, Restriction]
@@ -171,17 +178,17 @@ def _has_header(headers: Iterable[tuple[bytes, bytes]], rule: Restriction) -> bo
 
 
 def grpc_interceptor(restrictions: Restrictions) -> Any:
-    """A ``grpc.aio.ServerInterceptor`` enforcing ``restrictions`` (PERMISSION_DENIED)."""
+    """A ``grpc.aio.ServerInterceptor`` enforcing ``restrictions`` (UNAVAILABLE, as Triton 2.51)."""
     import grpc
 
     rules = dict(restrictions)
 
     def denier(message: str, streaming_request: bool, streaming_response: bool) -> Any:
         async def abort_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
         async def abort_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
             yield  # pragma: no cover - makes this an async generator
 
         if streaming_request and streaming_response:
@@ -202,7 +209,7 @@ def grpc_interceptor(restrictions: Restrictions) -> Any:
                     handler = await continuation(details)
                     if handler is None:
                         return None
-                    return denier(rule.message, handler.request_streaming, handler.response_streaming)
+                    return denier(rule.grpc_message, handler.request_streaming, handler.response_streaming)
             return await continuation(details)
 
     return _Interceptor()
