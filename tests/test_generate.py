@@ -142,7 +142,7 @@ def events(http: httpx.Client, path: str, body: Any) -> tuple[httpx.Response, li
     """POST to a ``/generate_stream`` route and parse its ``data:`` events as they arrive."""
     parsed: list[dict[str, Any]] = []
     with http.stream("POST", path, json=body) as response:
-        if response.status_code == 200:
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
             buffer = ""
             for chunk in response.iter_text():
                 buffer += chunk
@@ -173,13 +173,9 @@ def test_generate_non_decoupled(http: httpx.Client) -> None:
     response = http.post("/v2/models/params/generate", json={"id": "g1", "IN": [4, 5, 6]})
     assert response.status_code == 200
     assert response.headers["content-type"] == "application/json"
-    assert response.json() == {
-        "OUT": [4, 5, 6],
-        "PARAMS": "{}",
-        "model_name": "params",
-        "model_version": "1",
-        "id": "g1",
-    }
+    payload = response.json()
+    assert json.loads(payload.pop("PARAMS")) == {"id": "g1"}  # Triton passes the id on as a parameter too
+    assert payload == {"OUT": [4, 5, 6], "model_name": "params", "model_version": "1", "id": "g1"}
     # a scalar input becomes one element; a single-element output a scalar; no id → no "id"
     response = http.post("/v2/models/params/versions/1/generate", json={"IN": 7})
     assert response.json() == {"OUT": 7, "PARAMS": "{}", "model_name": "params", "model_version": "1"}
@@ -194,6 +190,13 @@ def test_generate_extra_keys_become_parameters(http: httpx.Client) -> None:
     assert json.loads(response.json()["PARAMS"]) == {
         "temperature": 0.5, "stream": False, "prompt_id": "p", "max_tokens": 3,
     }
+    # a nested parameter naming an input feeds that input, as Triton reads vLLM-style bodies
+    response = http.post("/v2/models/params/generate", json={"parameters": {"IN": [8, 9], "top_k": 2}})
+    assert response.status_code == 200, response.text
+    assert response.json()["OUT"] == [8, 9] and json.loads(response.json()["PARAMS"]) == {"top_k": 2}
+    response = http.post("/v2/models/params/generate", json={"IN": [1], "parameters": {"IN": 5}})
+    assert response.json()["OUT"] == 1  # the top-level input wins; the nested key stays a parameter
+    assert json.loads(response.json()["PARAMS"]) == {"IN": 5}
     assert_error(http.post("/v2/models/params/generate", json={"IN": [1], "triton_x": True}), 400,
                  "parameter keys starting with 'triton_' are reserved: 'triton_x'")
     assert_error(http.post("/v2/models/params/generate", json={"IN": [1], "parameters": [1]}), 400,
@@ -232,7 +235,8 @@ def test_generate_errors(http: httpx.Client) -> None:
                  "the generate request body must be a JSON object")
     assert_error(http.post("/v2/models/params/generate", json={"IN": 1, "id": 5}), 400,
                  "request 'id' must be a string")
-    message = assert_error(http.post("/v2/models/params/generate", json={"IN": 1, "mode": "raise"}), 500)
+    # Triton 2.51 answers a failed generate with 400, whatever the error
+    message = assert_error(http.post("/v2/models/params/generate", json={"IN": 1, "mode": "raise"}), 400)
     assert "params backend raised on purpose" in message
     assert_error(http.post("/v2/models/steps/generate", json={"N": 3, "fail_at": 1}), 400, "steps failed at 1")
     # the server keeps serving
@@ -280,11 +284,12 @@ def test_generate_stream_errors_after_start_are_events(http: httpx.Client) -> No
     assert response.status_code == 200
     base = {"model_name": "steps", "model_version": "1"}
     assert parsed == [{"OUT": 0, **base}, {"error": "steps failed at 1"}, {"OUT": 2, **base}]
+    # as Triton 2.51: the status waits for the first response; a first error answers 400
     response, parsed = events(http, "/v2/models/repeat/generate_stream", {"IN": [1, 2], "DELAY": [1]})
-    assert response.status_code == 200
+    assert response.status_code == 400
     assert parsed == [{"error": "DELAY has 1 element(s) but IN has 2; give one delay per element"}]
     response, parsed = events(http, "/v2/models/params/generate_stream", {"IN": [1], "mode": "raise"})
-    assert response.status_code == 200
+    assert response.status_code == 400
     assert len(parsed) == 1 and "params backend raised on purpose" in parsed[0]["error"]
 
 

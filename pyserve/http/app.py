@@ -175,8 +175,8 @@ def create_app(
                 infer_request.cancel()
                 return status_error(400, "client disconnected")
             errors = [r for r in responses if isinstance(r, InferError)]
-            if errors:
-                raise errors[0]
+            if errors:  # Triton 2.51 answers a failed generate with 400, whatever the error
+                return status_error(400, errors[0].message)
             if len(responses) != 1:
                 raise InferError.invalid(
                     "generate expects model to produce exactly 1 response, use generate stream for model "
@@ -189,25 +189,45 @@ def create_app(
             return error_response(exc)
 
     async def generate_stream(request: Request) -> Response:
+        """As Triton 2.51: the status waits for the first response, so a request whose first
+        response is an error answers 400 with that error as its only event."""
         try:
             model, infer_request, sender = await start_generate(request)
         except InferError as exc:
             return error_response(exc)
+        responses = sender.responses()
+
+        def event(item: InferResponse | InferError) -> bytes:
+            if isinstance(item, InferError):
+                return sse_event({"error": item.message})
+            try:
+                return sse_event(encode_generate(item, infer_request, model))
+            except InferError as exc:
+                return sse_event({"error": exc.message})
+
+        def close() -> None:
+            sender.closed = True
+            infer_request.cancel()
+            dataplane.finished(infer_request)
+
+        try:
+            first = await _unless_disconnected(request, anext(responses, None))
+        except BaseException:
+            close()
+            raise
+        if first is None or isinstance(first, InferError):
+            close()
+            if first is None:  # no response (a final flag alone), or the client went away
+                return Response(b"", 200, media_type=SSE_TYPE)
+            return Response(event(first), 400, media_type=SSE_TYPE)
 
         async def events() -> AsyncIterator[bytes]:
             try:
-                async for item in sender.responses():
-                    if isinstance(item, InferError):
-                        yield sse_event({"error": item.message})
-                        continue
-                    try:
-                        yield sse_event(encode_generate(item, infer_request, model))
-                    except InferError as exc:
-                        yield sse_event({"error": exc.message})
+                yield event(first)
+                async for item in responses:
+                    yield event(item)
             finally:
-                sender.closed = True
-                infer_request.cancel()
-                dataplane.finished(infer_request)
+                close()
 
         return StreamingResponse(events(), media_type=SSE_TYPE)
 

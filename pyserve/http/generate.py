@@ -2,8 +2,9 @@
 
 The request body is a JSON object: each top-level key naming a model input becomes that
 input (a scalar → one element, a list → a 1-D tensor, with a batch dimension of 1 for
-batching models); the other keys, and the keys of a nested ``parameters`` object, become
-request parameters. Each response is a JSON object with ``model_name``, ``model_version``,
+batching models), and so does a key of the nested ``parameters`` object naming an input not
+given at the top (as Triton reads ``{"text_input": ..., "parameters": {"max_tokens": 5}}``);
+the other keys, ``id`` among them, become request parameters. Each response is a JSON object with ``model_name``, ``model_version``,
 ``id`` (when given) and one key per output — a single element as a scalar, otherwise a flat
 list. ``/generate_stream`` sends every response as a server-sent event ``data: <json>``;
 errors after the first event arrive as ``data: {"error": ...}``.
@@ -49,19 +50,20 @@ def decode_generate(body: bytes, model: ModelVersion) -> InferRequest:
         raise InferError.invalid("'parameters' must be a JSON object")
     inputs: dict[str, np.ndarray] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    if request_id:
+        params["id"] = request_id  # Triton passes the id on as a parameter too
     for key, value in payload.items():
         if key in ("id", "parameters"):
             continue
-        spec = io.inputs.get(key)
-        if spec is None:
+        if key in io.inputs:
+            _add_input(model, key, value, inputs, shapes)
+        else:
             params[key] = value
-            continue
-        data = value if isinstance(value, list) else [value]
-        shape = [1, len(data)] if io.batching else [len(data)]
-        spec, checked = check_input(model.name, io, key, spec.datatype.name, shape)
-        inputs[key] = _json_to_array(data, spec, checked, len(data), model.name)
-        shapes[key] = checked
-    params.update(nested)
+    for key, value in nested.items():  # as Triton: a nested parameter naming an input feeds it
+        if key in io.inputs and key not in inputs:
+            _add_input(model, key, value, inputs, shapes)
+        else:
+            params[key] = value
     options = parse_parameters(params)
     batch = finish_inputs(model.name, io, inputs, shapes)
     return InferRequest(
@@ -77,6 +79,19 @@ def decode_generate(body: bytes, model: ModelVersion) -> InferRequest:
         timeout_us=options.timeout_us,
         batch_size=batch,
     )
+
+
+def _add_input(model: ModelVersion, key: str, value: Any, inputs: dict[str, np.ndarray],
+               shapes: dict[str, tuple[int, ...]]) -> None:
+    """A JSON value as input ``key``: a scalar → one element, a list → a 1-D tensor (batch 1
+    in front for batching models)."""
+    io = model.io
+    assert io is not None
+    data = value if isinstance(value, list) else [value]
+    shape = [1, len(data)] if io.batching else [len(data)]
+    spec, checked = check_input(model.name, io, key, io.inputs[key].datatype.name, shape)
+    inputs[key] = _json_to_array(data, spec, checked, len(data), model.name)
+    shapes[key] = checked
 
 
 def encode_generate(response: InferResponse, request: InferRequest, model: ModelVersion) -> dict[str, Any]:
