@@ -62,6 +62,8 @@ class ModelControl(ModelLoader):
     load_threads: int
     control_mode: ControlMode
     startup_models: list[str]
+    missing_startup_models: list[str]
+    """``--load-model`` names the repositories do not hold (``--exit-on-error`` counts them)."""
     poll_secs: float
     config_name: str
     _model_locks: dict[str, threading.RLock]
@@ -82,10 +84,9 @@ class ModelControl(ModelLoader):
         if self.control_mode is ControlMode.EXPLICIT and self.startup_models != [LOAD_ALL]:
             wanted = self._with_composing(self.startup_models, sources)
             for name in wanted:
-                if name not in sources:
-                    message = f"failed to load '{name}', failed to poll from model repository"
-                    log.error("%s", message)
-                    self._commit(name, _Built(self._missing_source(name), error=message))
+                if name not in sources:  # as Triton: logged, no index entry, readiness unaffected
+                    log.error("failed to load '%s', failed to poll from model repository", name)
+                    self.missing_startup_models.append(name)
             sources = {name: sources[name] for name in wanted if name in sources}
         self._load_sources(sources)
 
@@ -138,10 +139,6 @@ class ModelControl(ModelLoader):
             steps = self._ensemble_steps(source) if source is not None else None
             todo.extend(sorted(s for s in steps or () if s in sources))
         return wanted
-
-    def _missing_source(self, name: str) -> ModelSource:
-        repository = self.repositories[0] if self.repositories else Path(".")
-        return ModelSource(name, repository / name, repository, config_name=self.config_name)
 
     # -- polling -----------------------------------------------------------------------------
     def start_polling(self) -> None:

@@ -89,6 +89,7 @@ class ModelManager(ModelControl):
         self.load_retries = max(0, load_retries)
         self.control_mode = ControlMode(control_mode)
         self.startup_models = list(startup_models)
+        self.missing_startup_models = []
         self.poll_secs = poll_secs
         self.backend_directory = backend_directory
         self.config_name = config_name

@@ -262,7 +262,7 @@ class Server:
         self.models.loop = loop
         await loop.run_in_executor(None, self.models.load_all)
         self._log_model_table()
-        if self.options.exit_on_error and not self.models.all_ready():
+        if self.options.exit_on_error and (self.models.missing_startup_models or not self.models.all_ready()):
             await loop.run_in_executor(None, self.models.unload_all)
             raise StartupError("failed to load all models (--exit-on-error)")
         if self.options.max_tensor_elements:  # process-wide: validation has no per-server state

@@ -212,6 +212,25 @@ def test_explicit_mode_with_load_model(start_server: StartServer, tmp_path: Path
         assert found["other"] == [{"name": "other"}]
 
 
+def test_a_missing_startup_model_is_logged_not_listed(
+    start_server: StartServer, tmp_path: Path, scale: Scale, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--load-model`` of a model the repository lacks: as Triton 2.51 (without exit on error),
+    an error in the log, no index entry, and the server ready; with --exit-on-error it stops."""
+    from pyserve.server import StartupError
+
+    repo = tmp_path / "repo"
+    write_model(repo, "base", scale_config())
+    server = start_server(repo, backends={"scale": scale}, model_control_mode="explicit",
+                          load_models=["nothere", "base"])
+    assert sorted(index(server)) == ["base"]
+    assert httpx.get(f"http://{server.url}/v2/health/ready").status_code == 200
+    assert "failed to load 'nothere', failed to poll from model repository" in caplog.text
+    with pytest.raises(StartupError, match="failed to load all models"):
+        start_server(repo, backends={"scale": scale}, model_control_mode="explicit",
+                     load_models=["nothere", "base"], exit_on_error=True)
+
+
 def test_load_of_a_missing_model(start_server: StartServer, tmp_path: Path, scale: Scale, clients: list[Any]) -> None:
     repo = tmp_path / "repo"
     write_model(repo, "base", scale_config())
