@@ -29,6 +29,7 @@ from pyserve import model_config
 from pyserve.backend import BackendContext, InstanceContext, ModelContext
 from pyserve.errors import ModelConfigError
 from pyserve.metrics import CustomMetrics
+from pyserve.metrics.summaries import LatencySummaries
 from pyserve.models import ModelRecord, ModelState, ModelVersion
 from pyserve.plugins import BackendUnavailable, LoadedBackend, PluginHost
 from pyserve.protocol import ModelConfig
@@ -90,6 +91,7 @@ class ModelLoader:
     _lock: threading.Lock
     _leftover_dirs: list[Path]
     _closing: bool  # shutdown began: no more ensemble re-checks
+    latency_summaries: bool  # --metrics-config summary_latencies=true: versions record them
     rate_limiter: RateLimiter | None
 
     # -- loading one model -------------------------------------------------------------------
@@ -153,7 +155,7 @@ class ModelLoader:
             return
         for number in selected:
             for attempt in range(self.load_retries + 1):  # --model-load-retry-count
-                version = ModelVersion(source.name, number)
+                version = self._new_version(source.name, number)
                 built.versions[number] = version
                 self._load_version(built, config, number, version, backend, backend_ctx)
                 if version.ready or attempt == self.load_retries:
@@ -165,7 +167,7 @@ class ModelLoader:
         source = built.source
         problems = model_config.validate(config, source.path)
         for number in selected:
-            version = ModelVersion(source.name, number)
+            version = self._new_version(source.name, number)
             built.versions[number] = version
             if problems:
                 version.fail(f"{built.config_origin}: " + "; ".join(problems))
@@ -262,6 +264,12 @@ class ModelLoader:
         if failures:
             return "; ".join(f"version {v.version} is at UNAVAILABLE state: {v.reason}" for v in failures)
         return ""
+
+    def _new_version(self, name: str, number: int) -> ModelVersion:
+        version = ModelVersion(name, number)
+        if self.latency_summaries:
+            version.stats.summaries = LatencySummaries()
+        return version
 
     def read_config(self, source: ModelSource) -> Any:
         """Parse and normalize a model's config.pbtxt (or start an empty one to auto-complete).

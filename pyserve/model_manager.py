@@ -90,6 +90,7 @@ class ModelManager(ModelControl):
         self.control_mode = ControlMode(control_mode)
         self.startup_models = list(startup_models)
         self.missing_startup_models = []
+        self.latency_summaries = False  # the server turns it on with its metrics settings
         self.poll_secs = poll_secs
         self.backend_directory = backend_directory
         self.config_name = config_name

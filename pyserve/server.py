@@ -225,6 +225,7 @@ class Server:
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         self.metrics = ServerMetrics(self.models.records, metrics_settings)
+        self.models.latency_summaries = metrics_settings.summary_latencies
         """The server's metrics registry (per server: two servers never share counts)."""
         self.models.custom_metrics = self.metrics.custom
         if self.dataplane.cache is not None:

@@ -380,6 +380,38 @@ def test_metrics_config_switches(make_repo: Callable[..., Path], start_server: S
         MetricsSettings.from_config({"bogus": "1"})
 
 
+def test_summary_latencies(make_repo: Callable[..., Path], start_server: StartServer) -> None:
+    """``summary_latencies=true``: Triton's five ``*_summary_us`` summaries with count, sum and
+    the quantiles of ``summary_quantiles``; NaN quantiles while nothing was observed."""
+    server = start_server(
+        make_repo({"ident": IDENT}), backends={"gate": GateBackend()}, use_entry_points=False,
+        metrics_config={"summary_latencies": "true", "summary_quantiles": "0.5:0.05,0.99:0.001"},
+        allow_cpu_metrics=False,
+    )
+    names = [f"nv_inference_{f}_summary_us" for f in ("request", "queue", "compute_input", "compute_infer",
+                                                       "compute_output")]
+    page = scrape(server)
+    for name in names:
+        assert page.families[name].type == "summary"
+        assert page.value(name + "_count", **LABELS) == 0
+        assert f'{name}{{model="ident",version="1",quantile="0.5"}} NaN' in page.text
+    for _ in range(3):
+        assert infer(server, "ident") == 200
+    assert infer(server, "ident", value=-1.0) == 500  # a failure is not summarised
+    page = scrape(server)
+    for name in names:
+        assert page.value(name + "_count", **LABELS) == 3, name
+        total = page.value(name + "_sum", **LABELS)
+        median = page.value(name, **LABELS, quantile="0.5")
+        top = page.value(name, **LABELS, quantile="0.99")
+        assert 0 <= median <= top <= total, name
+    assert page.value("nv_inference_request_summary_us_sum", **LABELS) > 0
+    assert 'quantile="0.9"' not in page.text  # only the quantiles asked for
+    assert "Summary of inference request duration in microseconds (includes cached requests)" in page.text
+    with pytest.raises(ValueError, match="summary_quantiles"):
+        MetricsSettings.from_config({"summary_quantiles": "1.5:0.1"})
+
+
 def test_decoupled_first_response_histogram(make_repo: Callable[..., Path], start_server: StartServer) -> None:
     import tritonclient.grpc as grpcclient
 

@@ -20,6 +20,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
 from pyserve.metrics.stats import FAILURE_REASONS, FIRST_RESPONSE_BUCKETS_MS, loaded_versions
+from pyserve.metrics.summaries import DEFAULT_QUANTILES, SUMMARY_FIELDS, parse_quantiles
 
 if TYPE_CHECKING:
     from pyserve.models import ModelVersion
@@ -148,6 +149,7 @@ BUILTIN_FAMILIES = frozenset({
     "nv_inference_compute_input_duration_us", "nv_inference_compute_infer_duration_us",
     "nv_inference_compute_output_duration_us", "nv_inference_pending_request_count",
     "nv_inference_first_response_histogram_ms", "nv_cache_num_hits_per_model",
+    *(f"nv_inference_{field}_summary_us" for field in SUMMARY_FIELDS),
     "nv_cache_num_misses_per_model", "nv_cache_hit_duration_per_model", "nv_cache_miss_duration_per_model",
     "nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes", "nv_gpu_power_usage",
     "nv_gpu_power_limit", "nv_energy_consumption", "nv_cpu_utilization", "nv_cpu_memory_total_bytes",
@@ -162,6 +164,8 @@ class MetricsSettings:
 
     :ivar counter_latencies: the ``*_duration_us`` counters (Triton default true).
     :ivar histogram_latencies: ``nv_inference_first_response_histogram_ms`` (default false).
+    :ivar summary_latencies: the ``nv_inference_*_summary_us`` families (default false).
+    :ivar summary_quantiles: the quantiles those report (``summary_quantiles``).
     :ivar cpu: CPU and memory gauges (``--allow-cpu-metrics``).
     :ivar gpu: GPU gauges through NVML (``--allow-gpu-metrics``).
     :ivar interval_ms: how often the CPU/GPU gauges are refreshed (``--metrics-interval-ms``).
@@ -169,6 +173,8 @@ class MetricsSettings:
 
     counter_latencies: bool = True
     histogram_latencies: bool = False
+    summary_latencies: bool = False
+    summary_quantiles: tuple[float, ...] = DEFAULT_QUANTILES
     cpu: bool = True
     gpu: bool = True
     interval_ms: int = 2000
@@ -185,14 +191,9 @@ class MetricsSettings:
                 lowered = raw.strip().lower()
                 if lowered not in ("true", "false", "1", "0"):
                     raise ValueError(f"--metrics-config {key} must be true or false, got '{raw}'")
-                enabled = lowered in ("true", "1")
-                if key == "summary_latencies":
-                    if enabled:
-                        log.warning("--metrics-config summary_latencies=true is not supported; ignored")
-                    continue
-                values[key] = enabled
+                values[key] = lowered in ("true", "1")
             elif key == "summary_quantiles":
-                log.warning("--metrics-config summary_quantiles is not supported; ignored")
+                values[key] = parse_quantiles(raw)
             else:
                 raise ValueError(f"unknown --metrics-config key '{key}'")
         return cls(**values)
@@ -210,6 +211,12 @@ _HELP = {
     "nv_inference_compute_output_duration_us": "Cumulative inference compute output duration in microseconds (does not include cached requests)",
     "nv_inference_pending_request_count": "Instantaneous number of pending requests awaiting execution per-model.",
     "nv_inference_first_response_histogram_ms": "Duration from request to first response in milliseconds",
+    # Triton 2.51's help texts, its "Cumulative" on the compute summaries included
+    "nv_inference_request_summary_us": "Summary of inference request duration in microseconds (includes cached requests)",
+    "nv_inference_queue_summary_us": "Summary of inference queuing duration in microseconds (includes cached requests)",
+    "nv_inference_compute_input_summary_us": "Cumulative compute input duration in microseconds (does not include cached requests)",
+    "nv_inference_compute_infer_summary_us": "Cumulative compute inference duration in microseconds (does not include cached requests)",
+    "nv_inference_compute_output_summary_us": "Cumulative inference compute output duration in microseconds (does not include cached requests)",
     "nv_cache_num_hits_per_model": "Number of cache hits per model",
     "nv_cache_num_misses_per_model": "Number of cache misses per model",
     "nv_cache_hit_duration_per_model": "Total cache hit duration per model, in microseconds",
@@ -252,6 +259,9 @@ class _ModelCollector:
             (_family("nv_inference_compute_output_duration_us", "counter"), "output_ns"),
         ] if self._settings.counter_latencies else []
         first = _family("nv_inference_first_response_histogram_ms", "histogram")
+        quantiles = self._settings.summary_quantiles
+        summaries = [_family(f"nv_inference_{field}_summary_us", "summary") for field in SUMMARY_FIELDS] \
+            if self._settings.summary_latencies else []
         cache = [
             (_family("nv_cache_num_hits_per_model", "counter"), "cache_hit_count", 1),
             (_family("nv_cache_num_misses_per_model", "counter"), "cache_miss_count", 1),
@@ -277,6 +287,14 @@ class _ModelCollector:
                 first.add_sample(first.name + "_bucket", {**labels, "le": "+Inf"}, snap.first_count)
                 first.add_sample(first.name + "_sum", labels, snap.first_sum_ms)
                 first.add_sample(first.name + "_count", labels, snap.first_count)
+            if summaries:
+                recorder = version.stats.summaries
+                values = recorder.snapshot(quantiles) if recorder is not None else []
+                for family, (total_count, total_us, points) in zip(summaries, values):
+                    family.add_sample(family.name + "_count", labels, total_count)
+                    family.add_sample(family.name + "_sum", labels, total_us)
+                    for q, point in zip(quantiles, points):
+                        family.add_sample(family.name, {**labels, "quantile": _number(q)}, point)
             config = version.config
             if (config is not None and config.response_cache.enable) or snap.cache_hit_count or snap.cache_miss_count:
                 cached_rows += 1
@@ -290,6 +308,7 @@ class _ModelCollector:
         yield pending
         if self._settings.histogram_latencies:
             yield first
+        yield from summaries
         if cached_rows:
             yield from (family for family, _, _ in cache)
 

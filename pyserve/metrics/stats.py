@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pyserve.errors import ErrorCode, InferError
+from pyserve.metrics.summaries import COMPUTE_INFER, COMPUTE_INPUT, COMPUTE_OUTPUT, QUEUE, REQUEST, LatencySummaries
 from pyserve.repository import is_version_number
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ class ModelStats:
         "compute_count", "dequeued", "enqueued", "execution_count", "fail_count", "fail_ns",
         "failures", "first_buckets", "first_count", "first_sum_ms", "inference_count",
         "infer_ns", "input_ns", "last_inference_ns", "lock", "output_ns", "queue_ns",
-        "success_count", "success_ns", "_epoch_offset_ns",
+        "success_count", "success_ns", "summaries", "_epoch_offset_ns",
     )
 
     def __init__(self) -> None:
@@ -89,6 +90,8 @@ class ModelStats:
         self.first_buckets = [0] * len(FIRST_RESPONSE_BUCKETS_MS)
         self.first_count = 0
         self.first_sum_ms = 0.0
+        self.summaries: LatencySummaries | None = None
+        """Set when ``--metrics-config summary_latencies=true``: each success's durations."""
         self._epoch_offset_ns = time.time_ns() - time.monotonic_ns()
 
     # -- hot path ------------------------------------------------------------------------------
@@ -199,12 +202,14 @@ class ModelStats:
             return
         first = request.first_response_ns or now
         first_ms = (first - request.arrival_ns) / 1e6
+        queued = infer = -1
         with self.lock:
             self.success_count += 1
             self.success_ns += total
             self.last_inference_ns = now
             if start > 0:
-                self.queue_ns += start - request.arrival_ns
+                queued = start - request.arrival_ns
+                self.queue_ns += queued
                 self.compute_count += 1
                 end = request.exec_end_ns
                 if not end:  # answered during its execute: backend_compute may split it later
@@ -213,9 +218,10 @@ class ModelStats:
                 if compute is not None and start <= compute[0] <= compute[1] <= end:
                     self.backend_input_ns += compute[0] - start
                     self.backend_output_ns += end - compute[1]
-                    self.infer_ns += compute[1] - compute[0]
+                    infer = compute[1] - compute[0]
                 else:
-                    self.infer_ns += end - start
+                    infer = end - start
+                self.infer_ns += infer
             elif start == 0:  # queued but answered without an instance (an ensemble)
                 self.dequeued += 1
                 self.compute_count += 1
@@ -224,6 +230,12 @@ class ModelStats:
             index = bisect_left(FIRST_RESPONSE_BUCKETS_MS, first_ms)  # bounds are inclusive ("le")
             if index < _FIRST_BUCKETS:
                 self.first_buckets[index] += 1
+        summaries = self.summaries
+        if summaries is not None:
+            summaries.observe(REQUEST, total)
+            if queued >= 0:
+                summaries.observe(QUEUE, queued)
+                summaries.observe(COMPUTE_INFER, infer)
 
     def codec(self, input_ns: int, output_ns: int) -> None:
         """A frontend reports how long it took to decode a request and encode its response.
@@ -233,6 +245,10 @@ class ModelStats:
         """
         self.input_ns += input_ns
         self.output_ns += output_ns
+        summaries = self.summaries
+        if summaries is not None:
+            summaries.observe(COMPUTE_INPUT, input_ns)
+            summaries.observe(COMPUTE_OUTPUT, output_ns)
 
     def rejected(self, request: InferRequest) -> None:
         """The scheduler refused ``request`` (queue full, bad sequence control): a failure."""
