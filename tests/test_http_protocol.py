@@ -15,6 +15,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -1010,3 +1011,37 @@ def test_large_tensor_gzip_round_trip(client: httpclient.InferenceServerClient) 
         response_compression_algorithm="gzip",
     )
     np.testing.assert_array_equal(result.as_numpy("OUT"), data)
+
+
+class WriteableProbe(Backend):
+    """Echoes ``IN``; records whether each request's input array was writeable."""
+
+    def __init__(self) -> None:
+        self.writeable: list[bool] = []
+
+    def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
+        self.writeable += [bool(r.inputs["IN"].flags.writeable) for r in requests]
+        return [InferResponse({"OUT": r.inputs["IN"]}) for r in requests]
+
+
+@pytest.mark.parametrize("http_server", ["pyserve", "uvicorn"])
+def test_a_large_binary_input_is_a_writeable_view(start_server: StartServer, tmp_path: Path, http_server: str) -> None:
+    """A body that arrives in several chunks is joined into a bytearray: its tensors are
+    writeable views (no copy), so a model may change its input in place, as in Triton."""
+    repo = tmp_path / "repo"
+    write_model(repo, "probe", """
+        backend: "probe"
+        max_batch_size: 0
+        input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ]
+        output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+    """)
+    probe = WriteableProbe()
+    server = start_server(repo, backends={"probe": probe}, use_entry_points=False, http_server=http_server)
+    values = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: many reads
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        result = client.infer("probe", [make_input("IN", values, "FP32", True)])
+    finally:
+        client.close()
+    np.testing.assert_array_equal(result.as_numpy("OUT"), values)
+    assert probe.writeable == [True]

@@ -23,7 +23,7 @@ def too_large(limit: int) -> InferError:
     )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int) -> bytes | bytearray:
     """The request body, decompressed if ``Content-Encoding`` says so.
 
     :raises InferError: over the limit, bad Content-Length, unknown encoding or corrupt data,
@@ -48,11 +48,11 @@ async def read_body(request: Request, limit: int) -> bytes:
             chunks.append(chunk)
     except ClientDisconnect:
         raise InferError.invalid("the client disconnected before the request body ended") from None
-    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    body = chunks[0] if len(chunks) == 1 else bytearray().join(chunks)  # writeable tensor views
     return decode_content(body, request.headers.get("content-encoding", ""), limit)
 
 
-def decode_content(body: bytes, content_encoding: str, limit: int) -> bytes:
+def decode_content(body: bytes | bytearray, content_encoding: str, limit: int) -> bytes | bytearray:
     """Undo ``Content-Encoding`` (gzip, deflate or identity) within the size limit.
 
     :raises InferError: unknown encoding, corrupt or truncated data, or over the limit.

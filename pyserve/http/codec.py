@@ -89,7 +89,7 @@ def _load_json(data: bytes | memoryview) -> Any:
 
 
 def decode_infer(
-    body: bytes, header_length: int | None, model: ModelVersion, shm: SharedMemoryManager | None = None
+    body: bytes | bytearray, header_length: int | None, model: ModelVersion, shm: SharedMemoryManager | None = None
 ) -> DecodedRequest:
     """Decode and validate an ``/infer`` body for ``model``.
 
@@ -328,7 +328,7 @@ def _flatten_json(data: list[Any]) -> list[Any]:
     return out
 
 
-def _decode_raw_binary(body: bytes, model: ModelVersion) -> DecodedRequest:
+def _decode_raw_binary(body: bytes | bytearray, model: ModelVersion) -> DecodedRequest:
     """Triton's raw binary request: the whole body is the single input's bytes, batch 1."""
     io = model.io
     assert io is not None

@@ -87,7 +87,7 @@ def check_declared_length(declared: bytes | None, limit: int) -> None:
 
 
 def decode_request(
-    dataplane: DataPlane, model: ModelVersion, body: bytes, headers: Headers, limit: int
+    dataplane: DataPlane, model: ModelVersion, body: bytes | bytearray, headers: Headers, limit: int
 ) -> tuple[DecodedRequest, int]:
     """Decompress and decode an infer body; ``(decoded, decode nanoseconds)``.
 
@@ -199,7 +199,7 @@ class InferFastPath:
             reply = error_reply(exc)
         await _send(send, *reply)
 
-    async def _read(self, receive: Any, headers: dict[bytes, bytes]) -> bytes | None:
+    async def _read(self, receive: Any, headers: dict[bytes, bytes]) -> bytes | bytearray | None:
         limit = self.max_input_size
         check_declared_length(headers.get(b"content-length"), limit)
         message = await receive()
@@ -222,7 +222,7 @@ class InferFastPath:
                 raise too_large(limit)
             chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks)
+                return bytearray().join(chunks)  # one copy either way; its tensors are writeable views
 
     async def _run(self, model: Any, request: Any, receive: Any) -> InferResponse | InferError | None:
         """Schedule the request and wait for it; None if the client disconnected first.

@@ -28,7 +28,7 @@ from pyserve.validation import check_input, finish_inputs, parse_parameters
 SSE_TYPE = "text/event-stream; charset=utf-8"
 
 
-def decode_generate(body: bytes, model: ModelVersion) -> InferRequest:
+def decode_generate(body: bytes | bytearray, model: ModelVersion) -> InferRequest:
     """Map a generate body onto the model's inputs and parameters.
 
     :raises InferError: not a JSON object, a value that does not fit its input, a missing input.

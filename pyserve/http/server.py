@@ -465,7 +465,9 @@ class HttpProtocol(asyncio.Protocol):
         server = self.server
         model = request.model
         assert model is not None
-        body = request.chunks[0] if len(request.chunks) == 1 else b"".join(request.chunks)
+        # a body of several chunks is joined into a bytearray (the same one copy): the tensors
+        # decoded from it are writeable views, which a model may change in place without a copy
+        body = request.chunks[0] if len(request.chunks) == 1 else bytearray().join(request.chunks)
         request.chunks = []
         headers: Headers = dict(request.headers)
         try:

@@ -157,7 +157,7 @@ class PyserveIngress:
         model = await self._model(name, version)
         if model.decoupled:
             raise InferError.unsupported(HTTP_DECOUPLED_MESSAGE)
-        body = await request.body()
+        body: bytes | bytearray = await request.body()
         if len(body) > DEFAULT_MAX_INPUT_SIZE:
             raise too_large(DEFAULT_MAX_INPUT_SIZE)
         encoding = request.headers.get("content-encoding")
