@@ -458,6 +458,8 @@ def encode_infer(
         json_bytes = orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)
     except TypeError as exc:  # e.g. a backend's response parameter of an unsupported type
         raise InferError(f"the response of model '{model.name}' cannot be written as JSON: {exc}") from None
+    if b"null" in json_bytes:
+        json_bytes = _with_non_finite(header)
     if not blobs:
         return json_bytes, {"content-type": JSON_TYPE}
     body = b"".join([json_bytes, *blobs])
@@ -491,8 +493,16 @@ def _to_json_data(array: np.ndarray, datatype: str, name: str) -> Any:
                 ) from None
         return data
     if datatype == "BF16":
-        flat = flat.astype(np.float32)
-    if flat.dtype.kind == "f" and not np.isfinite(flat).all():
-        # as Triton writes them: NaN, Infinity, -Infinity (orjson would write null)
-        return orjson.Fragment(json.dumps(flat.tolist(), separators=(",", ":")))
+        return flat.astype(np.float32)
     return flat
+
+
+def _with_non_finite(header: dict[str, Any]) -> bytes:
+    """The response header again, float outputs holding NaN or infinities written as Triton
+    writes them (``NaN``, ``Infinity``, ``-Infinity``; orjson writes null). Called only when
+    the plain encoding holds a ``null``, which nothing else of a response writes."""
+    for entry in header["outputs"]:
+        data = entry.get("data")
+        if isinstance(data, np.ndarray) and data.dtype.kind == "f" and not np.isfinite(data).all():
+            entry["data"] = orjson.Fragment(json.dumps(data.tolist(), separators=(",", ":")))
+    return orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -13,7 +13,7 @@ from pyserve.inference import BackendResponseSender
 
 from pyserve_backend_python.constants import TRITONSERVER_RESPONSE_COMPLETE_FINAL
 from pyserve_backend_python.errors import TritonError, TritonModelException, as_triton_error
-from pyserve_backend_python.tensor import Tensor, server_array
+from pyserve_backend_python.tensor import Tensor, output_array, server_array
 
 
 def parse_parameters(parameters: Mapping[str, Any] | str | None, what: str) -> dict[str, Any]:
@@ -89,11 +89,11 @@ class InferenceResponse:
 
     # -- conversions ---------------------------------------------------------------------------
     def to_server(self) -> InferResponse | InferError:
-        """The server's response (or error) for this response: the outputs as read-only views
-        of the model's arrays, BYTES elements as ``bytes`` (see ``tensor.server_array``)."""
+        """The server's response (or error) for this response: the outputs are the model's
+        arrays, BYTES elements as ``bytes`` (see ``tensor.output_array``)."""
         if self._error is not None:
             return self._error.to_infer_error()
-        outputs = {tensor._name: server_array(tensor._array) for tensor in self._output_tensors}
+        outputs = {tensor._name: output_array(tensor._array) for tensor in self._output_tensors}
         return InferResponse(outputs, self._parameters or None)
 
     @classmethod
@@ -104,7 +104,9 @@ class InferenceResponse:
         if result.error is not None:
             return cls(error=TritonError.from_infer_error(result.error))
         response = cls()
-        response._output_tensors = [Tensor._wrap(name, _as_array(value)) for name, value in result.outputs.items()]
+        response._output_tensors = [  # read-only views: the called model may still hold its arrays
+            Tensor._wrap(name, server_array(_as_array(value))) for name, value in result.outputs.items()
+        ]
         response._parameters = dict(result.parameters)
         return response
 

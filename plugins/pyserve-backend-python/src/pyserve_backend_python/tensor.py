@@ -6,9 +6,10 @@ array the server handed over (request inputs may be read-only views of received 
 arrays another consumer also sees) is copied once, when the model first asks for it, so that
 model code may write into its inputs as it can in Triton.
 
-What the backend hands to the server (outputs, BLS inputs) goes through ``server_array``:
-a read-only view (no copy), so that whoever receives it copies before writing, and BYTES
-elements as ``bytes``, as Triton's serialisation leaves them.
+What the backend hands to another model (BLS inputs) goes through ``server_array``: a
+read-only view (no copy), so that whoever receives it copies before writing, and BYTES
+elements as ``bytes``, as Triton's serialisation leaves them; outputs go through
+``output_array`` (the same conversion, no view), and a BLS caller receives read-only views.
 """
 
 from __future__ import annotations
@@ -135,6 +136,13 @@ def _bytes_elements(array: np.ndarray) -> np.ndarray:
     for index, item in enumerate(array.flat):
         flat[index] = bytes_element(item)
     return out
+
+
+def output_array(array: np.ndarray) -> np.ndarray:
+    """A model output as the server takes it: the array itself (no copy, no view: the
+    frontends only read it, and whoever passes it on to another model hands over a read-only
+    view, see ``server_array`` and ``from_server``), BYTES elements as ``bytes``."""
+    return _bytes_elements(array) if array.dtype == np.object_ else array
 
 
 def server_array(array: np.ndarray) -> np.ndarray:
