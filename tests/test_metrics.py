@@ -168,6 +168,7 @@ def test_triton_names_types_and_labels(gate_server: ServerThread) -> None:
     assert "_total{" not in page.text and "_total " not in page.text and "_created" not in page.text
     for reason in ("REJECTED", "CANCELED", "BACKEND", "OTHER"):
         assert page.value("nv_inference_request_failure", **LABELS, reason=reason) == 0
+    assert 'nv_inference_request_failure{model="ident",reason="BACKEND",version="1"} 0\n' in page.text  # Triton's order
     assert "nv_inference_first_response_histogram_ms" not in page.families  # off by default
     assert "nv_cache_num_hits_per_model" not in page.families  # no cache configured
     assert page.value("nv_cpu_memory_total_bytes") > page.value("nv_cpu_memory_used_bytes") > 0

@@ -273,7 +273,8 @@ class _ModelCollector:
             labels = {"model": version.name, "version": str(version.version)}
             success.add_sample(success.name, labels, snap.success_count)
             for reason, value in zip(FAILURE_REASONS, snap.failures):
-                failure.add_sample(failure.name, {**labels, "reason": reason}, value)
+                failure.add_sample(failure.name,  # Triton's label order: model, reason, version
+                                   {"model": version.name, "reason": reason, "version": labels["version"]}, value)
             count.add_sample(count.name, labels, snap.inference_count)
             exec_count.add_sample(exec_count.name, labels, snap.execution_count)
             pending.add_sample(pending.name, labels, snap.pending)
