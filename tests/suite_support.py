@@ -7,6 +7,7 @@ resolves to this file whatever order pytest collects the plugin test folders in.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ __all__ = [
     "EXAMPLE_REPOSITORY",
     "REPO_ROOT",
     "SQUARE_CONFIG",
+    "QueuedStream",
     "StartServer",
     "grpc_handler_server",
     "identity_config",
@@ -220,3 +222,38 @@ def grpc_handler_server(handler: Any) -> Iterator[int]:
     finally:
         stop.set()
         thread.join(10)
+
+
+class QueuedStream:
+    """A ``tritonclient.grpc`` stream whose callback results land in a queue, for tests to take
+    one at a time (each ``(result, error)``; ``timeout`` seconds at most)."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None, timeout: float = 10.0) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.timeout = timeout
+        self.client = grpcclient.InferenceServerClient(url)
+        self.results: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.results.put((result, error)), headers=headers)
+
+    def next(self, timeout: float | None = None) -> tuple[Any, Any]:
+        """The next ``(result, error)`` pair."""
+        return self.results.get(timeout=self.timeout if timeout is None else timeout)
+
+    def error(self) -> Any:
+        """The next message, which must be an error (the ``InferenceServerException``)."""
+        result, error = self.next()
+        assert result is None and error is not None, result
+        return error
+
+    def assert_quiet(self, seconds: float = 0.3) -> None:
+        """Nothing arrives for ``seconds``."""
+        try:
+            item = self.results.get(timeout=seconds)
+        except queue.Empty:
+            return
+        raise AssertionError(f"unexpected stream message: {item}")
+
+    def close(self, cancel_requests: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel_requests)
+        self.client.close()

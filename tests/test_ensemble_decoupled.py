@@ -10,7 +10,6 @@ of its own; request parameters (which ensembles pass to their steps) change what
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -23,6 +22,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
+from suite_support import QueuedStream
 
 from pyserve import Backend, InferError, InferRequest, InferResponse, InstanceContext
 from pyserve.server import ServerThread
@@ -141,13 +141,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
         yield thread
 
 
-class Stream:
-    """A ``tritonclient.grpc`` stream whose callback results land in a queue."""
-
-    def __init__(self, url: str) -> None:
-        self.client = grpcclient.InferenceServerClient(url)
-        self.results: queue.Queue[tuple[Any, InferenceServerException | None]] = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.results.put((result, error)))
+class Stream(QueuedStream):
+    """``suite_support.QueuedStream`` with this module's requests (``IN`` as INT32) and reading."""
 
     def send(self, model: str, data: list[list[int]], empty_final: bool = True, **parameters: Any) -> None:
         array = np.array(data, dtype=np.int32)
@@ -158,7 +153,7 @@ class Stream:
 
     def response(self) -> tuple[list[Any] | None, bool]:
         """The next message, which must be a response: (``OUT`` as a list or None, final flag)."""
-        result, error = self.results.get(timeout=TIMEOUT)
+        result, error = self.next()
         assert error is None, error
         final = bool(result.get_response().parameters["triton_final_response"].bool_param)
         out = result.as_numpy("OUT")
@@ -175,25 +170,15 @@ class Stream:
             if final:
                 return outs
 
-    def error(self) -> str:
-        result, error = self.results.get(timeout=TIMEOUT)
-        assert result is None and error is not None, result
-        return str(error.message())
-
-    def assert_quiet(self, seconds: float = 0.3) -> None:
-        with pytest.raises(queue.Empty):
-            self.results.get(timeout=seconds)
-
-    def close(self) -> None:
-        self.client.stop_stream(cancel_requests=True)
-        self.client.close()
+    def error_message(self) -> str:
+        return str(self.error().message())
 
 
 @pytest.fixture
 def stream(server: ServerThread) -> Iterator[Stream]:
-    s = Stream(server.grpc_url)
+    s = Stream(server.grpc_url, timeout=TIMEOUT)
     yield s
-    s.close()
+    s.close(cancel_requests=True)
 
 
 def stats(server: ServerThread, model: str) -> dict[str, Any]:
@@ -260,7 +245,7 @@ def test_an_error_in_one_wave_fails_the_request_and_drops_the_other_waves(
     before = stats(server, "ens_slow")
     # wave 0 is in the 300 ms slow step when response 1 of decstep, an error, comes
     stream.send("ens_slow", [[1, 2]], fail_at=1, delay_ms=20)
-    message = stream.error()
+    message = stream.error_message()
     assert "in ensemble 'ens_slow', step 1 (model 'decstep')" in message and "burst failed at 1" in message, message
     stream.assert_quiet(0.6)  # neither wave 0's response nor a final flag follows
     after = stats(server, "ens_slow")

@@ -8,7 +8,6 @@ backend that records how many responses it sent and whether it saw the cancellat
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
-from suite_support import SQUARE_CONFIG, write_model
+from suite_support import SQUARE_CONFIG, QueuedStream, write_model
 from tritonclient.utils import InferenceServerException
 
 from pyserve import Backend, InferError, InferRequest, InferResponse, InstanceContext
@@ -130,22 +129,11 @@ def server(grpc_server_kind: str, tmp_path_factory: pytest.TempPathFactory, coun
     thread.stop()
 
 
-class Stream:
-    """A ``tritonclient.grpc`` stream whose callback results land in a queue."""
-
-    def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
-        self.client = grpcclient.InferenceServerClient(url)
-        self.results: queue.Queue[tuple[Any, InferenceServerException | None]] = queue.Queue()
-        self.client.start_stream(callback=self._callback, headers=headers)
-
-    def _callback(self, result: Any, error: InferenceServerException | None) -> None:
-        self.results.put((result, error))
+class Stream(QueuedStream):
+    """The stream client of these tests (``suite_support.QueuedStream``)."""
 
     def send(self, model: str, inputs: list[grpcclient.InferInput], **kwargs: Any) -> None:
         self.client.async_stream_infer(model, inputs, **kwargs)
-
-    def next(self, timeout: float = TIMEOUT) -> tuple[Any, InferenceServerException | None]:
-        return self.results.get(timeout=timeout)
 
     def response(self) -> Any:
         """The next message, which must be a response (the ``ModelInferResponse``)."""
@@ -153,23 +141,10 @@ class Stream:
         assert error is None, error
         return result
 
-    def error(self) -> InferenceServerException:
-        result, error = self.next()
-        assert result is None and error is not None
-        return error
-
-    def assert_quiet(self, seconds: float = 0.2) -> None:
-        with pytest.raises(queue.Empty):
-            self.results.get(timeout=seconds)
-
-    def close(self, cancel_requests: bool = False) -> None:
-        self.client.stop_stream(cancel_requests=cancel_requests)
-        self.client.close()
-
 
 @pytest.fixture
 def stream(server: ServerThread) -> Iterator[Stream]:
-    s = Stream(server.grpc_url)
+    s = Stream(server.grpc_url, timeout=TIMEOUT)
     yield s
     s.close(cancel_requests=True)
 
