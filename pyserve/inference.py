@@ -28,6 +28,17 @@ SEQUENCE_END = 2
 """Request flag: last request of a sequence (``TRITONSERVER_REQUEST_FLAG_SEQUENCE_END``)."""
 
 
+def read_only(array: Any) -> Any:
+    """A numpy array as a read-only view (no copy), for handing a tensor to another consumer
+    (an ensemble step, a BLS callee or caller): one that wants to write copies first instead of
+    changing what the others see. Read-only arrays and other array types pass as they are."""
+    if isinstance(array, np.ndarray) and array.flags.writeable:
+        view = array.view()
+        view.flags.writeable = False
+        return view
+    return array
+
+
 class ResponseSender(Protocol):
     """Where the responses of one request go.
 

@@ -82,7 +82,8 @@ class BackendHooks:
     observers) and nothing else, whichever backends are loaded later or concurrently.
     """
 
-    __slots__ = (*(name.removeprefix("pyserve_") for name in LIFECYCLE_HOOKS), "execute_direct", "checks_ready")
+    __slots__ = (*(name.removeprefix("pyserve_") for name in LIFECYCLE_HOOKS), "execute_direct", "checks_ready",
+                 "completes_configs")
 
     def __init__(self, pm: pluggy.PluginManager) -> None:
         for hook_name in LIFECYCLE_HOOKS:
@@ -90,15 +91,21 @@ class BackendHooks:
         self.refresh()
 
     def refresh(self) -> None:
-        """Recompute ``execute_direct`` and ``checks_ready``; call after every plugin registered
-        with the manager."""
+        """Recompute ``execute_direct``, ``checks_ready`` and ``completes_configs``; call after
+        every plugin registered with the manager."""
         self.execute_direct = _direct_call(self.execute)
-        self.checks_ready = _has_ready_check(self.instance_ready)
+        self.checks_ready = _implemented(self.instance_ready, "instance_ready")
+        self.completes_configs = _implemented(self.model_auto_complete, "auto_complete_config")
 
     checks_ready: bool
     """Whether any ``pyserve_instance_ready`` implementation can say anything: the ``Backend``
     base class's forwarding method counts only when a subclass overrides ``instance_ready``.
     The ready endpoints skip the check (and its thread) when this is False."""
+
+    completes_configs: bool
+    """Whether any ``pyserve_model_auto_complete`` implementation can change a config (the
+    ``Backend`` base class's forwarding method counts only when a subclass overrides
+    ``auto_complete_config``). ``pyserve validate`` reads it."""
 
     execute_direct: Callable[[Any, Any], Any] | None
     """``execute(instance, requests)`` without pluggy's dispatch, when the backend's
@@ -116,10 +123,12 @@ class BackendHooks:
     instance_ready: Any
 
 
-def _has_ready_check(hook: Any) -> bool:
+def _implemented(hook: Any, method: str) -> bool:
+    """Whether ``hook`` has an implementation that does something: the ``Backend`` base class's
+    forwarding to ``method`` counts only when a subclass overrides ``method``."""
     for impl in hook.get_hookimpls():
         plugin = impl.plugin
-        if isinstance(plugin, Backend) and type(plugin).instance_ready is Backend.instance_ready:
+        if isinstance(plugin, Backend) and getattr(type(plugin), method) is getattr(Backend, method):
             continue
         return True
     return False

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from pyserve import model_config
-from pyserve.backend import Backend
 from pyserve.errors import ErrorCode, InferError, ModelConfigError
 from pyserve.plugins import BackendUnavailable, PluginHost
 from pyserve.repository import scan, select_versions, version_numbers
@@ -118,15 +117,9 @@ def _completes_configs(host: PluginHost, config: Any) -> bool:
     if config.platform == model_config.ENSEMBLE_PLATFORM or not host.is_installed(config.backend):
         return False
     try:
-        hooks = host.backend(config.backend).hooks
+        return host.backend(config.backend).hooks.completes_configs
     except BackendUnavailable:
         return False
-    for impl in hooks.model_auto_complete.get_hookimpls():
-        plugin = impl.plugin
-        if isinstance(plugin, Backend) and type(plugin).auto_complete_config is Backend.auto_complete_config:
-            continue  # the base class's forwarding method, not overridden
-        return True
-    return False
 
 
 def _ensemble_problems(ensemble: _CheckedModel, checked: dict[str, _CheckedModel]) -> list[str]:

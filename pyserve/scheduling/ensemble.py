@@ -37,7 +37,7 @@ import numpy as np
 
 from pyserve import datatypes
 from pyserve.errors import ErrorCode, InferError
-from pyserve.inference import FutureSender, InferRequest, InferResponse, RunningLoop
+from pyserve.inference import FutureSender, InferRequest, InferResponse, RunningLoop, read_only
 from pyserve.model_config import ModelIO
 from pyserve.scheduling.instance import STOP, Batch, check_outputs
 from pyserve.validation import check_input
@@ -450,7 +450,7 @@ class _Run:
             array = pool[tensor]
             _, shape = check_input(step.model_name, io, step_input, _datatype(array, io, step_input),
                                    list(array.shape))
-            inputs[step_input] = _shared(array)
+            inputs[step_input] = read_only(array)  # a tensor may feed several steps
             if io.batching:
                 batch = shape[0]
         parent = self.request
@@ -537,17 +537,6 @@ class _Run:
             if call.future is not None:
                 call.future.cancel()
         self.calls.clear()
-
-
-def _shared(array: Any) -> Any:
-    """A numpy array as a read-only view (no copy): the same tensor may feed several steps, and
-    a model that writes into its input must copy first (the Python backend does) rather than
-    change what the other steps see. Other arrays pass as they are."""
-    if isinstance(array, np.ndarray) and array.flags.writeable:
-        view = array.view()
-        view.flags.writeable = False
-        return view
-    return array
 
 
 def _datatype(array: Any, io: ModelIO, name: str) -> str:

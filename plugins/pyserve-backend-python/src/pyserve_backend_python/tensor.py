@@ -20,6 +20,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 from pyserve import datatypes
+from pyserve.inference import read_only
 
 from pyserve_backend_python.errors import TritonModelException
 
@@ -146,17 +147,12 @@ def output_array(array: np.ndarray) -> np.ndarray:
 
 
 def server_array(array: np.ndarray) -> np.ndarray:
-    """``array`` as the backend hands it to the server (a model output, a BLS input): a
-    read-only view of it (no copy), so that another model receiving it copies before writing
-    instead of changing the model's own array; an object (BYTES) array whose elements are not
-    all ``bytes`` is first converted into a new array of ``bytes`` (see ``bytes_element``)."""
-    if array.dtype == np.object_:
-        array = _bytes_elements(array)
-    if not array.flags.writeable:
-        return array
-    view = array.view()
-    view.flags.writeable = False
-    return view
+    """``array`` as the backend hands it to another model (a BLS input, a BLS answer): a
+    read-only view of it (``pyserve.inference.read_only``, no copy), so that the receiver copies
+    before writing instead of changing the sender's array; an object (BYTES) array whose
+    elements are not all ``bytes`` is first converted into a new array of ``bytes`` (see
+    ``bytes_element``)."""
+    return read_only(output_array(array))
 
 
 def _as_object_bytes(array: np.ndarray) -> np.ndarray:
