@@ -8,6 +8,7 @@ or reset the stream; the bystander calls go through grpcio.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -220,18 +221,25 @@ def test_unary_calls_with_expired_deadlines_are_answered(server: ServerThread, t
         other.close()
 
 
+@contextlib.contextmanager
+def raw_client(server: ServerThread, timeout: float) -> Iterator[RawClient]:
+    """A raw HTTP/2 connection to the server's gRPC port, reads timing out after ``timeout`` s."""
+    client = RawClient(server.server.grpc_port)
+    client.sock.settimeout(timeout)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("timeout", ["0n", "1u", "100u"])
 def test_streaming_calls_with_expired_deadlines_get_deadline_exceeded(server: ServerThread, timeout: str) -> None:
-    client = RawClient(server.server.grpc_port)
-    try:
-        client.sock.settimeout(10)
+    with raw_client(server, 10) as client:
         for stream_id in range(1, 41, 2):
             client.headers(stream_id, path=STREAM_PATH, extra=(("grpc-timeout", timeout),))
             client.data(stream_id, framed(square_request(2)))
             _, _, trailers = client.reply(stream_id)
             assert status(trailers) == (grpc.StatusCode.DEADLINE_EXCEEDED.value[0], "Deadline Exceeded")
-    finally:
-        client.close()
 
 
 def test_many_expired_deadlines_never_fill_the_stream_limit(server: ServerThread) -> None:
@@ -254,21 +262,15 @@ def test_many_expired_deadlines_never_fill_the_stream_limit(server: ServerThread
 
 
 def test_a_garbage_message_on_a_stream_gets_internal(server: ServerThread) -> None:
-    client = RawClient(server.server.grpc_port)
-    try:
-        client.sock.settimeout(10)
+    with raw_client(server, 10) as client:
         client.headers(1, path=STREAM_PATH)
         client.data(1, framed(b"\xff\xff\xff"))
         _, _, trailers = client.reply(1)
         assert status(trailers) == (grpc.StatusCode.INTERNAL.value[0], "Exception deserializing request!")
-    finally:
-        client.close()
 
 
 def test_a_stream_window_update_above_the_maximum_resets_the_stream(server: ServerThread) -> None:
-    client = RawClient(server.server.grpc_port)
-    try:
-        client.sock.settimeout(5)
+    with raw_client(server, 5) as client:
         client.headers(1, path=STREAM_PATH)  # open: the server waits for its messages
         client.send(h2.window_update(1, h2.MAX_WINDOW))  # 65,535 + 2^31-1 is above 2^31-1
         while True:
@@ -280,8 +282,6 @@ def test_a_stream_window_update_above_the_maximum_resets_the_stream(server: Serv
         client.headers(3, path=LIVE_PATH)  # the connection goes on
         client.data(3, framed(b""))
         assert status(client.reply(3)[2]) == (0, "")
-    finally:
-        client.close()
 
 
 @pytest.mark.parametrize(("frame", "code"), [
@@ -289,22 +289,14 @@ def test_a_stream_window_update_above_the_maximum_resets_the_stream(server: Serv
     (h2.frame(h2.SETTINGS, h2.ACK, 0, b"\x00\x02\x00\x00\x00\x00"), h2.FRAME_SIZE_ERROR),
 ])
 def test_bad_settings_end_the_connection(server: ServerThread, frame: bytes, code: int) -> None:
-    client = RawClient(server.server.grpc_port)
-    try:
-        client.sock.settimeout(5)
+    with raw_client(server, 5) as client:
         client.send(frame)
         assert client.goaway()[0] == code
-    finally:
-        client.close()
 
 
 def test_invalid_hpack_is_reported_without_object_addresses(server: ServerThread) -> None:
-    client = RawClient(server.server.grpc_port)
-    try:
-        client.sock.settimeout(5)
+    with raw_client(server, 5) as client:
         client.send(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, b"\x3f"))  # a cut-off integer
         code, text = client.goaway()
         assert code == h2.COMPRESSION_ERROR
         assert text.startswith(b"invalid header block") and b"0x" not in text and b"memory" not in text
-    finally:
-        client.close()
