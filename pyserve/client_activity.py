@@ -23,23 +23,32 @@ and a server that does not report its requests (uvicorn) turns the signal off wh
 
 from __future__ import annotations
 
+import itertools
 import time
 
 WINDOW_NS = 10_000_000
 """How long (10 ms) after a request from another connection the process is not alone with one client."""
 
 _now = time.monotonic_ns  # the clock (a test may replace it)
-_last_connection = 0  # id() of the connection of the last request (not the object: never kept alive)
+_last_connection = 0  # the key of the connection of the last request (not the object: never kept alive)
 _mixed_at_ns = 0  # when a request last came from another connection than the one before it
 _together_at_ns = 0  # when a request last started beside another of its connection
 _untracked = 0  # servers running that do not report their requests
 
 
-def request_from(connection: object, together: bool = False) -> None:
-    """A request starts on ``connection``; ``together``: while another request of the same
-    connection is in progress (or arrived in the same read)."""
+_keys = itertools.count(1)
+
+
+def connection_key() -> int:
+    """A key for a new connection, never given before in this process (unlike ``id()``, which a
+    new connection object may share with one already closed)."""
+    return next(_keys)
+
+
+def request_from(key: int, together: bool = False) -> None:
+    """A request starts on the connection with ``key`` (``connection_key``); ``together``: while
+    another request of the same connection is in progress (or arrived in the same read)."""
     global _last_connection, _mixed_at_ns, _together_at_ns
-    key = id(connection)
     if key != _last_connection:
         _last_connection = key
         _mixed_at_ns = _now()

@@ -246,7 +246,7 @@ def test_client_activity_answers_from_the_requests_it_was_told_of(monkeypatch: p
         monkeypatch.setattr(client_activity, name, 0)
     now = [time.monotonic_ns()]
     monkeypatch.setattr(client_activity, "_now", lambda: now[0])
-    first, second = object(), object()
+    first, second = client_activity.connection_key(), client_activity.connection_key()
     client_activity.request_from(first)
     client_activity.request_from(second)  # another connection: not alone for a window
     assert not client_activity.one_client() and client_activity.several_clients()

@@ -135,6 +135,7 @@ class GrpcConnection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()  # built by the loop's protocol factory
         self.transport: asyncio.Transport | None = None
         self.peer = ""
+        self.activity_key = client_activity.connection_key()
         self._buffer: bytearray | None = None
         self._preface = False
         self._decoder = h2.HeaderDecoder(MAX_HEADER_LIST)
@@ -506,7 +507,7 @@ class GrpcConnection(asyncio.Protocol):
                 stream.accept_gzip, stream.accept_deflate = _accepted_compressions(value)
         self._streams[stream_id] = stream
         self._opened_in_read += 1
-        client_activity.request_from(self, together=self._opened_in_read > 1 or len(self._streams) > 1)
+        client_activity.request_from(self.activity_key, together=self._opened_in_read > 1 or len(self._streams) > 1)
         stream.path = path
         deadline = None if timeout is None else self.loop.time() + timeout
         context = stream.context = CallContext(stream, headers, deadline, self.peer)

@@ -150,6 +150,7 @@ class HttpProtocol(asyncio.Protocol):
         self.server = server
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
+        self.activity_key = client_activity.connection_key()
         self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self.in_head = True  # the next bytes belong to a request line or headers
         self.head_room = MAX_HEAD_SIZE  # bytes the current request's head may still take
@@ -340,7 +341,7 @@ class HttpProtocol(asyncio.Protocol):
                 return
         if request.method == "POST":
             request.target = self.server.infer_target(request.url)
-        client_activity.request_from(self, together=bool(self.pipeline))  # pipelined: not one at a time
+        client_activity.request_from(self.activity_key, together=bool(self.pipeline))  # pipelined: not one at a time
         if request.target is not None:
             self._check_infer(request)
         self.pipeline.append(request)
