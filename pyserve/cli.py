@@ -187,6 +187,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                      help="extra processes that serve the HTTP and gRPC ports beside this one and hand "
                           "decoded requests to it (models stay in this process); 0 = none (default). "
                           "Use the machine's spare cores: e.g. 1 on 2 cores")
+    run.add_argument("--frontend-balance", choices=["connections", "kernel"], default="connections",
+                     help="how new connections are spread over this process and its frontends: connections "
+                          "(default: this process accepts each and passes it to the process with the fewest "
+                          "open connections) or kernel (every process listens with SO_REUSEPORT and the "
+                          "kernel picks by a hash of the addresses)")
     run.add_argument("--replicate-models", default="none", metavar="none|auto|NAMES",
                      help="models that frontend processes load replicas of and answer themselves: none "
                           "(default: every request is handed to this process), auto (every model that can "
@@ -345,6 +350,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         http_header_forward_pattern=args.http_header_forward_pattern,
         strict_readiness=args.strict_readiness,
         frontend_processes=args.frontend_processes,
+        frontend_balance=args.frontend_balance,
         replicate_models=args.replicate_models,
         busy_poll_us=args.busy_poll_us,
         rate_limit=args.rate_limit,

@@ -30,6 +30,7 @@ from pyserve.header_forwarding import compile_forwarding
 from pyserve.grpc.server import create_server as create_grpc_server
 from pyserve.http.app import create_app
 from pyserve.http.body import DEFAULT_MAX_INPUT_SIZE
+from pyserve.handoff.balancer import FRONTEND_BALANCE, ConnectionBalancer
 from pyserve.handoff.owner import HandoffServer
 from pyserve.handoff.replicas import ReplicationMode
 from pyserve.handoff.supervisor import (
@@ -98,6 +99,10 @@ class ServerOptions:
     # --frontend-processes: extra processes serving the HTTP/gRPC ports (SO_REUSEPORT) that
     # decode requests and hand them to this process, which owns the models (pyserve.handoff)
     frontend_processes: int = 0
+    # --frontend-balance: how new connections are spread over the processes: "connections"
+    # (this process accepts and passes each to the one with the fewest open; pyserve.handoff.balancer)
+    # or "kernel" (every process listens with SO_REUSEPORT and the kernel picks)
+    frontend_balance: str = "connections"
     # --replicate-models: none | auto | NAME[,NAME...]: models frontend processes load replicas
     # of and answer themselves (pyserve.handoff.replicas)
     replicate_models: str = "none"
@@ -242,6 +247,7 @@ class Server:
         self._serve_task: asyncio.Task[None] | None = None
         self._handoff: HandoffServer | None = None
         self._handoff_dir: str | None = None
+        self._balancer: ConnectionBalancer | None = None
         self._owner_http: HttpServer | None = None
         self.frontends: FrontendSupervisor | None = None
         """The frontend processes (``--frontend-processes``), once started."""
@@ -300,11 +306,22 @@ class Server:
             replication = ReplicationMode(self.options.replicate_models)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
+        if self.options.frontend_balance not in FRONTEND_BALANCE:
+            raise StartupError(f"--frontend-balance must be one of {', '.join(FRONTEND_BALANCE)}, "
+                               f"got '{self.options.frontend_balance}'")
         self._handoff = HandoffServer(self.dataplane, self.options.http_max_input_size, replication)
         await self._handoff.start(os.path.join(self._handoff_dir, "handoff.sock"))
+        if self.options.frontend_balance == "connections":
+            self._balancer = ConnectionBalancer()
+            self._balancer.start(os.path.join(self._handoff_dir, "balance.sock"))
         self.dataplane.stats_sources.append(self._handoff.collect_stats)
         self.dataplane.model_control_listeners.append(self._handoff.sync_frontends)
         self.plugins.add_server_plugin(ModelChangeObserver(self._handoff), name="pyserve-handoff")
+
+    def _balances_grpc(self) -> bool:
+        """Whether the balancer places gRPC connections (pyserve's own gRPC server can take them;
+        with ``--grpc-server grpcio`` the frontends listen on the gRPC port themselves)."""
+        return self._balancer is not None and self.options.grpc.implementation == "pyserve"
 
     async def _start_frontends(self) -> None:
         assert self._handoff is not None and self._handoff_dir is not None
@@ -315,6 +332,9 @@ class Server:
             "handoff": os.path.join(self._handoff_dir, "handoff.sock"),
             "owner_http": os.path.join(self._handoff_dir, "http.sock"),
             "owner_grpc": os.path.join(self._handoff_dir, "grpc.sock"),
+            # the owner's balancer passes connections (None: frontends listen, SO_REUSEPORT)
+            "balance": os.path.join(self._handoff_dir, "balance.sock") if self._balancer is not None else None,
+            "balance_grpc": self._balances_grpc(),
             "host": options.host,
             "http_port": self.http_port,
             "grpc_port": self.grpc_port,
@@ -361,10 +381,12 @@ class Server:
         if not settings.host:
             settings.host = self.options.host
         try:
-            self._grpc, self.grpc_port = create_grpc_server(
-                self.dataplane, settings, reuse_port=self._handoff_dir is not None or settings.reuse_port)
+            shared = self._handoff_dir is not None and not self._balances_grpc()  # frontends listen too
+            self._grpc, self.grpc_port = create_grpc_server(self.dataplane, settings, reuse_port=shared or settings.reuse_port)
             if self._handoff_dir is not None:  # frontend processes relay other RPCs here
                 self._grpc.add_insecure_port("unix:" + os.path.join(self._handoff_dir, "grpc.sock"))
+            if self._balances_grpc():
+                self._grpc.balancer = self._balancer
         except RuntimeError as exc:
             raise StartupError(str(exc)) from None
         await self._grpc.start()
@@ -388,8 +410,8 @@ class Server:
             unix.listen(2048)
             await self._owner_http.start(unix)
         if self.options.http_server == "pyserve":
-            listener = _bind(self.options.host, self.options.http_port,
-                             reuse_port=self._handoff_dir is not None or self.options.reuse_http_port)
+            shared = self._handoff_dir is not None and self._balancer is None  # frontends listen too
+            listener = _bind(self.options.host, self.options.http_port, reuse_port=shared or self.options.reuse_http_port)
             self._http = HttpServer(
                 app,
                 self.dataplane,
@@ -398,7 +420,7 @@ class Server:
             )
             try:
                 listener.listen(2048)
-                await self._http.start(listener)
+                await self._http.start(listener, balancer=self._balancer)
             except OSError as exc:
                 listener.close()
                 where = f"{self.options.host}:{self.options.http_port}"
@@ -481,6 +503,8 @@ class Server:
             self._uvicorn = None
         if self._grpc is not None:
             await self._grpc.stop(grace=max(deadline - loop.time(), 0.0) if drained else 0)
+        if self._balancer is not None:
+            self._balancer.close()
         self.dataplane.live = False
         remaining = max(deadline - loop.time(), 0.0)
         await loop.run_in_executor(None, self.models.unload_all, remaining)

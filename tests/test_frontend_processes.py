@@ -2,9 +2,9 @@
 handing requests to the model owner or answering them with their own replicas.
 
 A real server with one frontend process (a separate ``python -m pyserve.handoff.frontend``)
-and installed backends only, driven with tritonclient over many fresh connections: the
-kernel spreads connections over both processes, so every check holds whichever process took
-the connection. Sequences, shared memory, streams, model control, statistics and metrics
+and installed backends only, driven with tritonclient over many fresh connections, which
+are spread over both processes (``test_frontend_balance`` checks how), so every check holds
+whichever process took the connection. Sequences, shared memory, streams, model control, statistics and metrics
 must behave as in a single process.
 """
 

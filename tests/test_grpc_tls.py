@@ -116,3 +116,5 @@ def test_frontend_processes_serve_tls_too(pki: Path, repo: Path) -> None:
                 assert _echo(client) == [1.0, 2.0, 3.0]
             finally:
                 client.close()
+        balancer = thread.server._balancer
+        assert balancer is not None and balancer.passed > 0  # the frontend did TLS on passed connections

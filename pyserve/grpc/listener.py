@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 import ssl
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
 from pyserve.grpc.connection import GrpcConnection
+from pyserve.handoff import balancer as balancing
 from pyserve.tcp import bind_tcp
 
 if TYPE_CHECKING:
@@ -51,8 +53,15 @@ class GrpcServer:
         self._methods: dict[str, Any] = {}
         self._sockets: list[socket.socket] = []
         self._tls: dict[int, ssl.SSLContext] = {}  # id(listening socket) → its TLS context
-        self._servers: list[asyncio.base_events.Server] = []
+        self._servers: list[Any] = []  # asyncio.Server, or the balancer's BalancedListener
         self._unix_paths: list[str] = []
+        self.balancer: balancing.ConnectionBalancer | None = None
+        """Set before ``start`` in the owner of ``--frontend-balance connections``: it accepts on
+        the TCP ports and serves here only the connections it keeps."""
+        self.adopted_tls: ssl.SSLContext | None = None
+        """The TLS context for connections handed over by a balancer (a frontend's ``adopt``)."""
+        self.on_connection_closed: Callable[[], None] | None = None
+        """Called after a connection closes (a frontend reports its count to the owner's balancer)."""
         self._all_closed: asyncio.Event | None = None
         self.stopping = False
         """Set by ``stop``: a connection accepted from then on is closed at once."""
@@ -134,16 +143,35 @@ class GrpcServer:
         loop = asyncio.get_running_loop()
         for listener in self._sockets:
             listener.setblocking(False)
+            server: Any
             if listener.family == socket.AF_UNIX:
                 server = await loop.create_unix_server(lambda: GrpcConnection(self), sock=listener, backlog=2048)
+            elif self.balancer is not None:
+                listener.listen(2048)
+                adopt = functools.partial(self.adopt, tls=self._tls.get(id(listener)))
+                server = self.balancer.listen(listener, balancing.GRPC, adopt, self.tcp_connection_count)
             else:
                 server = await loop.create_server(lambda: GrpcConnection(self), sock=listener, backlog=2048,
                                                   ssl=self._tls.get(id(listener)))
             self._servers.append(server)
 
+    async def adopt(self, sock: socket.socket, tls: ssl.SSLContext | None = None) -> None:
+        """Serve a TCP connection accepted elsewhere (non-blocking; handed over by the balancer).
+
+        :param tls: the port's TLS context (default: ``adopted_tls``).
+        """
+        await asyncio.get_running_loop().connect_accepted_socket(
+            lambda: GrpcConnection(self), sock, ssl=tls or self.adopted_tls)
+
+    def tcp_connection_count(self) -> int:
+        """Open TCP connections (frontends' relay channels on the Unix socket left out)."""
+        return sum(1 for connection in self.connections if not connection.peer.startswith("unix:"))
+
     def connection_closed(self, connection: GrpcConnection) -> None:
         if not self.connections and self._all_closed is not None:
             self._all_closed.set()
+        if self.on_connection_closed is not None:
+            self.on_connection_closed()
 
     async def stop(self, grace: float | None) -> None:
         """Stop listening; let open calls finish for ``grace`` seconds (None or 0: cancel them now)."""

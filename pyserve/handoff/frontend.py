@@ -1,8 +1,10 @@
 """A frontend process: serves the HTTP and gRPC ports beside the model owner.
 
 ``pyserve run --frontend-processes N`` starts N of these (``python -m pyserve.handoff.frontend``).
-Each binds the same HTTP and gRPC ports as the owner (``SO_REUSEPORT``: the kernel spreads new
-connections over the processes), parses and decodes requests with the same codecs as the
+Each serves the same HTTP and gRPC ports as the owner: the owner accepts the connections and
+passes each to the process holding the fewest (``pyserve.handoff.balancer``), or, with
+``--frontend-balance kernel``, each process binds the ports itself (``SO_REUSEPORT``: the kernel
+spreads new connections over the processes). It parses and decodes requests with the same codecs as the
 owner, and hands the decoded request to the owner over one Unix-socket connection
 (``pyserve.handoff.wire``). The owner schedules and executes it and sends the outputs back;
 the frontend encodes the answer. Protocol work, the larger share of a small model's cost,
@@ -38,6 +40,7 @@ from pyserve.grpc.codec import SplitInferRequest
 from pyserve.grpc.codec import decode_infer as grpc_decode
 from pyserve.grpc.server import GrpcOptions
 from pyserve.grpc.servicer import InferenceServicer, _abort, _trace_parent, infer_model
+from pyserve.handoff import balancer as balancing
 from pyserve.handoff import wire
 from pyserve.handoff.http_proxy import OwnerHttpProxy
 from pyserve.handoff.wire import Kind
@@ -500,9 +503,14 @@ def relay_handlers(service: Any, channel: grpc.aio.Channel, skip: frozenset[str]
     return grpc.method_handlers_generic_handler(service.full_name, methods)
 
 
-def create_grpc(dataplane: FrontendDataPlane, options: GrpcOptions, owner_address: str) -> tuple[Any, grpc.aio.Channel]:
-    """The frontend's gRPC server (bound, not started) and its channel to the owner."""
-    from pyserve.grpc.server import _handlers, bind, new_server
+def create_grpc(dataplane: FrontendDataPlane, options: GrpcOptions, owner_address: str,
+                listen: bool = True) -> tuple[Any, grpc.aio.Channel]:
+    """The frontend's gRPC server (not started) and its channel to the owner.
+
+    :param listen: bind the gRPC port (``SO_REUSEPORT``); False: the server only takes the
+        connections the owner's balancer passes (``GrpcServer.adopt``), with the port's TLS.
+    """
+    from pyserve.grpc.server import _handlers, bind, new_server, ssl_context, tls_files
 
     server = new_server(options, reuse_port=True)
     channel = grpc.aio.insecure_channel(owner_address, options=[
@@ -515,7 +523,11 @@ def create_grpc(dataplane: FrontendDataPlane, options: GrpcOptions, owner_addres
         relay_handlers(pb.SERVICE_DESCRIPTOR, channel, skip=frozenset({"ModelInfer"})),
         relay_handlers(pb.HEALTH_SERVICE_DESCRIPTOR, channel, skip=frozenset()),
     ))
-    bind(server, options)
+    if listen:
+        bind(server, options)
+    else:
+        tls = tls_files(options)
+        server.adopted_tls = ssl_context(tls) if tls is not None else None
     return server, channel
 
 
@@ -548,26 +560,45 @@ async def serve(settings: dict[str, Any]) -> int:
     grpc_server: Any = None
     channel: grpc.aio.Channel | None = None
     host = settings["host"]
+    balance = settings.get("balance")
+    adopters: dict[bytes, balancing.Adopt] = {}
     if settings.get("http_port") is not None:
         restrictions = {k: Restriction(*v) for k, v in settings["http_restricted_api"].items()}
         http = FrontendHttpServer(
             OwnerHttpProxy(settings["owner_http"]), dataplane,  # type: ignore[arg-type]
             max_input_size=settings["http_max_input_size"], restrictions=restrictions,
         )
-        listener = bind_tcp(host, settings["http_port"], reuse_port=True)
-        try:
-            listener.listen(2048)
-        except OSError:
-            listener.close()
-            raise
-        await http.start(listener)
+        if balance:
+            adopters[balancing.HTTP] = http.adopt
+        else:
+            listener = bind_tcp(host, settings["http_port"], reuse_port=True)
+            try:
+                listener.listen(2048)
+            except OSError:
+                listener.close()
+                raise
+            await http.start(listener)
     if settings.get("grpc_port") is not None:
         options = GrpcOptions(**settings["grpc"])
         options.restrictions = {k: Restriction(*v) for k, v in settings["grpc"]["restrictions"].items()}
         options.host = options.host or host
         options.port = settings["grpc_port"]
-        grpc_server, channel = create_grpc(dataplane, options, "unix:" + settings["owner_grpc"])
+        balanced = bool(balance and settings.get("balance_grpc"))
+        grpc_server, channel = create_grpc(dataplane, options, "unix:" + settings["owner_grpc"], listen=not balanced)
         await grpc_server.start()
+        if balanced:
+            adopters[balancing.GRPC] = grpc_server.adopt
+    receiver: balancing.BalancedReceiver | None = None
+    if adopters and balance:
+        receiver = balancing.BalancedReceiver(adopters, lambda: _open_connections(http, grpc_server))
+        for server in (http, grpc_server):
+            if server is not None and hasattr(server, "on_connection_closed"):
+                server.on_connection_closed = receiver.changed
+        try:
+            await receiver.connect(balance)
+        except OSError as exc:
+            log.error("frontend cannot reach the owner's connection balancer: %s", exc)
+            return 1
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     link.hello()
@@ -577,6 +608,8 @@ async def serve(settings: dict[str, Any]) -> int:
     graceful = stop.is_set() and not link.lost.is_set()
     timeout = float(settings.get("exit_timeout_secs", 30.0)) if graceful else 0.0
     dataplane.exiting = True
+    if receiver is not None:  # the owner keeps the next connections
+        receiver.close()
     if http is not None:
         await http.shutdown(timeout)
     if grpc_server is not None:
@@ -592,6 +625,14 @@ async def serve(settings: dict[str, Any]) -> int:
     for task in (lost, stopping):
         task.cancel()
     return 0 if graceful else 1
+
+
+def _open_connections(http: FrontendHttpServer | None, grpc_server: Any) -> int:
+    """The TCP connections this frontend serves (what the owner's balancer counts)."""
+    count = len(http.connections) if http is not None else 0
+    if grpc_server is not None and hasattr(grpc_server, "tcp_connection_count"):
+        count += grpc_server.tcp_connection_count()
+    return count
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,8 @@ import httptools
 from pyserve import client_activity
 from pyserve.dataplane import DataPlane
 from pyserve.errors import InferError
+from pyserve.handoff import balancer as balancing
+from pyserve.handoff.balancer import ConnectionBalancer
 from pyserve.http.body import too_large
 from pyserve.http.codec import DecodedRequest
 from pyserve.http.errors import error_body
@@ -919,8 +921,10 @@ class HttpServer:
         self.shutting_down = False
         self.infer_targets: dict[bytes, tuple[str, str | None] | None] = {}
         """POST URL → ``(model, version)`` for native infer, or None; see ``infer_target``."""
-        self._server: asyncio.base_events.Server | None = None
+        self._server: Any = None  # asyncio.Server, or the balancer's BalancedListener
         self._all_closed: asyncio.Event | None = None
+        self.on_connection_closed: Callable[[], None] | None = None
+        """Called after a connection closes (a frontend reports its count to the owner's balancer)."""
         self.replies: list[tuple[HttpProtocol, bytes]] = []
         """Answers waiting for ``flush_replies`` (in the order they were made)."""
 
@@ -960,15 +964,26 @@ class HttpServer:
             targets[url] = target
         return target
 
-    async def start(self, sock: socket.socket) -> None:
-        """Listen on an already bound socket (TCP, or a Unix socket for frontend processes)."""
+    async def start(self, sock: socket.socket, balancer: ConnectionBalancer | None = None) -> None:
+        """Listen on an already bound socket (TCP, or a Unix socket for frontend processes).
+
+        :param balancer: the owner's connection balancer (``--frontend-balance connections``):
+            it accepts on ``sock`` and serves here only the connections it keeps.
+        """
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
         factory = self.protocol_class
-        if sock.family == socket.AF_UNIX:
+        if balancer is not None:
+            self._server = balancer.listen(sock, balancing.HTTP, self.adopt, lambda: len(self.connections))
+        elif sock.family == socket.AF_UNIX:
             self._server = await loop.create_unix_server(lambda: factory(self), sock=sock, backlog=2048)
         else:
             self._server = await loop.create_server(lambda: factory(self), sock=sock, backlog=2048)
+
+    async def adopt(self, sock: socket.socket) -> None:
+        """Serve a connection accepted elsewhere (non-blocking; handed over by the balancer)."""
+        factory = self.protocol_class
+        await asyncio.get_running_loop().connect_accepted_socket(lambda: factory(self), sock)
 
     @property
     def port(self) -> int:
@@ -980,6 +995,8 @@ class HttpServer:
         self.connections.discard(connection)
         if not self.connections and self._all_closed is not None:
             self._all_closed.set()
+        if self.on_connection_closed is not None:
+            self.on_connection_closed()
 
     async def shutdown(self, timeout: float) -> None:
         """Stop listening, close idle keep-alive connections, let the answers in progress
