@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -210,3 +212,36 @@ class TritonPythonModel:
         assert _infer(server, "second", [0]).tolist() == [1]
     finally:
         server.stop()
+
+
+def test_helpers_next_to_model_py_import_relatively_and_absolutely(tmp_path: Path) -> None:
+    """As under Triton, which imports model.py as ``<version>.model``: ``from .x import`` and
+    ``from . import x`` find files in the version directory, ``import x`` finds them in the
+    version or the model directory, and each model gets its own files of the same names."""
+    source = HEADER + """
+from . import scale
+from .offset import OFFSET
+import shared
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            result = values * scale.FACTOR + OFFSET + shared.BASE
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", result.astype(np.int32))]))
+        return out
+"""
+    for name, factor, offset, base in (("first", 2, 1, 100), ("second", 3, 5, 200)):
+        model_dir = write_python_model(tmp_path, name, CONFIG, source)
+        (model_dir / "1" / "scale.py").write_text(f"FACTOR = {factor}\n")
+        (model_dir / "1" / "offset.py").write_text(f"OFFSET = {offset}\n")
+        (model_dir / "shared.py").write_text(f"BASE = {base}\n")  # in the model directory
+    server = start(tmp_path)
+    try:
+        assert _infer(server, "first", [1, 2]).tolist() == [103, 105]
+        assert _infer(server, "second", [1, 2]).tolist() == [208, 211]
+    finally:
+        server.stop()
+    left = [n for n in sys.modules if re.match(r"_pyserve_python_model_\d+_(first|second)_1(\.|$)", n)]
+    assert not left  # unloaded with their helper modules

@@ -1,7 +1,10 @@
 """Importing a model's ``model.py`` as its own module.
 
-Each model version gets a fresh module with a unique name (``_pyserve_python_model_<n>_<name>``),
-so two models whose files are both called model.py never share globals. While the file runs
+Each model version gets a fresh module with a unique name, so two models whose files are both
+called model.py never share globals. The module sits in a package of its own whose path is the
+version directory (``_pyserve_python_model_<n>_<name>_<version>.model``), as Triton imports it
+as ``<version>.model``: relative imports (``from . import utils``, ``from .utils import f``)
+find the files next to model.py. While the file runs
 (and while ``initialize`` runs, see ``model_path_scope``), the version directory and the model
 directory are at the front of ``sys.path``, as Triton's stub puts them, so the model can
 import helper modules that sit next to it. Helper modules imported from the model directory
@@ -27,6 +30,7 @@ from pyserve import ModelContext
 DEFAULT_MODEL_FILENAME = "model.py"
 MODEL_CLASS = "TritonPythonModel"
 
+_PREFIX = "_pyserve_python_model_"
 _counter = itertools.count(1)
 _import_lock = threading.RLock()
 
@@ -59,7 +63,7 @@ def model_path_scope(model: ModelContext) -> Iterator[None]:
         for name in set(sys.modules) - before:
             module = sys.modules.get(name)
             origin = getattr(module, "__file__", None)
-            if origin and _is_within(Path(origin), root) and not name.startswith("_pyserve_python_model_"):
+            if origin and _is_within(Path(origin), root) and not name.startswith(_PREFIX):
                 sys.modules.pop(name, None)
 
 
@@ -81,32 +85,40 @@ def load_module(model: ModelContext) -> ModuleType:
     if not path.is_file():
         raise PythonModelError(f"model '{model.name}' version {model.version}: file '{path}' not found")
     safe = re.sub(r"\W", "_", model.name)
-    module_name = f"_pyserve_python_model_{next(_counter)}_{safe}_{model.version}"
+    package_name = f"{_PREFIX}{next(_counter)}_{safe}_{model.version}"
+    package = ModuleType(package_name)
+    package.__path__ = [str(path.parent)]  # relative imports of the model find its neighbours
+    package.__package__ = package_name
+    module_name = package_name + "." + re.sub(r"\W", "_", path.stem)
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise PythonModelError(f"model '{model.name}': cannot import '{path}'")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[package_name] = package
     sys.modules[module_name] = module  # dataclasses, pickle and typing look modules up by name
     try:
         with _import_lock, model_path_scope(model):
             spec.loader.exec_module(module)
     except BaseException as exc:
-        sys.modules.pop(module_name, None)
+        unload_module(module)
         if not isinstance(exc, Exception):
             raise
         raise PythonModelError(
             format_failure(f"failed to load '{path.name}' of model '{model.name}' version {model.version}", exc)
         ) from None
     if not isinstance(getattr(module, MODEL_CLASS, None), type):
-        sys.modules.pop(module_name, None)
+        unload_module(module)
         raise PythonModelError(f"'{path.name}' of model '{model.name}' defines no class '{MODEL_CLASS}'")
     return module
 
 
 def unload_module(module: ModuleType) -> None:
-    """Forget a model module (model finalize)."""
-    if sys.modules.get(module.__name__) is module:
-        del sys.modules[module.__name__]
+    """Forget a model module, its package and the modules it imported relatively (model finalize)."""
+    package_name = module.__name__.rpartition(".")[0]
+    if not package_name.startswith(_PREFIX):
+        return
+    for name in [n for n in sys.modules if n == package_name or n.startswith(package_name + ".")]:
+        del sys.modules[name]
 
 
 _OWN_DIR = str(Path(__file__).resolve().parent)
