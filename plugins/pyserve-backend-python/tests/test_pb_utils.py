@@ -284,13 +284,15 @@ def test_logger_writes_to_python_logging(caplog: pytest.LogCaptureFixture) -> No
         pb_utils.Logger.log_error("error message")
         pb_utils.Logger.log_verbose("verbose message")
         pb_utils.Logger.log("explicit", pb_utils.Logger.LogLevel.ERROR)
+        pb_utils.Logger.log_info('two\nlines with "quotes" and é')
     got = [(r.levelno, r.getMessage(), r.filename) for r in caplog.records]
-    assert got == [
-        (logging.INFO, "info message", "test_pb_utils.py"),
-        (logging.WARNING, "warn message", "test_pb_utils.py"),
-        (logging.ERROR, "error message", "test_pb_utils.py"),
-        (logging.DEBUG, "verbose message", "test_pb_utils.py"),
-        (logging.ERROR, "explicit", "test_pb_utils.py"),
+    assert got == [  # quoted and escaped, as Triton writes a model's messages
+        (logging.INFO, '"info message"', "test_pb_utils.py"),
+        (logging.WARNING, '"warn message"', "test_pb_utils.py"),
+        (logging.ERROR, '"error message"', "test_pb_utils.py"),
+        (logging.DEBUG, '"verbose message"', "test_pb_utils.py"),
+        (logging.ERROR, '"explicit"', "test_pb_utils.py"),
+        (logging.INFO, '"two\\nlines with \\"quotes\\" and é"', "test_pb_utils.py"),
     ]
 
 
