@@ -96,8 +96,8 @@ class ServerOptions:
     reuse_http_port: bool = False  # --reuse-http-port: SO_REUSEPORT, other servers may share the port
     http_header_forward_pattern: str = ""  # --http-header-forward-pattern (pyserve.header_forwarding)
     strict_readiness: bool = True  # --strict-readiness: ready only while every model version is READY
-    # --frontend-processes: extra processes serving the HTTP/gRPC ports (SO_REUSEPORT) that
-    # decode requests and hand them to this process, which owns the models (pyserve.handoff)
+    # --frontend-processes: extra processes serving the HTTP/gRPC ports (see frontend_balance)
+    # that decode requests and hand them to this process, which owns the models (pyserve.handoff)
     frontend_processes: int = 0
     # --frontend-balance: how new connections are spread over the processes: "connections"
     # (this process accepts and passes each to the one with the fewest open; pyserve.handoff.balancer)

@@ -2,5 +2,5 @@
 
 ``wire`` (the frames), ``owner`` (the owner's Unix-socket server), ``frontend`` (the frontend
 process), ``http_proxy`` (relaying other HTTP routes), ``supervisor`` (starting and restarting
-frontends).
+frontends), ``balancer`` (spreading new connections over the processes).
 """
