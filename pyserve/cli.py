@@ -208,6 +208,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                           "keep polling the sockets for US microseconds instead of sleeping: lower latency "
                           "for a client that sends its next request at once, for CPU while polling; not "
                           "while several clients send requests (0-1000000; default 0: off; e.g. 300)")
+    run.add_argument("--pin-processes", type=_bool, default=False, metavar="BOOL",
+                     help="run this process and each frontend process on a CPU of its own (Linux; round robin "
+                          "when there are more processes than CPUs): shorter tail latency under load on a "
+                          "machine the server has to itself (default false)")
     _add_operations(run)
     triton_flags.add_flags(run)
 
@@ -353,6 +357,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         frontend_balance=args.frontend_balance,
         replicate_models=args.replicate_models,
         busy_poll_us=args.busy_poll_us,
+        pin_processes=args.pin_processes,
         rate_limit=args.rate_limit,
         rate_limit_resources=args.rate_limit_resource,
         model_load_thread_count=args.model_load_thread_count,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyserve import __version__, busy_poll, client_activity, logs
+from pyserve import __version__, affinity, busy_poll, client_activity, logs
 from pyserve.dataplane import DataPlane
 from pyserve.grpc.server import GrpcOptions
 from pyserve.header_forwarding import compile_forwarding
@@ -109,6 +109,8 @@ class ServerOptions:
     # --busy-poll-us: after a model executed on the event loop answers, the loop keeps polling
     # for this many microseconds instead of sleeping (pyserve.busy_poll); 0 = off
     busy_poll_us: int = 0
+    # --pin-processes: this process and each frontend process on a CPU of its own (pyserve.affinity)
+    pin_processes: bool = False
     # --rate-limit: "off" or "execution_count" (instances wait for their instance group's
     # rate_limiter resources; pyserve.scheduling.rate_limiter)
     rate_limit: str = "off"
@@ -248,6 +250,8 @@ class Server:
         self._handoff: HandoffServer | None = None
         self._handoff_dir: str | None = None
         self._balancer: ConnectionBalancer | None = None
+        self._cpus: list[int] | None = None  # --pin-processes: the CPUs to spread the processes over
+        self._saved_affinity: set[int] | None = None
         self._owner_http: HttpServer | None = None
         self.frontends: FrontendSupervisor | None = None
         """The frontend processes (``--frontend-processes``), once started."""
@@ -260,6 +264,11 @@ class Server:
         :raises StartupError: a model failed and ``exit_on_error`` is set, or the port is taken.
         """
         loop = asyncio.get_running_loop()
+        if self.options.pin_processes:
+            if not affinity.supported():
+                raise StartupError("--pin-processes needs Linux (sched_setaffinity)")
+            self._cpus = affinity.allowed_cpus()
+            self._saved_affinity = affinity.pin_this_process(affinity.cpu_for(0, self._cpus))
         if self.options.busy_poll_us:  # process-wide, as the tensor element limit
             try:
                 self._saved_busy_poll = busy_poll.configure(self.options.busy_poll_us)
@@ -352,7 +361,7 @@ class Server:
             "backend_config": {k: dict(v) for k, v in options.backend_config.items()},
             "backend_directory": options.backend_directory,
         }
-        self.frontends = FrontendSupervisor(options.frontend_processes, settings, self._handoff)
+        self.frontends = FrontendSupervisor(options.frontend_processes, settings, self._handoff, cpus=self._cpus)
         try:
             await self.frontends.start()
         except FrontendStartError as exc:
@@ -516,6 +525,8 @@ class Server:
             validation.LIMITS.max_tensor_elements = self._saved_element_limit
         if self._saved_busy_poll is not None:
             busy_poll.configure(self._saved_busy_poll)
+        if self._saved_affinity is not None:
+            affinity.restore(self._saved_affinity)
         if self._handoff_dir is not None:
             shutil.rmtree(self._handoff_dir, ignore_errors=True)
         log.info("Server stopped")

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+from pyserve import affinity
 from pyserve.handoff.owner import HandoffServer
 from pyserve_hookspecs import hookimpl
 
@@ -66,8 +67,11 @@ class FrontendSupervisor:
     Event loop only, except the per-process watcher threads, which only post to the loop.
     """
 
-    def __init__(self, count: int, settings: dict[str, Any], handoff: HandoffServer) -> None:
+    def __init__(self, count: int, settings: dict[str, Any], handoff: HandoffServer,
+                 cpus: list[int] | None = None) -> None:
         self.settings = settings
+        self.cpus = cpus
+        """``--pin-processes``: frontend ``i`` runs on ``cpus[(i + 1) % len(cpus)]`` (None: anywhere)."""
         self.handoff = handoff
         self.slots = [_Slot(i) for i in range(count)]
         self.stopping = False
@@ -113,6 +117,8 @@ class FrontendSupervisor:
             return
         command = [sys.executable, "-m", "pyserve.handoff.frontend", json.dumps(self.settings)]
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, close_fds=True)
+        if self.cpus:  # before the new interpreter starts threads: they inherit it
+            affinity.pin_child(process.pid, affinity.cpu_for(slot.index + 1, self.cpus))
         slot.process = process
         slot.started_at = time.monotonic()
         loop = self._loop
