@@ -117,8 +117,10 @@ def unload_module(module: ModuleType) -> None:
     package_name = module.__name__.rpartition(".")[0]
     if not package_name.startswith(_PREFIX):
         return
-    for name in [n for n in sys.modules if n == package_name or n.startswith(package_name + ".")]:
-        del sys.modules[name]
+    names = list(sys.modules)  # one copy: other threads may import meanwhile
+    for name in names:
+        if name == package_name or name.startswith(package_name + "."):
+            sys.modules.pop(name, None)
 
 
 _OWN_DIR = str(Path(__file__).resolve().parent)
