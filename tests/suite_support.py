@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -257,3 +258,12 @@ class QueuedStream:
     def close(self, cancel_requests: bool = False) -> None:
         self.client.stop_stream(cancel_requests=cancel_requests)
         self.client.close()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
+    """Poll ``condition`` every 10 ms until it holds; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)

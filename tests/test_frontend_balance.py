@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import tritonclient.http as httpclient
 from pyserve.handoff.balancer import ConnectionBalancer
 from pyserve.server import ServerThread, StartupError
 from pyserve.testing import serve, write_model
-from suite_support import echo_config
+from suite_support import echo_config, wait_for
 
 ECHO = echo_config()
 
@@ -40,15 +39,6 @@ def _balancer(server: ServerThread) -> ConnectionBalancer:
     balancer = server.server._balancer
     assert balancer is not None
     return balancer
-
-
-def _wait(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting until {what}")
 
 
 def _open(server: ServerThread) -> socket.socket:
@@ -85,7 +75,7 @@ def _idle(server: ServerThread) -> None:
         return (len(balancer.peers) == 1 and _frontend_load(server) == 0 and not _owner_ports(server)
                 and grpc_server.tcp_connection_count() == 0)
 
-    _wait(idle, "every earlier connection closed")
+    wait_for(idle, what="every earlier connection closed")
 
 
 def test_keep_alive_connections_split_evenly(server: ServerThread) -> None:
@@ -97,19 +87,19 @@ def test_keep_alive_connections_split_evenly(server: ServerThread) -> None:
         owner = _owner_ports(server)
         assert len(owner) == 4, owner
         assert balancer.passed == passed + 4
-        _wait(lambda: _frontend_load(server) == 4 and balancer.peers[0].open == 4, "the frontend reports 4")
+        wait_for(lambda: _frontend_load(server) == 4 and balancer.peers[0].open == 4, what="the frontend reports 4")
         on_owner = [s for s in sockets if s.getsockname()[1] in owner]
         on_frontend = [s for s in sockets if s not in on_owner]
 
         for sock in on_owner:  # the owner now holds none: the next four are its own
             sock.close()
-        _wait(lambda: not _owner_ports(server), "the owner's connections closed")
+        wait_for(lambda: not _owner_ports(server), what="the owner's connections closed")
         sockets = on_frontend + [_open(server) for _ in range(4)]
         assert len(_owner_ports(server)) == 4 and balancer.passed == passed + 4
 
         for sock in on_frontend:  # the frontend reports its closed connections: the next go there
             sock.close()
-        _wait(lambda: _frontend_load(server) == 0, "the frontend reports its connections closed")
+        wait_for(lambda: _frontend_load(server) == 0, what="the frontend reports its connections closed")
         sockets = sockets[4:] + [_open(server) for _ in range(2)]
         assert len(_owner_ports(server)) == 4 and balancer.passed == passed + 6
     finally:
@@ -150,15 +140,15 @@ def test_a_dead_frontend_leaves_its_connections_to_the_owner(server: ServerThrea
     balancer = _balancer(server)
     supervisor = server.server.frontends
     assert supervisor is not None
-    _wait(lambda: len(balancer.peers) == 1 and bool(supervisor.pids), "the frontend runs")
+    wait_for(lambda: len(balancer.peers) == 1 and bool(supervisor.pids), what="the frontend runs")
     [old] = supervisor.pids
     os.kill(old, signal.SIGKILL)
-    _wait(lambda: not balancer.peers, "the owner drops the dead frontend's channel")
+    wait_for(lambda: not balancer.peers, what="the owner drops the dead frontend's channel")
     passed = balancer.passed
     sockets = [_open(server) for _ in range(3)]  # meanwhile the owner serves every connection
     try:
         assert len(_owner_ports(server)) == 3 and balancer.passed == passed
-        _wait(lambda: len(balancer.peers) == 1, "the restarted frontend's channel is open", timeout=30)
+        wait_for(lambda: len(balancer.peers) == 1, timeout=30, what="the restarted frontend's channel is open")
         sockets += [_open(server) for _ in range(3)]  # the new frontend holds none: it takes these
         assert len(_owner_ports(server)) == 3 and balancer.passed == passed + 3
     finally:

@@ -26,7 +26,7 @@ from pyserve.cli import build_parser
 from pyserve.metrics import CustomMetrics, MetricsSettings
 from pyserve.server import Server, ServerOptions, ServerThread, StartupError
 
-from suite_support import StartServer, write_model
+from suite_support import StartServer, wait_for, write_model
 
 IDENT = """
     backend: "gate"
@@ -104,14 +104,6 @@ class Scrape:
 
 def scrape(server: ServerThread) -> Scrape:
     return Scrape(scrape_text(server))
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
 
 
 @pytest.fixture

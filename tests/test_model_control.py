@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from suite_support import write_model
+from suite_support import wait_for, write_model
 from tritonclient.utils import InferenceServerException
 
 import pyserve
@@ -122,15 +122,6 @@ def infer_out(server: ServerThread, name: str, data: Sequence[float] = (1.0, 2.0
     response = httpx.post(f"http://{server.url}{path}", json=body, timeout=10)
     assert response.status_code == 200, response.text
     return list(response.json()["outputs"][0]["data"])
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # ---------------------------------------------------------------------------

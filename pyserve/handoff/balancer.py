@@ -45,6 +45,20 @@ Adopt = Callable[[socket.socket], Awaitable[Any]]
 """Serves an accepted, non-blocking socket (``loop.connect_accepted_socket`` with a protocol)."""
 
 
+def take_on(conn: socket.socket, adopt: Adopt, done: Callable[[], None]) -> None:
+    """Serve ``conn`` with ``adopt`` (in a task); ``done`` runs once it is served or failed
+    (a failed one is closed: the client sees the connection end)."""
+    conn.setblocking(False)
+
+    def finished(task: asyncio.Future[Any]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            log.debug("connection not taken on: %r", None if task.cancelled() else task.exception())
+            conn.close()
+        done()
+
+    asyncio.ensure_future(adopt(conn)).add_done_callback(finished)
+
+
 class _Peer:
     """A frontend's channel, and what the owner knows of its connections."""
 
@@ -178,15 +192,10 @@ class ConnectionBalancer:
                 conn.close()  # the frontend holds the connection now
                 return
         self._local_pending += 1
-        conn.setblocking(False)
-        task = asyncio.ensure_future(adopt(conn))
-        task.add_done_callback(lambda done: self._adopted(done, conn))
+        take_on(conn, adopt, self._adopted)
 
-    def _adopted(self, task: asyncio.Future[Any], conn: socket.socket) -> None:
+    def _adopted(self) -> None:
         self._local_pending -= 1
-        if task.cancelled() or task.exception() is not None:
-            log.debug("connection not taken on: %r", None if task.cancelled() else task.exception())
-            conn.close()
 
 
 class BalancedListener:
@@ -305,15 +314,10 @@ class BalancedReceiver:
             self.changed()
             return
         self._pending += 1
-        conn.setblocking(False)
-        task = asyncio.ensure_future(adopt(conn))
-        task.add_done_callback(lambda done: self._adopted(done, conn))
+        take_on(conn, adopt, self._adopted)
 
-    def _adopted(self, task: asyncio.Future[Any], conn: socket.socket) -> None:
+    def _adopted(self) -> None:
         self._pending -= 1
-        if task.cancelled() or task.exception() is not None:
-            log.debug("connection not taken on: %r", None if task.cancelled() else task.exception())
-            conn.close()
         self.changed()
 
     def changed(self) -> None:
