@@ -32,19 +32,14 @@ def cpu_for(index: int, cpus: list[int]) -> int:
     return cpus[index % len(cpus)]
 
 
-def pin_this_process(cpu: int) -> set[int]:
-    """Pin every thread of this process (and the threads it starts later) to ``cpu``.
-
-    :returns: the CPUs the calling thread could use before, for ``restore``.
-    """
-    before = os.sched_getaffinity(0)
+def pin_this_process(cpu: int) -> None:
+    """Pin every thread of this process (and the threads it starts later) to ``cpu``."""
     _set_all_threads({cpu})
-    return before
 
 
-def restore(cpus: set[int]) -> None:
-    """Let every thread of this process use ``cpus`` again."""
-    _set_all_threads(cpus)
+def restore(cpus: list[int]) -> None:
+    """Let every thread of this process use ``cpus`` (``allowed_cpus`` before pinning) again."""
+    _set_all_threads(set(cpus))
 
 
 def pin_child(pid: int, cpu: int) -> None:

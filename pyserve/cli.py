@@ -14,6 +14,7 @@ from typing import Any
 from pyserve import __version__, logs, triton_flags
 from pyserve.argtypes import boolean as _bool
 from pyserve.busy_poll import MAX_WINDOW_US
+from pyserve.handoff.balancer import FRONTEND_BALANCE
 from pyserve.repository import check_config_name
 
 EXAMPLE_REPOSITORY = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
@@ -187,7 +188,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                      help="extra processes that serve the HTTP and gRPC ports beside this one and hand "
                           "decoded requests to it (models stay in this process); 0 = none (default). "
                           "Use the machine's spare cores: e.g. 1 on 2 cores")
-    run.add_argument("--frontend-balance", choices=["connections", "kernel"], default="connections",
+    run.add_argument("--frontend-balance", choices=FRONTEND_BALANCE, default="connections",
                      help="how new connections are spread over this process and its frontends: connections "
                           "(default: this process accepts each and passes it to the process with the fewest "
                           "open connections) or kernel (every process listens with SO_REUSEPORT and the "

@@ -250,8 +250,7 @@ class Server:
         self._handoff: HandoffServer | None = None
         self._handoff_dir: str | None = None
         self._balancer: ConnectionBalancer | None = None
-        self._cpus: list[int] | None = None  # --pin-processes: the CPUs to spread the processes over
-        self._saved_affinity: set[int] | None = None
+        self._cpus: list[int] | None = None  # --pin-processes: the CPUs to spread the processes over (and to restore)
         self._owner_http: HttpServer | None = None
         self.frontends: FrontendSupervisor | None = None
         """The frontend processes (``--frontend-processes``), once started."""
@@ -268,7 +267,7 @@ class Server:
             if not affinity.supported():
                 raise StartupError("--pin-processes needs Linux (sched_setaffinity)")
             self._cpus = affinity.allowed_cpus()
-            self._saved_affinity = affinity.pin_this_process(affinity.cpu_for(0, self._cpus))
+            affinity.pin_this_process(affinity.cpu_for(0, self._cpus))
         if self.options.busy_poll_us:  # process-wide, as the tensor element limit
             try:
                 self._saved_busy_poll = busy_poll.configure(self.options.busy_poll_us)
@@ -525,8 +524,8 @@ class Server:
             validation.LIMITS.max_tensor_elements = self._saved_element_limit
         if self._saved_busy_poll is not None:
             busy_poll.configure(self._saved_busy_poll)
-        if self._saved_affinity is not None:
-            affinity.restore(self._saved_affinity)
+        if self._cpus is not None:
+            affinity.restore(self._cpus)
         if self._handoff_dir is not None:
             shutil.rmtree(self._handoff_dir, ignore_errors=True)
         log.info("Server stopped")
