@@ -35,12 +35,16 @@ class BackendContext:
     :ivar state: free for the backend; the server never reads it.
     :ivar metrics: custom metric families shown on the server's ``/metrics`` page
         (``counter``, ``gauge``, ``histogram``, ``include``; see ``pyserve.metrics.CustomMetrics``).
+    :ivar cpu_threads: how many threads a model's own CPU thread pool should use when its
+        config sets none, because the server's processes share the machine's CPUs (``pyserve
+        run`` with frontend processes: the CPUs per process); None: the library's default.
     """
 
     name: str
     config: dict[str, str] = field(default_factory=dict)
     state: Any = None
     metrics: CustomMetrics = field(default_factory=CustomMetrics)
+    cpu_threads: int | None = None
 
 
 @dataclass(eq=False)
@@ -65,6 +69,10 @@ class ModelContext:
         request, and never calls the server (BLS). The server may then run the model's short
         executes on its event loop when nothing else waits for it (``pyserve_inline_execute``
         ``"auto"``, the default for such a model on CPU instances). Default False.
+    :ivar fork_safe: True while the model is loaded in a process that forks afterwards (its
+        backend answered ``pyserve_backend_fork_safe``); the backend may set it to False in
+        ``pyserve_model_create`` for a model that cannot be inherited by a forked process.
+        False otherwise.
     """
 
     name: str
@@ -78,6 +86,7 @@ class ModelContext:
     state: Any = None
     metrics: CustomMetrics = field(default_factory=CustomMetrics)
     compute_only: bool = False
+    fork_safe: bool = False
 
     @property
     def version_path(self) -> Path:
@@ -122,9 +131,13 @@ class Backend:
 
     :cvar platforms: config ``platform`` values this backend serves (informational; the
         mapping the server uses comes from the ``pyserve.platforms`` entry points).
+    :cvar fork_safe: what ``pyserve_backend_fork_safe`` answers: True when ``initialize``,
+        ``create_model`` and ``create_instance`` start no threads and what they make stays
+        valid in a forked process (see the hook). Default False.
     """
 
     platforms: ClassVar[tuple[str, ...]] = ()
+    fork_safe: ClassVar[bool] = False
 
     # -- methods to override -------------------------------------------------------------
     def initialize(self, backend: BackendContext) -> None:
@@ -162,6 +175,10 @@ class Backend:
         return None
 
     # -- the hook implementations (do not override) --------------------------------------
+    @hookimpl
+    def pyserve_backend_fork_safe(self, backend: BackendContext) -> bool | None:
+        return self.fork_safe
+
     @hookimpl
     def pyserve_backend_initialize(self, backend: BackendContext) -> None:
         self.initialize(backend)

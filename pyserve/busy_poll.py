@@ -7,6 +7,9 @@ itself (``pyserve_inline_execute``) can instead keep polling its sockets for a s
 the next request of a client that answers quickly is then read without any wake-up. An idle
 server stops polling after one window.
 
+Only a lone client that sends its requests back to back makes the loop poll: after an answer,
+a window starts only if the request just answered started within one window of the previous
+answer (a client that thinks between requests would only make the loop spin for nothing).
 Only one client's requests make the loop poll. While requests come over several connections
 (``pyserve.client_activity.several_clients``: within its 10 ms window) an execute does not start
 a window: the loop is seldom idle then, and each gap it did spin through was CPU taken from the
@@ -17,7 +20,8 @@ request counts as several clients, and so do the requests a frontend process han
 The price is CPU while polling (up to the window after each answer) and, for other threads of
 the process, the GIL: the polling loop takes it back between polls, so an instance thread of a
 threaded model in the same process may wait for it until the window closes, as it would beside
-a busy loop. Off by default.
+a busy loop. ``pyserve run`` turns it on (300 µs) where there are two or more CPUs
+(``pyserve.handoff.layout``); embedded servers leave it off unless asked.
 
 The setting is process-wide (``configure``), like ``pyserve.validation.LIMITS``; each inline
 scheduler keeps its own ``BusyPoll`` for the loop it executes on.
@@ -63,18 +67,25 @@ class BusyPoll:
     and ``stop`` are called on the loop's thread.
     """
 
-    __slots__ = ("_until", "_polling")
+    __slots__ = ("_until", "_polling", "_answered_ns")
 
     def __init__(self) -> None:
         self._until = 0.0  # perf_counter time when polling stops
         self._polling = False  # a ``_poll`` callback is scheduled
+        self._answered_ns = 0  # ``client_activity.now_ns`` at the previous answer (``touch``)
 
     def touch(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Poll ``loop`` (the running loop) until one window from now; no-op while disabled or
-        while several clients send requests."""
+        """Poll ``loop`` (the running loop) until one window from now; no-op while disabled,
+        while several clients send requests, or when the request just answered came later than
+        one window after the previous answer (the client does not send back to back)."""
         window = _window_s
-        if not window or client_activity.several_clients():
+        if not window:
             return
+        answered, self._answered_ns = self._answered_ns, client_activity.now_ns()
+        if client_activity.several_clients():
+            return
+        if client_activity.last_request_ns() - answered > window * 1e9:
+            return  # the client paused longer than a window before this request
         self._until = time.perf_counter() + window
         if not self._polling:
             self._polling = True

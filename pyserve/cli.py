@@ -15,6 +15,8 @@ from pyserve import __version__, logs, triton_flags
 from pyserve.argtypes import boolean as _bool
 from pyserve.busy_poll import MAX_WINDOW_US
 from pyserve.handoff.balancer import FRONTEND_BALANCE
+from pyserve.handoff.layout import AUTO, Layout
+from pyserve.handoff.layout import choose as choose_layout
 from pyserve.repository import check_config_name
 
 EXAMPLE_REPOSITORY = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
@@ -42,7 +44,22 @@ def _config_name(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _busy_poll_us(value: str) -> int:
+def _auto_count(value: str) -> str | int:
+    if value == AUTO:
+        return AUTO
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a whole number, got '{value}'") from None
+
+
+def _auto_bool(value: str) -> str | bool:
+    return AUTO if value == AUTO else _bool(value)
+
+
+def _busy_poll_us(value: str) -> str | int:
+    if value == AUTO:
+        return AUTO
     try:
         microseconds = int(value)
     except ValueError:
@@ -144,8 +161,6 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                             help="forward gRPC metadata whose key matches REGEX as request parameters")
     grpc_flags.add_argument("--reuse-grpc-port", type=_bool, default=False, metavar="BOOL",
                             help="let other servers listen on the same gRPC port (SO_REUSEPORT)")
-    grpc_flags.add_argument("--grpc-server", choices=["pyserve", "grpcio"], default="pyserve",
-                            help="gRPC server: pyserve's own HTTP/2 server (default) or grpc.aio")
     run.add_argument("--id", dest="server_id", default="pyserve", help="server name in server metadata")
     run.add_argument("--log-verbose", type=int, default=0, metavar="N", help="verbose logging level (0 = off)")
     run.add_argument("--strict-model-config", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
@@ -176,45 +191,51 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                           "(default /opt/tritonserver/backends)")
     run.add_argument("--http-max-input-size", type=int, default=64 * 1024 * 1024, metavar="BYTES",
                      help="largest request body accepted (default 64 MiB)")
-    run.add_argument("--http-server", choices=["pyserve", "uvicorn"], default="pyserve",
-                     help="the HTTP/1.1 server on --http-port: pyserve's own (default) or uvicorn")
     run.add_argument("--strict-readiness", type=_bool, default=True, metavar="BOOL",
                      help="ready only while every model is ready (default true, as Triton); false: while serving")
     run.add_argument("--http-header-forward-pattern", default="", metavar="REGEX",
                      help="forward HTTP headers whose name matches REGEX as request parameters")
     run.add_argument("--reuse-http-port", type=_bool, default=False, metavar="BOOL",
                      help="let other servers listen on the same HTTP port (SO_REUSEPORT)")
-    run.add_argument("--frontend-processes", type=int, default=0, metavar="N",
-                     help="extra processes that serve the HTTP and gRPC ports beside this one and hand "
-                          "decoded requests to it (models stay in this process); 0 = none (default). "
-                          "Use the machine's spare cores: e.g. 1 on 2 cores")
-    run.add_argument("--frontend-balance", choices=FRONTEND_BALANCE, default="connections",
-                     help="how new connections are spread over this process and its frontends: connections "
-                          "(default: this process accepts each and passes it to the process with the fewest "
-                          "open connections) or kernel (every process listens with SO_REUSEPORT and the "
-                          "kernel picks by a hash of the addresses)")
-    run.add_argument("--replicate-models", default="none", metavar="none|auto|NAMES",
-                     help="models that frontend processes load replicas of and answer themselves: none "
-                          "(default: every request is handed to this process), auto (every model that can "
-                          "be: no sequence batcher, decoupled, ensemble, GPU instances, response cache or "
-                          "BLS / custom metrics in model.py), or comma-separated model names")
     run.add_argument("--rate-limit", choices=["off", "execution_count"], default="off",
                      help="execution_count: instances execute only while the resources of their "
                           "instance_group rate_limiter are free (default off, as Triton)")
     run.add_argument("--rate-limit-resource", action="append", default=[], metavar="NAME:COUNT[:DEVICE]",
                      help="units of a rate-limiter resource, on one device or (without DEVICE) on every device "
                           "(repeatable; default: the most any instance asks for)")
-    run.add_argument("--busy-poll-us", type=_busy_poll_us, default=0, metavar="US",
-                     help="after a model executed on the event loop (pyserve_inline_execute) answers, "
-                          "keep polling the sockets for US microseconds instead of sleeping: lower latency "
-                          "for a client that sends its next request at once, for CPU while polling; not "
-                          "while several clients send requests (0-1000000; default 0: off; e.g. 300)")
-    run.add_argument("--pin-processes", type=_bool, default=False, metavar="BOOL",
-                     help="run this process and each frontend process on a CPU of its own (Linux; round robin "
-                          "when there are more processes than CPUs): shorter tail latency under load on a "
-                          "machine the server has to itself (default false)")
     _add_operations(run)
+    _add_tuning(run)
     triton_flags.add_flags(run)
+
+
+def _add_tuning(run: argparse.ArgumentParser) -> None:
+    """The process layout and server implementations: chosen by themselves (``auto``)."""
+    tuning = run.add_argument_group(
+        "advanced tuning", "the defaults fit the machine (pyserve.handoff.layout): set these only to override them")
+    tuning.add_argument("--frontend-processes", type=_auto_count, default=AUTO, metavar="auto|N",
+                        help="processes that serve the HTTP and gRPC ports beside this one, which holds the "
+                             "models (default auto: one per usable CPU beyond this one; 0 = this process alone)")
+    tuning.add_argument("--replicate-models", default=AUTO, metavar="auto|none|NAMES",
+                        help="models that frontend processes answer themselves from a replica: auto (default: "
+                             "every model that can be: no sequence batcher, decoupled, ensemble, GPU instances, "
+                             "response cache or BLS / custom metrics in model.py), none (every request is "
+                             "handed to this process), or comma-separated model names")
+    tuning.add_argument("--frontend-balance", choices=FRONTEND_BALANCE, default="connections",
+                        help="how new connections are spread over this process and its frontends: connections "
+                             "(default: this process accepts each and passes it to the process with the fewest "
+                             "open connections) or kernel (every process listens with SO_REUSEPORT and the "
+                             "kernel picks by a hash of the addresses)")
+    tuning.add_argument("--busy-poll-us", type=_busy_poll_us, default=AUTO, metavar="auto|US",
+                        help="after a model executed on the event loop answers a lone client that sends its "
+                             "requests back to back, keep polling the sockets for US microseconds instead of "
+                             "sleeping (0-1000000; default auto: 300 on two or more CPUs, else 0)")
+    tuning.add_argument("--pin-processes", type=_auto_bool, default=AUTO, metavar="auto|BOOL",
+                        help="run this process and each frontend process on a CPU of its own (Linux; default "
+                             "auto: only where the cgroup cpuset is exclusive to the server)")
+    tuning.add_argument("--http-server", choices=["pyserve", "uvicorn"], default="pyserve",
+                        help="the HTTP/1.1 server on --http-port: pyserve's own (default) or uvicorn")
+    tuning.add_argument("--grpc-server", choices=["pyserve", "grpcio"], default="pyserve",
+                        help="gRPC server: pyserve's own HTTP/2 server (default) or grpc.aio")
 
 
 def _add_operations(run: argparse.ArgumentParser) -> None:
@@ -282,6 +303,17 @@ def _repositories(paths: Sequence[str]) -> list[Path]:
     return [EXAMPLE_REPOSITORY]
 
 
+def _layout(args: argparse.Namespace) -> Layout:
+    """The process layout for ``run``: each ``auto`` flag resolved (``pyserve.handoff.layout``)."""
+    single = None
+    if not (args.allow_http or args.allow_grpc):
+        single = "neither HTTP nor gRPC is served"
+    elif args.allow_http and args.http_server != "pyserve":
+        single = f"--http-server {args.http_server} serves HTTP from this process only"
+    return choose_layout(args.frontend_processes, args.replicate_models, args.busy_poll_us, args.pin_processes,
+                         single_reason=single)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from pyserve.grpc.server import GrpcOptions
     from pyserve.server import Server, ServerOptions, StartupError
@@ -291,6 +323,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pyserve: {exc}", file=sys.stderr)
         return 2
+    layout = _layout(args)
+    logging.getLogger("pyserve").info("%s", layout.describe())
     repositories = _repositories(args.model_repository)
     for repo in repositories:
         if not repo.is_dir():
@@ -354,11 +388,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         reuse_http_port=args.reuse_http_port,
         http_header_forward_pattern=args.http_header_forward_pattern,
         strict_readiness=args.strict_readiness,
-        frontend_processes=args.frontend_processes,
+        frontend_processes=layout.frontend_processes,
         frontend_balance=args.frontend_balance,
-        replicate_models=args.replicate_models,
-        busy_poll_us=args.busy_poll_us,
-        pin_processes=args.pin_processes,
+        replicate_models=layout.replicate_models,
+        busy_poll_us=layout.busy_poll_us,
+        pin_processes=layout.pin_processes,
         rate_limit=args.rate_limit,
         rate_limit_resources=args.rate_limit_resource,
         model_load_thread_count=args.model_load_thread_count,
@@ -378,7 +412,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
         runner = asyncio.run
     try:
-        runner(Server(options).run())
+        server = Server(options)
+        server.prefork()  # frontends forked from the loaded models, before any thread starts
+        runner(server.run())
     except StartupError as exc:
         print(f"pyserve: error: {exc}", file=sys.stderr)
         return 1

@@ -34,6 +34,7 @@ _last_connection = 0  # the key of the connection of the last request (not the o
 _mixed_at_ns = 0  # when a request last came from another connection than the one before it
 _together_at_ns = 0  # when a request last started beside another of its connection
 _untracked = 0  # servers running that do not report their requests
+_started_at_ns = 0  # when the last request started (``last_request_ns``)
 
 
 _keys = itertools.count(1)
@@ -48,12 +49,13 @@ def connection_key() -> int:
 def request_from(key: int, together: bool = False) -> None:
     """A request starts on the connection with ``key`` (``connection_key``); ``together``: while
     another request of the same connection is in progress (or arrived in the same read)."""
-    global _last_connection, _mixed_at_ns, _together_at_ns
+    global _last_connection, _mixed_at_ns, _together_at_ns, _started_at_ns
+    _started_at_ns = now = _now()
     if key != _last_connection:
         _last_connection = key
-        _mixed_at_ns = _now()
+        _mixed_at_ns = now
     if together:
-        _together_at_ns = _now()
+        _together_at_ns = now
 
 
 def request_mixed() -> None:
@@ -61,6 +63,16 @@ def request_mixed() -> None:
     global _last_connection, _mixed_at_ns, _together_at_ns
     _last_connection = 0
     _mixed_at_ns = _together_at_ns = _now()
+
+
+def now_ns() -> int:
+    """This module's clock (``time.monotonic_ns``, unless a test replaced it)."""
+    return _now()
+
+
+def last_request_ns() -> int:
+    """When (``time.monotonic_ns``) the last reported request started; 0 before any."""
+    return _started_at_ns
 
 
 def untracked_server(running: bool) -> None:

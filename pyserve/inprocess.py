@@ -48,10 +48,16 @@ class ServerHandle:
     loop thread itself for the blocking ones (they would wait on the loop they block).
 
     :param dataplane: the server's data plane.
-    :param loop: the server's event loop.
+    :param loop: the server's event loop (None until ``bind``).
     """
 
-    def __init__(self, dataplane: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, dataplane: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+        self._dataplane = dataplane
+        self._loop: Any = loop
+
+    def bind(self, dataplane: Any, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve through ``dataplane`` on ``loop`` from now on: a handle made before the loop
+        ran (models loaded before a fork keep the handle they were given)."""
         self._dataplane = dataplane
         self._loop = loop
 
@@ -136,8 +142,9 @@ class ServerHandle:
         """
         if _on_loop(self._loop):
             raise InferError(
-                "blocking in-process calls cannot be made on the server's event loop (a model with "
-                "parameter 'pyserve_inline_execute' runs there: use the default instance threads for BLS)",
+                "blocking in-process calls cannot be made on the server's event loop (the calling model "
+                "executes there: a compute-only model while one client sends, or one with parameter "
+                "'pyserve_inline_execute'; set that parameter to \"false\" to keep its instance threads)",
                 ErrorCode.INTERNAL,
             )
         sender = _QueueSender()

@@ -80,19 +80,27 @@ class ModelControl(ModelLoader):
         Every model in ``none`` and ``poll`` mode, and in ``explicit`` mode the
         ``startup_models`` (all of them for ``*``) together with the models their ensembles use.
         """
+        self._load_sources(self.startup_sources(report=True))
+
+    def startup_sources(self, report: bool = False) -> dict[str, ModelSource]:
+        """The models ``load_all`` loads, by name.
+
+        :param report: log (and remember in ``missing_startup_models``) the ``--load-model``
+            names the repositories do not hold.
+        """
         sources = scan(self.repositories, self.config_name)
         if self.control_mode is ControlMode.EXPLICIT and self.startup_models != [LOAD_ALL]:
             wanted = self._with_composing(self.startup_models, sources)
             for name in wanted:
-                if name not in sources:  # as Triton: logged, no index entry, readiness unaffected
+                if name not in sources and report:  # as Triton: logged, no index entry, readiness unaffected
                     log.error("failed to load '%s', failed to poll from model repository", name)
                     self.missing_startup_models.append(name)
             sources = {name: sources[name] for name in wanted if name in sources}
-        self._load_sources(sources)
+        return sources
 
     def _load_sources(self, sources: Mapping[str, ModelSource]) -> None:
         """Load models in parallel, then the ensembles among them in dependency order."""
-        all_steps = {name: self._ensemble_steps(source) for name, source in sources.items()}
+        all_steps = {name: self.ensemble_steps(source) for name, source in sources.items()}
         ensembles = {name: steps for name, steps in all_steps.items() if steps is not None}
         plain = [source for name, source in sources.items() if name not in ensembles]
         with ThreadPoolExecutor(self.load_threads, thread_name_prefix="pyserve-load") as pool:
@@ -112,11 +120,12 @@ class ModelControl(ModelLoader):
                 self._load_quietly(name, sources[name])
 
     def _load_quietly(self, name: str, source: ModelSource) -> None:
-        """Load one model, logging (not raising) a failure."""
+        """Load one model (or start what ``prepare`` built of it), logging (not raising) a failure."""
         with self._model_lock(name):
-            self._load_locked(name, source)
+            if not self.start_prepared(name):
+                self._load_locked(name, source)
 
-    def _ensemble_steps(self, source: ModelSource) -> set[str] | None:
+    def ensemble_steps(self, source: ModelSource) -> set[str] | None:
         """The models an ensemble's steps name, or None if ``source`` is not a readable ensemble."""
         try:
             config = self.read_config(source)
@@ -136,7 +145,7 @@ class ModelControl(ModelLoader):
                 continue
             wanted.append(name)
             source = sources.get(name)
-            steps = self._ensemble_steps(source) if source is not None else None
+            steps = self.ensemble_steps(source) if source is not None else None
             todo.extend(sorted(s for s in steps or () if s in sources))
         return wanted
 
@@ -225,6 +234,15 @@ class ModelControl(ModelLoader):
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.unload_model, name, unload_dependents)
 
+    def adopt_prepared(self, name: str, config: Any) -> bool:
+        """Start the versions of ``name`` that ``prepare`` built before the fork, provided they
+        were built with ``config`` (a replica following its owner's config); blocking.
+
+        :returns: False when none were (or with another config): ``load_model`` it instead.
+        """
+        with self._operation(), self._model_lock(name):
+            return self.start_prepared(name, config)
+
     def load_model(self, name: str, config: str | None = None, files: Mapping[str, bytes] | None = None) -> None:
         """Load or reload one model (blocking); its ensembles' composing models come first.
 
@@ -257,7 +275,7 @@ class ModelControl(ModelLoader):
                 source = sources[name]
             else:
                 raise InferError(f"failed to load '{name}', failed to poll from model repository", ErrorCode.INTERNAL)
-            steps = self._steps_of(override_config) if override_config is not None else self._ensemble_steps(source)
+            steps = self._steps_of(override_config) if override_config is not None else self.ensemble_steps(source)
             self._local.loading = {name}
             try:
                 for step in sorted(steps or ()):
@@ -280,7 +298,7 @@ class ModelControl(ModelLoader):
             return  # the ensemble's own load reports the missing step model
         self._local.loading = loading | {name}
         try:
-            steps = self._ensemble_steps(source)
+            steps = self.ensemble_steps(source)
             for step in sorted(steps or ()):
                 self._load_composing(step, sources)
             self._load_quietly(name, source)

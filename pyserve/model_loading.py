@@ -48,6 +48,43 @@ STEPS_UNAVAILABLE = "ensemble contains models that are not available or no longe
 """How the reason of an ensemble version made UNAVAILABLE by a change of its step models starts."""
 
 
+class NotForkSafe(Exception):
+    """While preparing a model before a fork: it must be loaded after the fork (the message
+    says why)."""
+
+
+@dataclass
+class Preparing:
+    """How to load models before a fork (``ModelLoader.prepare``).
+
+    :ivar refusal: called with a version whose model was created (config complete): why it
+        must not be prepared (e.g. it will not be replicated), or None.
+    :ivar config_refusal: the same question about the config as read, before the backend is
+        even resolved (``""``: not wanted, quietly), or None.
+    :ivar count_threads: the process's threads now (native ones too).
+    :ivar threads: how many threads may run: those before the first load, plus what each
+        backend that declared itself fork-safe started in its initialize (a model's load
+        must start none).
+    """
+
+    refusal: Callable[[ModelVersion], str | None]
+    config_refusal: Callable[[str, Any], str | None]
+    count_threads: Callable[[], int]
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        self.threads = self.count_threads()
+
+
+def _asks_fork_safe(backend: LoadedBackend, context: BackendContext) -> bool:
+    """The backend's ``pyserve_backend_fork_safe`` answer (False when it raises or is silent)."""
+    try:
+        return bool(backend.hooks.backend_fork_safe(backend=context))
+    except Exception:
+        log.exception("backend '%s' failed in pyserve_backend_fork_safe", backend.info.name)
+        return False
+
+
 def _ready_again(version: ModelVersion) -> None:
     version.state = ModelState.READY
     version.reason = ""
@@ -66,6 +103,9 @@ class _Built:
     config: Any = None
     versions: dict[int, ModelVersion] = field(default_factory=dict)
     error: str = ""
+    prepared_fingerprint: Fingerprint | None = None
+    """``prepare``: the model directory's fingerprint once its versions were built (what loading
+    itself wrote there included), to tell later changes from it."""
     config_origin: Path | str = ""
     """Where the config came from, for messages: its file (or the model directory when there
     is none: auto-complete), or the load request that carried it."""
@@ -93,6 +133,67 @@ class ModelLoader:
     _closing: bool  # shutdown began: no more ensemble re-checks
     latency_summaries: bool  # --metrics-config summary_latencies=true: versions record them
     rate_limiter: RateLimiter | None
+    cpu_threads: int | None  # ``BackendContext.cpu_threads`` of every backend
+    _preparing: Preparing | None  # set while ``prepare`` loads a model before a fork
+    prepared: dict[str, _Built]  # models ``prepare`` built, waiting for ``start_prepared``
+
+    # -- loading before a fork -----------------------------------------------------------------
+    def prepare(self, name: str, source: ModelSource, rules: Preparing) -> str | None:
+        """Build a model's versions without starting them, for a process that forks next.
+
+        Call on the main thread while no other thread runs. Failures are not recorded: a model
+        that cannot be prepared (or fails) is loaded again, normally, after the fork.
+
+        :returns: None when every selected version is prepared (kept in ``prepared``), else
+            why the model is left for after the fork: ``NotForkSafe``'s reason, or "" when it
+            failed to load (the load after the fork reports that).
+        """
+        built = _Built(source, fingerprint(source.path))
+        self._preparing = rules
+        try:
+            self._build(built, None)
+        except NotForkSafe as exc:
+            self.discard_prepared(built)
+            return str(exc)
+        except Exception:  # a bug in one model's load: the normal load reports it
+            self.discard_prepared(built)
+            return ""
+        finally:
+            self._preparing = None
+        if built.error or not built.versions or not all(v.prepared for v in built.versions.values()):
+            self.discard_prepared(built)
+            return ""
+        built.prepared_fingerprint = fingerprint(source.path)
+        self.prepared[name] = built
+        return None
+
+    def discard_prepared(self, built: _Built) -> None:
+        """Finalize the versions of ``built`` that were prepared and never started."""
+        for version in built.versions.values():
+            if version.prepared and version.backend is not None:
+                version.prepared = False
+                self._finalize_instances(version)
+                self._finalize_model(version)
+
+    def start_prepared(self, name: str, config: Any = None) -> bool:
+        """Start and swap in the prepared versions of ``name`` (the model's lock is held).
+
+        :param config: the config the caller expects (a replica: the owner's); the prepared
+            model is used only if its config is the same. None: any.
+        :returns: False when nothing is prepared for ``name`` (or it differs): load it normally.
+        """
+        built = self.prepared.pop(name, None)
+        if built is None:
+            return False
+        configs = [v.config for v in built.versions.values()]
+        if (config is not None and any(c != config for c in configs)) or (
+                config is None and built.prepared_fingerprint != fingerprint(built.source.path)):
+            self.discard_prepared(built)  # changed since: a normal load reads it again
+            return False
+        for version in built.versions.values():
+            self._start_version(version, built.source.path)
+        self._commit(name, built)
+        return True
 
     # -- loading one model -------------------------------------------------------------------
     def _load_locked(
@@ -148,6 +249,10 @@ class ModelLoader:
         if config.platform == model_config.ENSEMBLE_PLATFORM:
             self._build_ensemble(built, config, selected)
             return
+        if self._preparing is not None:
+            refusal = self._preparing.config_refusal(source.name, config)
+            if refusal is not None:
+                raise NotForkSafe(refusal)
         try:
             backend, backend_ctx = self._backend_for(config, source.path, selected)
         except BackendUnavailable as exc:
@@ -158,7 +263,7 @@ class ModelLoader:
                 version = self._new_version(source.name, number)
                 built.versions[number] = version
                 self._load_version(built, config, number, version, backend, backend_ctx)
-                if version.ready or attempt == self.load_retries:
+                if version.ready or version.prepared or attempt == self.load_retries:
                     break
                 log.warning("model '%s' version %d failed to load (%s); retry %d of %d",
                             source.name, number, version.reason, attempt + 1, self.load_retries)
@@ -308,10 +413,14 @@ class ModelLoader:
                     **self.backend_config.get("", {}),
                     **self.backend_config.get(name, {}),
                 }
-                context = BackendContext(name=name, config=settings, metrics=self.custom_metrics)
+                context = BackendContext(name=name, config=settings, metrics=self.custom_metrics,
+                                         cpu_threads=self.cpu_threads)
                 self._backend_contexts[backend] = context
             if backend.init_error is not None:
                 raise BackendUnavailable(backend.init_error)
+            if self._preparing is not None and not backend.initialized:
+                if not _asks_fork_safe(backend, context):
+                    raise NotForkSafe(f"backend '{name}' does not say its models can be loaded before a fork")
             if not backend.initialized:
                 try:
                     backend.hooks.backend_initialize(backend=context)
@@ -320,6 +429,8 @@ class ModelLoader:
                     log.error("%s", backend.init_error)
                     raise BackendUnavailable(backend.init_error) from exc
                 backend.initialized = True
+                if self._preparing is not None:  # its own threads (a library's timer): declared safe
+                    self._preparing.threads = self._preparing.count_threads()
                 with self._lock:
                     self._initialized_backends.append((backend, context))
         return backend, context
@@ -333,6 +444,29 @@ class ModelLoader:
         backend: LoadedBackend,
         backend_ctx: BackendContext,
     ) -> None:
+        """Create one version and start it; while preparing (``prepare``), only create it."""
+        if not self._create_version(built, base_config, number, version, backend, backend_ctx):
+            return
+        if self._preparing is not None:
+            version.prepared = True
+            return
+        self._start_version(version, built.source.path)
+
+    def _create_version(
+        self,
+        built: _Built,
+        base_config: Any,
+        number: int,
+        version: ModelVersion,
+        backend: LoadedBackend,
+        backend_ctx: BackendContext,
+    ) -> bool:
+        """Auto-complete, validate, create the model, its instances, scheduler and workers
+        (not started). :returns: False when the version failed (its reason is set).
+
+        :raises NotForkSafe: while preparing, a model that must be loaded after the fork
+            (its model was finalized).
+        """
         source = built.source
         config = ModelConfig()
         config.CopyFrom(base_config)
@@ -354,27 +488,33 @@ class ModelLoader:
                     model_config.normalize(config, source.path, self.host.platform_backend, built.config_origin)
             except Exception as exc:
                 version.fail(f"auto-complete of the config failed: {_describe(exc)}")
-                return
+                return False
         problems = model_config.validate(config, source.path)
         if problems:
             version.fail(f"{built.config_origin}: " + "; ".join(problems))
-            return
+            return False
         version.config = config
         version.io = model_config.model_io(config, source.path)
         version.context = context
         version.backend = backend
+        context.fork_safe = self._preparing is not None
         try:
             context.state = hooks.model_create(model=context)
         except Exception as exc:
             version.fail(f"backend '{backend.info.name}' failed to create the model: {_describe(exc)}")
-            return
+            return False
+        if self._preparing is not None:
+            refusal = self._preparing.refusal(version)
+            if refusal is not None:
+                self._finalize_model(version)
+                raise NotForkSafe(refusal)
         try:
             self._create_instances(version, context, backend)
         except Exception as exc:
             self._finalize_instances(version)
             self._finalize_model(version)
             version.fail(f"backend '{backend.info.name}' failed to create an instance: {_describe(exc)}")
-            return
+            return False
         limiter = self.rate_limiter if any(c.needs for c in version.rate_claims) else None
         if limiter is not None:
             try:
@@ -384,7 +524,7 @@ class ModelLoader:
                 self._finalize_instances(version)
                 self._finalize_model(version)
                 version.fail(f"rate limiter: {exc}")
-                return
+                return False
         try:
             scheduler = scheduler_for(
                 config, version.io, len(version.instances), source.path, inline_allowed=limiter is None,
@@ -394,7 +534,7 @@ class ModelLoader:
             self._finalize_instances(version)
             self._finalize_model(version)
             version.fail(f"{built.config_origin}: {exc}")
-            return
+            return False
         version.scheduler = scheduler
         version.workers = [
             InstanceWorker(inst, backend, scheduler.batch_source(i), version.io, scheduler.observe,
@@ -404,21 +544,28 @@ class ModelLoader:
         ]
         if isinstance(scheduler, (LoopScheduler, LoopShortcut)):  # they execute on the loop
             scheduler.attach(version.workers)
+        return True
+
+    def _start_version(self, version: ModelVersion, model_path: Path) -> None:
+        """Start a created version's instance threads, warm it up, and make it READY (or
+        UNAVAILABLE with the reason, everything it made finalized)."""
+        assert version.config is not None and version.context is not None
+        version.prepared = False
         try:
             for worker in version.workers:
                 worker.start()
-            if config.model_warmup:
-                run_warmup(version, source.path)
+            if version.config.model_warmup:
+                run_warmup(version, model_path)
         except Exception as exc:  # a thread that would not start, a failed warmup, MemoryError...
             version.state = ModelState.UNLOADING
             self._stop_workers(version, None)
             self._finalize_instances(version)
             self._finalize_model(version)
             version.fail(str(exc) if isinstance(exc, WarmupError) else
-                         f"model '{source.name}' version {number} could not start: {_describe(exc)}")
+                         f"model '{version.name}' version {version.version} could not start: {_describe(exc)}")
             return
         version.state = ModelState.READY
-        self._notify("pyserve_model_ready", context)
+        self._notify("pyserve_model_ready", version.context)
 
     def _create_instances(self, version: ModelVersion, context: ModelContext, backend: LoadedBackend) -> None:
         index = 0

@@ -63,6 +63,8 @@ class ModelManager(ModelControl):
         read from it instead of ``config.pbtxt``.
     :param rate_limiter: ``--rate-limit execution_count``: the pool instances take their
         ``rate_limiter`` resources from before each execute; None: not limited.
+    :param cpu_threads: the threads a model's own CPU pool should use when its config sets
+        none (``BackendContext.cpu_threads``); None: each library's default.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class ModelManager(ModelControl):
         backend_directory: str | None = None,
         config_name: str = "",
         rate_limiter: RateLimiter | None = None,
+        cpu_threads: int | None = None,
     ) -> None:
         self.repositories = repositories
         self.host = host
@@ -95,6 +98,7 @@ class ModelManager(ModelControl):
         self.backend_directory = backend_directory
         self.config_name = config_name
         self.rate_limiter = rate_limiter
+        self.cpu_threads = cpu_threads
         self.records: dict[str, ModelRecord] = {}
         self._backend_contexts: dict[LoadedBackend, BackendContext] = {}
         self._initialized_backends: list[tuple[LoadedBackend, BackendContext]] = []
@@ -111,6 +115,8 @@ class ModelManager(ModelControl):
         self._poller: threading.Thread | None = None
         self._local = threading.local()
         self._leftover_dirs: list[Path] = []
+        self._preparing = None
+        self.prepared = {}
 
     # -- lookups (event loop) --------------------------------------------------------------
     def get(self, name: str, version: str | int | None = None) -> ModelVersion:

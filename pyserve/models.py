@@ -42,6 +42,8 @@ class ModelVersion:
     :ivar successor: set when a reload replaced this version while requests may still hold
         it: ``serving`` then hands those requests to the version that replaced it.
     :ivar stats: the version's statistics (statistics extension and ``nv_inference_*`` metrics).
+    :ivar prepared: built before a fork: its model and instances exist, its instance threads
+        do not run yet (``ModelLoader.start_prepared`` finishes it in the process that serves it).
     """
 
     name: str
@@ -58,6 +60,7 @@ class ModelVersion:
     scheduler: Scheduler | None = None
     successor: ModelVersion | None = None
     stats: ModelStats = field(default_factory=ModelStats)
+    prepared: bool = False
 
     @property
     def ready(self) -> bool:

@@ -47,6 +47,7 @@ TRITON_PLATFORMS: dict[str, str] = {
 """Triton's fixed platform → backend table (``ensemble`` has no backend)."""
 
 LIFECYCLE_HOOKS = (
+    "pyserve_backend_fork_safe",
     "pyserve_backend_initialize",
     "pyserve_backend_finalize",
     "pyserve_model_auto_complete",
@@ -112,6 +113,7 @@ class BackendHooks:
     ``pyserve_execute`` is the only implementation (no server plugin wraps it): the same result
     and exceptions as calling the hook, a few microseconds sooner per batch. None otherwise."""
 
+    backend_fork_safe: Any
     backend_initialize: Any
     backend_finalize: Any
     model_auto_complete: Any

@@ -32,6 +32,7 @@ from pyserve.http.app import create_app
 from pyserve.http.body import DEFAULT_MAX_INPUT_SIZE
 from pyserve.handoff.balancer import FRONTEND_BALANCE, ConnectionBalancer
 from pyserve.handoff.owner import HandoffServer
+from pyserve.handoff.prefork import Preforked
 from pyserve.handoff.replicas import ReplicationMode
 from pyserve.handoff.supervisor import (
     MAX_FRONTEND_PROCESSES,
@@ -184,6 +185,16 @@ def _rate_limiter(options: ServerOptions) -> RateLimiter | None:
     return limiter
 
 
+def _cpu_threads(options: ServerOptions) -> int | None:
+    """``BackendContext.cpu_threads``: with frontend processes, the CPUs each process has (so
+    that processes times threads fit the machine); None for one process (libraries' defaults)."""
+    if options.frontend_processes <= 0:
+        return None
+    from pyserve.handoff.layout import usable_cpus
+
+    return max(1, usable_cpus().count // (options.frontend_processes + 1))
+
+
 class Server:
     """One pyserve server.
 
@@ -207,8 +218,10 @@ class Server:
             backend_directory=options.backend_directory,
             config_name=_config_name(options.model_config_name),
             rate_limiter=_rate_limiter(options),
+            cpu_threads=_cpu_threads(options),
         )
         self.dataplane = DataPlane(self.models, options.server_id, __version__)
+        self.models.server_handle = ServerHandle(self.dataplane, None)  # bound to the loop in start
         self.dataplane.tracing = TraceManager(options.trace_config)
         self.dataplane.strict_readiness = options.strict_readiness
         if options.cache_config is not None:
@@ -252,10 +265,34 @@ class Server:
         self._balancer: ConnectionBalancer | None = None
         self._cpus: list[int] | None = None  # --pin-processes: the CPUs to spread the processes over (and to restore)
         self._owner_http: HttpServer | None = None
+        self._preforked: Preforked | None = None
         self.frontends: FrontendSupervisor | None = None
         """The frontend processes (``--frontend-processes``), once started."""
         self._stop = asyncio.Event()
         self._stopped = False
+
+    def prefork(self) -> None:
+        """Load the models that frontend processes replicate, then fork the frontends from
+        that state (``pyserve.handoff.prefork``), so that all processes share their weights.
+
+        ``pyserve run`` calls it on its main thread before ``run``, while no other thread runs;
+        without frontend processes, or where forking is not possible, it does nothing (the
+        frontends are then spawned when the server starts).
+        """
+        options = self.options
+        if not 0 < options.frontend_processes <= MAX_FRONTEND_PROCESSES or self._preforked is not None:
+            return
+        if not (options.allow_http or options.allow_grpc) or (options.allow_http and options.http_server != "pyserve"):
+            return  # start() refuses these
+        from pyserve.handoff import frontend, prefork
+
+        models = self.models
+
+        def serve_child(settings: dict[str, Any]) -> int:
+            return frontend.run_forked(settings, models)
+
+        self._preforked = prefork.prepare_and_fork(models, options.frontend_processes, options.replicate_models,
+                                                   serve_child)
 
     async def start(self) -> None:
         """Load the models, then start listening.
@@ -273,7 +310,7 @@ class Server:
                 self._saved_busy_poll = busy_poll.configure(self.options.busy_poll_us)
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
-        self.models.server_handle = ServerHandle(self.dataplane, loop)
+        self.models.server_handle.bind(self.dataplane, loop)
         self.models.loop = loop
         await loop.run_in_executor(None, self.models.load_all)
         self._log_model_table()
@@ -289,8 +326,9 @@ class Server:
         self.models.start_polling()
         if self.options.frontend_processes:
             await self._start_handoff()
-        # Triton's order: gRPC, metrics, then HTTP, whose log line a script may wait for; without
-        # frontend processes nothing runs on the loop between that line and being ready
+        # Triton's order: gRPC, metrics, then HTTP, whose log line a script may wait for: it is
+        # written once the frontend processes serve too, and nothing runs on the loop between it
+        # and being ready
         if self.options.allow_grpc:
             await self._start_grpc()
         if self.options.allow_metrics:
@@ -299,6 +337,8 @@ class Server:
             await self._start_http()
         if self.options.frontend_processes:
             await self._start_frontends()
+        if self.http_port is not None:  # the line scripts wait for: only once every process serves
+            log.info("Started HTTPService at %s:%d", self.options.host, self.http_port)
         self.dataplane.starting = False
 
     async def _start_handoff(self) -> None:
@@ -359,8 +399,10 @@ class Server:
             "auto_complete": options.auto_complete,
             "backend_config": {k: dict(v) for k, v in options.backend_config.items()},
             "backend_directory": options.backend_directory,
+            "cpu_threads": self.models.cpu_threads,
         }
-        self.frontends = FrontendSupervisor(options.frontend_processes, settings, self._handoff, cpus=self._cpus)
+        self.frontends = FrontendSupervisor(options.frontend_processes, settings, self._handoff, cpus=self._cpus,
+                                            preforked=self._preforked)
         try:
             await self.frontends.start()
         except FrontendStartError as exc:
@@ -434,7 +476,6 @@ class Server:
                 where = f"{self.options.host}:{self.options.http_port}"
                 raise StartupError(f"HTTP service cannot listen on {where}: {exc}") from exc
             self.http_port = self._http.port
-            log.info("Started HTTPService at %s:%d", self.options.host, self.http_port)
             return
         import uvicorn
 
@@ -460,7 +501,6 @@ class Server:
             await asyncio.sleep(0.01)
         self.http_port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
         client_activity.untracked_server(True)  # its requests are not reported: executes stay on threads
-        log.info("Started HTTPService at %s:%d", self.options.host, self.http_port)
 
     def _log_model_table(self) -> None:
         rows = [
@@ -526,6 +566,8 @@ class Server:
             busy_poll.configure(self._saved_busy_poll)
         if self._cpus is not None:
             affinity.restore(self._cpus)
+        if self._preforked is not None:  # children never given their settings exit
+            await loop.run_in_executor(None, self._preforked.close)
         if self._handoff_dir is not None:
             shutil.rmtree(self._handoff_dir, ignore_errors=True)
         log.info("Server stopped")

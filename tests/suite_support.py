@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,7 @@ __all__ = [
     "REPO_ROOT",
     "SQUARE_CONFIG",
     "QueuedStream",
+    "RunningServer",
     "StartServer",
     "grpc_handler_server",
     "identity_config",
@@ -37,6 +42,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_REPOSITORY = REPO_ROOT / "examples" / "model_repository"
 
 StartServer = ServerFactory
+
+STARTED = re.compile(r"Started HTTPService at (\S+):(\d+)")
+"""The log line ``pyserve run`` writes once it serves, with the HTTP address and port."""
 
 DATATYPES: dict[str, tuple[str, Any]] = {
     # KServe datatype → (config data_type, numpy dtype)
@@ -267,3 +275,53 @@ def wait_for(condition: Callable[[], bool], timeout: float = 15.0, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+class RunningServer:
+    """A ``pyserve run`` subprocess whose stderr is collected on a thread."""
+
+    def __init__(self, args: Sequence[str]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pyserve", "run", "--http-port", "0", "--grpc-port", "0",
+             "--metrics-port", "0", "--http-address", "127.0.0.1", *args],
+            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        self.lines: list[str] = []
+        self.port: int | None = None
+        self._started = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.append(line)
+            match = STARTED.search(line)
+            if match:
+                self.port = int(match.group(2))
+                self._started.set()
+        self._started.set()
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def wait_started(self, timeout: float = 30) -> str:
+        assert self._started.wait(timeout), "server did not start:\n" + self.stderr
+        assert self.port is not None, "server exited before listening:\n" + self.stderr
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, timeout: float) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout)
+        self._reader.join(5)
+        return code
+
+    def close(self) -> None:
+        """Kill the process if it still runs, and close its pipe."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        self._reader.join(5)
+        if self.process.stderr is not None:
+            self.process.stderr.close()

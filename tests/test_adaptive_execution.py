@@ -425,3 +425,61 @@ def test_the_estimate_rises_at_once_and_falls_gradually() -> None:
     assert scheduler.estimate_ns == 900_000
     scheduler._record(100_000)
     assert scheduler.estimate_ns == 800_000  # an eighth of the way down
+
+
+# -- Python models: compute-only unless they call the server (pyserve_backend_python.compute) ------
+
+PY_BLS_HELPER = '''
+import triton_python_backend_utils as pb_utils
+
+
+def ask(name, tensor):
+    return pb_utils.InferenceRequest(model_name=name, requested_output_names=["OUTPUT0"], inputs=[tensor]).exec()
+'''
+
+PY_ASYNC = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())])
+                for r in requests]
+'''
+
+
+def _python_repo(tmp_path: Path) -> Path:
+    from suite_support import ECHO_MODEL_PY, python_echo_config, write_model
+
+    repo = tmp_path / "repo"
+    write_model(repo, "py", python_echo_config("py"), {"1/model.py": ECHO_MODEL_PY})
+    # BLS named only in a helper file beside model.py: still never on the loop
+    write_model(repo, "py_bls", python_echo_config("py_bls"), {"1/model.py": ECHO_MODEL_PY, "1/helper.py": PY_BLS_HELPER})
+    write_model(repo, "py_async", python_echo_config("py_async"), {"1/model.py": PY_ASYNC})
+    write_model(repo, "py_threads", python_echo_config("py_threads", auto("false")), {"1/model.py": ECHO_MODEL_PY})
+    return repo
+
+
+def _python_input() -> Any:
+    tensor = httpclient.InferInput("INPUT0", [1, 2], "FP32")
+    tensor.set_data_from_numpy(VALUES)
+    return tensor
+
+
+def test_a_python_model_that_only_computes_executes_on_the_loop(start_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pyserve.testing import BatchRecorder
+
+    recorder = BatchRecorder()
+    server = start_server(_python_repo(tmp_path), server_plugins=[recorder], frontend_processes=0)
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        calls = recorder.until_on_the_loop("py", lambda: client.infer("py", [_python_input()]), timeout=60)
+        assert calls >= 1
+        for name in ("py_bls", "py_async", "py_threads"):
+            for _ in range(20):
+                np.testing.assert_array_equal(client.infer(name, [_python_input()]).as_numpy("OUTPUT0"), VALUES)
+            assert LOOP_THREAD not in recorder.threads[name], f"{name} executed on the loop"
+        versions = {name: server.server.models.get(name) for name in ("py", "py_bls", "py_async", "py_threads")}
+        assert [v.context.compute_only for v in versions.values()] == [True, False, False, True]
+    finally:
+        client.close()

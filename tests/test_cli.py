@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -17,10 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from suite_support import EXAMPLE_REPOSITORY, REPO_ROOT, write_model
+from suite_support import EXAMPLE_REPOSITORY, REPO_ROOT, RunningServer, write_model
 
 EXAMPLE_MODELS = ("add_sub", "classifier", "identity_bytes", "identity_fp32", "sentiment", "simple", "square")
-STARTED = re.compile(r"Started HTTPService at (\S+):(\d+)")
 EXIT_TIMEOUT = 10
 
 
@@ -29,56 +27,6 @@ def pyserve(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]
         [sys.executable, "-m", "pyserve", *args],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, check=False,
     )
-
-
-class RunningServer:
-    """A ``pyserve run`` subprocess whose stderr is collected on a thread."""
-
-    def __init__(self, args: Sequence[str]) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "pyserve", "run", "--http-port", "0", "--grpc-port", "0",
-             "--metrics-port", "0", "--http-address", "127.0.0.1", *args],
-            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
-        self.lines: list[str] = []
-        self.port: int | None = None
-        self._started = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.lines.append(line)
-            match = STARTED.search(line)
-            if match:
-                self.port = int(match.group(2))
-                self._started.set()
-        self._started.set()
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.lines)
-
-    def wait_started(self, timeout: float = 30) -> str:
-        assert self._started.wait(timeout), "server did not start:\n" + self.stderr
-        assert self.port is not None, "server exited before listening:\n" + self.stderr
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self, timeout: float) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        code = self.process.wait(timeout)
-        self._reader.join(5)
-        return code
-
-    def close(self) -> None:
-        """Kill the process if it still runs, and close its pipe."""
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
-        self._reader.join(5)
-        if self.process.stderr is not None:
-            self.process.stderr.close()
 
 
 @pytest.fixture

@@ -66,5 +66,6 @@ def test_the_flag() -> None:
 
     parser = build_parser()
     base = ["run", "--model-repository", "repo"]
-    assert parser.parse_args(base).pin_processes is False
+    assert parser.parse_args(base).pin_processes == "auto"  # pyserve.handoff.layout decides
     assert parser.parse_args([*base, "--pin-processes", "true"]).pin_processes is True
+    assert parser.parse_args([*base, "--pin-processes", "false"]).pin_processes is False

@@ -165,16 +165,19 @@ class ConnectionBalancer:
 
     # -- placing connections ----------------------------------------------------------------------
     def _choose(self) -> _Peer | None:
-        """The frontend to take the next connection, or None for the owner (fewest open; ties in turn)."""
+        """The frontend to take the next connection, or None for the owner: the fewest open,
+        the owner first among equals (it answers every model without a hand-off, so a lone
+        client never pays one), frontends in turn among themselves."""
         if not self.peers:
             return None
-        loads = [sum(count() for count in self._local_counts) + self._local_pending]
-        loads += [peer.load for peer in self.peers]
-        least = min(loads)
-        tied = [i for i, load in enumerate(loads) if load == least]
-        index = tied[self._turn % len(tied)]
+        owner = sum(count() for count in self._local_counts) + self._local_pending
+        least = min(peer.load for peer in self.peers)
+        if owner <= least:
+            return None
+        tied = [peer for peer in self.peers if peer.load == least]
+        peer = tied[self._turn % len(tied)]
         self._turn += 1
-        return None if index == 0 else self.peers[index - 1]
+        return peer
 
     def place(self, conn: socket.socket, kind: bytes, adopt: Adopt) -> None:
         """Pass ``conn`` to the frontend with the fewest connections, or serve it here."""

@@ -534,12 +534,16 @@ def create_grpc(dataplane: FrontendDataPlane, options: GrpcOptions, owner_addres
 # -- the process ----------------------------------------------------------------------------
 
 
-async def serve(settings: dict[str, Any]) -> int:
-    """Run one frontend until SIGTERM or until the owner goes away; the exit status."""
+async def serve(settings: dict[str, Any], prepared: Any = None) -> int:
+    """Run one frontend until SIGTERM or until the owner goes away; the exit status.
+
+    :param prepared: a forked frontend's ``ModelManager`` holding the models prepared before
+        the fork (``pyserve.handoff.prefork``), which its replicas start instead of loading.
+    """
     loop = asyncio.get_running_loop()
     link = OwnerLink()
     if settings.get("replicate", "none") != "none":
-        link.replicas = ReplicaSet(settings)
+        link.replicas = ReplicaSet(settings, prepared)
         link.replicas.on_change = link.announce_replicas
     try:
         await loop.create_unix_connection(lambda: link, settings["handoff"])
@@ -633,6 +637,18 @@ def _open_connections(http: FrontendHttpServer | None, grpc_server: Any) -> int:
     if grpc_server is not None and hasattr(grpc_server, "tcp_connection_count"):
         count += grpc_server.tcp_connection_count()
     return count
+
+
+def run_forked(settings: dict[str, Any], prepared: Any) -> int:
+    """A frontend forked from the owner (``pyserve.handoff.prefork``): serve with ``settings``,
+    starting the replicas ``prepared`` holds; the exit status."""
+    logs.configure(**settings.get("log", {}))
+    try:
+        import uvloop
+
+        return uvloop.run(serve(settings, prepared))
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        return asyncio.run(serve(settings, prepared))
 
 
 def main(argv: list[str] | None = None) -> int:

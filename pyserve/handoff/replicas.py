@@ -138,30 +138,39 @@ class ReplicaSet:
     lookup: the READY replica standing for one owner version, or None.
 
     :param settings: the frontend settings (``repositories``, ``backend_config``, ...).
+    :param prepared: a forked frontend's copy of the owner's ``ModelManager`` from before the
+        fork (``pyserve.handoff.prefork``): its prepared models are started instead of loaded,
+        sharing their weights with the owner. None: a fresh manager that loads every replica.
     """
 
-    def __init__(self, settings: dict[str, Any]) -> None:
+    def __init__(self, settings: dict[str, Any], prepared: Any = None) -> None:
         import asyncio
 
         from pyserve import __version__
         from pyserve.dataplane import DataPlane
         from pyserve.inprocess import ServerHandle
-        from pyserve.model_manager import ModelManager
+        from pyserve.model_manager import ControlMode, ModelManager
         from pyserve.plugins import PluginHost
 
         self.loop = asyncio.get_running_loop()
-        self.models = ModelManager(
-            [Path(p) for p in settings["repositories"]],
-            PluginHost(),
-            auto_complete=settings["auto_complete"],
-            backend_config=settings["backend_config"],
-            load_threads=1,
-            control_mode="explicit",
-            backend_directory=settings["backend_directory"],
-        )
+        if prepared is not None:
+            self.models = prepared
+            self.models.control_mode = ControlMode.EXPLICIT  # replicas follow the owner's snapshots
+        else:
+            self.models = ModelManager(
+                [Path(p) for p in settings["repositories"]],
+                PluginHost(),
+                auto_complete=settings["auto_complete"],
+                backend_config=settings["backend_config"],
+                load_threads=1,
+                control_mode="explicit",
+                backend_directory=settings["backend_directory"],
+                cpu_threads=settings.get("cpu_threads"),
+            )
+            self.models.server_handle = ServerHandle(None, self.loop)
         self.dataplane = DataPlane(self.models, "pyserve", __version__)
         self.dataplane.live = self.dataplane.accepting = True
-        self.models.server_handle = ServerHandle(self.dataplane, self.loop)
+        self.models.server_handle.bind(self.dataplane, self.loop)
         self.models.loop = self.loop
         self.by_generation: dict[int, ModelVersion] = {}
         self._loaded_config: dict[str, bytes] = {}  # model name → the owner config it was loaded with
@@ -217,9 +226,11 @@ class ReplicaSet:
             await loop.run_in_executor(None, self.models.unload_model, name)
         for name, (config, _, versions) in wanted.items():
             if self._loaded_config.get(name) != config:
-                text = orjson.dumps(model_config_to_dict(pb.ModelConfig.FromString(config))).decode()
+                message = pb.ModelConfig.FromString(config)
                 try:
-                    await loop.run_in_executor(None, self.models.load_model, name, text)
+                    if not await loop.run_in_executor(None, self.models.adopt_prepared, name, message):
+                        text = orjson.dumps(model_config_to_dict(message)).decode()
+                        await loop.run_in_executor(None, self.models.load_model, name, text)
                 except InferError as exc:
                     log.warning("frontend: no replica of model '%s': %s", name, exc.message)
                     self._loaded_config[name] = config  # do not retry the same config
@@ -235,6 +246,7 @@ class ReplicaSet:
                                 "its requests go to the owner", name, version)
                     continue
                 self.by_generation[generation] = replica
+        self.models.prepared.clear()  # what the owner does not serve (or serves otherwise) is dropped
 
     def _retire(self, generation: int) -> None:
         replica = self.by_generation.pop(generation, None)

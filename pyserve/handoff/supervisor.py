@@ -21,6 +21,7 @@ from typing import Any
 
 from pyserve import affinity
 from pyserve.handoff.owner import HandoffServer
+from pyserve.handoff.prefork import ForkedProcess, Preforked
 from pyserve_hookspecs import hookimpl
 
 log = logging.getLogger("pyserve.handoff")
@@ -29,6 +30,10 @@ MAX_FRONTEND_PROCESSES = 64
 _RESTART_DELAY = 1.0
 _RESTART_DELAY_MAX = 30.0
 _STABLE_AFTER = 60.0
+
+
+ChildProcess = subprocess.Popen[bytes] | ForkedProcess
+"""A frontend process: spawned, or forked before the owner started."""
 
 
 class FrontendStartError(RuntimeError):
@@ -55,7 +60,7 @@ class _Slot:
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: ChildProcess | None = None
         self.started_at = 0.0
         self.delay = _RESTART_DELAY
         self.restart: asyncio.TimerHandle | None = None
@@ -68,8 +73,11 @@ class FrontendSupervisor:
     """
 
     def __init__(self, count: int, settings: dict[str, Any], handoff: HandoffServer,
-                 cpus: list[int] | None = None) -> None:
+                 cpus: list[int] | None = None, preforked: Preforked | None = None) -> None:
         self.settings = settings
+        self.preforked = preforked
+        """Frontends forked before the owner started (``pyserve.handoff.prefork``): each slot
+        takes one of them first; later starts spawn a fresh process."""
         self.cpus = cpus
         """``--pin-processes``: frontend ``i`` runs on ``cpus[(i + 1) % len(cpus)]`` (None: anywhere)."""
         self.handoff = handoff
@@ -115,8 +123,12 @@ class FrontendSupervisor:
         slot.restart = None
         if self.stopping:
             return
-        command = [sys.executable, "-m", "pyserve.handoff.frontend", json.dumps(self.settings)]
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, close_fds=True)
+        process: ChildProcess | None = None
+        if self.preforked is not None:
+            process = self.preforked.release(self.settings)
+        if process is None:
+            command = [sys.executable, "-m", "pyserve.handoff.frontend", json.dumps(self.settings)]
+            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, close_fds=True)
         if self.cpus:  # before the new interpreter starts threads: they inherit it
             affinity.pin_child(process.pid, affinity.cpu_for(slot.index + 1, self.cpus))
         slot.process = process
@@ -131,7 +143,7 @@ class FrontendSupervisor:
 
         threading.Thread(target=watch, name=f"pyserve-frontend-{slot.index}", daemon=True).start()
 
-    def _exited(self, slot: _Slot, process: subprocess.Popen[bytes], status: int) -> None:
+    def _exited(self, slot: _Slot, process: ChildProcess, status: int) -> None:
         if self.stopping or slot.process is not process:
             return
         if time.monotonic() - slot.started_at > _STABLE_AFTER:

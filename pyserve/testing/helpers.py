@@ -4,6 +4,7 @@ batch sizes."""
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import textwrap
@@ -24,6 +25,31 @@ ServerFactory = Callable[..., "ServerThread"]
 
 LOOP_THREAD = "pyserve-server"
 """The name of a ``ServerThread``'s event loop thread."""
+
+LAYOUT_VARIABLE = "PYSERVE_TEST_LAYOUT"
+"""Environment variable: ``default`` makes ``serve`` start servers in the process layout
+``pyserve run`` chooses on this machine (frontend processes, replicas, busy polling), unless a
+test sets ``frontend_processes`` itself; unset or anything else: one process, as embedded
+servers are by default. ``make test`` sets it, so the suite runs against the default layout."""
+
+
+def default_layout(options: dict[str, Any]) -> None:
+    """Fill ``options`` (``ServerOptions`` keyword arguments) with the layout ``pyserve run``
+    would choose, where the caller did not choose one (``frontend_processes`` unset)."""
+    from pyserve.handoff.layout import choose
+
+    if "frontend_processes" in options:
+        return
+    single = None
+    if not (options.get("allow_http", True) or options.get("allow_grpc", True)):
+        single = "neither HTTP nor gRPC is served"
+    elif options.get("allow_http", True) and options.get("http_server", "pyserve") != "pyserve":
+        single = "uvicorn"
+    layout = choose(single_reason=single)
+    options["frontend_processes"] = layout.frontend_processes
+    options.setdefault("replicate_models", layout.replicate_models)
+    options.setdefault("busy_poll_us", layout.busy_poll_us)
+    options.setdefault("pin_processes", layout.pin_processes)
 
 
 @contextlib.contextmanager
@@ -53,6 +79,8 @@ def serve(
     options.setdefault("http_port", 0)
     options.setdefault("grpc_port", 0)
     options.setdefault("metrics_port", 0)
+    if os.environ.get(LAYOUT_VARIABLE) == "default":
+        default_layout(options)
     settings = ServerOptions(model_repositories=[Path(r) for r in repositories], **options)
     thread = ServerThread(Server(settings, host))
     thread.start()

@@ -61,6 +61,32 @@ def pyserve_backend_initialize(backend: BackendContext) -> None:
     """
 
 
+@hookspec(firstresult=True)
+def pyserve_backend_fork_safe(backend: BackendContext) -> bool | None:
+    """Whether this backend's models may be loaded in a process that forks afterwards.
+
+    ``pyserve run`` with frontend processes loads the models it replicates once and then
+    forks the frontend processes, so that all of them share one copy of the weights
+    (copy-on-write). Only the models of backends that answer True are loaded that way; the
+    others are loaded by each process after the fork, as without this hook.
+
+    When: once per backend, before ``pyserve_backend_initialize``, and only in a server that
+    forks; a backend that does not implement it is never asked to load before a fork.
+    Thread: the server's main thread, while no other thread runs.
+
+    :param backend: the backend's context (``name``, ``config``), not initialized yet.
+    :returns: True when ``pyserve_backend_initialize``, ``pyserve_model_create`` and
+        ``pyserve_instance_create`` start no threads or processes and make nothing that a
+        forked child cannot use (network connections, GPU contexts, files opened for writing),
+        and what they return stays valid in the child, which runs warm-up and every execute
+        on threads of its own. A model may still opt out by setting ``model.fork_safe =
+        False`` in ``pyserve_model_create``. False or None: load after the fork. The server
+        also counts the process's threads around each such load and loads a model that
+        started threads after the fork instead.
+    :raises Exception: logged with the backend name; taken as False.
+    """
+
+
 @hookspec
 def pyserve_backend_finalize(backend: BackendContext) -> None:
     """Release what ``pyserve_backend_initialize`` acquired.
@@ -112,7 +138,9 @@ def pyserve_model_create(model: ModelContext) -> Any:
         request, and never calls the server): the server may then run its short executes
         on the event loop while a single client sends requests one after another (config
         parameter ``pyserve_inline_execute``, ``"auto"``), which saves two thread wake-ups
-        per request.
+        per request. Before a fork (``pyserve_backend_fork_safe``) ``model.fork_safe`` is
+        True, and the implementation may set it to False for a model that cannot be
+        inherited by a forked process (its instances are then not created before the fork).
     :returns: any object; it is stored as ``model.state``. ``None`` is fine.
     :raises Exception: the version becomes UNAVAILABLE with the exception text as its reason;
         no instance is created and ``pyserve_model_finalize`` is not called. Other models

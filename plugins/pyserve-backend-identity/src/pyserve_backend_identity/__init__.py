@@ -11,11 +11,20 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from pyserve import InferError, InferRequest, InferResponse, InstanceContext, ModelContext, hookimpl
+from pyserve import BackendContext, InferError, InferRequest, InferResponse, InstanceContext, ModelContext, hookimpl
 
 from pyserve_backend_identity.model import ExecuteSnapshot, ExecuteStats, IdentityModel
 
-__all__ = ["ExecuteSnapshot", "ExecuteStats", "IdentityModel", "pyserve_execute", "pyserve_model_create"]
+__all__ = [
+    "ExecuteSnapshot", "ExecuteStats", "IdentityModel", "pyserve_backend_fork_safe", "pyserve_execute",
+    "pyserve_model_create",
+]
+
+
+@hookimpl
+def pyserve_backend_fork_safe(backend: BackendContext) -> bool:
+    """True: a model is its parsed config (no threads, nothing tied to the process)."""
+    return True
 
 
 @hookimpl

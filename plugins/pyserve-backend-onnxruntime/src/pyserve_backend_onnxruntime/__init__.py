@@ -30,6 +30,7 @@ from pyserve_backend_onnxruntime.runtime import OnnxInstance, OnnxModel, auto_co
 __all__ = [
     "OnnxInstance",
     "OnnxModel",
+    "pyserve_backend_fork_safe",
     "pyserve_backend_initialize",
     "pyserve_execute",
     "pyserve_instance_create",
@@ -37,6 +38,14 @@ __all__ = [
     "pyserve_model_auto_complete",
     "pyserve_model_create",
 ]
+
+
+@hookimpl
+def pyserve_backend_fork_safe(backend: BackendContext) -> bool:
+    """True: importing onnxruntime and creating a CPU session with one intra-op thread starts
+    no thread pool, and such a session runs in a forked process. Models whose sessions would
+    use a pool opt out in ``pyserve_model_create``."""
+    return True
 
 
 @hookimpl
@@ -63,9 +72,12 @@ def pyserve_model_auto_complete(model: ModelContext) -> bool:
 def pyserve_model_create(model: ModelContext) -> OnnxModel:
     """Locate the model file and read the session settings; becomes ``model.state``. The model
     is compute-only (``ModelContext.compute_only``): a session run waits for nothing else.
+    Without ``intra_op_thread_count``, sessions use ``backend.cpu_threads`` intra-op threads
+    (the server's CPUs per process) where the server sets it, else onnxruntime's default.
 
     :raises ValueError: missing model file, a bad parameter value, or an unsupported datatype.
     """
     state = OnnxModel.from_context(model)
     model.compute_only = True
+    model.fork_safe = model.fork_safe and state.pool_free()
     return state

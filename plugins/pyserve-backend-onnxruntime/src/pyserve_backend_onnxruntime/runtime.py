@@ -224,6 +224,7 @@ class OnnxModel(FrameworkModel):
     """What ``pyserve_model_create`` stores as ``model.state``: file, settings, config tensors."""
 
     intra_op_threads: int | None = None
+    default_threads: int | None = None  # ``BackendContext.cpu_threads``: intra-op threads when unset
     inter_op_threads: int | None = None
     graph_level: str = "ORT_ENABLE_ALL"
     enable_mem_arena: bool | None = None
@@ -270,6 +271,7 @@ class OnnxModel(FrameworkModel):
             inputs=config_tensors(config.input, "input", "onnxruntime", UNSUPPORTED_TYPES),
             outputs=config_tensors(config.output, "output", "onnxruntime", UNSUPPORTED_TYPES),
             intra_op_threads=int_parameter(params, "intra_op_thread_count", MAX_THREAD_COUNT),
+            default_threads=model.backend.cpu_threads,
             inter_op_threads=int_parameter(params, "inter_op_thread_count", MAX_THREAD_COUNT),
             graph_level=GRAPH_LEVELS.get(level, "ORT_ENABLE_ALL"),
             enable_mem_arena=bool_parameter(params, "enable_mem_arena"),
@@ -282,13 +284,21 @@ class OnnxModel(FrameworkModel):
             openvino=openvino,
         )
 
+    def pool_free(self) -> bool:
+        """Whether this model's sessions run without a thread pool (one intra-op thread, the
+        sequential executor, no accelerator): what a forked process can inherit."""
+        threads = self.intra_op_threads if self.intra_op_threads is not None else self.default_threads
+        return (threads == 1 and not self.parallel_execution and not self.cuda_options and not self.tensorrt
+                and not self.openvino)
+
     def session_options(self) -> Any:
         """The ``SessionOptions`` every instance of this model uses."""
         ort = _import_ort()
         options = ort.SessionOptions()
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, self.graph_level)
-        if self.intra_op_threads is not None:
-            options.intra_op_num_threads = self.intra_op_threads
+        threads = self.intra_op_threads if self.intra_op_threads is not None else self.default_threads
+        if threads is not None:
+            options.intra_op_num_threads = threads
         if self.inter_op_threads is not None:
             options.inter_op_num_threads = self.inter_op_threads
         if self.enable_mem_arena is not None:

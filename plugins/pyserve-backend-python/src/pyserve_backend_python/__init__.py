@@ -39,7 +39,7 @@ from pyserve import (
 )
 from pyserve.protocol.config_json import model_config_to_dict
 
-from pyserve_backend_python import context, environment, loader, metrics
+from pyserve_backend_python import compute, context, environment, loader, metrics
 from pyserve_backend_python.config import ModelConfig
 from pyserve_backend_python.environment import ExecutionEnvironment
 from pyserve_backend_python.loader import PythonModelError
@@ -53,6 +53,7 @@ __all__ = [
     "PythonModelState",
     "Runner",
     "ThreadRunner",
+    "pyserve_backend_fork_safe",
     "pyserve_backend_initialize",
     "pyserve_execute",
     "pyserve_instance_create",
@@ -106,6 +107,14 @@ def _environment(model: ModelContext) -> ExecutionEnvironment | None:
 def _load(model: ModelContext) -> ModuleType:
     module = _preloaded.pop(model, None)
     return module if module is not None else loader.load_module(model)
+
+
+@hookimpl
+def pyserve_backend_fork_safe(backend: BackendContext) -> bool:
+    """True for thread-mode models: ``model.py`` is imported and ``initialize`` runs in the
+    process; a model whose ``initialize`` starts threads is caught by the server's thread count
+    and loaded after the fork. Process-mode models opt out (their workers are processes)."""
+    return True
 
 
 @hookimpl
@@ -168,6 +177,8 @@ def _auto_complete_in(own: ExecutionEnvironment, model: ModelContext) -> bool:
 def pyserve_model_create(model: ModelContext) -> PythonModelState:
     """Import the model file (a fresh module per version) and check the execution mode; for a
     model with ``EXECUTION_ENV_PATH``, prepare its environment instead (its workers import it).
+    A thread-mode model that only computes is declared so (``pyserve_backend_python.compute``),
+    so that its short executes may run on the server's event loop while one client sends.
 
     :raises PythonModelError: the file is missing, fails to import (traceback in the message)
         or has no ``TritonPythonModel``; an unsupported ``execution_mode``; an unusable
@@ -191,9 +202,13 @@ def pyserve_model_create(model: ModelContext) -> PythonModelState:
             log.info("model '%s': %s given, so it runs in execution_mode 'process' with %s",
                      model.name, environment.PARAMETER, own.python)
         context.remember(model)
+        model.fork_safe = False
         return PythonModelState(None, "process", own)
     context.remember(model)
-    return PythonModelState(_load(model), mode or "thread")
+    state = PythonModelState(_load(model), mode or "thread")
+    model.compute_only = compute.only_computes(model, state.module, state.execution_mode)
+    model.fork_safe = model.fork_safe and state.execution_mode == "thread"
+    return state
 
 
 @hookimpl

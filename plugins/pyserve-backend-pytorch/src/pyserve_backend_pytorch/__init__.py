@@ -37,6 +37,7 @@ from pyserve_backend_pytorch.runtime import TorchInstance, TorchModel, apply_thr
 __all__ = [
     "TorchInstance",
     "TorchModel",
+    "pyserve_backend_fork_safe",
     "pyserve_backend_initialize",
     "pyserve_execute",
     "pyserve_instance_create",
@@ -46,12 +47,21 @@ __all__ = [
 
 
 @hookimpl
+def pyserve_backend_fork_safe(backend: BackendContext) -> bool:
+    """True: importing torch and loading a TorchScript module start no thread (torch's pools
+    start at the first execute, in the process that runs it)."""
+    return True
+
+
+@hookimpl
 def pyserve_backend_initialize(backend: BackendContext) -> None:
-    """Import torch and record its version and CUDA device count in ``backend.state``.
+    """Import torch and record its version and CUDA device count in ``backend.state``; where
+    the server sets ``backend.cpu_threads`` (its CPUs per process), torch's intra-op pool gets
+    that many threads unless a model's ``INTRA_OP_THREAD_COUNT`` says otherwise.
 
     :raises ImportError: torch is not installed.
     """
-    backend.state = initialize_runtime()
+    backend.state = initialize_runtime(backend.cpu_threads)
 
 
 @hookimpl

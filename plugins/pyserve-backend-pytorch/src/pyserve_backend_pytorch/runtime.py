@@ -67,12 +67,15 @@ def _import_torch() -> Any:
     return torch
 
 
-def initialize_runtime() -> RuntimeInfo:
+def initialize_runtime(cpu_threads: int | None = None) -> RuntimeInfo:
     """Import torch once and log its version and CUDA devices.
 
+    :param cpu_threads: intra-op threads for torch's pool (None: torch's default).
     :raises ImportError: torch is not installed.
     """
     torch = _import_torch()
+    if cpu_threads:
+        torch.set_num_threads(cpu_threads)
     devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     info = RuntimeInfo(str(torch.__version__), devices)
     log.info("torch %s, CUDA devices: %d", info.version, info.cuda_devices)
