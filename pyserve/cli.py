@@ -316,7 +316,7 @@ def _layout(args: argparse.Namespace) -> Layout:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from pyserve.grpc.server import GrpcOptions
-    from pyserve.server import Server, ServerOptions, StartupError
+    from pyserve.server import Server, ServerOptions, StartupError, prebind_listeners
 
     try:
         operations, grpc_operations = _operations_options(args)
@@ -411,17 +411,27 @@ def cmd_run(args: argparse.Namespace) -> int:
         runner = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
         runner = asyncio.run
-    try:
-        server = Server(options)
-        server.prefork()  # frontends forked from the loaded models, before any thread starts
-        runner(server.run())
+
+    def serve() -> int:
+        try:
+            server = Server(options)
+            server.prefork()  # frontends forked from the loaded models, before any thread starts
+            runner(server.run())
+        except (StartupError, OSError) as exc:
+            print(f"pyserve: error: {exc}", file=sys.stderr)
+            return 1
+        return 0
+
+    from pyserve.handoff import keeper
+
+    if not keeper.supported():
+        return serve()
+    try:  # the keeper holds the ports, so that they outlive a server process a model crashed
+        prebind_listeners(options)
     except StartupError as exc:
         print(f"pyserve: error: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:
-        print(f"pyserve: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return keeper.Keeper(serve).run()
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

@@ -46,10 +46,12 @@ from pyserve.metrics import MetricsService, MetricsSettings, MetricsStartError, 
 from pyserve.model_manager import ModelManager
 from pyserve.plugins import PluginHost
 from pyserve.repository import check_config_name
+from pyserve.scheduling import execution_board
 from pyserve.scheduling.rate_limiter import RateLimiter, RateLimitError
 from pyserve import validation
 from pyserve.cache import create_cache
 from pyserve.restricted import Restriction
+from pyserve import tcp
 from pyserve.tcp import bind_tcp
 from pyserve.tracing import TraceConfig, TraceManager
 
@@ -148,15 +150,44 @@ def _bind(host: str, port: int, reuse_port: bool = False, service: str = "HTTP")
     """A socket bound to ``host:port`` for the HTTP server (pyserve's or uvicorn) to listen on.
 
     Bound here rather than by uvicorn, which calls ``sys.exit`` when the port is taken.
-    ``reuse_port``: frontend processes bind the same port (``pyserve.tcp.bind_tcp``).
+    ``reuse_port``: frontend processes bind the same port (``pyserve.tcp.bind_tcp``). A socket
+    bound before the server process started (``pyserve.tcp.inherit``) is used instead.
 
     :raises StartupError: the address cannot be resolved or bound (e.g. the port is in use).
     """
     try:
-        return bind_tcp(host, port, reuse_port=reuse_port)
+        return bind_tcp(host, port, reuse_port=reuse_port, service=service.lower())
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise StartupError(f"{service} service cannot listen on {host}:{port}: {reason}") from exc
+
+
+def prebind_listeners(options: ServerOptions) -> None:
+    """Bind the HTTP, gRPC and metrics ports ``options`` serve, as the server would, and record
+    them (``pyserve.tcp.inherit``) for the servers this process starts to listen on.
+
+    :raises StartupError: a port cannot be bound (the same message the server gives).
+    """
+    balanced = options.frontend_processes > 0 and options.frontend_balance == "connections"
+    shared = options.frontend_processes > 0 and not balanced  # frontends bind the port too
+    if options.allow_http:
+        tcp.inherit("http", _bind(options.host, options.http_port, reuse_port=shared or options.reuse_http_port))
+    if options.allow_grpc and options.grpc.implementation == "pyserve":
+        host = options.grpc.host or options.host
+        try:
+            listener = bind_tcp(host, options.grpc_port, reuse_port=shared or options.grpc.reuse_port,
+                                dual_stack=True)
+        except OSError as exc:
+            raise StartupError(f"gRPC service could not bind {host}:{options.grpc_port}: "
+                               f"{exc.strerror or exc}") from exc
+        tcp.inherit("grpc", listener)
+    if options.allow_metrics:
+        host = options.metrics_address or options.host
+        try:
+            tcp.inherit("metrics", bind_tcp(host, options.metrics_port))
+        except OSError as exc:
+            raise StartupError(f"Metrics service cannot listen on {host}:{options.metrics_port}: "
+                               f"{exc.strerror or exc}") from exc
 
 
 def _config_name(name: str) -> str:
@@ -583,6 +614,7 @@ class Server:
         except BaseException:
             await self.shutdown()
             raise
+        execution_board.serving()  # from now on a death is a crash (pyserve.handoff.keeper)
         await self.serve_until_stopped()
 
 

@@ -278,7 +278,12 @@ def wait_for(condition: Callable[[], bool], timeout: float = 15.0, what: str = "
 
 
 class RunningServer:
-    """A ``pyserve run`` subprocess whose stderr is collected on a thread."""
+    """A ``pyserve run`` subprocess whose stderr is collected on a thread.
+
+    ``process`` is the process ``pyserve run`` started as: on Linux the keeper
+    (``pyserve.handoff.keeper``), whose child serves; ``server_pid`` is the serving process that
+    logged ``Started HTTPService`` last (log lines carry the writer's pid).
+    """
 
     def __init__(self, args: Sequence[str]) -> None:
         self.process = subprocess.Popen(
@@ -288,6 +293,8 @@ class RunningServer:
         )
         self.lines: list[str] = []
         self.port: int | None = None
+        self.server_pid: int | None = None
+        self.starts = 0  # how many times a server process logged Started HTTPService
         self._started = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -299,6 +306,9 @@ class RunningServer:
             match = STARTED.search(line)
             if match:
                 self.port = int(match.group(2))
+                writer = line.split(None, 3)
+                self.server_pid = int(writer[2]) if len(writer) > 2 and writer[2].isdigit() else None
+                self.starts += 1
                 self._started.set()
         self._started.set()
 

@@ -119,7 +119,7 @@ def test_the_replica_is_the_model_loaded_before_the_fork(start: object, tmp_path
     server = start("--model-repository", str(repo))  # type: ignore[operator]
     url = server.wait_started(timeout=120)
     frontend = _frontend_pid(server)
-    owner = server.process.pid
+    owner = server.server_pid
     assert _parent(frontend) == owner
     clients = _clients(url, 2)  # the balancer places the second connection on the frontend
     try:
@@ -140,7 +140,7 @@ def test_a_model_whose_load_starts_threads_loads_in_each_process(start: object, 
     server = start("--model-repository", str(repo))  # type: ignore[operator]
     url = server.wait_started(timeout=120)
     frontend = _frontend_pid(server)
-    owner = server.process.pid
+    owner = server.server_pid
     assert "model 'pid': each process loads its own replica: loading it started threads" in server.stderr
     wait_for(lambda: frontend in _initialized(repo), timeout=60, what="the frontend's own replica")
     # once before the fork (finalized at once), once in the owner, once in the frontend
@@ -160,7 +160,7 @@ def test_a_killed_frontend_comes_back_with_a_replica_of_its_own(start: object, t
     server = start("--model-repository", str(repo))  # type: ignore[operator]
     url = server.wait_started(timeout=120)
     first = _frontend_pid(server)
-    owner = server.process.pid
+    owner = server.server_pid
     os.kill(first, signal.SIGKILL)
     wait_for(lambda: len(set(_initialized(repo))) == 2, timeout=90, what="the new frontend's replica")
     [new] = set(_initialized(repo)) - {owner}
@@ -186,11 +186,11 @@ def test_one_process_forks_nothing(start: object, tmp_path: Path) -> None:
         url = server.wait_started(timeout=120)
         [client] = _clients(url, 1)
         try:
-            assert _pid_of_answer(client) == server.process.pid
+            assert _pid_of_answer(client) == server.server_pid
         finally:
             client.close()
         assert "loaded once" not in server.stderr
-        assert _initialized(repo) == [server.process.pid]
+        assert _initialized(repo) == [server.server_pid]
         assert server.stop(timeout=60) == 0, server.stderr
     finally:
         server.close()

@@ -48,6 +48,8 @@ class GrpcServer:
         self.options = options
         self.interceptors = tuple(interceptors or ())
         self.reuse_port = reuse_port
+        self.inherit_as: str | None = None
+        """The service name whose pre-bound socket (``pyserve.tcp.inherit``) a TCP port takes."""
         self.connections: set[GrpcConnection] = set()
         self._handlers: list[grpc.GenericRpcHandler] = []
         self._methods: dict[str, Any] = {}
@@ -123,7 +125,7 @@ class GrpcServer:
         except ValueError:
             raise RuntimeError("not HOST:PORT") from None
         try:
-            listener = bind_tcp(host, port, reuse_port=self.reuse_port, dual_stack=True)
+            listener = bind_tcp(host, port, reuse_port=self.reuse_port, dual_stack=True, service=self.inherit_as)
         except OSError as exc:
             raise RuntimeError(exc.strerror or str(exc)) from None
         self._sockets.append(listener)

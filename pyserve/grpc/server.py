@@ -222,6 +222,8 @@ def create_server(dataplane: DataPlane, options: GrpcOptions, reuse_port: bool =
     :raises RuntimeError: the port could not be bound.
     """
     server = new_server(options, reuse_port)
+    if hasattr(server, "inherit_as"):  # pyserve's own server can take a socket bound before it
+        server.inherit_as = "grpc"
     servicer = InferenceServicer(dataplane, compress_infer=options.infer_compression != "none")
     server.add_generic_rpc_handlers((
         _handlers(pb.SERVICE_DESCRIPTOR, servicer),

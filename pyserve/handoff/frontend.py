@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 
 from pyserve import busy_poll, logs, validation
+from pyserve.scheduling import execution_board
 from pyserve.errors import ErrorCode, InferError
 from pyserve.grpc.codec import SplitInferRequest
 from pyserve.grpc.codec import decode_infer as grpc_decode
@@ -656,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     settings = json.loads(args[0])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the owner decides
+    if settings.get("board_fd") is not None:  # what it executes, for the owner to read if it dies
+        execution_board.attach(execution_board.open_fd(settings["board_fd"]))
     logs.configure(**settings.get("log", {}))
     try:
         import uvloop

@@ -38,8 +38,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pyserve import tcp
 from pyserve.handoff.replicas import ReplicationMode, replicable
 from pyserve.model_loading import Preparing
+from pyserve.scheduling import execution_board
 
 if TYPE_CHECKING:
     from pyserve.model_manager import ModelManager
@@ -74,10 +76,13 @@ class ForkedProcess:
     """A forked frontend as the supervisor watches it (the part of ``subprocess.Popen`` it uses).
 
     Thread-safe: ``wait`` may block on a watcher thread while the loop calls ``poll``.
+
+    :ivar board: the execution board it writes (``pyserve.scheduling.execution_board``).
     """
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, board: Any = None) -> None:
         self.pid = pid
+        self.board = board
         self.returncode: int | None = None
         self._lock = threading.Lock()
 
@@ -123,8 +128,8 @@ class ForkedProcess:
 class Preforked:
     """The frontend processes forked before the owner started, waiting for their settings."""
 
-    def __init__(self, children: list[tuple[int, int]]) -> None:
-        self._waiting = list(children)  # (pid, write end of its settings pipe)
+    def __init__(self, children: list[tuple[int, int, Any]]) -> None:
+        self._waiting = list(children)  # (pid, write end of its settings pipe, its execution board)
         self._released: list[ForkedProcess] = []
 
     def __len__(self) -> int:
@@ -134,8 +139,8 @@ class Preforked:
         """Start the next waiting child as a frontend with ``settings``; None when none waits
         (or it is gone)."""
         while self._waiting:
-            pid, pipe = self._waiting.pop(0)
-            process = ForkedProcess(pid)
+            pid, pipe, board = self._waiting.pop(0)
+            process = ForkedProcess(pid, board)
             try:
                 with os.fdopen(pipe, "wb") as out:
                     out.write(json.dumps(settings).encode() + b"\n")
@@ -149,10 +154,11 @@ class Preforked:
     def close(self) -> None:
         """Tell the children still waiting to exit (their pipe closes) and reap them."""
         waiting, self._waiting = self._waiting, []
-        for pid, pipe in waiting:
+        for pid, pipe, board in waiting:
             with contextlib.suppress(OSError):
                 os.close(pipe)
             ForkedProcess(pid).wait()
+            execution_board.close(board)
 
 
 def _config_refusal(mode: ReplicationMode) -> Any:
@@ -213,24 +219,27 @@ def prepare_and_fork(models: ModelManager, count: int, replicate: str, serve_chi
             return None
     gc.collect()
     gc.freeze()  # a collection in a child would write to every object's page (and copy it)
-    children: list[tuple[int, int]] = []
+    children: list[tuple[int, int, Any]] = []
     for _ in range(count):
         read_end, write_end = os.pipe()
+        board = execution_board.create()  # what the child executes, for the owner to read if it dies
         pid = os.fork()
         if pid == 0:  # the child
             os.close(write_end)
-            for _, other in children:
+            for _, other, _ in children:
                 os.close(other)
-            _child(read_end, serve_child)
+            _child(read_end, board, serve_child)
         os.close(read_end)
-        children.append((pid, write_end))
+        children.append((pid, write_end, board))
     return Preforked(children)
 
 
-def _child(pipe: int, serve_child: Any) -> None:
+def _child(pipe: int, board: Any, serve_child: Any) -> None:
     """A forked frontend: wait for the owner's settings, serve, exit (never returns)."""
     code = 1
     try:
+        execution_board.attach(board)  # its own executes, for the owner to read if it dies
+        tcp.forget_inherited()  # a frontend binds (or is passed) its own sockets
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the owner decides
         data = b""
         with os.fdopen(pipe, "rb") as settings_in:

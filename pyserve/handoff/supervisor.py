@@ -22,6 +22,7 @@ from typing import Any
 from pyserve import affinity
 from pyserve.handoff.owner import HandoffServer
 from pyserve.handoff.prefork import ForkedProcess, Preforked
+from pyserve.scheduling import execution_board
 from pyserve_hookspecs import hookimpl
 
 log = logging.getLogger("pyserve.handoff")
@@ -62,6 +63,7 @@ class _Slot:
         self.index = index
         self.process: ChildProcess | None = None
         self.started_at = 0.0
+        self.board: Any = None  # the execution board its process writes
         self.delay = _RESTART_DELAY
         self.restart: asyncio.TimerHandle | None = None
 
@@ -124,11 +126,21 @@ class FrontendSupervisor:
         if self.stopping:
             return
         process: ChildProcess | None = None
+        if slot.board is not None:
+            execution_board.close(slot.board)
+            slot.board = None
         if self.preforked is not None:
-            process = self.preforked.release(self.settings)
+            forked = self.preforked.release(self.settings)
+            if forked is not None:
+                process, slot.board = forked, forked.board
         if process is None:
-            command = [sys.executable, "-m", "pyserve.handoff.frontend", json.dumps(self.settings)]
-            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, close_fds=True)
+            slot.board = execution_board.create()
+            settings = dict(self.settings)
+            descriptor = execution_board.fd(slot.board)
+            settings["board_fd"] = descriptor
+            command = [sys.executable, "-m", "pyserve.handoff.frontend", json.dumps(settings)]
+            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, close_fds=True,
+                                       pass_fds=() if descriptor is None else (descriptor,))
         if self.cpus:  # before the new interpreter starts threads: they inherit it
             affinity.pin_child(process.pid, affinity.cpu_for(slot.index + 1, self.cpus))
         slot.process = process
@@ -148,9 +160,10 @@ class FrontendSupervisor:
             return
         if time.monotonic() - slot.started_at > _STABLE_AFTER:
             slot.delay = _RESTART_DELAY
+        busy = execution_board.read(slot.board)[1] if slot.board is not None else []
         log.error(
-            "frontend process %d (pid %d) exited with status %d; starting it again in %.0f s",
-            slot.index, process.pid, status, slot.delay,
+            "frontend process %d (pid %d) exited with status %d%s; starting it again in %.0f s",
+            slot.index, process.pid, status, "; it was executing " + ", ".join(busy) if busy else "", slot.delay,
         )
         self.restarts += 1
         assert self._loop is not None
@@ -176,3 +189,7 @@ class FrontendSupervisor:
                 log.warning("frontend process %d did not stop within the exit timeout; killing it", process.pid)
                 process.kill()
                 await asyncio.get_running_loop().run_in_executor(None, process.wait)
+        for slot in self.slots:
+            if slot.board is not None:
+                execution_board.close(slot.board)
+                slot.board = None

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from typing import TYPE_CHECKING, Any
 
 from pyserve.metrics.prometheus import CONTENT_TYPE
+from pyserve.tcp import bind_tcp
 
 if TYPE_CHECKING:
     from pyserve.http.server import AppServer
@@ -67,11 +67,13 @@ class MetricsService:
         """
         from pyserve.http.server import AppServer  # (pyserve.http imports pyserve.metrics)
 
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((host, port))
+            listener = bind_tcp(host, port, service="metrics")
+        except OSError as exc:
+            raise MetricsStartError(
+                f"Metrics service cannot listen on {host}:{port}: {exc.strerror or exc}"
+            ) from exc
+        try:
             listener.listen(128)
         except OSError as exc:
             listener.close()

@@ -21,6 +21,7 @@ from pyserve.errors import ErrorCode, InferError
 from pyserve.inference import InferRequest, InferResponse, coalesced_delivery, error_response
 from pyserve.model_config import ModelIO
 from pyserve.plugins import LoadedBackend
+from pyserve.scheduling import execution_board
 from pyserve.scheduling.rate_limiter import RateLimiter, ResourceClaim
 from pyserve.tracing import TRACING, mark_batch
 
@@ -77,6 +78,7 @@ class InstanceWorker:
         self._iterations = iterations
         self._rate = rate
         self._model_name = instance.model.name
+        self._slot = -1  # its slot on this process's execution board, once started
         self.last_execute_ns = 0
         """How long the backend's last execute took, returned or raised (for ``pyserve.scheduling.adaptive``)."""
         self._thread = threading.Thread(
@@ -84,6 +86,10 @@ class InstanceWorker:
         )
 
     def start(self) -> None:
+        """Start the instance's thread (in the process that serves it: its executes are marked on
+        this process's execution board)."""
+        model = self.instance.model
+        self._slot = execution_board.claim(f"model '{model.name}' version {model.version} instance '{self.instance.name}'")
         self._thread.start()
 
     def started(self) -> bool:
@@ -155,6 +161,7 @@ class InstanceWorker:
         if tracing:
             mark_batch(live, "COMPUTE_START")
             mark_batch(live, "COMPUTE_INPUT_END")
+        execution_board.enter(self._slot)
         try:
             hooks = self._backend.hooks
             direct = hooks.execute_direct
@@ -162,11 +169,13 @@ class InstanceWorker:
                 results = direct(self.instance, live)
             else:
                 results = hooks.execute(instance=self.instance, requests=live)
+            execution_board.leave(self._slot)
             end_ns = time.monotonic_ns()
             self.last_execute_ns = end_ns - start_ns
             if stats is not None:
                 stats.executed(live, start_ns, end_ns)
         except Exception as exc:
+            execution_board.leave(self._slot)
             end_ns = time.monotonic_ns()
             self.last_execute_ns = end_ns - start_ns  # a slow failure is slow too
             if stats is not None:  # an execution all the same (Triton counts it and its batch)

@@ -1,0 +1,151 @@
+"""A model that crashes the server process: ``pyserve run``'s keeper (``pyserve.handoff.keeper``)
+starts it again, the ports keep taking connections meanwhile, and the log names the model.
+
+Real ``pyserve run`` processes; the crashing ``model.py`` calls ``os._exit(7)`` or dereferences
+a null pointer (SIGSEGV) when its input is negative.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from suite_support import RunningServer, wait_for, write_model
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the keeper runs on Linux")
+
+CRASH_MODEL = """
+import ctypes
+import os
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        values = [pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() for r in requests]
+        for value in values:
+            if value[0] < 0:
+                HOW
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", v)]) for v in values]
+"""
+
+HOW = {"exit": "os._exit(7)", "segfault": "ctypes.string_at(0)"}
+
+CONFIG = """
+    backend: "python"
+    max_batch_size: 0
+    input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+    output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+"""
+
+
+def _repository(root: Path, how: str) -> Path:
+    repo = root / "repo"
+    write_model(repo, "crash", CONFIG, {"1/model.py": CRASH_MODEL.replace("HOW", HOW[how])})
+    write_model(repo, "calm", CONFIG, {"1/model.py": CRASH_MODEL.replace("HOW", "pass")})
+    return repo
+
+
+def _infer(url: str, model: str, value: float) -> np.ndarray:
+    client = httpclient.InferenceServerClient(url, network_timeout=120, connection_timeout=120)
+    try:
+        tensor = httpclient.InferInput("INPUT0", [1], "FP32")
+        tensor.set_data_from_numpy(np.array([value], dtype=np.float32))
+        return client.infer(model, [tensor]).as_numpy("OUTPUT0")
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def servers() -> Iterator[list[RunningServer]]:
+    started: list[RunningServer] = []
+    yield started
+    for server in started:
+        server.close()
+
+
+@pytest.mark.parametrize(("how", "status"), [("exit", "exited with status 7"), ("segfault", "was killed by SIGSEGV")])
+def test_a_crashing_model_brings_the_server_back(servers: list[RunningServer], tmp_path: Path, how: str,
+                                                  status: str) -> None:
+    server = RunningServer(["--model-repository", str(_repository(tmp_path, how)), "--frontend-processes", "0"])
+    servers.append(server)
+    url = server.wait_started(timeout=120)
+    first = server.server_pid
+    np.testing.assert_array_equal(_infer(url, "calm", 1.0), [1.0])
+    with pytest.raises(Exception):  # noqa: B017 - the connection is reset, however the client words it
+        _infer(url, "crash", -1.0)
+    # the port never refuses a connection: the keeper holds it, the next server answers
+    host, port = url.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60):
+        pass
+    np.testing.assert_array_equal(_infer(url, "calm", 2.0), [2.0])
+    np.testing.assert_array_equal(_infer(url, "crash", 3.0), [3.0])
+    wait_for(lambda: server.starts == 2, timeout=60, what="the second 'Started HTTPService'")
+    assert server.server_pid != first and server.process.poll() is None
+    assert (f"the server process (pid {first}) {status}; it was executing model 'crash' version 1 "
+            "instance 'crash_0'. Starting it again in 1 s") in server.stderr, server.stderr
+    assert server.stop(timeout=60) == 0, server.stderr
+
+
+def test_a_crash_in_a_frontend_names_the_model(servers: list[RunningServer], tmp_path: Path) -> None:
+    server = RunningServer(["--model-repository", str(_repository(tmp_path, "exit")), "--frontend-processes", "1"])
+    servers.append(server)
+    url = server.wait_started(timeout=120)
+    owner = server.server_pid
+    clients = [httpclient.InferenceServerClient(url, network_timeout=60) for _ in range(2)]
+    try:  # the second connection is the frontend's (the owner wins ties); its replica crashes
+        tensor = httpclient.InferInput("INPUT0", [1], "FP32")
+        tensor.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+        clients[0].infer("crash", [tensor])
+        tensor.set_data_from_numpy(np.array([-1.0], dtype=np.float32))
+        with pytest.raises(Exception):  # noqa: B017
+            clients[1].infer("crash", [tensor])
+    finally:
+        for client in clients:
+            client.close()
+    wait_for(lambda: "exited with status 7; it was executing model 'crash' version 1 instance 'crash_0'; "
+             "starting it again" in server.stderr, timeout=60, what="the frontend's crash in the log")
+    np.testing.assert_array_equal(_infer(url, "crash", 4.0), [4.0])
+    assert server.server_pid == owner, "the owner itself was restarted"
+    assert server.stop(timeout=60) == 0, server.stderr
+
+
+def test_a_startup_failure_is_not_retried(servers: list[RunningServer], tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = RunningServer(["--model-repository", str(_repository(tmp_path, "exit")), "--metrics-port", str(port),
+                                "--allow-metrics", "true"])
+        servers.append(server)
+        assert server.process.wait(60) == 1
+    assert "Metrics service cannot listen on 127.0.0.1" in server.stderr and "Starting it again" not in server.stderr
+
+
+def test_the_server_stops_when_the_keeper_is_killed(servers: list[RunningServer], tmp_path: Path) -> None:
+    server = RunningServer(["--model-repository", str(_repository(tmp_path, "exit")), "--frontend-processes", "0"])
+    servers.append(server)
+    server.wait_started(timeout=120)
+    child = server.server_pid
+    assert child is not None and child != server.process.pid
+    os.kill(server.process.pid, signal.SIGKILL)
+    server.process.wait(30)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and Path(f"/proc/{child}").exists():
+        state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state in ("Z", "X"):
+            break
+        time.sleep(0.1)
+    else:
+        if Path(f"/proc/{child}").exists():
+            os.kill(child, signal.SIGKILL)
+            raise AssertionError("the server outlived its keeper")
