@@ -431,7 +431,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except StartupError as exc:
         print(f"pyserve: error: {exc}", file=sys.stderr)
         return 1
-    return keeper.Keeper(serve).run()
+    return keeper.Keeper(serve, stop_timeout=options.exit_timeout_secs + 15).run()
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

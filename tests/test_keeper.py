@@ -149,3 +149,35 @@ def test_the_server_stops_when_the_keeper_is_killed(servers: list[RunningServer]
         if Path(f"/proc/{child}").exists():
             os.kill(child, signal.SIGKILL)
             raise AssertionError("the server outlived its keeper")
+
+
+HANG_MODEL = """
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(3600)
+"""
+
+
+def test_a_stuck_model_cannot_keep_pyserve_run_from_exiting(servers: list[RunningServer], tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    write_model(repo, "stuck", CONFIG, {"1/model.py": HANG_MODEL})
+    server = RunningServer(["--model-repository", str(repo), "--frontend-processes", "0", "--exit-timeout-secs", "1"])
+    servers.append(server)
+    url = server.wait_started(timeout=120)
+    client = httpclient.InferenceServerClient(url, network_timeout=300)
+    tensor = httpclient.InferInput("INPUT0", [1], "FP32")
+    tensor.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+    pending = client.async_infer("stuck", [tensor])
+    wait_for(lambda: Path(f"/proc/{server.server_pid}").exists(), timeout=10, what="the server process")
+    time.sleep(0.5)  # the request is inside its execute by now (a missed one just stops sooner)
+    server.process.send_signal(signal.SIGTERM)
+    code = server.process.wait(120)  # exit timeout 1 s, then at most 15 s before the keeper kills it
+    assert code in (0, 1, 128 + signal.SIGKILL), server.stderr
+    with pytest.raises(Exception):  # noqa: B017 - the stuck request is never answered
+        pending.get_result(timeout=5)
+    client.close()

@@ -14,7 +14,9 @@ therefore forks the server from a small parent, the *keeper*, which
   own state — it loads every model again and forks its frontends — 1 s later, doubling up to
   30 s while the new one keeps dying within a minute;
 * passes SIGTERM and SIGINT on and exits with the server's status; a server that stops by
-  itself (status 0) or fails before it serves (a startup error) is not restarted.
+  itself (status 0) or fails before it serves (a startup error) is not restarted; a server
+  still running ``stop_timeout`` seconds after the signal is killed (SIGKILL), so that a stuck
+  model cannot keep ``pyserve run`` from exiting.
 
 The server notices a keeper that died (``PR_SET_PDEATHSIG``) and stops. The keeper becomes the
 child subreaper of the processes below it, so frontends orphaned by a crash are reaped here.
@@ -73,10 +75,13 @@ class Keeper:
     a crash. Main thread only.
 
     :param serve: called in each child; returns the exit status.
+    :param stop_timeout: seconds the server gets to stop after SIGTERM/SIGINT before it is
+        killed (its ``--exit-timeout-secs`` and some time to unload).
     """
 
-    def __init__(self, serve: Callable[[], int]) -> None:
+    def __init__(self, serve: Callable[[], int], stop_timeout: float = 60.0) -> None:
         self.serve = serve
+        self.stop_timeout = stop_timeout
         self.board = execution_board.create()
         self.child = 0
         self.stopping = False
@@ -86,6 +91,7 @@ class Keeper:
         """Serve until the server stops for good; its exit status."""
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
         previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._kill)
         delay = RESTART_DELAY_S
         try:
             while True:
@@ -94,7 +100,7 @@ class Keeper:
                 code = self._wait(self.child)
                 ready, busy = execution_board.read(self.board)
                 if self.stopping or code == 0 or not ready:
-                    return code
+                    return code if code >= 0 else 128 - code  # a signal, as a shell reports it
                 if time.monotonic() - started > STABLE_AFTER_S:
                     delay = RESTART_DELAY_S
                 executing = "; it was executing " + ", ".join(busy) if busy else "; no model was executing"
@@ -102,9 +108,10 @@ class Keeper:
                           describe_status(code), executing, delay)
                 self.restarts += 1
                 if self._sleep(delay):
-                    return code
+                    return code if code >= 0 else 128 - code
                 delay = min(delay * 2, RESTART_DELAY_MAX_S)
         finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
@@ -114,7 +121,7 @@ class Keeper:
             return pid
         code = 1
         try:  # the server: stop when the keeper goes away, write the board, serve
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
                 signal.signal(sig, signal.SIG_DFL)
             _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
             if os.getppid() == 1:  # the keeper died before prctl took hold
@@ -143,10 +150,19 @@ class Keeper:
                 return os.waitstatus_to_exitcode(status)
 
     def _forward(self, signum: int, frame: object) -> None:
+        if not self.stopping:
+            signal.setitimer(signal.ITIMER_REAL, max(self.stop_timeout, 0.1))
         self.stopping = True
         if self.child:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.child, signum)
+
+    def _kill(self, signum: int, frame: object) -> None:
+        if self.child:
+            log.error("the server process (pid %d) did not stop within %.0f s; killing it", self.child,
+                      self.stop_timeout)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.child, signal.SIGKILL)
 
     def _sleep(self, seconds: float) -> bool:
         """Sleep (orphans reaped); True when a stop was asked meanwhile."""
