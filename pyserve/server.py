@@ -535,14 +535,26 @@ class Server:
 
     def _log_model_table(self) -> None:
         rows = [
-            [e["name"], e.get("version", "-"), e["state"] + (f": {e['reason']}" if e.get("reason") else "")]
+            [e["name"], e.get("version", "-"), self._served_by(e),
+             e["state"] + (f": {e['reason']}" if e.get("reason") else "")]
             for e in self.models.index()
             if "state" in e  # models on disk that were not loaded (explicit mode) have no state
         ]
-        log.info("\n%s", logs.table(["Model", "Version", "Status"], rows))
+        log.info("\n%s", logs.table(["Model", "Version", "Backend", "Status"], rows))
         backends = [[b.info.name, b.info.distribution, b.info.version] for b in self.plugins.loaded_backends()]
         if backends:
             log.info("\n%s", logs.table(["Backend", "Distribution", "Version"], backends))
+
+    def _served_by(self, entry: Mapping[str, str]) -> str:
+        """The startup table's Backend cell: which backend serves a model version and where it
+        comes from (an installed plugin, or a native library's path); ``-`` when none."""
+        record = self.models.records.get(entry["name"])
+        version = record.versions.get(int(entry["version"])) if record is not None and "version" in entry else None
+        if version is None or version.backend is None:
+            platform = version.config.platform if version is not None and version.config is not None else ""
+            return platform or "-"
+        info = version.backend.info
+        return f"{info.name} ({info.origin()})"
 
     def request_stop(self) -> None:
         """Ask a running ``serve_until_stopped`` to shut down (thread-safe via the loop)."""
