@@ -341,7 +341,7 @@ class Server:
                 self._saved_busy_poll = busy_poll.configure(self.options.busy_poll_us)
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
-        self.models.server_handle.bind(self.dataplane, loop)
+        self.models.server_handle.bind(self.dataplane, loop, metrics=self.metrics.render)
         self.models.loop = loop
         await loop.run_in_executor(None, self.models.load_all)
         self._log_model_table()
