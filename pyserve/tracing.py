@@ -236,10 +236,12 @@ class RequestTrace:
         self.activities.append((name, ns))
 
     def finish(self) -> None:
-        """Stamp the end of the request (``COMPUTE_END`` when compute output began, and
-        ``REQUEST_END``); its final response is being sent."""
+        """Stamp the end of the request; its final response is being sent. Once compute began,
+        that ends it (``COMPUTE_END``): a backend answering from inside its execute (a response
+        sender, a native backend) began its output now unless the execute already returned."""
         now = time.time_ns()
-        if "COMPUTE_OUTPUT_START" in self.timestamps:
+        if "COMPUTE_START" in self.timestamps:
+            self.mark("COMPUTE_OUTPUT_START", now)
             self.mark("COMPUTE_END", now)
         self.mark("REQUEST_END", now)
 

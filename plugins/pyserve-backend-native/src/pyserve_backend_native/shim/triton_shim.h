@@ -408,6 +408,8 @@ TRITONSERVER_Error* TRITONBACKEND_ResponseDelete(TRITONBACKEND_Response* respons
 TRITONSERVER_Error* TRITONBACKEND_ResponseOutput(
     TRITONBACKEND_Response* response, TRITONBACKEND_Output** output, const char* name,
     const TRITONSERVER_DataType datatype, const int64_t* shape, const uint32_t dims_count);
+TRITONSERVER_Error* TRITONBACKEND_ResponseSetStringParameter(
+    TRITONBACKEND_Response* response, const char* name, const char* value);
 TRITONSERVER_Error* TRITONBACKEND_ResponseSetIntParameter(
     TRITONBACKEND_Response* response, const char* name, const int64_t value);
 TRITONSERVER_Error* TRITONBACKEND_ResponseSend(
