@@ -130,7 +130,7 @@ def test_opentelemetry_spans_for_custom_activities_and_the_child_call(
 def test_untraced_requests_and_backend_traces_with_tracing_off(
     tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory
 ) -> None:
-    server = pyserve_server_factory(_repo(tmp_path, backend_libraries))
+    server = pyserve_server_factory(_repo(tmp_path, backend_libraries), allow_metrics=True, metrics_port=0)
     report = _ask(server)
     assert report["traced"] == 0  # TRITONBACKEND_RequestTrace gives NULL
     _check_own_trace(report)  # a backend's own trace is reported whatever the server's settings
@@ -138,3 +138,20 @@ def test_untraced_requests_and_backend_traces_with_tracing_off(
     from pyserve.tracing import TRACING
 
     assert not TRACING.on  # the own trace's hold on stamping ended with its request
+
+
+def test_custom_counter_keeps_the_name_it_was_created_with(
+    tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory
+) -> None:
+    """A counter created without "_total" (Triton's identity backend names its counter so) is
+    shown under that name, as Triton shows it; one created with it keeps it (``bls_calls_total``)."""
+    import urllib.request
+
+    server = pyserve_server_factory(_repo(tmp_path, backend_libraries), allow_metrics=True, metrics_port=0)
+    _ask(server)
+    url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        page = response.read().decode()
+    assert "# TYPE traced_requests counter" in page
+    assert 'traced_requests{backend="tracing"} 1' in page
+    assert "traced_requests_total" not in page

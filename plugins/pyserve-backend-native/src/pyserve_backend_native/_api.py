@@ -286,13 +286,17 @@ class ShimMetricsCollector:
     def collect(self) -> Iterator[Metric]:
         if _lib is None:  # the shim was never loaded: no backend made a metric
             return
-        for family in text_string_to_metric_families(metrics_text()):
+        text = metrics_text()
+        created = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+        for family in text_string_to_metric_families(text):
             if not family.samples:
                 continue
             if family.type == "counter":
-                # the parser drops a counter's "_total"; Triton shows the name as created
-                renamed = Metric(family.samples[0].name, family.documentation, "counter")
-                renamed.samples = list(family.samples)
+                # the parser drops a counter's "_total" (or adds it to the samples); Triton shows
+                # the name as the backend created it, with or without "_total"
+                name = family.name + "_total" if family.name + "_total" in created else family.name
+                renamed = Metric(name, family.documentation, "counter")
+                renamed.samples = [sample._replace(name=name) for sample in family.samples]
                 family = renamed
             yield family
 

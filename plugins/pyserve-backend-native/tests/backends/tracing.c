@@ -199,6 +199,27 @@ static TRITONSERVER_Error* trace_report(
   return NULL;
 }
 
+/* A counter named without "_total" (as Triton's identity backend names its own). */
+static TRITONSERVER_MetricFamily* g_family;
+static TRITONSERVER_Metric* g_requests;
+
+TRITONSERVER_Error* TRITONBACKEND_Initialize(TRITONBACKEND_Backend* backend) {
+  (void)backend;
+  RETURN_IF_ERROR(TRITONSERVER_MetricFamilyNew(&g_family, TRITONSERVER_METRIC_KIND_COUNTER, "traced_requests",
+                                               "Requests the tracing backend executed"));
+  TRITONSERVER_Parameter* label = TRITONSERVER_ParameterNew("backend", TRITONSERVER_PARAMETER_STRING, "tracing");
+  const TRITONSERVER_Parameter* labels[1] = {label};
+  TRITONSERVER_Error* err = TRITONSERVER_MetricNew(&g_requests, g_family, labels, 1);
+  TRITONSERVER_ParameterDelete(label);
+  return err;
+}
+
+TRITONSERVER_Error* TRITONBACKEND_Finalize(TRITONBACKEND_Backend* backend) {
+  (void)backend;
+  TRITONSERVER_MetricDelete(g_requests);
+  return TRITONSERVER_MetricFamilyDelete(g_family);
+}
+
 TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(
     TRITONBACKEND_ModelInstance* instance, TRITONBACKEND_Request** requests, const uint32_t count) {
   TRITONBACKEND_Model* model;
@@ -210,6 +231,7 @@ TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(
   char traces[2048], health[16384], report[20000];
   for (uint32_t r = 0; r < count; r++) {
     TRITONBACKEND_Request* request = requests[r];
+    TRITONSERVER_MetricIncrement(g_requests, 1);
     TRITONSERVER_Error* err = trace_report(server, allocator, request, traces, sizeof(traces));
     if (!err) err = server_report(server, health, sizeof(health));
     TRITONBACKEND_Response* response = NULL;
