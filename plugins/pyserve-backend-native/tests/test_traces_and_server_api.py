@@ -155,3 +155,37 @@ def test_custom_counter_keeps_the_name_it_was_created_with(
     assert "# TYPE traced_requests counter" in page
     assert 'traced_requests{backend="tracing"} 1' in page
     assert "traced_requests_total" not in page
+
+
+def _control(server: Any, request_id: str) -> str:
+    with httpclient.InferenceServerClient(server.url) as client:
+        inp = httpclient.InferInput("INPUT0", [1], "FP32")
+        inp.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+        result = client.infer("traced", [inp], request_id=request_id)
+        return str(json.loads(result.get_response()["parameters"]["report"])["control"])
+
+
+def test_model_load_and_unload_from_a_backend(
+    tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    repo = _repo(tmp_path, backend_libraries)
+    server = pyserve_server_factory(repo, model_control_mode="explicit", load_models=["traced"])
+    with httpclient.InferenceServerClient(server.url) as client:
+        assert not client.is_model_ready("ident")
+        assert _control(server, "load:ident") == "ok"
+        assert client.is_model_ready("ident")
+        assert _control(server, "unload:ident") == "ok"
+        assert not client.is_model_ready("ident")
+        assert _control(server, "load:nonexistent") != "ok"  # the load's error comes back to the backend
+        assert "failed to load 'nonexistent'" in caplog.text  # (which logs its message)
+        assert client.is_model_ready("traced")
+
+
+def test_model_control_outside_explicit_mode_is_refused(
+    tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory
+) -> None:
+    server = pyserve_server_factory(_repo(tmp_path, backend_libraries))
+    assert _control(server, "unload:ident") == "Unavailable"
+    with httpclient.InferenceServerClient(server.url) as client:
+        assert client.is_model_ready("ident")

@@ -6,6 +6,8 @@
  *    (TRITONSERVER_InferenceTraceNew) whose activity callback collects the activities;
  *  - the hosting server: live, ready, metadata, index, statistics, metrics, API version;
  *  - ServerOptions and ServerNew (refused).
+ * A request whose id is "load:<model>" or "unload:<model>" instead loads or unloads that model
+ * (TRITONSERVER_ServerLoadModel / UnloadModel) and reports {"control": "<error code>" or "ok"}.
  * Every model of this backend sends BLS requests to "ident". */
 #include <pthread.h>
 
@@ -232,8 +234,20 @@ TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(
   for (uint32_t r = 0; r < count; r++) {
     TRITONBACKEND_Request* request = requests[r];
     TRITONSERVER_MetricIncrement(g_requests, 1);
-    TRITONSERVER_Error* err = trace_report(server, allocator, request, traces, sizeof(traces));
-    if (!err) err = server_report(server, health, sizeof(health));
+    const char* id = "";
+    TRITONSERVER_Error* err = TRITONBACKEND_RequestId(request, &id);
+    bool load = strncmp(id, "load:", 5) == 0, unload = strncmp(id, "unload:", 7) == 0;
+    if (!err && (load || unload)) {
+      TRITONSERVER_Error* done = load ? TRITONSERVER_ServerLoadModel(server, id + 5)
+                                      : TRITONSERVER_ServerUnloadModel(server, id + 7);
+      if (done) TRITONSERVER_LogMessage(TRITONSERVER_LOG_WARN, __FILE__, __LINE__, TRITONSERVER_ErrorMessage(done));
+      snprintf(traces, sizeof(traces), "\"control\": \"%s\"", done ? TRITONSERVER_ErrorCodeString(done) : "ok");
+      TRITONSERVER_ErrorDelete(done);
+      snprintf(health, sizeof(health), "\"id\": \"%s\"", id);
+    } else {
+      if (!err) err = trace_report(server, allocator, request, traces, sizeof(traces));
+      if (!err) err = server_report(server, health, sizeof(health));
+    }
     TRITONBACKEND_Response* response = NULL;
     if (!err) err = TRITONBACKEND_ResponseNew(&response, request);
     const void* data;
