@@ -534,13 +534,13 @@ class Server:
         client_activity.untracked_server(True)  # its requests are not reported: executes stay on threads
 
     def _log_model_table(self) -> None:
-        rows = [
-            [e["name"], e.get("version", "-"), self._served_by(e),
-             e["state"] + (f": {e['reason']}" if e.get("reason") else "")]
+        rows = [  # Triton's columns first (scripts match "| <model> | <version> | READY |"), then ours
+            [e["name"], e.get("version", "-"), e["state"] + (f": {e['reason']}" if e.get("reason") else ""),
+             self._served_by(e)]
             for e in self.models.index()
             if "state" in e  # models on disk that were not loaded (explicit mode) have no state
         ]
-        log.info("\n%s", logs.table(["Model", "Version", "Backend", "Status"], rows))
+        log.info("\n%s", logs.table(["Model", "Version", "Status", "Backend"], rows))
         backends = [[b.info.name, b.info.distribution, b.info.version] for b in self.plugins.loaded_backends()]
         if backends:
             log.info("\n%s", logs.table(["Backend", "Distribution", "Version"], backends))

@@ -51,20 +51,22 @@ DEFAULT_OTLP_URL = "http://localhost:4318/v1/traces"
 class _Flag:
     """Process-wide: is any server tracing? (checked once per batch by instance workers)."""
 
-    __slots__ = ("_managers", "on")
+    __slots__ = ("_lock", "_managers", "on")
 
     def __init__(self) -> None:
         self.on = False
         self._managers: set[int] = set()
+        self._lock = threading.Lock()
 
     def set(self, manager: object, active: bool) -> None:
         """``manager`` (a ``TraceManager``, or any object holding tracing on for requests it
-        traces itself) turns tracing on or off for its part."""
-        if active:
-            self._managers.add(id(manager))
-        else:
-            self._managers.discard(id(manager))
-        self.on = bool(self._managers)
+        traces itself) turns tracing on or off for its part. Thread-safe."""
+        with self._lock:
+            if active:
+                self._managers.add(id(manager))
+            else:
+                self._managers.discard(id(manager))
+            self.on = bool(self._managers)
 
 
 TRACING = _Flag()
@@ -416,6 +418,7 @@ class TraceManager:
         if preset is not None:
             # made by a native backend for its BLS call (a child of a traced request): traced
             # whatever the sampling; one with export=False reports to the backend's callbacks
+            preset.model_version = request.model_version  # the serving version, now resolved
             if preset.export:
                 preset.scope = self._scopes.get(request.model_name, self._global_scope)
                 request.attach_sender(_TracingSender(self, request.attached_sender(), preset))

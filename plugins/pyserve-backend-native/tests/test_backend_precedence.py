@@ -39,7 +39,7 @@ def _table_rows(caplog: pytest.LogCaptureFixture) -> dict[str, list[str]]:
     tables = [r.getMessage() for r in caplog.records if r.name == "pyserve.server" and "| Model" in r.getMessage()]
     assert tables, "no startup table was logged"
     lines = [[c.strip() for c in line.strip("|").split("|")] for line in tables[-1].splitlines() if line.startswith("|")]
-    assert lines[0] == ["Model", "Version", "Backend", "Status"]
+    assert lines[0] == ["Model", "Version", "Status", "Backend"]
     return {cells[0]: cells for cells in lines[1:]}
 
 
@@ -63,11 +63,11 @@ def test_a_placed_library_wins_over_the_installed_plugin(
         assert not _served_by_library(_infer(client, "plugin"))
     rows = _table_rows(caplog)
     for model, folder in (("in_version", in_version / "1"), ("in_model", in_model)):
-        cell = rows[model][2]
+        cell = rows[model][3]
         assert cell.startswith("identity (native:"), cell
         assert cell.endswith("libtriton_identity.so)") and str(folder.resolve()) in cell, cell
-        assert rows[model][3] == "READY"
-    assert re.fullmatch(r"identity \(plugin pyserve-backend-identity \S+\)", rows["plugin"][2]), rows["plugin"]
+        assert rows[model][2] == "READY"
+    assert re.fullmatch(r"identity \(plugin pyserve-backend-identity \S+\)", rows["plugin"][3]), rows["plugin"]
 
 
 def test_backend_directory_library_wins_and_a_broken_one_is_not_skipped(
@@ -92,5 +92,5 @@ def test_backend_directory_library_wins_and_a_broken_one_is_not_skipped(
         reason = {e["name"]: e for e in client.get_model_repository_index()}["broken"]["reason"]
     assert str((broken / "libtriton_identity.so").resolve()) in reason and "TRITONSERVER_NoSuchFunction" in reason
     rows = _table_rows(caplog)
-    assert str((backends / "identity" / "libtriton_identity.so").resolve()) in rows["from_dir"][2]
-    assert rows["broken"][3].startswith("UNAVAILABLE")
+    assert str((backends / "identity" / "libtriton_identity.so").resolve()) in rows["from_dir"][3]
+    assert rows["broken"][2].startswith("UNAVAILABLE")

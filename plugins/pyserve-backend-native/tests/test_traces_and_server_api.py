@@ -95,7 +95,7 @@ def test_trace_file_holds_custom_activities_and_the_child_bls_call(
     assert [n for n in names if n in ("WORK_START", "MARK", "WORK_END")] == ["WORK_START", "MARK", "WORK_END"]
     assert names.index("COMPUTE_START") < names.index("WORK_START") < names.index("WORK_END") < names.index("COMPUTE_END")
     child = entries[report["child_id"]]
-    assert child["model_name"] == "ident" and child["parent_id"] == report["id"]
+    assert (child["model_name"], child["model_version"], child["parent_id"]) == ("ident", 1, report["id"])
     assert "COMPUTE_START" in [t["name"] for t in child["timestamps"]]
 
 
