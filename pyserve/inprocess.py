@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pyserve import datatypes
@@ -49,17 +49,64 @@ class ServerHandle:
 
     :param dataplane: the server's data plane.
     :param loop: the server's event loop (None until ``bind``).
+    :param metrics: renders the server's ``/metrics`` page (None: the process has none).
     """
 
-    def __init__(self, dataplane: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+    def __init__(
+        self, dataplane: Any, loop: asyncio.AbstractEventLoop | None, metrics: Callable[[], bytes] | None = None
+    ) -> None:
         self._dataplane = dataplane
         self._loop: Any = loop
+        self._metrics = metrics
 
-    def bind(self, dataplane: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def bind(
+        self, dataplane: Any, loop: asyncio.AbstractEventLoop, metrics: Callable[[], bytes] | None = None
+    ) -> None:
         """Serve through ``dataplane`` on ``loop`` from now on: a handle made before the loop
-        ran (models loaded before a fork keep the handle they were given)."""
+        ran (models loaded before a fork keep the handle they were given). ``metrics``, when
+        given, renders the ``/metrics`` page ``metrics_text`` returns."""
         self._dataplane = dataplane
         self._loop = loop
+        if metrics is not None:
+            self._metrics = metrics
+
+    # -- the server as a whole (what the health, metadata, index and statistics endpoints answer)
+    def is_live(self) -> bool:
+        """Whether the server is live (not yet shutting down)."""
+        return bool(self._dataplane.live and not self._dataplane.exiting)
+
+    def is_ready(self) -> bool:
+        """The server's readiness by state (the backends' own readiness checks are not run)."""
+        return bool(self._dataplane.is_ready())
+
+    def server_metadata(self) -> dict[str, Any]:
+        """``{"name", "version", "extensions"}``, as the metadata endpoint answers."""
+        return dict(self._dataplane.server_metadata())
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        """The repository index, as the repository API answers it."""
+        return list(self._dataplane.repository_index(ready_only))
+
+    def model_statistics(self, name: str = "", version: str | None = None) -> dict[str, Any]:
+        """Triton's ``{"model_stats": [...]}`` (every model when ``name`` is empty).
+
+        :raises InferError: the model or version is not loaded.
+        """
+        return dict(self._dataplane.model_statistics(name, version))
+
+    def metrics_text(self) -> str:
+        """The server's metrics in Prometheus text format (as ``/metrics`` shows them).
+
+        :raises InferError: UNAVAILABLE when this process renders no metrics.
+        """
+        if self._metrics is None:
+            raise InferError.unavailable("metrics are not available in this process")
+        return self._metrics().decode("utf-8")
+
+    @property
+    def tracing(self) -> Any:
+        """The server's ``pyserve.tracing.TraceManager``."""
+        return self._dataplane.tracing
 
     def model_ready(self, name: str, version: str | None = None) -> bool:
         """Whether a model (version) is READY."""

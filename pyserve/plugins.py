@@ -72,7 +72,17 @@ class BackendInfo:
     distribution: str
     version: str
     platforms: tuple[str, ...]
-    source: str  # the entry point's value, or "<registered>" for programmatic ones
+    source: str  # the entry point's value, "<registered>", or a server plugin's key
+    resolved: bool = False  # supplied by a server plugin (pyserve_resolve_backend)
+
+    def origin(self) -> str:
+        """Where the backend comes from, for people: ``plugin <distribution> <version>``, the
+        key a server plugin gave (e.g. ``native:<library path>``), or ``registered``."""
+        if self.resolved:
+            return self.source
+        if self.source == "<registered>":
+            return "registered"
+        return f"plugin {self.distribution} {self.version}".rstrip()
 
 
 class BackendHooks:
@@ -293,18 +303,20 @@ class PluginHost:
         version_paths: Sequence[Path] = (),
         backend_directory: str | None = None,
     ) -> LoadedBackend:
-        """The backend serving a model: an installed Python backend, else a server plugin's.
+        """The backend serving a model: a server plugin's (e.g. a native library), else an
+        installed Python backend.
 
-        A Python backend named ``name`` wins unless the config's ``runtime`` names a shared
-        library (``*.so``). Otherwise the ``pyserve_resolve_backend`` hook of the server plugins
-        is asked (e.g. for a native ``libtriton_<name>.so``); each key it returns is registered
-        once, so every model resolving to the same library shares one backend.
+        The ``pyserve_resolve_backend`` hook of the server plugins is asked first: a native
+        ``libtriton_<name>.so`` that the user placed where Triton looks (version folder, model
+        folder, ``--backend-directory``) wins over an installed Python backend of the same
+        name, as in Triton. Only when no plugin supplies one does the Python backend ``name``
+        serve the model; a config ``runtime`` naming a shared library (``*.so``) must be
+        supplied by a plugin. Each key a plugin returns is registered once, so every model
+        resolving to the same library shares one backend.
 
         :raises BackendUnavailable: nothing serves the backend, or the resolver failed.
         """
         native_runtime = runtime.endswith(".so")
-        if not native_runtime and self.is_installed(name):
-            return self.backend(name)
         try:
             found = self.server_hook("pyserve_resolve_backend")(
                 name=name, runtime=runtime, model_path=model_path, version_paths=list(version_paths),
@@ -318,7 +330,7 @@ class PluginHost:
                     f"backend '{name}': runtime '{runtime}' names a native backend library, but no "
                     "installed server plugin hosts native backends (pip install pyserve-backend-native)"
                 )
-            return self.backend(name)  # raises the usual "not installed" error
+            return self.backend(name)  # an installed Python backend, or the usual "not installed" error
         key, plugin = found
         loaded = self._loaded.get(key)
         if loaded is not None:
@@ -407,7 +419,7 @@ def _resolved_info(name: str, key: str, plugin: object) -> BackendInfo:
         version = metadata.version(distribution)
     except metadata.PackageNotFoundError:
         distribution = package
-    return BackendInfo(name, distribution, version, (), key)
+    return BackendInfo(name, distribution, version, (), key, resolved=True)
 
 
 def _dist_label(ep: metadata.EntryPoint) -> str:

@@ -341,7 +341,7 @@ class Server:
                 self._saved_busy_poll = busy_poll.configure(self.options.busy_poll_us)
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
-        self.models.server_handle.bind(self.dataplane, loop)
+        self.models.server_handle.bind(self.dataplane, loop, metrics=self.metrics.render)
         self.models.loop = loop
         await loop.run_in_executor(None, self.models.load_all)
         self._log_model_table()
@@ -534,15 +534,27 @@ class Server:
         client_activity.untracked_server(True)  # its requests are not reported: executes stay on threads
 
     def _log_model_table(self) -> None:
-        rows = [
-            [e["name"], e.get("version", "-"), e["state"] + (f": {e['reason']}" if e.get("reason") else "")]
+        rows = [  # Triton's columns first (scripts match "| <model> | <version> | READY |"), then ours
+            [e["name"], e.get("version", "-"), e["state"] + (f": {e['reason']}" if e.get("reason") else ""),
+             self._served_by(e)]
             for e in self.models.index()
             if "state" in e  # models on disk that were not loaded (explicit mode) have no state
         ]
-        log.info("\n%s", logs.table(["Model", "Version", "Status"], rows))
+        log.info("\n%s", logs.table(["Model", "Version", "Status", "Backend"], rows))
         backends = [[b.info.name, b.info.distribution, b.info.version] for b in self.plugins.loaded_backends()]
         if backends:
             log.info("\n%s", logs.table(["Backend", "Distribution", "Version"], backends))
+
+    def _served_by(self, entry: Mapping[str, str]) -> str:
+        """The startup table's Backend cell: which backend serves a model version and where it
+        comes from (an installed plugin, or a native library's path); ``-`` when none."""
+        record = self.models.records.get(entry["name"])
+        version = record.versions.get(int(entry["version"])) if record is not None and "version" in entry else None
+        if version is None or version.backend is None:
+            platform = version.config.platform if version is not None and version.config is not None else ""
+            return platform or "-"
+        info = version.backend.info
+        return f"{info.name} ({info.origin()})"
 
     def request_stop(self) -> None:
         """Ask a running ``serve_until_stopped`` to shut down (thread-safe via the loop)."""

@@ -51,22 +51,35 @@ DEFAULT_OTLP_URL = "http://localhost:4318/v1/traces"
 class _Flag:
     """Process-wide: is any server tracing? (checked once per batch by instance workers)."""
 
-    __slots__ = ("_managers", "on")
+    __slots__ = ("_lock", "_managers", "on")
 
     def __init__(self) -> None:
         self.on = False
         self._managers: set[int] = set()
+        self._lock = threading.Lock()
 
-    def set(self, manager: TraceManager, active: bool) -> None:
-        if active:
-            self._managers.add(id(manager))
-        else:
-            self._managers.discard(id(manager))
-        self.on = bool(self._managers)
+    def set(self, manager: object, active: bool) -> None:
+        """``manager`` (a ``TraceManager``, or any object holding tracing on for requests it
+        traces itself) turns tracing on or off for its part. Thread-safe."""
+        with self._lock:
+            if active:
+                self._managers.add(id(manager))
+            else:
+                self._managers.discard(id(manager))
+            self.on = bool(self._managers)
 
 
 TRACING = _Flag()
 """``TRACING.on`` is False unless some server has a trace level other than OFF."""
+
+
+_TRACE_IDS = itertools.count(1)
+
+
+def next_trace_id() -> int:
+    """A new trace id, unique in the process (every server's traces and the traces native
+    backends create take theirs from here). Thread-safe."""
+    return next(_TRACE_IDS)
 
 
 class TraceConfigError(ValueError):
@@ -182,17 +195,25 @@ class RequestTrace:
         from ``InferenceTrace.get_context()``); None in Triton mode.
     """
 
-    __slots__ = ("context", "id", "model_name", "model_version", "otel_ids", "parent", "request_id", "scope",
-                 "timestamps")
+    __slots__ = ("activities", "context", "export", "id", "model_name", "model_version", "otel_ids", "parent",
+                 "parent_id", "request_id", "scope", "timestamps")
 
-    def __init__(self, trace_id: int, request: InferRequest, parent: str | None, scope: _Scope,
-                 opentelemetry: bool = False) -> None:
+    def __init__(self, trace_id: int, request: InferRequest, parent: str | None, scope: _Scope | None,
+                 opentelemetry: bool = False, *, parent_id: int = 0, export: bool = True) -> None:
         self.id = trace_id
         self.model_name = request.model_name
         self.model_version = request.model_version
         self.request_id = request.id
         self.parent = parent
+        self.parent_id = parent_id
+        """The id of the trace this one is a child of (a native backend's BLS call), or 0."""
         self.scope = scope
+        self.export = export
+        """Written to the trace file / exported as spans when done (False: a trace a native
+        backend made for its own request, whose activities go to the backend's callbacks)."""
+        self.activities: list[tuple[str, int]] = []
+        """Custom activities a backend reported (``TRITONSERVER_InferenceTraceReportActivity``),
+        in report order: (name, wall-clock ns); a name may repeat."""
         self.otel_ids: tuple[int, int] | None = None
         self.context: str | None = None
         if opentelemetry:
@@ -212,6 +233,20 @@ class RequestTrace:
     def mark(self, name: str, ns: int | None = None) -> None:
         self.timestamps.setdefault(name, ns if ns is not None else time.time_ns())
 
+    def activity(self, name: str, ns: int) -> None:
+        """Record a backend's custom activity (any thread)."""
+        self.activities.append((name, ns))
+
+    def finish(self) -> None:
+        """Stamp the end of the request; its final response is being sent. Once compute began,
+        that ends it (``COMPUTE_END``): a backend answering from inside its execute (a response
+        sender, a native backend) began its output now unless the execute already returned."""
+        now = time.time_ns()
+        if "COMPUTE_START" in self.timestamps:
+            self.mark("COMPUTE_OUTPUT_START", now)
+            self.mark("COMPUTE_END", now)
+        self.mark("REQUEST_END", now)
+
     def to_json(self) -> dict[str, Any]:
         """Triton's trace-file object for this trace."""
         entry: dict[str, Any] = {
@@ -221,9 +256,12 @@ class RequestTrace:
         }
         if self.request_id:
             entry["request_id"] = self.request_id
-        if self.parent:
+        if self.parent_id:
+            entry["parent_id"] = self.parent_id
+        elif self.parent:
             entry["parent_id"] = self.parent
-        entry["timestamps"] = [{"name": n, "ns": ns} for n, ns in sorted(self.timestamps.items(), key=lambda i: i[1])]
+        stamps = sorted([*self.timestamps.items(), *self.activities], key=lambda i: i[1])
+        entry["timestamps"] = [{"name": n, "ns": ns} for n, ns in stamps]
         return entry
 
 
@@ -249,10 +287,7 @@ class _TracingSender:
     def send(self, response: InferResponse | InferError | None, final: bool) -> None:
         if final:
             trace = self._trace
-            now = time.time_ns()
-            if "COMPUTE_OUTPUT_START" in trace.timestamps:
-                trace.mark("COMPUTE_END", now)
-            trace.mark("REQUEST_END", now)
+            trace.finish()
             try:
                 self._manager.complete(trace, isinstance(response, InferError))
             except Exception:  # tracing must never fail a request
@@ -310,7 +345,6 @@ class TraceManager:
         self._overrides: dict[str, dict[str, Any]] = {}
         self._scopes: dict[str, _Scope] = {}
         self._global_scope = self._make_scope(self._global)
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._provider: Any = None
         self._tracer: Any = None
@@ -380,6 +414,15 @@ class TraceManager:
         attach its ``RequestTrace`` and wrap its sender. Called only while ``active``;
         ``request.trace_parent`` is the client's W3C ``traceparent``, if any.
         """
+        preset = request.trace
+        if preset is not None:
+            # made by a native backend for its BLS call (a child of a traced request): traced
+            # whatever the sampling; one with export=False reports to the backend's callbacks
+            preset.model_version = request.model_version  # the serving version, now resolved
+            if preset.export:
+                preset.scope = self._scopes.get(request.model_name, self._global_scope)
+                request.attach_sender(_TracingSender(self, request.attached_sender(), preset))
+            return
         scope = self._scopes.get(request.model_name, self._global_scope)
         if not scope.on:
             return
@@ -391,7 +434,7 @@ class TraceManager:
                 scope.count -= 1
                 if scope.count == 0:
                     self._refresh_after_count()
-            trace_id = next(self._ids)
+            trace_id = next_trace_id()
         trace = RequestTrace(trace_id, request, request.trace_parent, scope, self.mode == "opentelemetry")
         request.trace = trace
         request.attach_sender(_TracingSender(self, request.attached_sender(), trace))
@@ -411,6 +454,7 @@ class TraceManager:
             self._export_otel(trace, failed)
             return
         scope = trace.scope
+        assert scope is not None  # set when the trace began
         entry = trace.to_json()
         if not scope.file:
             log.debug("trace %s", json.dumps(entry))
@@ -503,7 +547,7 @@ class TraceManager:
             "triton.model_name": trace.model_name,
             "triton.model_version": trace.model_version,
             "triton.trace_id": trace.id,
-            "triton.trace_parent_id": 0,
+            "triton.trace_parent_id": trace.parent_id,
         }
         if trace.request_id:
             attributes["triton.request_id"] = trace.request_id
@@ -540,10 +584,43 @@ class TraceManager:
                 child, _ = span(name, start, end, compute_ctx)
                 if child is not None:
                     child.end(end_time=ts[end])
+        if trace.activities:
+            _export_activities(tracer, trace, root, compute)
+        if compute is not None:
             compute.end(end_time=ts["COMPUTE_END"])
         if failed:
             root.set_status(Status(StatusCode.ERROR))
         root.end(end_time=ts["REQUEST_END"])
+
+
+def _export_activities(tracer: Any, trace: RequestTrace, root: Any, compute: Any) -> None:
+    """A backend's custom activities as Triton exports them: ``<name>_START`` opens a span
+    ``<name>`` (a child of the innermost open one: the compute span while compute runs, else
+    the request's), ``<name>_END`` closes the innermost custom span, and every activity is an
+    event on the innermost open span. Spans left open end with the request."""
+    from opentelemetry import trace as otel_trace
+
+    ts = trace.timestamps
+    compute_start, compute_end = ts.get("COMPUTE_START"), ts.get("COMPUTE_END")
+    stack: list[Any] = []  # open custom spans
+    for name, ns in sorted(trace.activities, key=lambda a: a[1]):
+        if stack:
+            outer = stack[-1]
+        elif compute is not None and compute_start is not None and compute_end is not None \
+                and compute_start <= ns <= compute_end:
+            outer = compute
+        else:
+            outer = root
+        if name.endswith("_START") and len(name) > len("_START"):
+            span = tracer.start_span(name[: -len("_START")], context=otel_trace.set_span_in_context(outer),
+                                     start_time=ns)
+            stack.append(span)
+            outer = span
+        outer.add_event(name, timestamp=ns)
+        if name.endswith("_END") and len(name) > len("_END") and stack:
+            stack.pop().end(end_time=ns)
+    for span in reversed(stack):
+        span.end(end_time=ts.get("REQUEST_END", time.time_ns()))
 
 
 class _Preset(threading.local):

@@ -54,13 +54,16 @@ def pyserve_resolve_backend(
     version_paths: list[Path],
     backend_directory: str | None,
 ) -> tuple[str, object] | None:
-    """Supply the backend of a model that no installed Python backend serves.
+    """Supply the backend of a model, before installed Python backends are considered.
 
-    When: while a model loads, if no ``pyserve.backends`` entry point (or registered backend)
-    has the config's ``backend`` name, or if the config's ``runtime`` names a shared library
-    (``*.so``, which always selects a native library). Called once per model load; the first
-    plugin returning a result wins (firstresult).
-    Thread: a model-loading thread; may run concurrently for different models.
+    When: while a model with a ``backend`` loads, once per load. The first plugin returning a
+    result wins (firstresult), and its backend serves the model even when a ``pyserve.backends``
+    entry point of the same name is installed: a native library the user placed where Triton
+    looks wins over a Python plugin, as in Triton. When every plugin returns ``None`` the
+    installed Python backend serves the model (a config ``runtime`` naming a shared library,
+    ``*.so``, then fails: only a plugin can supply it).
+    Thread: a model-loading thread; may run concurrently for different models. Keep it cheap
+    (it runs for every model with a backend): look for files, load nothing that is not found.
 
     :param name: the config's ``backend`` name.
     :param runtime: the config's ``runtime`` (``""`` when unset).
@@ -70,7 +73,8 @@ def pyserve_resolve_backend(
         ``/opt/tritonserver/backends``), or None.
     :returns: ``None`` if this plugin does not serve the model; otherwise ``(key, plugin)``:
         ``key`` names the backend uniquely in this server (e.g. ``"native:<library path>"``:
-        models resolving to the same key share one backend, initialized once) and ``plugin``
+        models resolving to the same key share one backend, initialized once; the startup
+        table shows it as where the backend comes from) and ``plugin``
         implements the lifecycle hooks of ``pyserve_hookspecs.lifecycle``. When the key is
         already registered the server keeps the registered plugin and drops the new one, so
         creating it must have no side effects.

@@ -10,7 +10,7 @@ import pytest
 from pyserve_backend_native import include_dir
 
 BACKEND_SOURCES = Path(__file__).resolve().parent / "backends"
-TEST_BACKENDS = ("identity", "errors", "initfail", "missing", "newapi", "decoupled", "stateful", "bls", "iterative")
+TEST_BACKENDS = ("identity", "errors", "initfail", "missing", "newapi", "decoupled", "stateful", "bls", "iterative", "tracing")
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,11 @@
 """pyserve-backend-native: host Triton's native backends (``libtriton_<name>.so``) in pyserve.
 
 A server plugin (entry-point group ``pyserve.plugins``) implementing
-``pyserve_resolve_backend``: when no Python backend claims a model's ``backend`` (or the
-config's ``runtime`` names a ``.so``), it looks for the library where Triton does and serves it
-through pyserve's TRITON API shim (TRITONBACKEND API 1.19, TRITONSERVER API 1.34).
+``pyserve_resolve_backend``: for every model with a ``backend`` it looks for the library where
+Triton does (version folder, model folder, ``--backend-directory``; the config's ``runtime``
+when it names a ``.so``) and, when one is there, serves the model with it through pyserve's
+TRITON API shim (TRITONBACKEND API 1.19, TRITONSERVER API 1.34), even where a Python backend
+of the same name is installed (as in Triton, the library the user placed wins).
 
 Importing this package is cheap: the shim is compiled (gcc) and loaded only when a model
 first needs a native backend.

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import json
 import logging
 import struct
 import threading
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Iterator
 from ctypes import (
     CFUNCTYPE,
     POINTER,
@@ -41,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pyserve import datatypes
 from pyserve.errors import ErrorCode, InferError
 from pyserve.inference import InferRequest, InferResponse
+from pyserve.tracing import next_trace_id
 
 from pyserve_backend_native import loader
 
@@ -60,6 +61,13 @@ RESPONSE_FINAL = 1
 RELEASE_ALL, RELEASE_RESCHEDULE = 1, 2
 EVENT_RELEASED, EVENT_DONE = 1, 2
 QUERY_READY, QUERY_TXN, QUERY_CONFIG, QUERY_METADATA, QUERY_BATCH = 1, 2, 3, 4, 5
+QUERY_LIVE, QUERY_SERVER_READY, QUERY_SERVER_METADATA, QUERY_INDEX, QUERY_STATISTICS = 6, 7, 8, 9, 10
+QUERY_METRICS, QUERY_LOAD, QUERY_UNLOAD, QUERY_UNLOAD_DEPENDENTS = 11, 12, 13, 14
+TRACE_ACTIVITIES = {
+    "REQUEST_START": 0, "QUEUE_START": 1, "COMPUTE_START": 2, "COMPUTE_INPUT_END": 3,
+    "COMPUTE_OUTPUT_START": 4, "COMPUTE_END": 5, "REQUEST_END": 6,
+}
+"""pyserve's trace stamps → ``TRITONSERVER_InferenceTraceActivity``."""
 
 
 # -- structures shared with the shim (keep in step with shim_internal.h) -------------------------
@@ -119,6 +127,8 @@ EVENT_FN = CFUNCTYPE(None, c_uint64, c_int32, c_uint32)
 CANCELLED_FN = CFUNCTYPE(c_int32, c_uint64)
 INFER_FN = CFUNCTYPE(c_int32, c_uint64, c_void_p)
 QUERY_FN = CFUNCTYPE(c_int32, c_uint64, c_int32, c_char_p, c_int64, POINTER(Result))
+TRACE_ACTIVITY_FN = CFUNCTYPE(None, c_uint64, c_uint64, c_char_p)
+TRACE_ID_FN = CFUNCTYPE(c_uint64)
 
 
 class Callbacks(Structure):
@@ -129,6 +139,8 @@ class Callbacks(Structure):
         ("is_cancelled", CANCELLED_FN),
         ("infer_async", INFER_FN),
         ("server_query", QUERY_FN),
+        ("trace_activity", TRACE_ACTIVITY_FN),
+        ("trace_id", TRACE_ID_FN),
     ]
 
 
@@ -178,6 +190,13 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "pyshim_ireq_output": (c_char_p, [c_void_p, c_uint32]),
     "pyshim_ireq_params": (POINTER(Param), [c_void_p]),
     "pyshim_ireq_is_cancelled": (c_int32, [c_void_p]),
+    "pyshim_ireq_trace": (c_void_p, [c_void_p]),
+    "pyshim_request_set_trace": (None, [c_void_p, c_uint64, c_uint64, c_char_p, c_int64, c_char_p, c_char_p]),
+    "pyshim_trace_info": (
+        None, [c_void_p, POINTER(c_uint64), POINTER(c_uint64), POINTER(c_char_p), POINTER(c_int32)],
+    ),
+    "pyshim_trace_set_model": (None, [c_void_p, c_char_p, c_int64, c_char_p]),
+    "pyshim_trace_report": (None, [c_void_p, c_int32, c_uint64]),
     "pyshim_ireq_respond": (
         None,
         [c_void_p, c_uint32, c_int32, c_int64, c_int32, c_char_p, c_uint32, POINTER(OutputDesc), c_uint32,
@@ -216,10 +235,13 @@ def lib() -> Any:
         return _lib
     with _lib_lock:
         if _lib is None:
+            from pyserve_backend_native import _bls
+
             shim = _Lib()
             _callbacks = Callbacks(
                 LOG_FN(_on_log), RESPONSE_FN(_on_response), EVENT_FN(_on_event),
-                CANCELLED_FN(_on_is_cancelled), INFER_FN(_on_infer_async), QUERY_FN(_on_server_query),
+                CANCELLED_FN(_on_is_cancelled), INFER_FN(_bls._on_infer_async), QUERY_FN(_bls._on_server_query),
+                TRACE_ACTIVITY_FN(_on_trace_activity), TRACE_ID_FN(next_trace_id),
             )
             shim.pyshim_set_callbacks(ctypes.byref(_callbacks))
             shim.pyshim_set_log_verbose(1 if log.isEnabledFor(logging.DEBUG) else 0)
@@ -264,13 +286,17 @@ class ShimMetricsCollector:
     def collect(self) -> Iterator[Metric]:
         if _lib is None:  # the shim was never loaded: no backend made a metric
             return
-        for family in text_string_to_metric_families(metrics_text()):
+        text = metrics_text()
+        created = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+        for family in text_string_to_metric_families(text):
             if not family.samples:
                 continue
             if family.type == "counter":
-                # the parser drops a counter's "_total"; Triton shows the name as created
-                renamed = Metric(family.samples[0].name, family.documentation, "counter")
-                renamed.samples = list(family.samples)
+                # the parser drops a counter's "_total" (or adds it to the samples); Triton shows
+                # the name as the backend created it, with or without "_total"
+                name = family.name + "_total" if family.name + "_total" in created else family.name
+                renamed = Metric(name, family.documentation, "counter")
+                renamed.samples = [sample._replace(name=name) for sample in family.samples]
                 family = renamed
             yield family
 
@@ -536,6 +562,18 @@ def _on_is_cancelled(key: int) -> int:
         return 0
 
 
+def _on_trace_activity(key: int, timestamp_ns: int, name: bytes | None) -> None:
+    """A backend's custom activity for a traced request (steady-clock ns → wall clock)."""
+    pending = PENDING.get(key)
+    trace = pending.request.trace if pending is not None else None
+    if trace is None:
+        return  # the request is answered: its trace was already recorded
+    try:
+        trace.activity((name or b"").decode("utf-8", "replace"), timestamp_ns + time.time_ns() - time.monotonic_ns())
+    except BaseException:
+        log.exception("model '%s': recording a trace activity failed", pending.model_name if pending else "")
+
+
 _LEVELS = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging.DEBUG}
 
 
@@ -546,247 +584,3 @@ def _on_log(level: int, filename: bytes | None, line: int, message: bytes | None
         log.log(_LEVELS.get(level, logging.INFO), "%s:%d] %s", where, line, text)
     except BaseException:
         pass
-
-
-# -- BLS ---------------------------------------------------------------------------------------
-SERVERS: dict[int, Any] = {}
-"""Server key (TRITONSERVER_Server of a model) → ``pyserve.inprocess.ServerHandle``."""
-_server_lock = threading.Lock()
-_server_pointers: dict[int, tuple[Any, int]] = {}
-
-
-def server_pointer(handle: Any) -> int | None:
-    """The ``TRITONSERVER_Server*`` standing for a pyserve server (one per server handle)."""
-    if handle is None:
-        return None
-    with _server_lock:
-        entry = _server_pointers.get(id(handle))
-        if entry is None or entry[0] is not handle:
-            key = new_key()
-            SERVERS[key] = handle
-            entry = (handle, lib().pyshim_server_new(key))
-            _server_pointers[id(handle)] = entry
-        return entry[1]
-
-
-def _decode(value: bytes | None) -> str:
-    return (value or b"").decode("utf-8", "replace")
-
-
-def _array_from_buffers(request: int, index: int, buffers: int, datatype: int, shape: tuple[int, ...]) -> np.ndarray:
-    dt = CODE_TYPES.get(datatype)
-    if dt is None:
-        raise InferError.invalid(f"input {index} has unknown datatype {datatype}")
-    chunks: list[tuple[int, int]] = []
-    for j in range(buffers):
-        base, size = c_void_p(), c_uint64()
-        lib().pyshim_ireq_input_buffer(request, index, j, ctypes.byref(base), ctypes.byref(size))
-        chunks.append((base.value or 0, int(size.value)))
-    if dt.is_bytes:
-        data = b"".join(ctypes.string_at(b, s) for b, s in chunks if s)
-        return deserialize_bytes(data, shape)
-    if len(chunks) == 1 and chunks[0][0]:
-        # Borrowed, not copied: the backend keeps the data alive until the request is released,
-        # which happens after its final response.
-        address, length = chunks[0]
-        array = np.frombuffer((ctypes.c_char * length).from_address(address), dtype=dt.dtype)  # type: ignore[call-overload]
-    else:
-        array = np.frombuffer(b"".join(ctypes.string_at(b, s) for b, s in chunks if s), dtype=dt.dtype)
-    array = array.reshape(shape)
-    array.flags.writeable = False
-    return array
-
-
-def _bls_request(request: int) -> InferRequest:
-    model, rid, corr_str = c_char_p(), c_char_p(), c_char_p()
-    version, flags, corr, priority, timeout = c_int64(), c_uint32(), c_uint64(), c_uint64(), c_uint64()
-    n_in, n_out, n_params = c_uint32(), c_uint32(), c_uint32()
-    lib().pyshim_ireq_info(
-        request, ctypes.byref(model), ctypes.byref(version), ctypes.byref(rid), ctypes.byref(flags),
-        ctypes.byref(corr), ctypes.byref(corr_str), ctypes.byref(priority), ctypes.byref(timeout),
-        ctypes.byref(n_in), ctypes.byref(n_out), ctypes.byref(n_params),
-    )
-    inputs: dict[str, np.ndarray] = {}
-    for i in range(n_in.value):
-        name, datatype, shape_ptr = c_char_p(), c_int32(), POINTER(c_int64)()
-        dims, buffers = c_uint32(), c_uint32()
-        lib().pyshim_ireq_input(
-            request, i, ctypes.byref(name), ctypes.byref(datatype), ctypes.byref(shape_ptr),
-            ctypes.byref(dims), ctypes.byref(buffers),
-        )
-        shape = tuple(int(shape_ptr[d]) for d in range(dims.value))
-        inputs[_decode(name.value)] = _array_from_buffers(request, i, buffers.value, datatype.value, shape)
-    outputs = tuple(_decode(lib().pyshim_ireq_output(request, i)) for i in range(n_out.value))
-    params = read_params(lib().pyshim_ireq_params(request), n_params.value) if n_params.value else {}
-    correlation: int | str = _decode(corr_str.value) if corr_str.value is not None else int(corr.value)
-    return InferRequest(
-        _decode(model.value), int(version.value), inputs, outputs, id=_decode(rid.value), parameters=params,
-        flags=int(flags.value), correlation_id=correlation, priority=int(priority.value),
-        timeout_us=int(timeout.value),
-    )
-
-
-def output_descs(outputs: Mapping[str, Any]) -> tuple[Any, list[Any]]:
-    """C descriptions of arrays (and what keeps their memory alive during the call)."""
-    keep: list[Any] = []
-    descs = (OutputDesc * max(len(outputs), 1))()
-    for i, (name, value) in enumerate(outputs.items()):
-        array = value if isinstance(value, np.ndarray) else np.asarray(value)
-        dt = datatypes.from_numpy(array.dtype)
-        if dt is None:
-            raise InferError(f"output '{name}' has unsupported dtype {array.dtype}", ErrorCode.INTERNAL)
-        if dt.is_bytes:
-            data = np.frombuffer(serialize_bytes(array), dtype=np.uint8)
-        else:
-            data = np.ascontiguousarray(array, dtype=dt.dtype)
-        shape = (c_int64 * max(array.ndim, 1))(*array.shape)
-        name_bytes = name.encode()
-        keep += [data, shape, name_bytes]
-        descs[i].name = name_bytes
-        descs[i].datatype = TYPE_CODES[dt.name]
-        descs[i].dims_count = array.ndim
-        descs[i].shape = ctypes.cast(shape, POINTER(c_int64))
-        descs[i].buffer = data.ctypes.data if data.nbytes else None
-        descs[i].byte_size = data.nbytes
-    return descs, keep
-
-
-def param_array(parameters: Mapping[str, Any]) -> tuple[Any, list[Any]]:
-    keep: list[Any] = []
-    array = (Param * max(len(parameters), 1))()
-    for i, (key, value) in enumerate(parameters.items()):
-        key_bytes = key.encode()
-        keep.append(key_bytes)
-        array[i].key = key_bytes
-        if isinstance(value, bool):
-            array[i].type, array[i].b = PARAM_BOOL, value
-        elif isinstance(value, int):
-            array[i].type, array[i].i = PARAM_INT, value
-        elif isinstance(value, float):
-            array[i].type, array[i].d = PARAM_DOUBLE, value
-        else:
-            text = str(value).encode()
-            keep.append(text)
-            array[i].type, array[i].str = PARAM_STRING, text
-    return array, keep
-
-
-class _BlsSender:
-    """Answers a backend's TRITONSERVER_InferenceRequest from pyserve's responses."""
-
-    __slots__ = ("_done", "_lock", "_origin", "_request")
-
-    def __init__(self, request: int, origin: InferRequest | None) -> None:
-        self._request = request
-        self._origin = origin  # its model_version is the serving version once submitted
-        self._lock = threading.Lock()
-        self._done = False
-
-    @property
-    def _version(self) -> int:
-        return max(self._origin.model_version, 0) if self._origin is not None else 0
-
-    def send(self, response: InferResponse | InferError | None, final: bool) -> None:
-        with self._lock:
-            if self._done:
-                return
-            flags = RESPONSE_FINAL if final else 0
-            if isinstance(response, InferResponse) and response.error is not None:
-                response = response.error
-            try:
-                if isinstance(response, InferError):
-                    lib().pyshim_ireq_respond(
-                        self._request, flags, 1, self._version, int(response.code), response.message.encode(),
-                        0, None, 0, None,
-                    )
-                elif isinstance(response, InferResponse):
-                    descs, keep = output_descs(response.outputs)
-                    params, keep_params = param_array(response.parameters)
-                    lib().pyshim_ireq_respond(
-                        self._request, flags, 1, self._version, -1, None, len(response.outputs), descs,
-                        len(response.parameters), params,
-                    )
-                    del keep, keep_params
-                else:
-                    lib().pyshim_ireq_respond(self._request, flags, 0, self._version, -1, None, 0, None, 0, None)
-            except InferError as exc:
-                lib().pyshim_ireq_respond(
-                    self._request, flags, 1, self._version, int(exc.code), exc.message.encode(), 0, None, 0, None,
-                )
-            if final:
-                self._done = True  # the backend released (and may have freed) the request
-
-    def is_cancelled(self) -> bool:
-        with self._lock:
-            return not self._done and bool(lib().pyshim_ireq_is_cancelled(self._request))
-
-
-def _on_infer_async(server: int, request: int) -> int:
-    handle = SERVERS.get(server)
-    try:
-        if handle is None:
-            raise InferError.unavailable("the server that owns this model is not running")
-        infer_request = _bls_request(request)
-    except BaseException as exc:
-        error = exc if isinstance(exc, InferError) else InferError(f"{type(exc).__name__}: {exc}", ErrorCode.INTERNAL)
-        try:
-            _BlsSender(request, None).send(error, True)
-        except BaseException:
-            log.exception("BLS: answering a malformed request failed")
-        return 0
-    try:
-        handle.submit(infer_request, _BlsSender(request, infer_request))
-    except BaseException:
-        log.exception("BLS: submitting a request for model '%s' failed", infer_request.model_name)
-        return 1
-    return 0
-
-
-def _model_metadata(config: Any, name: str, version: str | None) -> dict[str, Any]:
-    from pyserve.protocol import data_type_name
-
-    def tensors(items: Any) -> list[dict[str, Any]]:
-        out = []
-        for t in items:
-            dt = datatypes.from_config_name(data_type_name(t.data_type))
-            dims = list(t.dims)
-            if config.max_batch_size > 0:
-                dims = [-1, *dims]
-            out.append({"name": t.name, "datatype": dt.name if dt else "", "shape": dims})
-        return out
-
-    return {
-        "name": name, "versions": [version] if version else [], "platform": config.platform or config.backend,
-        "inputs": tensors(config.input), "outputs": tensors(config.output),
-    }
-
-
-def _on_server_query(server: int, op: int, model: bytes | None, version: int, result: Any) -> int:
-    from pyserve.protocol.config_json import model_config_to_dict
-
-    name = _decode(model)
-    ver = str(version) if version > 0 else None
-    handle = SERVERS.get(server)
-    try:
-        if handle is None:
-            raise InferError.unavailable("the server that owns this model is not running")
-        if op == QUERY_READY:
-            lib().pyshim_result_set(result, int(handle.model_ready(name, ver)), None)
-        elif op == QUERY_TXN:
-            lib().pyshim_result_set(result, 2 if handle.is_decoupled(name, ver) else 1, None)
-        elif op == QUERY_BATCH:
-            config = handle.model_config(name, ver)
-            lib().pyshim_result_set(result, 2 if config.max_batch_size > 0 else 1, None)
-        elif op == QUERY_CONFIG:
-            text = json.dumps(model_config_to_dict(handle.model_config(name, ver)))
-            lib().pyshim_result_set(result, 0, text.encode())
-        elif op == QUERY_METADATA:
-            text = json.dumps(_model_metadata(handle.model_config(name, ver), name, ver))
-            lib().pyshim_result_set(result, 0, text.encode())
-        else:
-            raise InferError.unsupported(f"unknown server query {op}")
-    except InferError as exc:
-        lib().pyshim_result_error(result, int(exc.code), exc.message.encode())
-    except BaseException as exc:
-        lib().pyshim_result_error(result, int(ErrorCode.INTERNAL), f"{type(exc).__name__}: {exc}".encode())
-    return 0

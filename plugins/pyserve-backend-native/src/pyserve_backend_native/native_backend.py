@@ -41,7 +41,7 @@ from pyserve.inference import InferRequest
 from pyserve.protocol.config_json import model_config_from_dict, model_config_to_dict
 from pyserve_hookspecs import hookimpl
 
-from pyserve_backend_native import _api
+from pyserve_backend_native import _api, _bls
 from pyserve_backend_native.loader import NativeLibrary
 
 log = logging.getLogger("pyserve.native")
@@ -159,7 +159,7 @@ class NativeBackend:
         if self._backend is None:
             raise NativeBackendError(f"{self.library.path}: the backend is not initialized")
         config = json.dumps(model_config_to_dict(model.config)).encode()
-        server = _api.server_pointer(model.server)
+        server = _bls.server_pointer(model.server)
         pointer = _api.lib().pyshim_model_new(
             self._backend, server, model.name.encode(), model.version, str(model.path).encode(), config,
             auto_complete,
@@ -341,6 +341,12 @@ def _build_request(lib: Any, pending: _api.Pending, instance: int) -> int:
         pending.key, instance, request.id.encode(), corr_number, corr_string, request.flags,
         request.timeout_us, len(request.inputs), len(request.requested_outputs),
     )
+    trace = request.trace
+    if trace is not None:  # TRITONBACKEND_RequestTrace hands it out; custom activities come back
+        lib.pyshim_request_set_trace(
+            pointer, trace.id, trace.parent_id, request.model_name.encode(), request.model_version,
+            request.id.encode(), trace.context.encode() if trace.context else None,
+        )
     keep = pending.keep
     assert keep is not None
     for index, (name, array) in enumerate(request.inputs.items()):

@@ -24,6 +24,7 @@ pyshim_core* shim_core_ref(pyshim_core* core) {
 void shim_core_unref(pyshim_core* core) {
   if (atomic_fetch_sub(&core->refs, 1) == 1) {
     uint64_t key = core->key;
+    shim_trace_free(core->trace);
     free(core);
     if (g_cb.request_event != NULL) g_cb.request_event(key, PYSHIM_EVENT_DONE, 0);
   }
@@ -276,13 +277,6 @@ EXPORT TRITONSERVER_Error* TRITONBACKEND_RequestOutputBufferProperties(
   if (byte_size) *byte_size = 0;
   if (memory_type) *memory_type = TRITONSERVER_MEMORY_CPU;
   if (memory_type_id) *memory_type_id = 0;
-  return NULL;
-}
-
-EXPORT TRITONSERVER_Error* TRITONBACKEND_RequestTrace(
-    TRITONBACKEND_Request* request, TRITONSERVER_InferenceTrace** trace) {
-  SHIM_REQUIRE(request != NULL && trace != NULL, "null argument");
-  *trace = NULL; /* tracing is off */
   return NULL;
 }
 

@@ -46,6 +46,7 @@ struct TRITONSERVER_InferenceRequest {
   void* allocator_userp;
   TRITONSERVER_InferenceResponseCompleteFn_t response_fn;
   void* response_userp;
+  TRITONSERVER_InferenceTrace* trace; /* the server's from ServerInferAsync to the final response */
 };
 
 struct TRITONSERVER_ResponseAllocator {
@@ -139,6 +140,7 @@ static void ireq_input_clear(ireq_input* in) {
 
 EXPORT TRITONSERVER_Error* TRITONSERVER_InferenceRequestDelete(TRITONSERVER_InferenceRequest* r) {
   if (r == NULL) return NULL;
+  pyshim_trace_release(r->trace); /* only set if it never got its final response */
   for (uint32_t i = 0; i < r->input_count; i++) ireq_input_clear(&r->inputs[i]);
   free(r->inputs);
   for (uint32_t i = 0; i < r->output_count; i++) free(r->outputs[i]);
@@ -410,20 +412,34 @@ EXPORT TRITONSERVER_Error* TRITONSERVER_InferenceRequestSetResponseCallback(
 }
 
 /* ---- server ------------------------------------------------------------------------------ */
+/* Submits a BLS request. The trace (or NULL) is the server's from here on, whatever the outcome
+ * (Triton's rule): its activities go to its callbacks (a user trace) or into pyserve's tracing
+ * as a child of the calling request's trace, and it is released after the final response. */
 EXPORT TRITONSERVER_Error* TRITONSERVER_ServerInferAsync(
     TRITONSERVER_Server* server, TRITONSERVER_InferenceRequest* r, TRITONSERVER_InferenceTrace* trace) {
-  (void)trace; /* tracing is off; Triton takes ownership of the trace regardless */
-  SHIM_REQUIRE(r != NULL, "null request");
-  if (r->response_fn == NULL || r->release_fn == NULL)
+  if (r == NULL || r->response_fn == NULL || r->release_fn == NULL) {
+    pyshim_trace_release(trace);
+    if (r == NULL) return shim_error(TRITONSERVER_ERROR_INVALID_ARG, "%s: null request", __func__);
     return shim_error(TRITONSERVER_ERROR_INVALID_ARG,
                       "inference request for model '%s' needs a response callback and a release "
                       "callback before TRITONSERVER_ServerInferAsync", r->model);
-  if (g_cb.infer_async == NULL || g_cb.infer_async(server ? server->key : 0, r) != 0)
+  }
+  r->trace = trace;
+  for (uint32_t i = 0; trace != NULL && i < r->input_count; i++) {
+    ireq_input* in = &r->inputs[i];
+    for (uint32_t b = 0; b < in->buffer_count; b++)
+      shim_trace_tensor(trace, TRITONSERVER_TRACE_TENSOR_QUEUE_INPUT, in->name, in->datatype, in->buffers[b],
+                        in->sizes[b], in->shape, in->dims_count);
+  }
+  if (g_cb.infer_async == NULL || g_cb.infer_async(server ? server->key : 0, r) != 0) {
+    r->trace = NULL;
+    pyshim_trace_release(trace);
     return shim_error(TRITONSERVER_ERROR_INTERNAL, "pyserve could not submit the request for model '%s'", r->model);
+  }
   return NULL;
 }
 
-static TRITONSERVER_Error* query(
+TRITONSERVER_Error* shim_query(
     TRITONSERVER_Server* server, int32_t op, const char* model, int64_t version, pyshim_result* res) {
   memset(res, 0, sizeof(*res));
   res->err_code = -1;
@@ -434,6 +450,7 @@ static TRITONSERVER_Error* query(
     TRITONSERVER_Error* err = TRITONSERVER_ErrorNew((TRITONSERVER_Error_Code)res->err_code, res->err_msg);
     free(res->err_msg);
     free(res->sval);
+    res->sval = NULL;
     return err;
   }
   free(res->err_msg);
@@ -444,7 +461,7 @@ EXPORT TRITONSERVER_Error* TRITONSERVER_ServerModelIsReady(
     TRITONSERVER_Server* server, const char* model_name, const int64_t model_version, bool* ready) {
   SHIM_REQUIRE(ready != NULL, "null argument");
   pyshim_result res;
-  TRITONSERVER_Error* err = query(server, PYSHIM_QUERY_READY, model_name, model_version, &res);
+  TRITONSERVER_Error* err = shim_query(server, PYSHIM_QUERY_READY, model_name, model_version, &res);
   if (err) return err;
   free(res.sval);
   *ready = res.ival != 0;
@@ -455,7 +472,7 @@ EXPORT TRITONSERVER_Error* TRITONSERVER_ServerModelTransactionProperties(
     TRITONSERVER_Server* server, const char* model_name, const int64_t model_version,
     uint32_t* txn_flags, void** voidp) {
   pyshim_result res;
-  TRITONSERVER_Error* err = query(server, PYSHIM_QUERY_TXN, model_name, model_version, &res);
+  TRITONSERVER_Error* err = shim_query(server, PYSHIM_QUERY_TXN, model_name, model_version, &res);
   if (err) return err;
   free(res.sval);
   if (txn_flags) *txn_flags = (uint32_t)res.ival;
@@ -467,7 +484,7 @@ EXPORT TRITONSERVER_Error* TRITONSERVER_ServerModelBatchProperties(
     TRITONSERVER_Server* server, const char* model_name, const int64_t model_version,
     uint32_t* flags, void** voidp) {
   pyshim_result res;
-  TRITONSERVER_Error* err = query(server, PYSHIM_QUERY_BATCH, model_name, model_version, &res);
+  TRITONSERVER_Error* err = shim_query(server, PYSHIM_QUERY_BATCH, model_name, model_version, &res);
   if (err) return err;
   free(res.sval);
   if (flags) *flags = (uint32_t)res.ival;
@@ -484,7 +501,7 @@ EXPORT TRITONSERVER_Error* TRITONSERVER_ServerModelConfig(
     return shim_error(TRITONSERVER_ERROR_UNSUPPORTED,
                       "model configuration version %u not supported, supported versions are: 1", config_version);
   pyshim_result res;
-  TRITONSERVER_Error* err = query(server, PYSHIM_QUERY_CONFIG, model_name, model_version, &res);
+  TRITONSERVER_Error* err = shim_query(server, PYSHIM_QUERY_CONFIG, model_name, model_version, &res);
   if (err) return err;
   *model_config = shim_message_new(res.sval ? res.sval : "{}");
   free(res.sval);
@@ -496,51 +513,10 @@ EXPORT TRITONSERVER_Error* TRITONSERVER_ServerModelMetadata(
     TRITONSERVER_Message** model_metadata) {
   SHIM_REQUIRE(model_metadata != NULL, "null argument");
   pyshim_result res;
-  TRITONSERVER_Error* err = query(server, PYSHIM_QUERY_METADATA, model_name, model_version, &res);
+  TRITONSERVER_Error* err = shim_query(server, PYSHIM_QUERY_METADATA, model_name, model_version, &res);
   if (err) return err;
   *model_metadata = shim_message_new(res.sval ? res.sval : "{}");
   free(res.sval);
-  return NULL;
-}
-
-static TRITONSERVER_Error* no_model_control(const char* model_name) {
-  return shim_error(TRITONSERVER_ERROR_UNSUPPORTED,
-                    "explicit model load / unload is not allowed in pyserve (model '%s')",
-                    model_name ? model_name : "");
-}
-EXPORT TRITONSERVER_Error* TRITONSERVER_ServerLoadModel(TRITONSERVER_Server* server, const char* model_name) {
-  (void)server;
-  return no_model_control(model_name);
-}
-EXPORT TRITONSERVER_Error* TRITONSERVER_ServerLoadModelWithParameters(
-    TRITONSERVER_Server* server, const char* model_name, const TRITONSERVER_Parameter** parameters,
-    const uint64_t parameter_count) {
-  (void)server; (void)parameters; (void)parameter_count;
-  return no_model_control(model_name);
-}
-EXPORT TRITONSERVER_Error* TRITONSERVER_ServerUnloadModel(TRITONSERVER_Server* server, const char* model_name) {
-  (void)server;
-  return no_model_control(model_name);
-}
-EXPORT TRITONSERVER_Error* TRITONSERVER_ServerUnloadModelAndDependents(TRITONSERVER_Server* server, const char* model_name) {
-  (void)server;
-  return no_model_control(model_name);
-}
-
-/* ---- traces (tracing is off: every trace is null) ---------------------------------- */
-EXPORT TRITONSERVER_Error* TRITONSERVER_InferenceTraceContext(TRITONSERVER_InferenceTrace* trace, const char** trace_context) {
-  (void)trace;
-  if (trace_context) *trace_context = NULL;
-  return NULL;
-}
-EXPORT TRITONSERVER_Error* TRITONSERVER_InferenceTraceSpawnChildTrace(
-    TRITONSERVER_InferenceTrace* trace, TRITONSERVER_InferenceTrace** child_trace) {
-  (void)trace;
-  if (child_trace) *child_trace = NULL;
-  return NULL;
-}
-EXPORT TRITONSERVER_Error* TRITONSERVER_InferenceTraceDelete(TRITONSERVER_InferenceTrace* trace) {
-  (void)trace;
   return NULL;
 }
 
@@ -748,11 +724,21 @@ EXPORT void pyshim_ireq_respond(
           break;
         }
         if (d->byte_size && o->buffer != NULL) memcpy(o->buffer, d->buffer, d->byte_size);
+        shim_trace_tensor(r->trace, TRITONSERVER_TRACE_TENSOR_BACKEND_OUTPUT, o->name, o->datatype, o->buffer,
+                          o->byte_size, o->shape, o->dims_count);
       }
     }
   }
   TRITONSERVER_InferenceRequestReleaseFn_t release_fn = r->release_fn;
   void* release_userp = r->release_userp;
+  if (flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL) { /* the trace is done before the request goes */
+    TRITONSERVER_InferenceTrace* trace = r->trace;
+    r->trace = NULL;
+    pyshim_trace_release(trace);
+  }
   r->response_fn(resp, flags, r->response_userp);
   if (flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL) release_fn(r, TRITONSERVER_REQUEST_RELEASE_ALL, release_userp);
 }
+
+/* The trace given with the request to ServerInferAsync (NULL without). */
+EXPORT TRITONSERVER_InferenceTrace* pyshim_ireq_trace(TRITONSERVER_InferenceRequest* r) { return r->trace; }

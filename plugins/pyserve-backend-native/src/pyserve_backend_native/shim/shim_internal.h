@@ -86,7 +86,16 @@ enum {
   PYSHIM_QUERY_TXN = 2,
   PYSHIM_QUERY_CONFIG = 3,
   PYSHIM_QUERY_METADATA = 4,
-  PYSHIM_QUERY_BATCH = 5
+  PYSHIM_QUERY_BATCH = 5,
+  PYSHIM_QUERY_LIVE = 6,            /* ival: live */
+  PYSHIM_QUERY_SERVER_READY = 7,    /* ival: ready */
+  PYSHIM_QUERY_SERVER_METADATA = 8, /* sval: JSON */
+  PYSHIM_QUERY_INDEX = 9,           /* version: index flags; sval: JSON array */
+  PYSHIM_QUERY_STATISTICS = 10,     /* sval: {"model_stats": [...]} */
+  PYSHIM_QUERY_METRICS = 11,        /* sval: Prometheus text */
+  PYSHIM_QUERY_LOAD = 12,
+  PYSHIM_QUERY_UNLOAD = 13,
+  PYSHIM_QUERY_UNLOAD_DEPENDENTS = 14
 };
 
 typedef struct pyshim_result {
@@ -116,6 +125,11 @@ typedef struct pyshim_callbacks {
   /* Model queries for BLS callers (PYSHIM_QUERY_*); the answer goes into 'result'. */
   int32_t (*server_query)(uint64_t server, int32_t op, const char* model, int64_t version,
                           pyshim_result* result);
+  /* A backend reported a custom trace activity for the traced pyserve request 'key'
+   * (timestamp: steady-clock ns, as Triton's). */
+  void (*trace_activity)(uint64_t key, uint64_t timestamp_ns, const char* name);
+  /* A new trace id from pyserve's tracing (TraceNew, SpawnChildTrace). */
+  uint64_t (*trace_id)(void);
 } pyshim_callbacks;
 
 INTERNAL extern pyshim_callbacks g_cb;
@@ -127,6 +141,7 @@ INTERNAL extern int g_log_verbose;
 typedef struct pyshim_core {
   atomic_int refs;
   uint64_t key;
+  TRITONSERVER_InferenceTrace* trace; /* set when pyserve traces the request; freed with the core */
 } pyshim_core;
 INTERNAL pyshim_core* shim_core_ref(pyshim_core* core);
 INTERNAL void shim_core_unref(pyshim_core* core);
@@ -234,6 +249,42 @@ struct TRITONBACKEND_ModelInstance {
 struct TRITONBACKEND_BackendAttribute {
   bool parallel_instance_loading;
 };
+
+/* ---- traces ---------------------------------------------------------------------------- *
+ * A trace is one of three kinds:
+ *  - a request trace: pyserve traces a request it hands to a backend; TRITONBACKEND_RequestTrace
+ *    returns it; it belongs to the request (freed with its core) and reports custom
+ *    activities to pyserve (key = the request's key);
+ *  - a user trace (TRITONSERVER_InferenceTrace(Tensor)New): the backend's own callbacks;
+ *  - a child (TRITONSERVER_InferenceTraceSpawnChildTrace): the caller owns it until it gives it
+ *    to TRITONSERVER_ServerInferAsync; a child of a user trace has its parent's callbacks.
+ * A trace given to TRITONSERVER_ServerInferAsync belongs to the server until pyshim_trace_release
+ * (the release callback returns a user trace to its owner; a child without one is freed). */
+struct TRITONSERVER_InferenceTrace {
+  uint64_t key; /* request traces: the pyserve request's key; 0 otherwise */
+  uint64_t id, parent_id;
+  uint32_t level; /* TRITONSERVER_InferenceTraceLevel bits */
+  char* model_name;
+  int64_t model_version;
+  char* request_id;
+  char* context; /* JSON text (OpenTelemetry: {"traceparent": ...}) or NULL */
+  TRITONSERVER_InferenceTraceActivityFn_t activity_fn;
+  TRITONSERVER_InferenceTraceTensorActivityFn_t tensor_activity_fn;
+  TRITONSERVER_InferenceTraceReleaseFn_t release_fn;
+  void* userp;
+};
+INTERNAL void shim_trace_free(TRITONSERVER_InferenceTrace* trace);
+EXPORT void pyshim_trace_release(TRITONSERVER_InferenceTrace* trace);
+/* Reports one tensor to a user trace's tensor callback (when it has one and traces tensors). */
+INTERNAL void shim_trace_tensor(
+    TRITONSERVER_InferenceTrace* trace, TRITONSERVER_InferenceTraceActivity activity,
+    const char* name, TRITONSERVER_DataType datatype, const void* base, size_t byte_size,
+    const int64_t* shape, uint64_t dim_count);
+
+/* A server query through g_cb.server_query; 'res' holds the answer on success (free
+ * res->sval). Returns a new error the caller owns on failure. */
+INTERNAL TRITONSERVER_Error* shim_query(
+    TRITONSERVER_Server* server, int32_t op, const char* model, int64_t version, pyshim_result* res);
 
 /* One per pyserve server; 'key' tells Python which server a BLS call goes to. */
 struct TRITONSERVER_Server {

@@ -129,6 +129,48 @@ typedef enum tritonserver_batchflag_enum {
   TRITONSERVER_BATCH_FIRST_DIM = 2
 } TRITONSERVER_ModelBatchFlag;
 
+typedef enum tritonserver_tracelevel_enum {
+  TRITONSERVER_TRACE_LEVEL_DISABLED = 0,
+  TRITONSERVER_TRACE_LEVEL_MIN = 1, /* deprecated: TIMESTAMPS */
+  TRITONSERVER_TRACE_LEVEL_MAX = 2, /* deprecated: TIMESTAMPS */
+  TRITONSERVER_TRACE_LEVEL_TIMESTAMPS = 0x4,
+  TRITONSERVER_TRACE_LEVEL_TENSORS = 0x8
+} TRITONSERVER_InferenceTraceLevel;
+
+typedef enum tritonserver_traceactivity_enum {
+  TRITONSERVER_TRACE_REQUEST_START = 0,
+  TRITONSERVER_TRACE_QUEUE_START = 1,
+  TRITONSERVER_TRACE_COMPUTE_START = 2,
+  TRITONSERVER_TRACE_COMPUTE_INPUT_END = 3,
+  TRITONSERVER_TRACE_COMPUTE_OUTPUT_START = 4,
+  TRITONSERVER_TRACE_COMPUTE_END = 5,
+  TRITONSERVER_TRACE_REQUEST_END = 6,
+  TRITONSERVER_TRACE_TENSOR_QUEUE_INPUT = 7,
+  TRITONSERVER_TRACE_TENSOR_BACKEND_INPUT = 8,
+  TRITONSERVER_TRACE_TENSOR_BACKEND_OUTPUT = 9,
+  TRITONSERVER_TRACE_CUSTOM_ACTIVITY = 10
+} TRITONSERVER_InferenceTraceActivity;
+
+typedef enum tritonserver_metricformat_enum { TRITONSERVER_METRIC_PROMETHEUS = 0 } TRITONSERVER_MetricFormat;
+
+typedef enum tritonserver_modelindexflag_enum { TRITONSERVER_INDEX_FLAG_READY = 1 } TRITONSERVER_ModelIndexFlag;
+
+typedef enum tritonserver_modelcontrolmode_enum {
+  TRITONSERVER_MODEL_CONTROL_NONE = 0,
+  TRITONSERVER_MODEL_CONTROL_POLL = 1,
+  TRITONSERVER_MODEL_CONTROL_EXPLICIT = 2
+} TRITONSERVER_ModelControlMode;
+
+typedef enum tritonserver_ratelimitmode_enum {
+  TRITONSERVER_RATE_LIMIT_OFF = 0,
+  TRITONSERVER_RATE_LIMIT_EXEC_COUNT = 1
+} TRITONSERVER_RateLimitMode;
+
+typedef enum TRITONSERVER_logformat_enum {
+  TRITONSERVER_LOG_DEFAULT = 0,
+  TRITONSERVER_LOG_ISO8601 = 1
+} TRITONSERVER_LogFormat;
+
 /* ---- opaque objects -------------------------------------------------------------------- */
 typedef struct TRITONSERVER_Error TRITONSERVER_Error;
 typedef struct TRITONSERVER_Message TRITONSERVER_Message;
@@ -142,6 +184,8 @@ typedef struct TRITONSERVER_ResponseAllocator TRITONSERVER_ResponseAllocator;
 typedef struct TRITONSERVER_MetricFamily TRITONSERVER_MetricFamily;
 typedef struct TRITONSERVER_Metric TRITONSERVER_Metric;
 typedef struct TRITONSERVER_MetricArgs TRITONSERVER_MetricArgs;
+typedef struct TRITONSERVER_Metrics TRITONSERVER_Metrics;
+typedef struct TRITONSERVER_ServerOptions TRITONSERVER_ServerOptions;
 
 typedef struct TRITONBACKEND_MemoryManager TRITONBACKEND_MemoryManager;
 typedef struct TRITONBACKEND_Input TRITONBACKEND_Input;
@@ -177,15 +221,26 @@ typedef void (*TRITONSERVER_InferenceRequestReleaseFn_t)(
     TRITONSERVER_InferenceRequest* request, const uint32_t flags, void* userp);
 typedef void (*TRITONSERVER_InferenceResponseCompleteFn_t)(
     TRITONSERVER_InferenceResponse* response, const uint32_t flags, void* userp);
+typedef void (*TRITONSERVER_InferenceTraceActivityFn_t)(
+    TRITONSERVER_InferenceTrace* trace, TRITONSERVER_InferenceTraceActivity activity,
+    uint64_t timestamp_ns, void* userp);
+typedef void (*TRITONSERVER_InferenceTraceTensorActivityFn_t)(
+    TRITONSERVER_InferenceTrace* trace, TRITONSERVER_InferenceTraceActivity activity,
+    const char* name, TRITONSERVER_DataType datatype, const void* base, size_t byte_size,
+    const int64_t* shape, uint64_t dim_count, TRITONSERVER_MemoryType memory_type,
+    int64_t memory_type_id, void* userp);
+typedef void (*TRITONSERVER_InferenceTraceReleaseFn_t)(TRITONSERVER_InferenceTrace* trace, void* userp);
 
-/* ---- the functions backends call (a representative subset is declared for test
- * backends; the shim defines the full list, see shim_*.c) ----------------------------- */
+/* ---- the functions backends call (a subset is declared, for test backends; the shim
+ * defines every function of the API, see shim_*.c) ---------------------------------- */
 TRITONSERVER_Error* TRITONSERVER_ErrorNew(TRITONSERVER_Error_Code code, const char* msg);
 void TRITONSERVER_ErrorDelete(TRITONSERVER_Error* error);
 TRITONSERVER_Error_Code TRITONSERVER_ErrorCode(TRITONSERVER_Error* error);
 const char* TRITONSERVER_ErrorCodeString(TRITONSERVER_Error* error);
 const char* TRITONSERVER_ErrorMessage(TRITONSERVER_Error* error);
 uint32_t TRITONSERVER_DataTypeByteSize(TRITONSERVER_DataType datatype);
+const char* TRITONSERVER_DataTypeString(TRITONSERVER_DataType datatype);
+const char* TRITONSERVER_InstanceGroupKindString(TRITONSERVER_InstanceGroupKind kind);
 TRITONSERVER_Error* TRITONSERVER_MessageSerializeToJson(
     TRITONSERVER_Message* message, const char** base, size_t* byte_size);
 TRITONSERVER_Error* TRITONSERVER_MessageNewFromSerializedJson(
@@ -250,6 +305,55 @@ TRITONSERVER_Error* TRITONSERVER_ServerInferAsync(
     TRITONSERVER_Server* server, TRITONSERVER_InferenceRequest* request,
     TRITONSERVER_InferenceTrace* trace);
 
+/* traces */
+const char* TRITONSERVER_InferenceTraceLevelString(TRITONSERVER_InferenceTraceLevel level);
+const char* TRITONSERVER_InferenceTraceActivityString(TRITONSERVER_InferenceTraceActivity activity);
+TRITONSERVER_Error* TRITONSERVER_InferenceTraceNew(
+    TRITONSERVER_InferenceTrace** trace, TRITONSERVER_InferenceTraceLevel level, uint64_t parent_id,
+    TRITONSERVER_InferenceTraceActivityFn_t activity_fn, TRITONSERVER_InferenceTraceReleaseFn_t release_fn,
+    void* trace_userp);
+TRITONSERVER_Error* TRITONSERVER_InferenceTraceTensorNew(
+    TRITONSERVER_InferenceTrace** trace, TRITONSERVER_InferenceTraceLevel level, uint64_t parent_id,
+    TRITONSERVER_InferenceTraceActivityFn_t activity_fn,
+    TRITONSERVER_InferenceTraceTensorActivityFn_t tensor_activity_fn,
+    TRITONSERVER_InferenceTraceReleaseFn_t release_fn, void* trace_userp);
+TRITONSERVER_Error* TRITONSERVER_InferenceTraceReportActivity(
+    TRITONSERVER_InferenceTrace* trace, uint64_t timestamp, const char* activity_name);
+TRITONSERVER_Error* TRITONSERVER_InferenceTraceDelete(TRITONSERVER_InferenceTrace* trace);
+TRITONSERVER_Error* TRITONSERVER_InferenceTraceId(TRITONSERVER_InferenceTrace* trace, uint64_t* id);
+TRITONSERVER_Error* TRITONSERVER_InferenceTraceParentId(TRITONSERVER_InferenceTrace* trace, uint64_t* parent_id);
+TRITONSERVER_Error* TRITONSERVER_InferenceTraceModelName(TRITONSERVER_InferenceTrace* trace, const char** model_name);
+TRITONSERVER_Error* TRITONSERVER_InferenceTraceModelVersion(TRITONSERVER_InferenceTrace* trace, int64_t* model_version);
+TRITONSERVER_Error* TRITONSERVER_InferenceTraceRequestId(TRITONSERVER_InferenceTrace* trace, const char** request_id);
+TRITONSERVER_Error* TRITONSERVER_InferenceTraceSpawnChildTrace(
+    TRITONSERVER_InferenceTrace* trace, TRITONSERVER_InferenceTrace** child_trace);
+TRITONSERVER_Error* TRITONSERVER_InferenceTraceSetContext(TRITONSERVER_InferenceTrace* trace, const char* trace_context);
+TRITONSERVER_Error* TRITONSERVER_InferenceTraceContext(TRITONSERVER_InferenceTrace* trace, const char** trace_context);
+
+/* the hosting server */
+TRITONSERVER_Error* TRITONSERVER_ApiVersion(uint32_t* major, uint32_t* minor);
+TRITONSERVER_Error* TRITONSERVER_ServerIsLive(TRITONSERVER_Server* server, bool* live);
+TRITONSERVER_Error* TRITONSERVER_ServerIsReady(TRITONSERVER_Server* server, bool* ready);
+TRITONSERVER_Error* TRITONSERVER_ServerMetadata(TRITONSERVER_Server* server, TRITONSERVER_Message** server_metadata);
+TRITONSERVER_Error* TRITONSERVER_ServerModelIndex(
+    TRITONSERVER_Server* server, uint32_t flags, TRITONSERVER_Message** model_index);
+TRITONSERVER_Error* TRITONSERVER_ServerModelStatistics(
+    TRITONSERVER_Server* server, const char* model_name, const int64_t model_version,
+    TRITONSERVER_Message** model_stats);
+TRITONSERVER_Error* TRITONSERVER_ServerMetrics(TRITONSERVER_Server* server, TRITONSERVER_Metrics** metrics);
+TRITONSERVER_Error* TRITONSERVER_MetricsFormatted(
+    TRITONSERVER_Metrics* metrics, TRITONSERVER_MetricFormat format, const char** base, size_t* byte_size);
+TRITONSERVER_Error* TRITONSERVER_MetricsDelete(TRITONSERVER_Metrics* metrics);
+TRITONSERVER_Error* TRITONSERVER_ServerLoadModel(TRITONSERVER_Server* server, const char* model_name);
+TRITONSERVER_Error* TRITONSERVER_ServerUnloadModel(TRITONSERVER_Server* server, const char* model_name);
+TRITONSERVER_Error* TRITONSERVER_ServerOptionsNew(TRITONSERVER_ServerOptions** options);
+TRITONSERVER_Error* TRITONSERVER_ServerOptionsDelete(TRITONSERVER_ServerOptions* options);
+TRITONSERVER_Error* TRITONSERVER_ServerOptionsSetModelRepositoryPath(
+    TRITONSERVER_ServerOptions* options, const char* model_repository_path);
+TRITONSERVER_Error* TRITONSERVER_ServerNew(TRITONSERVER_Server** server, TRITONSERVER_ServerOptions* options);
+TRITONSERVER_Error* TRITONSERVER_ServerStop(TRITONSERVER_Server* server);
+
+TRITONSERVER_Error* TRITONBACKEND_RequestTrace(TRITONBACKEND_Request* request, TRITONSERVER_InferenceTrace** trace);
 TRITONSERVER_Error* TRITONBACKEND_ApiVersion(uint32_t* major, uint32_t* minor);
 TRITONSERVER_Error* TRITONBACKEND_BackendName(TRITONBACKEND_Backend* backend, const char** name);
 TRITONSERVER_Error* TRITONBACKEND_BackendConfig(
@@ -304,6 +408,8 @@ TRITONSERVER_Error* TRITONBACKEND_ResponseDelete(TRITONBACKEND_Response* respons
 TRITONSERVER_Error* TRITONBACKEND_ResponseOutput(
     TRITONBACKEND_Response* response, TRITONBACKEND_Output** output, const char* name,
     const TRITONSERVER_DataType datatype, const int64_t* shape, const uint32_t dims_count);
+TRITONSERVER_Error* TRITONBACKEND_ResponseSetStringParameter(
+    TRITONBACKEND_Response* response, const char* name, const char* value);
 TRITONSERVER_Error* TRITONBACKEND_ResponseSetIntParameter(
     TRITONBACKEND_Response* response, const char* name, const int64_t value);
 TRITONSERVER_Error* TRITONBACKEND_ResponseSend(
