@@ -9,6 +9,8 @@ instance, no dynamic batcher) whose ``model.py`` echoes ``INPUT0`` as ``OUTPUT0`
   backend stub (see ``_triton.py``; ``--with-triton`` installs it on demand);
 * ``starlette``: a bare Starlette/uvicorn echo of the KServe v2 infer route (HTTP ceiling);
 * ``grpc-aio``: a bare ``grpc.aio`` echo of ``ModelInfer`` (gRPC ceiling);
+* ``pyserve-single``: ``pyserve run --frontend-processes 0`` (one process), on the cells with one
+  connection, where the default layout must not be slower (``--no-single`` skips it);
 * ``pyserve-batched`` and ``triton-batched``: the same ``model.py`` with ``dynamic_batching { }``
   (``max_batch_size: 32``), on the cells with more than one connection: the issue's "Triton with
   its dynamic batcher" column and the 32-connection target against it (``--no-batched`` skips them).
@@ -130,7 +132,9 @@ SERVING_CELLS = [
     cell("http", "json", SMALL, 1),
     cell("http", "json", SMALL, 8),
     cell("http", "json", SMALL, 32),
+    cell("http", "binary", SMALL, 1),
     cell("http", "binary", SMALL, 8),
+    cell("http", "binary", SMALL, 32),
     cell("grpc", "grpc", SMALL, 1),
     cell("grpc", "grpc", SMALL, 8),
     cell("grpc", "grpc", SMALL, 32),
@@ -139,6 +143,9 @@ SERVING_CELLS = [
 ]
 
 BATCHED_CELLS = frozenset(c.key for c in SERVING_CELLS if not c.big and c.concurrency > 1)
+SINGLE_CELLS = frozenset(c.key for c in SERVING_CELLS if not c.big and c.concurrency == 1)
+"""The cells ``pyserve-single`` (``--frontend-processes 0``: one process) is measured on: the
+default layout must lose nothing to it at one connection."""
 """The cells the ``-batched`` servers (``dynamic_batching``) are measured on: batching only
 changes anything when requests overlap."""
 BATCHED_MAX_BATCH_SIZE = 32
@@ -329,15 +336,17 @@ def _unique(work: Path, stem: str) -> str:
 
 
 def start_pyserve(repository: Path, work: Path, timeout: float, models: Iterable[str] = (),
-                  tag: str = "", name: str = "pyserve", extra_args: bool = True) -> Server:
-    """``pyserve run`` on ``repository``, with ``PYSERVE_BENCH_PYSERVE_ARGS`` unless ``extra_args``
-    is false (the plain single-process server)."""
+                  tag: str = "", name: str = "pyserve", extra_args: bool = True,
+                  flags: Iterable[str] = ()) -> Server:
+    """``pyserve run`` on ``repository`` (the README's command), with ``flags``, and with
+    ``PYSERVE_BENCH_PYSERVE_ARGS`` unless ``extra_args`` is false (the plain command)."""
     tag = tag + _unique(work, f"{name}{tag}")
     http, grpc_port = free_port(), free_port()
     command = [sys.executable, "-m", "pyserve", "run", "--model-repository", str(repository),
                "--http-port", str(http), "--grpc-port", str(grpc_port), "--metrics-port", str(free_port())]
+    command += list(flags)
     if extra_args:
-        command += os.environ.get("PYSERVE_BENCH_PYSERVE_ARGS", "").split()  # e.g. --frontend-processes 1
+        command += os.environ.get("PYSERVE_BENCH_PYSERVE_ARGS", "").split()  # e.g. --frontend-processes 0
     return spawn(name, command, http, grpc_port, work / f"{name}{tag}.log", None, timeout, models)
 
 
@@ -518,6 +527,7 @@ class Results:
     memory_after: dict[str, dict[str, float]] = field(default_factory=dict)  # idle, after the load
     startup_memory: dict[str, dict[str, float]] = field(default_factory=dict)  # 20 models
     notes: list[str] = field(default_factory=list)
+    startup_models: int = 20
 
     def median(self, server: str, key: str, attribute: str) -> float | None:
         values = [getattr(m, attribute) for m in self.cells.get((server, key), [])
@@ -539,6 +549,10 @@ def start_servers(args: argparse.Namespace, work: Path, results: Results, with_e
     servers: list[Server] = []
     starters: list[tuple[str, Callable[[], Server]]] = [
         ("pyserve", lambda: start_pyserve(repository, work, args.start_timeout, [MODEL]))]
+    if getattr(args, "single", False):  # one process: what the default must not lose to at one connection
+        starters.append(("pyserve-single", lambda: start_pyserve(
+            repository, work, args.start_timeout, [MODEL], name="pyserve-single", extra_args=False,
+            flags=["--frontend-processes", "0"])))
     if install is not None:
         starters.append(("triton", lambda: start_triton(install, repository, work, args.start_timeout, [MODEL])))
     if getattr(args, "batched", False):  # the same model.py with the dynamic batcher, on both servers
@@ -564,8 +578,11 @@ def start_servers(args: argparse.Namespace, work: Path, results: Results, with_e
             continue
         if name.endswith("-batched"):
             server.cells = BATCHED_CELLS
+        if name == "pyserve-single":
+            server.cells = SINGLE_CELLS
         time.sleep(1.0)
         results.memory[name] = tree_memory(server.process.pid)
+        results.memory[name]["started"] = server.started_s  # seconds until READY, one model
         _log(f"{name}: ready in {server.started_s:.2f} s, idle RSS {results.memory[name]['rss']:.0f} MiB")
         servers.append(server)
     if os.environ.get("PYSERVE_BENCH_PYSERVE_ARGS", "").strip():
@@ -706,6 +723,7 @@ def ratio(results: Results, key: str, attribute: str, top_server: str = "pyserve
 
 
 def serving_targets(results: Results) -> list[Target]:
+    """Issue 28's targets for the default command (``pyserve``) against Triton in the same run."""
     def key(protocol: str, encoding: str, elements: int, concurrency: int) -> str:
         return cell(protocol, encoding, elements, concurrency).key
 
@@ -718,37 +736,33 @@ def serving_targets(results: Results) -> list[Target]:
         a, b = memory.get(server), memory.get("triton")
         return a[kind] / b[kind] if a and b and b[kind] else None
 
-    return [
-        Target("HTTP JSON req/s, 1 connection", ratio(results, key("http", "json", SMALL, 1), "rps"), 1.5, True),
-        Target("HTTP JSON req/s, 8 connections", ratio(results, key("http", "json", SMALL, 8), "rps"), 1.5, True),
-        Target("HTTP JSON req/s, 32 connections, both with the dynamic batcher (pyserve-batched / "
-               "triton-batched)", ratio(results, key("http", "json", SMALL, 32), "rps", "pyserve-batched",
-                                        "triton-batched"), 1.0, True),
-        Target("HTTP JSON req/s, 32 connections, pyserve as configured / triton-batched",
-               ratio(results, key("http", "json", SMALL, 32), "rps", "pyserve", "triton-batched"), 1.0, True),
-        Target("gRPC req/s, 8 connections", ratio(results, key("grpc", "grpc", SMALL, 8), "rps"), 1.0, True),
-        Target("gRPC req/s, 32 connections", ratio(results, key("grpc", "grpc", SMALL, 32), "rps"), 1.0, True),
-        Target("p50 latency, 1 HTTP connection", ratio(results, key("http", "json", SMALL, 1), "p50_ms"), 0.6,
-               False),
-        Target("p50 latency, 1 gRPC connection", ratio(results, key("grpc", "grpc", SMALL, 1), "p50_ms"), 0.6,
-               False),
-        # "p99 no worse at any level" (HTTP, issue 9)
-        *(Target(f"p99 latency, HTTP {encoding} {c} connection{'s' if c > 1 else ''}",
-                 ratio(results, key("http", encoding, SMALL, c), "p99_ms"), 1.0, False)
-          for encoding, c in (("json", 1), ("json", 8), ("json", 32), ("binary", 8))),
+    kinds = (("HTTP JSON", "http", "json"), ("HTTP binary", "http", "binary"), ("gRPC", "grpc", "grpc"))
+    targets = []
+    for label, protocol, encoding in kinds:
+        for concurrency, bound in ((1, 1.2), (8, 1.5), (32, 1.5)):
+            plural = "s" if concurrency > 1 else ""
+            targets.append(Target(f"{label} req/s, {concurrency} connection{plural}",
+                                  ratio(results, key(protocol, encoding, SMALL, concurrency), "rps"), bound, True))
+    for label, protocol, encoding in kinds:
+        targets.append(Target(f"{label} req/s at 1 connection, default / pyserve-single (one process)",
+                              ratio(results, key(protocol, encoding, SMALL, 1), "rps", "pyserve", "pyserve-single"),
+                              1.0, True))
+    for label, protocol, encoding in kinds:
+        for concurrency in (1, 8, 32):
+            plural = "s" if concurrency > 1 else ""
+            targets.append(Target(f"p99 latency, {label} {concurrency} connection{plural}",
+                                  ratio(results, key(protocol, encoding, SMALL, concurrency), "p99_ms"), 1.0, False))
+    return targets + [
+        Target("HTTP JSON req/s, 32 connections, both with the dynamic batcher (pyserve-batched / triton-batched)",
+               ratio(results, key("http", "json", SMALL, 32), "rps", "pyserve-batched", "triton-batched"), 1.0, True),
         Target("16 MB echo bytes/s, HTTP binary", ratio(results, key("http", "binary", BIG, 1), "rps"), 1.0, True),
         Target("16 MB echo bytes/s, gRPC", ratio(results, key("grpc", "grpc", BIG, 1), "rps"), 1.0, True),
-        Target("startup of 20 Python models until READY", startup_ratio(), 0.3, False),
-        # The issue's sentence pairs the idle RSS with the 20-model startup repository; the
-        # one-model rows show the floor of each server (interpreters and libraries, no models).
-        Target("idle RSS, 20 Python models (process tree, summed)", memory_ratio("rss", results.startup_memory),
-               1.0, False),
-        Target("idle RSS, 1 model (process tree, summed)", memory_ratio("rss"), 1.0, False),
-        Target("idle PSS, 1 model (process tree, shared pages once)", memory_ratio("pss"), 1.0, False),
-        *((Target(f"idle RSS, 1 model, {PLAIN} (one process, no PYSERVE_BENCH_PYSERVE_ARGS)",
-                  memory_ratio("rss", server=PLAIN), 1.0, False),
-           Target(f"idle PSS, 1 model, {PLAIN}", memory_ratio("pss", server=PLAIN), 1.0, False))
-          if PLAIN in results.memory else ()),
+        Target("startup of 1 Python model until READY", memory_ratio("started", results.memory), 0.5, False),
+        Target(f"startup of {results.startup_models} Python models until READY", startup_ratio(), 0.5, False),
+        Target("idle RSS, 1 model (process tree, summed)", memory_ratio("rss"), 0.5, False),
+        Target("idle PSS, 1 model (process tree, shared pages once)", memory_ratio("pss"), 0.5, False),
+        Target(f"idle RSS, {results.startup_models} Python models (process tree, summed)",
+               memory_ratio("rss", results.startup_memory), 1.0, False),
     ]
 
 
@@ -807,11 +821,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-models", type=int, default=20, help="models in the startup repository (20)")
     parser.add_argument("--startup-rounds", type=int, default=2, help="startups per server (2)")
     parser.add_argument("--skip-startup", action="store_true", help="skip the startup measurement")
+    parser.add_argument("--no-single", dest="single", action="store_false",
+                        help="skip pyserve-single (pyserve run --frontend-processes 0, on the 1-connection cells)")
     parser.add_argument("--no-batched", dest="batched", action="store_false",
                         help="skip pyserve-batched and triton-batched (the same model with dynamic_batching, "
                              "measured on the cells with more than one connection)")
     args = parser.parse_args(argv)
-    results = Results()
+    results = Results(startup_models=args.startup_models)
     cells = list(SERVING_CELLS)
     missing = tools_missing(cells)
     if missing:

@@ -92,8 +92,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, backends: tuple[GateBackend
     for name, config in MODELS.items():
         write_model(repo, name, config)
     gate, ticks = backends
+    # one process: the tests watch this process's HTTP server (queued replies, its connections)
     with serve(repo, backends={"gate": gate, "ticks": ticks}, http_max_input_size=MAX_INPUT,
-               allow_grpc=False, use_entry_points=False) as thread:
+               allow_grpc=False, use_entry_points=False, frontend_processes=0) as thread:
         yield thread
 
 

@@ -79,7 +79,7 @@ def test_identity_over_grpc_and_dynamic_batching(
 ) -> None:
     repo = tmp_path / "repo"
     install_backend(write_model(repo, "ident", IDENTITY.format(name="ident")), backend_libraries["identity"])
-    server = pyserve_server_factory(repo)
+    server = pyserve_server_factory(repo, frontend_processes=0)  # reads this process's backend counters
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         x = np.arange(4, dtype=np.float32).reshape(1, 4)
         s = np.array([[b"x", b"", b"zz", b"\xff"]], dtype=object)
@@ -402,7 +402,7 @@ def test_backend_reported_statistics_split_the_execute(
 ) -> None:
     repo = tmp_path / "repo"
     install_backend(write_model(repo, "ident", IDENTITY.format(name="ident")), backend_libraries["identity"])
-    server = pyserve_server_factory(repo)
+    server = pyserve_server_factory(repo, frontend_processes=0)  # reads this process's backend counters
     with httpclient.InferenceServerClient(server.url, concurrency=4) as client:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             list(pool.map(lambda i: infer_identity(client, "ident", [float(i)]), range(8)))
