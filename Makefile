@@ -18,10 +18,12 @@ PYPROJECTS := pyproject.toml hookspecs/pyproject.toml $(wildcard plugins/*/pypro
 run: $(VENV)/.installed  ## install, then serve the bundled example repository on :8000
 	$(BIN)/pyserve run $(ARGS)
 
+# PYSERVE_TEST_LAYOUT=default: the suite's servers run in the process layout `pyserve run`
+# chooses on this machine (frontend processes, replicas), as users get it
 test: $(VENV)/.installed-test  ## install what the tests need, lint, then run them all
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	PYSERVE_TEST_LAYOUT=default $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
