@@ -11,6 +11,9 @@ instance, no dynamic batcher) whose ``model.py`` echoes ``INPUT0`` as ``OUTPUT0`
 * ``grpc-aio``: a bare ``grpc.aio`` echo of ``ModelInfer`` (gRPC ceiling);
 * ``pyserve-single``: ``pyserve run --frontend-processes 0`` (one process), on the cells with one
   connection, where the default layout must not be slower (``--no-single`` skips it);
+* ``pyserve-before`` (with ``--before CHECKOUT``): the plain ``pyserve run`` of another checkout
+  (a worktree of the previous main: ``git worktree add --detach ../before <commit>``), on the
+  cells with one connection;
 * ``pyserve-batched`` and ``triton-batched``: the same ``model.py`` with ``dynamic_batching { }``
   (``max_batch_size: 32``), on the cells with more than one connection: the issue's "Triton with
   its dynamic batcher" column and the 32-connection target against it (``--no-batched`` skips them).
@@ -298,7 +301,7 @@ def _grpc_ready(port: int) -> bool:
 
 
 def spawn(name: str, command: list[str], http_port: int | None, grpc_port: int | None, log: Path,
-          env: dict[str, str] | None, timeout: float, models: Iterable[str] = ()) -> Server:
+          env: dict[str, str] | None, timeout: float, models: Iterable[str] = (), cwd: Path | None = None) -> Server:
     """Start ``command`` and wait until it is ready (all ``models`` too); records the time it took.
 
     :raises RuntimeError: it exited or was not ready in time; the message has the log's tail.
@@ -306,7 +309,7 @@ def spawn(name: str, command: list[str], http_port: int | None, grpc_port: int |
     models = list(models)
     start = time.perf_counter()
     with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     server = Server(name, process, http_port, grpc_port, log)
     deadline = start + timeout
     while time.perf_counter() < deadline:
@@ -337,9 +340,13 @@ def _unique(work: Path, stem: str) -> str:
 
 def start_pyserve(repository: Path, work: Path, timeout: float, models: Iterable[str] = (),
                   tag: str = "", name: str = "pyserve", extra_args: bool = True,
-                  flags: Iterable[str] = ()) -> Server:
+                  flags: Iterable[str] = (), checkout: Path | None = None) -> Server:
     """``pyserve run`` on ``repository`` (the README's command), with ``flags``, and with
-    ``PYSERVE_BENCH_PYSERVE_ARGS`` unless ``extra_args`` is false (the plain command)."""
+    ``PYSERVE_BENCH_PYSERVE_ARGS`` unless ``extra_args`` is false (the plain command).
+
+    :param checkout: run the pyserve of another checkout (its core, contract and plugins put
+        first on ``PYTHONPATH``, started outside this one) instead of the installed one.
+    """
     tag = tag + _unique(work, f"{name}{tag}")
     http, grpc_port = free_port(), free_port()
     command = [sys.executable, "-m", "pyserve", "run", "--model-repository", str(repository),
@@ -347,7 +354,13 @@ def start_pyserve(repository: Path, work: Path, timeout: float, models: Iterable
     command += list(flags)
     if extra_args:
         command += os.environ.get("PYSERVE_BENCH_PYSERVE_ARGS", "").split()  # e.g. --frontend-processes 0
-    return spawn(name, command, http, grpc_port, work / f"{name}{tag}.log", None, timeout, models)
+    env = None
+    if checkout is not None:
+        paths = [checkout, checkout / "hookspecs" / "src", *sorted(checkout.glob("plugins/*/src")),
+                 *sorted(checkout.glob("examples/*/src"))]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in paths)}
+    return spawn(name, command, http, grpc_port, work / f"{name}{tag}.log", env, timeout, models,
+                 cwd=work if checkout is not None else None)
 
 
 def start_triton(install: _triton.TritonInstall, repository: Path, work: Path, timeout: float,
@@ -549,6 +562,10 @@ def start_servers(args: argparse.Namespace, work: Path, results: Results, with_e
     servers: list[Server] = []
     starters: list[tuple[str, Callable[[], Server]]] = [
         ("pyserve", lambda: start_pyserve(repository, work, args.start_timeout, [MODEL]))]
+    if getattr(args, "before", None) is not None:  # the plain command of another checkout (A/B)
+        starters.append(("pyserve-before", lambda: start_pyserve(
+            repository, work, args.start_timeout, [MODEL], name="pyserve-before", extra_args=False,
+            checkout=args.before)))
     if getattr(args, "single", False):  # one process: what the default must not lose to at one connection
         starters.append(("pyserve-single", lambda: start_pyserve(
             repository, work, args.start_timeout, [MODEL], name="pyserve-single", extra_args=False,
@@ -578,7 +595,7 @@ def start_servers(args: argparse.Namespace, work: Path, results: Results, with_e
             continue
         if name.endswith("-batched"):
             server.cells = BATCHED_CELLS
-        if name == "pyserve-single":
+        if name in ("pyserve-single", "pyserve-before"):
             server.cells = SINGLE_CELLS
         time.sleep(1.0)
         results.memory[name] = tree_memory(server.process.pid)
@@ -743,10 +760,12 @@ def serving_targets(results: Results) -> list[Target]:
             plural = "s" if concurrency > 1 else ""
             targets.append(Target(f"{label} req/s, {concurrency} connection{plural}",
                                   ratio(results, key(protocol, encoding, SMALL, concurrency), "rps"), bound, True))
-    for label, protocol, encoding in kinds:
-        targets.append(Target(f"{label} req/s at 1 connection, default / pyserve-single (one process)",
-                              ratio(results, key(protocol, encoding, SMALL, 1), "rps", "pyserve", "pyserve-single"),
-                              1.0, True))
+    for other, what in (("pyserve-single", "pyserve-single (one process)"),
+                        ("pyserve-before", "pyserve-before (the checkout given by --before)")):
+        for label, protocol, encoding in kinds:
+            targets.append(Target(f"{label} req/s at 1 connection, default / {what}",
+                                  ratio(results, key(protocol, encoding, SMALL, 1), "rps", "pyserve", other),
+                                  1.0, True))
     for label, protocol, encoding in kinds:
         for concurrency in (1, 8, 32):
             plural = "s" if concurrency > 1 else ""
@@ -821,6 +840,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-models", type=int, default=20, help="models in the startup repository (20)")
     parser.add_argument("--startup-rounds", type=int, default=2, help="startups per server (2)")
     parser.add_argument("--skip-startup", action="store_true", help="skip the startup measurement")
+    parser.add_argument("--before", type=Path, default=None, metavar="CHECKOUT",
+                        help="also measure the plain pyserve run of another checkout (e.g. a worktree of the "
+                             "previous main) on the 1-connection cells, as pyserve-before")
     parser.add_argument("--no-single", dest="single", action="store_false",
                         help="skip pyserve-single (pyserve run --frontend-processes 0, on the 1-connection cells)")
     parser.add_argument("--no-batched", dest="batched", action="store_false",
