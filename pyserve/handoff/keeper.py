@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from pyserve.handoff.prefork import exit_forked
 from pyserve.scheduling import execution_board
 
 log = logging.getLogger("pyserve.keeper")
@@ -133,11 +134,7 @@ class Keeper:
         except BaseException:  # noqa: BLE001 - never return into the keeper's loop in the child
             log.exception("the server process failed")
         finally:
-            with contextlib.suppress(Exception):
-                logging.shutdown()
-                sys.stdout.flush()
-                sys.stderr.flush()
-            os._exit(code)
+            exit_forked(code)
 
     def _wait(self, pid: int) -> int:
         """Wait for ``pid``, reaping orphans meanwhile; its exit status."""

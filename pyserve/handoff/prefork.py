@@ -36,7 +36,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pyserve import tcp
 from pyserve.handoff.replicas import ReplicationMode, replicable
@@ -248,8 +248,14 @@ def _child(pipe: int, board: Any, serve_child: Any) -> None:
     except BaseException:  # noqa: BLE001 - whatever happens, never return into the owner's code
         log.exception("frontend process failed")
     finally:
-        with contextlib.suppress(Exception):
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        exit_forked(code)
+
+
+def exit_forked(code: int) -> NoReturn:
+    """End a forked child with ``code``, its log and output flushed, without running anything
+    the parent set up to run at exit (``atexit``, the parent's ``finally`` blocks)."""
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
