@@ -69,6 +69,11 @@ class ModelContext:
         request, and never calls the server (BLS). The server may then run the model's short
         executes on its event loop when nothing else waits for it (``pyserve_inline_execute``
         ``"auto"``, the default for such a model on CPU instances). Default False.
+    :ivar single_process_reason: set by the backend (in ``pyserve_model_create``) when this
+        model's executes need the process that holds every model: it calls the server (BLS,
+        model control) or keeps counts that only this process shows (custom metrics). The
+        server then never replicates it in frontend processes (``--replicate-models auto``) and
+        logs this text as the reason. Default "" (nothing known against replicas).
     :ivar fork_safe: True while the model is loaded in a process that forks afterwards (its
         backend answered ``pyserve_backend_fork_safe``); the backend may set it to False in
         ``pyserve_model_create`` for a model that cannot be inherited by a forked process.
@@ -86,6 +91,7 @@ class ModelContext:
     state: Any = None
     metrics: CustomMetrics = field(default_factory=CustomMetrics)
     compute_only: bool = False
+    single_process_reason: str = ""
     fork_safe: bool = False
 
     @property

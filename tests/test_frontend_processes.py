@@ -368,16 +368,16 @@ def test_handoff_without_replicas(tmp_path: Path) -> None:
         handoff = thread.server._handoff
         assert handoff is not None
         values = np.arange(4, dtype=np.float32).reshape(1, 4)
-        for _ in range(CONNECTIONS):
-            with _http(thread) as client:
-                assert np.array_equal(client.infer("echo", [_fp32(values)]).as_numpy("OUTPUT0"), values)
-                assert client.get_model_metadata("echo")["name"] == "echo"
-            grpc = _grpc(thread)
-            try:
-                assert np.array_equal(grpc.infer("pyecho", [_fp32(values, grpcclient)]).as_numpy("OUTPUT0"), values)
-                assert grpc.is_server_ready()
-            finally:
-                grpc.close()
+        for _ in range(CONNECTIONS // 2):
+            with _http_pair(thread) as clients:
+                for client in clients:
+                    assert np.array_equal(client.infer("echo", [_fp32(values)]).as_numpy("OUTPUT0"), values)
+                    assert client.get_model_metadata("echo")["name"] == "echo"
+            with _grpc_pair(thread) as grpc_clients:
+                for grpc in grpc_clients:
+                    answer = grpc.infer("pyecho", [_fp32(values, grpcclient)])
+                    assert np.array_equal(answer.as_numpy("OUTPUT0"), values)
+                    assert grpc.is_server_ready()
         assert handoff.requests > 0
         assert handoff.replicas == {}
         folder = thread.server._handoff_dir

@@ -128,8 +128,10 @@ def _version(config: str, tmp_path: Path | None = None) -> ModelVersion:
         ('name: "a" platform: "ensemble"', "auto", False, "ensemble"),
         ('name: "a" backend: "identity" instance_group [ { kind: KIND_GPU } ]', "auto", False, "GPU"),
         ('name: "a" backend: "identity" response_cache { enable: true }', "auto", False, "response cache"),
-        ('name: "a" backend: "python" parameters { key: "EXECUTION_ENV_PATH" value { string_value: "env.tar.gz" } }',
-         "auto", False, "own Python environment"),
+        ('name: "a" backend: "identity" dynamic_batching { max_queue_delay_microseconds: 100 }', "auto", False,
+         "waits for requests to batch"),
+        ('name: "a" backend: "identity" dynamic_batching { }', "auto", True, ""),
+        ('name: "a" backend: "identity" dynamic_batching { max_queue_delay_microseconds: 100 }', "a", True, ""),
         ('name: "a" backend: "identity" instance_group [ { rate_limiter { resources [ { name: "R" count: 1 } ] } } ]',
          "auto", False, "rate-limiter resources"),
         ('name: "a" backend: "identity" parameters { key: "pyserve_replicate" value { string_value: "false" } }',
@@ -141,6 +143,19 @@ def _version(config: str, tmp_path: Path | None = None) -> ModelVersion:
 def test_replication_rules(config: str, mode: str, expected: bool, reason: str) -> None:
     chosen, why = replicable(_version(config), ReplicationMode(mode))
     assert chosen is expected and reason in why
+
+
+def test_a_backend_can_keep_a_model_in_the_owner(tmp_path: Path) -> None:
+    """``ModelContext.single_process_reason`` (a model that calls the server or keeps custom
+    metrics, as its backend knows): never replicated by ``auto``, and the reason is the backend's."""
+    from pyserve.backend import BackendContext, ModelContext
+
+    version = _version('name: "a" backend: "python"')
+    version.context = ModelContext(name="a", version=1, config=version.config, path=tmp_path,
+                                   backend=BackendContext(name="python"), single_process_reason="it calls the server")
+    assert replicable(version, ReplicationMode("auto")) == (False, "it calls the server")
+    version.context.single_process_reason = ""
+    assert replicable(version, ReplicationMode("auto")) == (True, "")
 
 
 def test_bad_replication_mode() -> None:

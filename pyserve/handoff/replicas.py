@@ -16,8 +16,11 @@ What a replica changes, and why the rules below exist:
   is per process), so batches form per process;
 * state lives per process: sequence-batched models, decoupled models and ensembles are never
   replicated (they stay with the owner, whose sequence slots and stream state are unique);
-* a Python model that calls other models (BLS) or defines custom metrics would call or count
-  in its own process: ``auto`` skips Python models whose ``model.py`` uses those APIs;
+* a model that calls other models (BLS) or defines custom metrics would call or count in its
+  own process: ``auto`` skips models whose backend says so (``ModelContext.single_process_reason``:
+  the Python backend finds these APIs in a model's files, the native one in a library's imports);
+* a dynamic batcher with a queue delay waits for company: split over processes, each would
+  gather half the requests, so ``auto`` keeps such models with the owner;
 * GPU instance groups are not replicated by ``auto`` (one copy of the weights per process), nor
   are Python models with their own environment (``EXECUTION_ENV_PATH``: they run in worker
   processes already);
@@ -40,9 +43,6 @@ log = logging.getLogger("pyserve.handoff")
 
 REPLICATE_PARAMETER = "pyserve_replicate"
 """Config parameter forcing (``"true"``) or forbidding (``"false"``) a model's replicas."""
-
-_PYTHON_MARKERS = ("exec(", "async_exec", "MetricFamily")
-"""``model.py`` text that means BLS calls or custom metrics: not replicated by ``auto``."""
 
 
 class ReplicationMode:
@@ -82,18 +82,11 @@ def _auto_reason(version: ModelVersion) -> str | None:
         return "it uses the response cache"
     if any(group.rate_limiter.resources for group in config.instance_group):
         return "its instances take rate-limiter resources (counted in one process)"
-    if config.backend == "python" and "EXECUTION_ENV_PATH" in config.parameters:
-        return "it runs in its own Python environment (EXECUTION_ENV_PATH), in worker processes"
-    if config.backend == "python" and version.context is not None:
-        filename = config.default_model_filename or "model.py"
-        source = Path(version.context.version_path) / filename
-        try:
-            text = source.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return None
-        for marker in _PYTHON_MARKERS:
-            if marker in text:
-                return f"its {filename} uses '{marker.rstrip('(')}' (BLS or custom metrics)"
+    if config.HasField("dynamic_batching") and config.dynamic_batching.max_queue_delay_microseconds > 0:
+        return ("its dynamic batcher waits for requests to batch (max_queue_delay_microseconds): one batcher "
+                "gathers them all")
+    if version.context is not None and version.context.single_process_reason:
+        return version.context.single_process_reason
     return None
 
 

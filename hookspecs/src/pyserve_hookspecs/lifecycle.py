@@ -138,7 +138,9 @@ def pyserve_model_create(model: ModelContext) -> Any:
         request, and never calls the server): the server may then run its short executes
         on the event loop while a single client sends requests one after another (config
         parameter ``pyserve_inline_execute``, ``"auto"``), which saves two thread wake-ups
-        per request. Before a fork (``pyserve_backend_fork_safe``) ``model.fork_safe`` is
+        per request. It may set ``model.single_process_reason`` (a short text) when the
+        model's executes need the process that holds every model (they call the server, or
+        keep custom metrics): frontend processes then never answer it from a replica. Before a fork (``pyserve_backend_fork_safe``) ``model.fork_safe`` is
         True, and the implementation may set it to False for a model that cannot be
         inherited by a forked process (its instances are then not created before the fork).
     :returns: any object; it is stored as ``model.state``. ``None`` is fine.

@@ -423,3 +423,12 @@ def test_backend_reported_statistics_split_the_execute(
     for batch in stats["batch_stats"]:
         assert batch["compute_input"]["ns"] > 0
         assert batch["compute_infer"]["ns"] > 0
+
+
+def test_libraries_that_call_the_server_stay_with_the_owner(backend_libraries: dict[str, Path]) -> None:
+    """What a library imports says whether its models may be replicated in frontend processes
+    (``ModelContext.single_process_reason``): BLS ties a model to the process holding every model."""
+    from pyserve_backend_native.loader import load_library
+
+    assert "TRITONSERVER_ServerInferAsync" in load_library(backend_libraries["bls"]).single_process_reason()
+    assert load_library(backend_libraries["identity"]).single_process_reason() == ""

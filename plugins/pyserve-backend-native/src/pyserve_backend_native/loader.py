@@ -162,11 +162,30 @@ class NativeLibrary:
     :ivar path: the library file (resolved).
     :ivar handle: the ctypes handle (``RTLD_LOCAL``).
     :ivar entry_points: the backend's entry points that exist, by name.
+    :ivar imports: the TRITON functions it imports (from the shim).
     """
 
     path: Path
     handle: ctypes.CDLL
     entry_points: dict[str, ctypes._CFuncPtr]  # type: ignore[name-defined]
+    imports: frozenset[str] = frozenset()
+
+    def single_process_reason(self) -> str:
+        """Why its models need the process that holds every model, from what it imports: it
+        calls the server (BLS, model control) or creates custom metrics; "" when neither."""
+        calls = sorted(self.imports & SERVER_CALLS)
+        if calls:
+            return f"its library imports {calls[0]}: it calls the server"
+        if "TRITONSERVER_MetricFamilyNew" in self.imports:
+            return "its library imports TRITONSERVER_MetricFamilyNew: it keeps custom metrics"
+        return ""
+
+
+SERVER_CALLS = frozenset({
+    "TRITONSERVER_ServerInferAsync", "TRITONSERVER_ServerLoadModel", "TRITONSERVER_ServerLoadModelWithParameters",
+    "TRITONSERVER_ServerUnloadModel", "TRITONSERVER_ServerUnloadModelAndDependents",
+})
+"""The server functions whose use ties a backend's models to the process holding every model."""
 
 
 def load_library(path: Path) -> NativeLibrary:
@@ -215,7 +234,8 @@ def load_library(path: Path) -> NativeLibrary:
             function.argtypes = [ctypes.c_void_p]
     if "TRITONBACKEND_GetBackendAttribute" in entry_points:
         entry_points["TRITONBACKEND_GetBackendAttribute"].argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    library = NativeLibrary(path, handle, entry_points)
+    imports = frozenset(s for s in info.undefined | info.weak_undefined if s.startswith(TRITON_PREFIXES))
+    library = NativeLibrary(path, handle, entry_points, imports)
     with _lock:
         return _libraries.setdefault(path, library)
 

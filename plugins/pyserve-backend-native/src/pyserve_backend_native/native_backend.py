@@ -196,6 +196,7 @@ class NativeBackend:
 
     @hookimpl
     def pyserve_model_create(self, model: ModelContext) -> NativeModel:
+        model.single_process_reason = self.library.single_process_reason()
         native = self._pending_models.pop(id(model), None)
         if native is None:
             return self._new_model(model, auto_complete=False)

@@ -203,11 +203,14 @@ def pyserve_model_create(model: ModelContext) -> PythonModelState:
                      model.name, environment.PARAMETER, own.python)
         context.remember(model)
         model.fork_safe = False
+        model.single_process_reason = ("it runs in its own Python environment (EXECUTION_ENV_PATH), in worker "
+                                       "processes")
         return PythonModelState(None, "process", own)
     context.remember(model)
     state = PythonModelState(_load(model), mode or "thread")
     model.compute_only = compute.only_computes(model, state.module, state.execution_mode)
     model.fork_safe = model.fork_safe and state.execution_mode == "thread"
+    model.single_process_reason = compute.single_process_reason(model)
     return state
 
 

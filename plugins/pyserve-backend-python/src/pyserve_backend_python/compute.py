@@ -35,19 +35,41 @@ _MAX_SOURCE_BYTES = 4 * 1024 * 1024
 """Python files larger than this are not read (the model is then not declared compute-only)."""
 
 
-def calls_the_server(version_path: Path) -> bool:
-    """Whether any ``.py`` file in the model's version directory (recursively) mentions BLS or
-    model control (``CALLS_THE_SERVER``); True also when a file cannot be read."""
+KEEPS_COUNTS = ("MetricFamily",)
+"""Source text meaning the model keeps custom metrics (shown only by the process that counts)."""
+
+
+def mentions(version_path: Path, markers: tuple[str, ...]) -> str | None:
+    """The first of ``markers`` that a ``.py`` file in the model's version directory
+    (recursively) mentions, or None; ``"?"`` when a file cannot be read (assume the worst)."""
     for path in sorted(version_path.rglob("*.py")):
         try:
             if path.stat().st_size > _MAX_SOURCE_BYTES:
-                return True
+                return "?"
             text = path.read_text(encoding="utf-8", errors="replace")
         except OSError:
-            return True
-        if any(marker in text for marker in CALLS_THE_SERVER):
-            return True
-    return False
+            return "?"
+        for marker in markers:
+            if marker in text:
+                return marker
+    return None
+
+
+def calls_the_server(version_path: Path) -> bool:
+    """Whether the model's Python files mention BLS or model control (``CALLS_THE_SERVER``)."""
+    return mentions(version_path, CALLS_THE_SERVER) is not None
+
+
+def single_process_reason(model: ModelContext) -> str:
+    """``ModelContext.single_process_reason`` of a thread-mode model: what in its files ties it
+    to the process holding every model (BLS, model control, custom metrics), or ""."""
+    marker = mentions(model.version_path, CALLS_THE_SERVER + KEEPS_COUNTS)
+    if marker is None:
+        return ""
+    if marker == "?":
+        return "a Python file of the model cannot be read (it may call the server)"
+    what = "keeps custom metrics" if marker in KEEPS_COUNTS else "calls the server (BLS or model control)"
+    return f"its Python files use '{marker.rstrip('(')}': it {what}"
 
 
 def only_computes(model: ModelContext, module: ModuleType | None, execution_mode: str) -> bool:
