@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyserve import __version__, affinity, busy_poll, client_activity, logs
+from pyserve import __version__, affinity, busy_poll, client_activity, limits, logs
 from pyserve.dataplane import DataPlane
 from pyserve.grpc.server import GrpcOptions
 from pyserve.header_forwarding import compile_forwarding
@@ -39,7 +39,7 @@ from pyserve.handoff.supervisor import (
     FrontendSupervisor,
     ModelChangeObserver,
 )
-from pyserve.http.server import HttpServer
+from pyserve.http.server import BODY_TIMEOUT, HEADER_TIMEOUT, HttpServer
 from pyserve.inprocess import ServerHandle
 from pyserve.metrics import MetricsService, MetricsSettings, MetricsStartError, ServerMetrics, SystemMonitor
 from pyserve.model_manager import ModelManager
@@ -73,6 +73,9 @@ class ServerOptions:
     exit_on_error: bool = False
     backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     http_max_input_size: int = DEFAULT_MAX_INPUT_SIZE
+    http_max_connections: int = 0  # --http-max-connections; 0: from the descriptor limit (pyserve.limits)
+    http_header_timeout_secs: float = HEADER_TIMEOUT  # --http-header-timeout-secs; 0: no total limit
+    http_body_timeout_secs: float = BODY_TIMEOUT  # --http-body-timeout-secs; 0: no total limit
     model_load_thread_count: int = 4
     model_load_retry_count: int = 0  # --model-load-retry-count: further attempts after a failed load
     model_control_mode: str = "none"
@@ -263,6 +266,8 @@ class Server:
         :raises StartupError: a model failed and ``exit_on_error`` is set, or the port is taken.
         """
         loop = asyncio.get_running_loop()
+        descriptors = limits.raise_descriptor_limit()  # many clients need many descriptors
+        log.debug("open file descriptor limit: %d", descriptors)
         if self.options.pin_processes:
             if not affinity.supported():
                 raise StartupError("--pin-processes needs Linux (sched_setaffinity)")
@@ -347,6 +352,9 @@ class Server:
             "http_port": self.http_port,
             "grpc_port": self.grpc_port,
             "http_max_input_size": options.http_max_input_size,
+            "http_limits": {"max_connections": options.http_max_connections,
+                            "header_timeout": options.http_header_timeout_secs,
+                            "body_timeout": options.http_body_timeout_secs},
             "http_restricted_api": {k: [r.key, r.value] for k, r in options.http_restricted_api.items()},
             "grpc": grpc_settings,
             "max_tensor_elements": options.max_tensor_elements,
@@ -425,6 +433,9 @@ class Server:
                 self.dataplane,
                 max_input_size=self.options.http_max_input_size,
                 restrictions=self.options.http_restricted_api,
+                max_connections=self.options.http_max_connections,
+                header_timeout=self.options.http_header_timeout_secs,
+                body_timeout=self.options.http_body_timeout_secs,
             )
             try:
                 listener.listen(2048)
