@@ -459,31 +459,63 @@ def parse_load_parameters(name: str, parameters: Mapping[str, Any]) -> tuple[str
     return config, files
 
 
+NAME_MAX = 255
+"""The longest file name (one path component, in bytes) the override directory can hold."""
+
+
+def _override_problem(relative: str, files: Mapping[str, bytes]) -> str:
+    """Why a ``file:<path>`` key cannot be written as a file of the override directory, or ""."""
+    if relative.endswith("/"):
+        return "the path ends with '/': it must name a file"
+    for part in relative.split("/"):
+        if len(part.encode("utf-8", "surrogateescape")) > NAME_MAX:
+            return f"a path component is longer than {NAME_MAX} bytes"
+    parent = relative
+    while "/" in parent:
+        parent = parent.rsplit("/", 1)[0]
+        if parent in files:
+            return f"'{FILE_PREFIX}{parent}' is a file, so it cannot also be a directory"
+    return ""
+
+
 def _write_override(name: str, files: Mapping[str, bytes]) -> Path:
     """Write the files of a load's override model directory into a new private directory.
 
     :returns: the directory holding ``<name>/`` (removed by the caller when done with it).
     :raises InferError: INVALID_ARG for a model name or a file path that would leave the model
-        directory (absolute, ``..``, through a link), before anything is written.
+        directory (absolute, ``..``, through a link), that is too long, ends with ``/`` or uses a
+        file as a directory, before anything is written; also (still INVALID_ARG, and without
+        the private directory's path) for a file the system refuses to write.
     """
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
         raise InferError.invalid(f"failed to load '{name}': invalid model name for a file override")
+    if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
+        raise InferError.invalid(f"failed to load model: the name is longer than {NAME_MAX} bytes")
     root = Path(tempfile.mkdtemp(prefix="pyserve-override-"))
     try:
         model_dir = root / name
         model_dir.mkdir()
-        targets: list[tuple[Path, bytes]] = []
+        targets: list[tuple[str, Path, bytes]] = []
         for relative, content in files.items():
             try:
-                targets.append((contained_path(model_dir, relative), content))
+                problem = _override_problem(relative, files)
+                if problem:
+                    raise ValueError(problem)
+                targets.append((relative, contained_path(model_dir, relative), content))
             except ValueError as exc:
                 raise InferError.invalid(
                     f"failed to load '{name}': invalid file override '{FILE_PREFIX}{relative}': {exc}"
                 ) from None
-        for target, content in targets:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            contained_path(model_dir, target.relative_to(model_dir).as_posix())  # no link appeared
-            target.write_bytes(content)
+        for relative, target, content in targets:
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                contained_path(model_dir, target.relative_to(model_dir).as_posix())  # no link appeared
+                target.write_bytes(content)
+            except (OSError, ValueError) as exc:  # the message names no path of this machine
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+                raise InferError.invalid(
+                    f"failed to load '{name}': file override '{FILE_PREFIX}{relative}' cannot be written: {reason}"
+                ) from None
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
