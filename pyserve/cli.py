@@ -421,7 +421,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
         runner = asyncio.run
     try:
-        runner(Server(options).run())
+        runner(Server(options).run(exit_when_stuck=True))
     except StartupError as exc:
         print(f"pyserve: error: {exc}", file=sys.stderr)
         return 1

@@ -383,10 +383,12 @@ class ModelControl(ModelLoader):
             running; ``None`` waits for them. A version whose instances are still executing
             when the time is up is left as it is (its instances, model and backend are not
             finalized, since the contract never finalizes during an execute), so that
-            shutdown cannot hang on a stuck backend.
+            shutdown cannot hang on a stuck backend. What is left running is listed in
+            ``unfinished`` (the server then exits at once, as Triton does).
         """
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         self.stop_polling()
+        unfinished: list[str] = []
         with self._operations:
             self._closing = True
             while self._running_operations:
@@ -394,6 +396,7 @@ class ModelControl(ModelLoader):
                 if remaining is not None and remaining <= 0:
                     log.error("shutting down while %d model load(s)/unload(s) are still running",
                               self._running_operations)
+                    unfinished.append(f"{self._running_operations} model load(s)/unload(s)")
                     break
                 self._operations.wait(remaining)
         with self._lock:
@@ -403,6 +406,17 @@ class ModelControl(ModelLoader):
         for version in order:
             if not self.unload_version(version, deadline) and version.backend is not None:
                 stuck.add(version.backend.info.name)
+                unfinished.append(f"model '{version.name}' version {version.version}")
+        with self._lock:
+            draining = list(self._draining.items())
+        for thread, versions in draining:  # versions retired by an unload or reload earlier
+            thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+            if thread.is_alive():
+                for version in versions:
+                    unfinished.append(f"model '{version.name}' version {version.version}")
+                    if version.backend is not None:
+                        stuck.add(version.backend.info.name)
+        self.unfinished = unfinished
         for record in list(self.records.values()):
             self._remove_override(record.override_dir)
             record.override_dir = None
@@ -413,8 +427,9 @@ class ModelControl(ModelLoader):
         with self._lock:
             backends = list(reversed(self._initialized_backends))
             self._initialized_backends.clear()
+        loads_left = bool(unfinished) and unfinished[0].endswith("load(s)/unload(s)")
         for backend, context in backends:
-            if backend.info.name in stuck:
+            if backend.info.name in stuck or loads_left:  # a load still running may be using any
                 log.error("backend '%s' not finalized: some of its models are still executing", backend.info.name)
                 continue
             try:

@@ -63,6 +63,8 @@ class ModelManager(ModelControl):
         read from it instead of ``config.pbtxt``.
     :param rate_limiter: ``--rate-limit execution_count``: the pool instances take their
         ``rate_limiter`` resources from before each execute; None: not limited.
+    :param unload_wait_secs: how long a load or unload waits for the versions it retires to
+        finish their executes before it returns (they go on finishing on their own).
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class ModelManager(ModelControl):
         backend_directory: str | None = None,
         config_name: str = "",
         rate_limiter: RateLimiter | None = None,
+        unload_wait_secs: float = 30.0,
     ) -> None:
         self.repositories = repositories
         self.host = host
@@ -111,6 +114,10 @@ class ModelManager(ModelControl):
         self._poller: threading.Thread | None = None
         self._local = threading.local()
         self._leftover_dirs: list[Path] = []
+        self.unload_wait_secs = unload_wait_secs
+        self._draining: dict[threading.Thread, list[ModelVersion]] = {}
+        self.unfinished: list[str] = []
+        """What ``unload_all`` left running at its deadline (empty after a clean shutdown)."""
 
     # -- lookups (event loop) --------------------------------------------------------------
     def get(self, name: str, version: str | int | None = None) -> ModelVersion:

@@ -210,6 +210,7 @@ class Server:
             backend_directory=options.backend_directory,
             config_name=_config_name(options.model_config_name),
             rate_limiter=_rate_limiter(options),
+            unload_wait_secs=options.exit_timeout_secs,
         )
         self.dataplane = DataPlane(self.models, options.server_id, __version__)
         self.dataplane.tracing = TraceManager(options.trace_config)
@@ -259,6 +260,9 @@ class Server:
         """The frontend processes (``--frontend-processes``), once started."""
         self._stop = asyncio.Event()
         self._stopped = False
+        self.clean_exit = True
+        """False once a shutdown left requests in flight or models executing or loading at the
+        exit timeout (``run(exit_when_stuck=True)`` then ends the process at once)."""
 
     async def start(self) -> None:
         """Load the models, then start listening.
@@ -506,6 +510,7 @@ class Server:
         if self.frontends is not None:  # they finish their in-flight requests, executed here
             await self.frontends.stop(timeout)
         drained = await self.dataplane.drain(max(deadline - loop.time(), 0.0))
+        self.clean_exit = drained
         if self._http is not None:  # the exit timeout spent: give open answers 1 s more at most
             await self._http.shutdown(max(deadline - loop.time(), 0.0) if drained else 1.0)
         if self._owner_http is not None:
@@ -527,6 +532,9 @@ class Server:
         self.dataplane.live = False
         remaining = max(deadline - loop.time(), 0.0)
         await loop.run_in_executor(None, self.models.unload_all, remaining)
+        if self.models.unfinished:
+            self.clean_exit = False
+            log.error("still running at the exit timeout: %s", ", ".join(self.models.unfinished))
         await loop.run_in_executor(None, self.dataplane.tracing.shutdown)  # write pending traces
         self.dataplane.readiness.close()
         if self._metrics_service is not None:  # last, as Triton: metrics stay readable while draining
@@ -541,8 +549,13 @@ class Server:
             shutil.rmtree(self._handoff_dir, ignore_errors=True)
         log.info("Server stopped")
 
-    async def run(self) -> None:
-        """Start, serve until SIGINT/SIGTERM, then shut down (``pyserve run``)."""
+    async def run(self, exit_when_stuck: bool = False) -> None:
+        """Start, serve until SIGINT/SIGTERM, then shut down (``pyserve run``).
+
+        :param exit_when_stuck: end the process (exit code 1, as Triton) when the exit timeout
+            passed with requests in flight or models still executing or loading: their threads
+            would otherwise keep the process alive after "Server stopped".
+        """
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -553,6 +566,21 @@ class Server:
             await self.shutdown()
             raise
         await self.serve_until_stopped()
+        if exit_when_stuck and not self.clean_exit:
+            _exit_now("Exit timeout expired. Exiting immediately.")
+
+
+def _exit_now(message: str) -> None:
+    """Log ``message``, end this server's child processes (model workers) and exit with 1 without
+    waiting for threads that may never end."""
+    import multiprocessing
+
+    log.error("%s", message)
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(Exception):
+            child.kill()
+    logging.shutdown()
+    os._exit(1)
 
 
 class ServerThread:
