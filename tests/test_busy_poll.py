@@ -1,9 +1,10 @@
 """``--busy-poll-us``: after an inline execute answers, the loop polls instead of sleeping.
 
-Checked on real servers by the CPU time of the thread (or process) running the loop: for the
-window after an inline model answered it keeps a core busy, once the window has passed it is
-idle again; a model on instance threads, a server without the option, or requests from several
-clients at once do not make it poll. The setting reaches frontend processes (their replicas
+Checked on real servers by what the loop did (``busy_poll.COUNTS``: windows started, loop turns
+spent polling, windows not over yet), never by how much time or CPU it took: after an inline
+model answered, a window starts and the loop turns over polling until it ends; a model on
+instance threads, a server without the option, or requests from several clients at once start
+no window. The setting reaches frontend processes (their replicas
 execute on their own loops), is restored when the server stops, and bad values are refused by
 name. A client's first request on a new connection counts as another client's
 (``pyserve.client_activity``), so each check sends one request first and waits out that window.
@@ -25,7 +26,7 @@ import tritonclient.http as httpclient
 from pyserve import busy_poll, client_activity
 from pyserve.server import ServerThread, StartupError
 from pyserve.testing import serve, write_model
-from suite_support import ECHO_MODEL_PY, python_echo_config
+from suite_support import ECHO_MODEL_PY, python_echo_config, wait_for
 
 INLINE = 'parameters { key: "pyserve_inline_execute" value { string_value: "true" } }'
 
@@ -71,19 +72,24 @@ def _cpu_over(measure: Callable[[], float], seconds: float) -> float:
     return measure() - before
 
 
+def _window_after(action: Callable[[], None]) -> tuple[int, int]:
+    """Windows started and polling turns taken by ``action`` and the windows it started (waited
+    for to end)."""
+    wait_for(lambda: busy_poll.COUNTS.active == 0, what="earlier windows to end")
+    windows, turns = busy_poll.COUNTS.windows, busy_poll.COUNTS.turns
+    action()
+    wait_for(lambda: busy_poll.COUNTS.active == 0, what="the window to end")
+    return busy_poll.COUNTS.windows - windows, busy_poll.COUNTS.turns - turns
+
+
 @pytest.mark.parametrize("batching", [False, True], ids=["inline", "inline-batcher"])
 def test_the_loop_polls_for_the_window_after_an_inline_answer(tmp_path: Path, batching: bool) -> None:
     with serve(_repository(tmp_path, batching), busy_poll_us=WINDOW_US) as server, _client(server.url) as client:
         assert busy_poll.window_us() == WINDOW_US
-        time.sleep(WINDOW_US / 1e6)  # whatever start-up did has settled
-        assert _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S) < 0.05, "an idle server polls"
-        _infer(client, "inline")
-        busy = _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S)
-        assert busy > MEASURE_S * 0.4, f"the loop used {busy:.3f} s of CPU in {MEASURE_S} s after an inline answer"
-        time.sleep(WINDOW_US / 1e6)
-        assert _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S) < 0.05, "polling did not stop"
-        _infer(client, "threaded")  # on an instance thread: nothing to poll for
-        assert _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S) < 0.05, "a threaded model made the loop poll"
+        windows, turns = _window_after(lambda: _infer(client, "inline"))
+        assert windows == 1 and turns >= 2, (windows, turns)  # polled over several loop turns, then stopped
+        assert busy_poll.COUNTS.active == 0, "polling did not stop"
+        assert _window_after(lambda: _infer(client, "threaded")) == (0, 0), "a threaded model made the loop poll"
     assert busy_poll.window_us() == 0, "the setting outlived the server"
 
 
@@ -92,21 +98,22 @@ def test_no_polling_while_several_clients_send_requests(tmp_path: Path) -> None:
     CPU from the clients and other processes. One client alone again: polling comes back."""
     with serve(_repository(tmp_path), busy_poll_us=WINDOW_US) as server, \
             _client(server.url) as first, _client(server.url) as second:
-        time.sleep(WINDOW_US / 1e6)
-        for _ in range(3):
-            _infer(first, "inline")
-            _infer(second, "inline")
-        assert _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S) < 0.05, "the loop polled for two clients"
-        time.sleep(2 * client_activity.WINDOW_NS / 1e9)
-        _infer(second, "inline")
-        busy = _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S)
-        assert busy > MEASURE_S * 0.4, f"one client again, yet the loop used only {busy:.3f} s of CPU"
+
+        def both() -> None:
+            for _ in range(3):
+                _infer(first, "inline")
+                _infer(second, "inline")
+
+        windows, _ = _window_after(both)
+        assert windows == 0, "the loop polled for two clients"
+        time.sleep(2 * client_activity.WINDOW_NS / 1e9)  # the two-client window passes
+        windows, turns = _window_after(lambda: _infer(second, "inline"))
+        assert windows == 1 and turns >= 2, "one client again, yet the loop did not poll"
 
 
 def test_off_by_default(tmp_path: Path) -> None:
     with serve(_repository(tmp_path)) as server, _client(server.url) as client:
-        _infer(client, "inline")
-        assert _cpu_over(lambda: _loop_thread_cpu(server), MEASURE_S) < 0.05
+        assert _window_after(lambda: _infer(client, "inline")) == (0, 0)
 
 
 def _process_cpu(pid: int) -> float:
