@@ -40,6 +40,20 @@ MAX_WINDOW_US = 1_000_000
 _window_s = 0.0
 
 
+class PollCounts:
+    """What polling did in this process (read by tests and diagnostics; written on the loops)."""
+
+    __slots__ = ("windows", "turns", "active")
+
+    def __init__(self) -> None:
+        self.windows = 0  # polling windows started
+        self.turns = 0  # loop turns spent polling
+        self.active = 0  # windows not over yet
+
+
+COUNTS = PollCounts()
+
+
 def configure(microseconds: int) -> int:
     """Set how long a loop keeps polling after an inline execute (0: not at all).
 
@@ -89,6 +103,8 @@ class BusyPoll:
         self._until = time.perf_counter() + window
         if not self._polling:
             self._polling = True
+            COUNTS.windows += 1
+            COUNTS.active += 1
             loop.call_soon(self._poll, loop)
 
     def stop(self) -> None:
@@ -96,7 +112,9 @@ class BusyPoll:
         self._until = 0.0
 
     def _poll(self, loop: asyncio.AbstractEventLoop) -> None:
+        COUNTS.turns += 1
         if time.perf_counter() < self._until:
             loop.call_soon(self._poll, loop)
         else:
             self._polling = False
+            COUNTS.active -= 1

@@ -30,6 +30,20 @@ def _port(value: str) -> int:
     return port
 
 
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return number
+
+
+def _non_negative_float(value: str) -> float:
+    number = float(value)
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return number
+
+
 def _poll_secs(value: str) -> float:
     secs = float(value)
     if not secs > 0:
@@ -161,6 +175,20 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                             help="forward gRPC metadata whose key matches REGEX as request parameters")
     grpc_flags.add_argument("--reuse-grpc-port", type=_bool, default=False, metavar="BOOL",
                             help="let other servers listen on the same gRPC port (SO_REUSEPORT)")
+    grpc_flags.add_argument("--grpc-max-connections", type=_non_negative_int, default=0, metavar="N",
+                            help="open connections past which new ones get GOAWAY (default 0: half the "
+                                 "descriptor limit less a reserve, at most 16384)")
+    grpc_flags.add_argument("--grpc-idle-timeout-secs", type=_non_negative_float, default=300.0, metavar="SECS",
+                            help="close a connection without calls after this long (default 300; 0 = never)")
+    grpc_flags.add_argument("--grpc-message-timeout-secs", type=_non_negative_float, default=300.0, metavar="SECS",
+                            help="a request message must arrive whole within this of its first byte "
+                                 "(default 300; 0 = no limit)")
+    grpc_flags.add_argument("--grpc-max-connection-buffer", type=_non_negative_int, default=0, metavar="BYTES",
+                            help="bytes of incomplete request messages one connection may hold "
+                                 "(default 0: --grpc-max-message-size)")
+    grpc_flags.add_argument("--grpc-max-server-buffer", type=_non_negative_int, default=0, metavar="BYTES",
+                            help="bytes of incomplete request messages all connections may hold "
+                                 "(default 0: a quarter of the machine's memory)")
     run.add_argument("--id", dest="server_id", default="pyserve", help="server name in server metadata")
     run.add_argument("--log-verbose", type=int, default=0, metavar="N", help="verbose logging level (0 = off)")
     run.add_argument("--strict-model-config", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
@@ -191,6 +219,13 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                           "(default /opt/tritonserver/backends)")
     run.add_argument("--http-max-input-size", type=int, default=64 * 1024 * 1024, metavar="BYTES",
                      help="largest request body accepted (default 64 MiB)")
+    run.add_argument("--http-max-connections", type=_non_negative_int, default=0, metavar="N",
+                     help="open connections past which new ones are answered 503 (default 0: half the "
+                          "descriptor limit less a reserve, at most 16384)")
+    run.add_argument("--http-header-timeout-secs", type=_non_negative_float, default=30.0, metavar="SECS",
+                     help="a request's line and headers must arrive within this (default 30; 0 = no limit)")
+    run.add_argument("--http-body-timeout-secs", type=_non_negative_float, default=300.0, metavar="SECS",
+                     help="a request's body must arrive within this of its headers (default 300; 0 = no limit)")
     run.add_argument("--strict-readiness", type=_bool, default=True, metavar="BOOL",
                      help="ready only while every model is ready (default true, as Triton); false: while serving")
     run.add_argument("--http-header-forward-pattern", default="", metavar="REGEX",
@@ -376,6 +411,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             server_key=args.grpc_server_key,
             root_cert=args.grpc_root_cert,
             header_forward_pattern=args.grpc_header_forward_pattern,
+            max_connections=args.grpc_max_connections,
+            idle_timeout_secs=args.grpc_idle_timeout_secs,
+            message_timeout_secs=args.grpc_message_timeout_secs,
+            max_connection_buffer=args.grpc_max_connection_buffer,
+            max_server_buffer=args.grpc_max_server_buffer,
             **grpc_operations,
         ),
         server_id=args.server_id,
@@ -384,6 +424,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         exit_on_error=args.exit_on_error,
         backend_config=_backend_config(args.backend_config),
         http_max_input_size=args.http_max_input_size,
+        http_max_connections=args.http_max_connections,
+        http_header_timeout_secs=args.http_header_timeout_secs,
+        http_body_timeout_secs=args.http_body_timeout_secs,
         http_server=args.http_server,
         reuse_http_port=args.reuse_http_port,
         http_header_forward_pattern=args.http_header_forward_pattern,
@@ -416,7 +459,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             server = Server(options)
             server.prefork()  # frontends forked from the loaded models, before any thread starts
-            runner(server.run())
+            runner(server.run(exit_when_stuck=True))
         except (StartupError, OSError) as exc:
             print(f"pyserve: error: {exc}", file=sys.stderr)
             return 1

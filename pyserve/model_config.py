@@ -355,7 +355,14 @@ def validate(config: Any, model_dir: Path) -> list[str]:
         if fmt in ("FORMAT_NHWC", "FORMAT_NCHW") and len(tensor.dims) != 3:
             problems.append(f"input[{index}] '{tensor.name}': format {fmt} needs exactly 3 dims")
     for index, tensor in enumerate(config.output):
-        if tensor.label_filename and not (model_dir / tensor.label_filename).is_file():
+        if not tensor.label_filename:
+            continue
+        try:  # confined as default_model_filename is: a config override must not read other files
+            labels = contained_path(model_dir, tensor.label_filename)
+        except ValueError as exc:
+            problems.append(f"output[{index}] '{tensor.name}': field 'label_filename': {exc}")
+            continue
+        if not labels.is_file():
             problems.append(
                 f"output[{index}] '{tensor.name}': label_filename '{tensor.label_filename}' "
                 "does not exist in the model directory"
@@ -385,7 +392,7 @@ def model_io(config: Any, model_dir: Path) -> ModelIO:
     def spec(tensor: Any, with_labels: bool) -> TensorSpec:
         labels: tuple[str, ...] = ()
         if with_labels and tensor.label_filename:
-            text = (model_dir / tensor.label_filename).read_text(encoding="utf-8")
+            text = contained_path(model_dir, tensor.label_filename).read_text(encoding="utf-8")
             labels = tuple(text.splitlines())
         reshape = tuple(int(d) for d in tensor.reshape.shape) if tensor.HasField("reshape") else None
         dtype = datatypes.from_config_name(data_type_name(tensor.data_type))

@@ -401,10 +401,12 @@ class ModelControl(ModelLoader):
             running; ``None`` waits for them. A version whose instances are still executing
             when the time is up is left as it is (its instances, model and backend are not
             finalized, since the contract never finalizes during an execute), so that
-            shutdown cannot hang on a stuck backend.
+            shutdown cannot hang on a stuck backend. What is left running is listed in
+            ``unfinished`` (the server then exits at once, as Triton does).
         """
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         self.stop_polling()
+        unfinished: list[str] = []
         with self._operations:
             self._closing = True
             while self._running_operations:
@@ -412,6 +414,7 @@ class ModelControl(ModelLoader):
                 if remaining is not None and remaining <= 0:
                     log.error("shutting down while %d model load(s)/unload(s) are still running",
                               self._running_operations)
+                    unfinished.append(f"{self._running_operations} model load(s)/unload(s)")
                     break
                 self._operations.wait(remaining)
         with self._lock:
@@ -421,6 +424,17 @@ class ModelControl(ModelLoader):
         for version in order:
             if not self.unload_version(version, deadline) and version.backend is not None:
                 stuck.add(version.backend.info.name)
+                unfinished.append(f"model '{version.name}' version {version.version}")
+        with self._lock:
+            draining = list(self._draining.items())
+        for thread, versions in draining:  # versions retired by an unload or reload earlier
+            thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+            if thread.is_alive():
+                for version in versions:
+                    unfinished.append(f"model '{version.name}' version {version.version}")
+                    if version.backend is not None:
+                        stuck.add(version.backend.info.name)
+        self.unfinished = unfinished
         for record in list(self.records.values()):
             self._remove_override(record.override_dir)
             record.override_dir = None
@@ -431,8 +445,9 @@ class ModelControl(ModelLoader):
         with self._lock:
             backends = list(reversed(self._initialized_backends))
             self._initialized_backends.clear()
+        loads_left = bool(unfinished) and unfinished[0].endswith("load(s)/unload(s)")
         for backend, context in backends:
-            if backend.info.name in stuck:
+            if backend.info.name in stuck or loads_left:  # a load still running may be using any
                 log.error("backend '%s' not finalized: some of its models are still executing", backend.info.name)
                 continue
             try:
@@ -477,31 +492,63 @@ def parse_load_parameters(name: str, parameters: Mapping[str, Any]) -> tuple[str
     return config, files
 
 
+NAME_MAX = 255
+"""The longest file name (one path component, in bytes) the override directory can hold."""
+
+
+def _override_problem(relative: str, files: Mapping[str, bytes]) -> str:
+    """Why a ``file:<path>`` key cannot be written as a file of the override directory, or ""."""
+    if relative.endswith("/"):
+        return "the path ends with '/': it must name a file"
+    for part in relative.split("/"):
+        if len(part.encode("utf-8", "surrogateescape")) > NAME_MAX:
+            return f"a path component is longer than {NAME_MAX} bytes"
+    parent = relative
+    while "/" in parent:
+        parent = parent.rsplit("/", 1)[0]
+        if parent in files:
+            return f"'{FILE_PREFIX}{parent}' is a file, so it cannot also be a directory"
+    return ""
+
+
 def _write_override(name: str, files: Mapping[str, bytes]) -> Path:
     """Write the files of a load's override model directory into a new private directory.
 
     :returns: the directory holding ``<name>/`` (removed by the caller when done with it).
     :raises InferError: INVALID_ARG for a model name or a file path that would leave the model
-        directory (absolute, ``..``, through a link), before anything is written.
+        directory (absolute, ``..``, through a link), that is too long, ends with ``/`` or uses a
+        file as a directory, before anything is written; also (still INVALID_ARG, and without
+        the private directory's path) for a file the system refuses to write.
     """
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
         raise InferError.invalid(f"failed to load '{name}': invalid model name for a file override")
+    if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
+        raise InferError.invalid(f"failed to load model: the name is longer than {NAME_MAX} bytes")
     root = Path(tempfile.mkdtemp(prefix="pyserve-override-"))
     try:
         model_dir = root / name
         model_dir.mkdir()
-        targets: list[tuple[Path, bytes]] = []
+        targets: list[tuple[str, Path, bytes]] = []
         for relative, content in files.items():
             try:
-                targets.append((contained_path(model_dir, relative), content))
+                problem = _override_problem(relative, files)
+                if problem:
+                    raise ValueError(problem)
+                targets.append((relative, contained_path(model_dir, relative), content))
             except ValueError as exc:
                 raise InferError.invalid(
                     f"failed to load '{name}': invalid file override '{FILE_PREFIX}{relative}': {exc}"
                 ) from None
-        for target, content in targets:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            contained_path(model_dir, target.relative_to(model_dir).as_posix())  # no link appeared
-            target.write_bytes(content)
+        for relative, target, content in targets:
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                contained_path(model_dir, target.relative_to(model_dir).as_posix())  # no link appeared
+                target.write_bytes(content)
+            except (OSError, ValueError) as exc:  # the message names no path of this machine
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+                raise InferError.invalid(
+                    f"failed to load '{name}': file override '{FILE_PREFIX}{relative}' cannot be written: {reason}"
+                ) from None
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise

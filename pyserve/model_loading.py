@@ -9,6 +9,11 @@ A reload never interrupts serving: the new versions are built (and warmed up) on
 while the old ones serve; then, on the event loop, the record's versions are swapped in one
 assignment and the replaced versions stop taking requests, finish what they have queued and
 are finalized. A reload that fails keeps the old versions serving.
+
+Retired versions (replaced or unloaded) drain on a thread of their own: the load or unload that
+retired them waits for that at most ``unload_wait_secs`` (the server's ``--exit-timeout-secs``),
+then returns while an execute that does not end keeps its instance (it is finalized when it ends,
+or abandoned at exit); the model's lock is not held meanwhile, so other repository calls go on.
 """
 
 from __future__ import annotations
@@ -133,6 +138,8 @@ class ModelLoader:
     _closing: bool  # shutdown began: no more ensemble re-checks
     latency_summaries: bool  # --metrics-config summary_latencies=true: versions record them
     rate_limiter: RateLimiter | None
+    unload_wait_secs: float  # how long a load or unload waits for the versions it retired
+    _draining: dict[threading.Thread, list[ModelVersion]]  # retired versions still draining
     cpu_threads: int | None  # ``BackendContext.cpu_threads`` of every backend
     _preparing: Preparing | None  # set while ``prepare`` loads a model before a fork
     prepared: dict[str, _Built]  # models ``prepare`` built, waiting for ``start_prepared``
@@ -360,9 +367,7 @@ class ModelLoader:
         with self._lock:
             self._load_order.extend(v for v in built.versions.values() if v.ready and v in ready_now)
         self._on_loop(swap)
-        for version in retired:
-            self._drain(version)
-        self._remove_override(stale_dir)
+        self._drain_retired(name, retired, lambda: self._remove_override(stale_dir))
         self._recheck_ensembles(name)
         if built.error:
             return built.error
@@ -697,13 +702,44 @@ class ModelLoader:
                 self.records.pop(record.name, None)
 
         self._on_loop(swap)
-        for version in retiring:
-            self._drain(version)
-        if retiring:
+        override_dir, record.override_dir = record.override_dir, None
+        if self._drain_retired(record.name, retiring, lambda: self._remove_override(override_dir)) and retiring:
             log.info("model '%s' unloaded", record.name)
-        self._remove_override(record.override_dir)
-        record.override_dir = None
         self._recheck_ensembles(record.name)
+
+    def _drain_retired(self, name: str, versions: list[ModelVersion], then: Callable[[], None]) -> bool:
+        """Drain retired ``versions`` (then run ``then``) on a thread of their own; wait for it
+        ``unload_wait_secs`` at most. True if it finished in that time.
+
+        An execute that never ends keeps only its own version and the thread: the caller returns
+        and the model's lock is free for the next load or unload.
+        """
+        if not versions:
+            then()
+            return True
+
+        def drain() -> None:
+            try:
+                for version in versions:
+                    self._drain(version)
+                then()
+            except Exception:  # finalize errors are logged by _drain's hooks; anything else too
+                log.exception("model '%s': draining its retired versions failed", name)
+            finally:
+                with self._lock:
+                    self._draining.pop(thread, None)
+
+        thread = threading.Thread(target=drain, name=f"pyserve-drain-{name}", daemon=True)
+        with self._lock:
+            self._draining[thread] = list(versions)
+        thread.start()
+        thread.join(self.unload_wait_secs)
+        if thread.is_alive():
+            log.warning("model '%s': %s still executing after %g s; they stop taking requests, and are "
+                        "finalized once their executes end", name,
+                        ", ".join(f"version {v.version}" for v in versions), self.unload_wait_secs)
+            return False
+        return True
 
     def _recheck_ensembles(self, changed: str, seen: frozenset[str] = frozenset()) -> None:
         """Check the ensembles that use ``changed`` against the step models as they are now.

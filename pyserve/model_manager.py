@@ -65,6 +65,8 @@ class ModelManager(ModelControl):
         ``rate_limiter`` resources from before each execute; None: not limited.
     :param cpu_threads: the threads a model's own CPU pool should use when its config sets
         none (``BackendContext.cpu_threads``); None: each library's default.
+    :param unload_wait_secs: how long a load or unload waits for the versions it retires to
+        finish their executes before it returns (they go on finishing on their own).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class ModelManager(ModelControl):
         config_name: str = "",
         rate_limiter: RateLimiter | None = None,
         cpu_threads: int | None = None,
+        unload_wait_secs: float = 30.0,
     ) -> None:
         self.repositories = repositories
         self.host = host
@@ -117,6 +120,10 @@ class ModelManager(ModelControl):
         self._leftover_dirs: list[Path] = []
         self._preparing = None
         self.prepared = {}
+        self.unload_wait_secs = unload_wait_secs
+        self._draining: dict[threading.Thread, list[ModelVersion]] = {}
+        self.unfinished: list[str] = []
+        """What ``unload_all`` left running at its deadline (empty after a clean shutdown)."""
 
     # -- lookups (event loop) --------------------------------------------------------------
     def get(self, name: str, version: str | int | None = None) -> ModelVersion:

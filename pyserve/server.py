@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyserve import __version__, affinity, busy_poll, client_activity, logs
+from pyserve import __version__, affinity, busy_poll, client_activity, limits, logs
 from pyserve.dataplane import DataPlane
 from pyserve.grpc.server import GrpcOptions
 from pyserve.header_forwarding import compile_forwarding
@@ -40,7 +40,7 @@ from pyserve.handoff.supervisor import (
     FrontendSupervisor,
     ModelChangeObserver,
 )
-from pyserve.http.server import HttpServer
+from pyserve.http.server import BODY_TIMEOUT, HEADER_TIMEOUT, HttpServer
 from pyserve.inprocess import ServerHandle
 from pyserve.metrics import MetricsService, MetricsSettings, MetricsStartError, ServerMetrics, SystemMonitor
 from pyserve.model_manager import ModelManager
@@ -76,6 +76,9 @@ class ServerOptions:
     exit_on_error: bool = False
     backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     http_max_input_size: int = DEFAULT_MAX_INPUT_SIZE
+    http_max_connections: int = 0  # --http-max-connections; 0: from the descriptor limit (pyserve.limits)
+    http_header_timeout_secs: float = HEADER_TIMEOUT  # --http-header-timeout-secs; 0: no total limit
+    http_body_timeout_secs: float = BODY_TIMEOUT  # --http-body-timeout-secs; 0: no total limit
     model_load_thread_count: int = 4
     model_load_retry_count: int = 0  # --model-load-retry-count: further attempts after a failed load
     model_control_mode: str = "none"
@@ -250,6 +253,7 @@ class Server:
             config_name=_config_name(options.model_config_name),
             rate_limiter=_rate_limiter(options),
             cpu_threads=_cpu_threads(options),
+            unload_wait_secs=options.exit_timeout_secs,
         )
         self.dataplane = DataPlane(self.models, options.server_id, __version__)
         self.models.server_handle = ServerHandle(self.dataplane, None)  # bound to the loop in start
@@ -301,6 +305,9 @@ class Server:
         """The frontend processes (``--frontend-processes``), once started."""
         self._stop = asyncio.Event()
         self._stopped = False
+        self.clean_exit = True
+        """False once a shutdown left requests in flight or models executing or loading at the
+        exit timeout (``run(exit_when_stuck=True)`` then ends the process at once)."""
 
     def prefork(self) -> None:
         """Load the models that frontend processes replicate, then fork the frontends from
@@ -331,6 +338,8 @@ class Server:
         :raises StartupError: a model failed and ``exit_on_error`` is set, or the port is taken.
         """
         loop = asyncio.get_running_loop()
+        descriptors = limits.raise_descriptor_limit()  # many clients need many descriptors
+        log.debug("open file descriptor limit: %d", descriptors)
         if self.options.pin_processes:
             if not affinity.supported():
                 raise StartupError("--pin-processes needs Linux (sched_setaffinity)")
@@ -418,6 +427,9 @@ class Server:
             "http_port": self.http_port,
             "grpc_port": self.grpc_port,
             "http_max_input_size": options.http_max_input_size,
+            "http_limits": {"max_connections": options.http_max_connections,
+                            "header_timeout": options.http_header_timeout_secs,
+                            "body_timeout": options.http_body_timeout_secs},
             "http_restricted_api": {k: [r.key, r.value] for k, r in options.http_restricted_api.items()},
             "grpc": grpc_settings,
             "max_tensor_elements": options.max_tensor_elements,
@@ -498,6 +510,9 @@ class Server:
                 self.dataplane,
                 max_input_size=self.options.http_max_input_size,
                 restrictions=self.options.http_restricted_api,
+                max_connections=self.options.http_max_connections,
+                header_timeout=self.options.http_header_timeout_secs,
+                body_timeout=self.options.http_body_timeout_secs,
             )
             try:
                 listener.listen(2048)
@@ -578,6 +593,7 @@ class Server:
         if self.frontends is not None:  # they finish their in-flight requests, executed here
             await self.frontends.stop(timeout)
         drained = await self.dataplane.drain(max(deadline - loop.time(), 0.0))
+        self.clean_exit = drained
         if self._http is not None:  # the exit timeout spent: give open answers 1 s more at most
             await self._http.shutdown(max(deadline - loop.time(), 0.0) if drained else 1.0)
         if self._owner_http is not None:
@@ -599,6 +615,9 @@ class Server:
         self.dataplane.live = False
         remaining = max(deadline - loop.time(), 0.0)
         await loop.run_in_executor(None, self.models.unload_all, remaining)
+        if self.models.unfinished:
+            self.clean_exit = False
+            log.error("still running at the exit timeout: %s", ", ".join(self.models.unfinished))
         await loop.run_in_executor(None, self.dataplane.tracing.shutdown)  # write pending traces
         self.dataplane.readiness.close()
         if self._metrics_service is not None:  # last, as Triton: metrics stay readable while draining
@@ -615,8 +634,13 @@ class Server:
             shutil.rmtree(self._handoff_dir, ignore_errors=True)
         log.info("Server stopped")
 
-    async def run(self) -> None:
-        """Start, serve until SIGINT/SIGTERM, then shut down (``pyserve run``)."""
+    async def run(self, exit_when_stuck: bool = False) -> None:
+        """Start, serve until SIGINT/SIGTERM, then shut down (``pyserve run``).
+
+        :param exit_when_stuck: end the process (exit code 1, as Triton) when the exit timeout
+            passed with requests in flight or models still executing or loading: their threads
+            would otherwise keep the process alive after "Server stopped".
+        """
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -628,6 +652,21 @@ class Server:
             raise
         execution_board.serving()  # from now on a death is a crash (pyserve.handoff.keeper)
         await self.serve_until_stopped()
+        if exit_when_stuck and not self.clean_exit:
+            _exit_now("Exit timeout expired. Exiting immediately.")
+
+
+def _exit_now(message: str) -> None:
+    """Log ``message``, end this server's child processes (model workers) and exit with 1 without
+    waiting for threads that may never end."""
+    import multiprocessing
+
+    log.error("%s", message)
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(Exception):
+            child.kill()
+    logging.shutdown()
+    os._exit(1)
 
 
 class ServerThread:

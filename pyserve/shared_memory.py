@@ -11,6 +11,22 @@ Each server owns one ``SharedMemoryManager``. System and CUDA regions share one 
 as in Triton. Only objects a client registered are ever mapped, and every offset and size is
 checked against the registered window before any byte is touched.
 
+What a client may register (the server must not become a confused deputy that reads or writes
+memory it can open but the client was never given): a regular file directly in ``/dev/shm``
+(no link, no sub-directory) that was made to be shared with the server, which the server
+recognizes as an object that is *not* one of these:
+
+* an object this server process created for itself (``note_server_segment``: the Python
+  backend's input arenas), recognized by its inode, so a link or rename does not hide it;
+* an object whose name starts with a prefix in ``RESERVED_PREFIXES``: pyserve's own segments
+  (those of any pyserve server on the host), POSIX named semaphores, Python ``multiprocessing``
+  and PyTorch shared tensors, OpenMP's registration objects.
+
+Registering such an object answers 400 naming the rule. At most ``MAX_REGIONS`` regions may be
+registered at once. The descriptor opened to map an object is closed once it is mapped; the one
+the mapping itself keeps (Python's ``mmap`` holds it for ``size()``) is what later checks the
+object's size, so each region holds exactly one descriptor.
+
 A client may shrink (``ftruncate``) its object after registering it; touching a mapped page
 past the object's new end would kill the server with SIGBUS. So every use of a system region
 (each input read and each output write) first ``fstat``s the object and refuses, with the same
@@ -42,6 +58,29 @@ from pyserve.errors import ErrorCode, InferError
 
 SHM_DIRECTORY = "/dev/shm"
 """Where POSIX shared-memory objects live (``shm_open`` names) on Linux."""
+RESERVED_PREFIXES = ("pyserve_py_", "sem.", "psm_", "torch_", "__KMP_REGISTERED_LIB")
+"""Names of objects a client may not register: other programs' and pyserve's own memory."""
+MAX_REGIONS = 4096
+"""Regions (system and CUDA) that may be registered at once."""
+
+_server_segments: set[tuple[int, int]] = set()
+_server_segments_lock = threading.Lock()
+
+
+def note_server_segment(fd: int) -> tuple[int, int]:
+    """Record a shared-memory object this process created for itself (by device and inode), so
+    that no client can register it; returns the key to pass to ``forget_server_segment``."""
+    info = os.fstat(fd)
+    key = (info.st_dev, info.st_ino)
+    with _server_segments_lock:
+        _server_segments.add(key)
+    return key
+
+
+def forget_server_segment(key: tuple[int, int]) -> None:
+    """The object noted under ``key`` was released (its inode may be reused)."""
+    with _server_segments_lock:
+        _server_segments.discard(key)
 
 
 def _invalid_key(key: str) -> bool:
@@ -97,11 +136,11 @@ class Region(abc.ABC):
 class SystemRegion(Region):
     """A window of a POSIX shared-memory object, mapped read-write.
 
-    The object's descriptor stays open while the region lives, so ``check_backing`` can
-    ``fstat`` the very object that is mapped (not whatever the key names now).
+    The descriptor opened here is closed once the object is mapped; ``check_backing`` asks the
+    mapping for the size of the very object that is mapped (not whatever the key names now).
     """
 
-    _fd = -1
+    _map: mmap.mmap | None = None
 
     def __init__(self, name: str, key: str, offset: int, byte_size: int) -> None:
         super().__init__(name, byte_size)
@@ -118,43 +157,42 @@ class SystemRegion(Region):
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise InferError.invalid(f"shared memory key '{key}' does not name a shared memory object")
+            with _server_segments_lock:
+                owned = (info.st_dev, info.st_ino) in _server_segments
+            if owned:
+                raise InferError.invalid(
+                    f"shared memory key '{key}' names memory of the server itself; register an object "
+                    "created for sharing with the server"
+                )
             if offset + byte_size > info.st_size:
                 raise InferError.invalid(
                     f"failed to register shared memory region '{name}': offset {offset} plus byte size "
                     f"{byte_size} exceeds the {info.st_size} byte(s) of shared memory object '{key}'"
                 )
             if offset + byte_size == 0:
-                self._map: mmap.mmap | None = None
                 self._view = memoryview(b"")
             else:
                 # map from 0: mmap offsets must be page aligned, region offsets need not be
                 self._map = mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 self._view = memoryview(self._map)[offset : offset + byte_size]
-                self._fd, fd = fd, -1
         finally:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)  # the mapping keeps its own
 
     def check_backing(self, offset: int, byte_size: int, what: str) -> None:
         """Refuse ``[offset, offset + byte_size)`` when the object was shrunk below its end.
 
         One ``fstat`` per call. A shrink after this check is not caught (see the module docstring).
         """
-        if byte_size == 0 or self._fd < 0:
+        if byte_size == 0 or self._map is None:
             return
         end = self.offset + offset + byte_size
-        size = os.fstat(self._fd).st_size
+        size = self._map.size()  # fstat of the mapping's own descriptor
         if end > size:
             raise InferError.invalid(
                 f"{what}: shared memory offset {offset} and byte size {byte_size} of region '{self.name}' "
                 f"exceed the {size} byte(s) that shared memory object '{self.key}' now holds "
                 "(it was shrunk after registration)"
             )
-
-    def __del__(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
     def read(self, offset: int, byte_size: int) -> memoryview:
         return self._view[offset : offset + byte_size]
@@ -268,6 +306,11 @@ class SharedMemoryManager:
         _check_name(name)
         if not isinstance(key, str) or _invalid_key(key):
             raise InferError.invalid(f"invalid shared memory key '{key}': expected a POSIX shared memory name")
+        if key.removeprefix("/").startswith(RESERVED_PREFIXES):
+            raise InferError.invalid(
+                f"shared memory key '{key}' is reserved (names starting with {', '.join(RESERVED_PREFIXES)} "
+                "belong to the server or other programs)"
+            )
         _check_uint(offset, "offset")
         _check_uint(byte_size, "byte_size")
         self._refuse_taken(name)
@@ -366,6 +409,10 @@ class SharedMemoryManager:
     def _refuse_taken(self, name: str) -> None:
         if name in self._regions:
             raise InferError(f"shared memory region '{name}' already in manager", ErrorCode.ALREADY_EXISTS)
+        if len(self._regions) >= MAX_REGIONS:
+            raise InferError.invalid(
+                f"{MAX_REGIONS} shared memory regions are registered, the most the server holds; unregister some first"
+            )
 
     def _add(self, region: Region) -> None:
         with self._lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from suite_support import EXAMPLE_REPOSITORY, REPO_ROOT, RunningServer, write_model
+from suite_support import EXAMPLE_REPOSITORY, REPO_ROOT, RunningServer, wait_for, write_model
 
 EXAMPLE_MODELS = ("add_sub", "classifier", "identity_bytes", "identity_fp32", "sentiment", "simple", "square")
 EXIT_TIMEOUT = 10
@@ -272,31 +273,114 @@ def test_run_rejects_equal_ports() -> None:
     assert "must differ" in result.stderr
 
 
-def test_exit_timeout_bounds_shutdown_with_a_stuck_execute(run_server: Any, tmp_path: Path) -> None:
+STUCK_PY = """
+import pathlib
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        marker = pathlib.Path(args["model_repository"]) / "initialize.started"
+        if pathlib.Path(args["model_repository"], "hang_in_initialize").exists():
+            marker.touch()
+            time.sleep(3600)
+
+    def execute(self, requests):
+        (pathlib.Path(__file__).parent.parent / "execute.started").touch()
+        time.sleep(3600)
+"""
+STUCK_CONFIG = """
+backend: "python"
+max_batch_size: 4
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+
+
+def _stuck_repo(tmp_path: Path, hang_in_initialize: bool = False) -> Path:
     repo = tmp_path / "stuck_repo"
-    write_model(repo, "stuck", SLOW_MODEL.replace('"1500"', '"6000"'))
-    server = run_server("--model-repository", str(repo), "--exit-timeout-secs", "1")
-    url = server.wait_started()
+    model = write_model(repo, "stuck", STUCK_CONFIG, files={"1/model.py": STUCK_PY})
+    if hang_in_initialize:
+        (model / "hang_in_initialize").touch()
+    return repo
+
+
+def _send_in_background(url: str, model: str) -> dict[str, Any]:
     outcome: dict[str, Any] = {}
 
-    def stuck_request() -> None:
+    def request() -> None:
         try:
-            outcome["result"] = _infer_fp32(url, "stuck", [1.0])
-        except Exception as exc:  # expected: the server gave up on it
+            outcome["result"] = _infer_fp32(url, model, [1.0])
+        except Exception as exc:  # expected: the server gives up on it
             outcome["error"] = exc
 
-    client_thread = threading.Thread(target=stuck_request)
-    client_thread.start()
-    time.sleep(0.3)
-    started = time.monotonic()
-    code = server.stop(timeout=10)
-    elapsed = time.monotonic() - started
-    client_thread.join(10)
-    assert code == 0, server.stderr
-    assert elapsed < 4, server.stderr  # not the 6 s the execute takes
-    assert "error" in outcome
+    threading.Thread(target=request, daemon=True).start()
+    return outcome
+
+
+def test_exit_timeout_bounds_shutdown_with_a_stuck_execute(run_server: Any, tmp_path: Path) -> None:
+    repo = _stuck_repo(tmp_path)
+    server = run_server("--model-repository", str(repo), "--exit-timeout-secs", "1")
+    url = server.wait_started()
+    _send_in_background(url, "stuck")
+    wait_for(lambda: (repo / "stuck" / "execute.started").exists(), what="the execute to begin")
+    code = server.stop(timeout=60)  # not the hour the execute takes
+    assert code == 1, server.stderr  # as Triton: "Exit timeout expired. Exiting immediately."
+    assert "Exit timeout expired. Exiting immediately." in server.stderr
     assert "exit timeout reached with 1 request(s) still in flight" in server.stderr
-    assert "stuck_0 still executing at the exit timeout; not finalized" in server.stderr
+    assert "still executing at the exit timeout; not finalized" in server.stderr
+
+
+def test_sigterm_ends_the_process_while_a_load_hangs_in_initialize(run_server: Any, tmp_path: Path) -> None:
+    """Explicit mode: a repository load whose ``initialize`` never returns; SIGTERM still ends
+    the process (it used to log "Server stopped" and never exit)."""
+    repo = _stuck_repo(tmp_path, hang_in_initialize=True)
+    server = run_server("--model-repository", str(repo), "--model-control-mode", "explicit",
+                        "--exit-timeout-secs", "1")
+    url = server.wait_started()
+    def load() -> None:
+        with contextlib.suppress(OSError):  # the server exits before it answers
+            _request(url, "POST", "/v2/repository/models/stuck/load")
+
+    threading.Thread(target=load, daemon=True).start()
+    wait_for(lambda: (repo / "stuck" / "initialize.started").exists(), what="initialize to begin")
+    assert server.stop(timeout=60) == 1, server.stderr
+    assert "1 model load(s)/unload(s)" in server.stderr and "Exit timeout expired" in server.stderr
+
+
+def test_an_unload_returns_while_an_execute_hangs_and_other_calls_go_on(run_server: Any, tmp_path: Path) -> None:
+    repo = _stuck_repo(tmp_path)
+    write_model(repo, "slow", SLOW_MODEL)
+    server = run_server("--model-repository", str(repo), "--model-control-mode", "explicit",
+                        "--load-model", "stuck", "--load-model", "slow", "--exit-timeout-secs", "1")
+    url = server.wait_started()
+    _send_in_background(url, "stuck")
+    wait_for(lambda: (repo / "stuck" / "execute.started").exists(), what="the execute to begin")
+    assert _request(url, "POST", "/v2/repository/models/stuck/unload")[0] == 200  # returns, not blocks
+    index = json.loads(_request(url, "POST", "/v2/repository/index")[1])
+    assert {"name": "stuck", "version": "1", "state": "UNLOADING"} in index
+    assert _request(url, "POST", "/v2/repository/models/slow/unload")[0] == 200  # another model's call
+    assert _request(url, "POST", "/v2/repository/models/slow/load")[0] == 200
+    (repo / "stuck" / "execute.started").unlink()
+    assert _request(url, "POST", "/v2/repository/models/stuck/load")[0] == 200  # a reload is not blocked
+    assert _request(url, "GET", "/v2/models/stuck/ready")[0] == 200
+    assert server.stop(timeout=60) == 1, server.stderr  # the old version still executes at exit
+    assert "model 'stuck' version 1" in server.stderr
+
+
+def _request(url: str, method: str, path: str) -> tuple[int, bytes]:
+    import http.client
+
+    host, port = url.split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        connection.request(method, path, body=b"" if method == "POST" else None)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
 
 
 @pytest.mark.parametrize("implementation", ["pyserve", "grpcio"])

@@ -419,7 +419,7 @@ def test_a_request_that_stops_arriving_gets_408(monkeypatch: pytest.MonkeyPatch,
                         break
                     answer += chunk
             assert answer.startswith(b"HTTP/1.1 408 "), answer
-            assert b'{"error":"the request was not received within 0.4 s"}' in answer
+            assert b"did not arrive in time" in answer and b"at most 0.4 s between bytes" in answer
         body = b'{"inputs":[{"name":"I","shape":[2],"datatype":"FP32","data":[1,2]}]}'
         request = b"POST /v2/models/echo/infer HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body) + body
         with socket_module.create_connection(("127.0.0.1", port)) as sock:

@@ -99,7 +99,7 @@ class H2Connection(asyncio.Protocol):
                 payload = payload[1:len(payload) - payload[0]]
             if flags & h2.PRIORITY_FLAG:
                 payload = payload[5:]
-            headers = self.decoder.decode(payload)  # every block: the HPACK table must follow
+            headers, _ = self.decoder.decode(payload)  # every block: the HPACK table must follow
             call = self.calls.get(stream_id)
             if call is None:
                 return

@@ -14,10 +14,18 @@ connections send calls, calls stay tasks, so that the answers of one loop turn l
 What a peer may rely on:
 
 * a request message larger than ``max_message_bytes`` is refused with RESOURCE_EXHAUSTED as
-  soon as its 5-byte prefix arrives, before any memory is set aside for it;
-* frames larger than the advertised ``SETTINGS_MAX_FRAME_SIZE``, header lists above
-  ``max_header_list_size``, invalid HPACK and other protocol violations end the connection
-  with GOAWAY and the matching error code; other connections and calls are not disturbed;
+  soon as its 5-byte prefix arrives; others are buffered as their bytes arrive, within the memory,
+  time and abuse limits of :mod:`pyserve.grpc.guard`;
+* a call of a restricted category (``--grpc-restricted-protocol``) without its header is refused
+  from its headers, before any byte of its body is buffered;
+* a unary call starts only once the read that completed it has been parsed to its end, so a
+  reset in the same read withdraws it before it runs;
+* frames larger than the advertised ``SETTINGS_MAX_FRAME_SIZE``, header blocks above
+  ``MAX_HEADER_LIST`` (or in more than ``MAX_CONTINUATIONS`` CONTINUATION frames), invalid HPACK,
+  a new stream id not above the last and other protocol violations end the connection with
+  GOAWAY and the matching error code; malformed requests (upper-case field names, misplaced
+  pseudo-headers, a stream depending on itself) reset their stream; other connections and calls
+  are not disturbed;
 * RST_STREAM or a lost connection cancels the call's task (a queued inference is withdrawn);
   ``grpc-timeout`` ends the call with DEADLINE_EXCEEDED and frees its stream, also when it has
   already expired on arrival;
@@ -45,6 +53,8 @@ from pyserve.grpc import http2 as h2
 from pyserve.grpc.call import AbortError, CallCancelled, CallContext, RequestMessages, encode_metadata
 from pyserve.grpc.codec import WireParts
 from pyserve.grpc.eager import start_eagerly
+from pyserve.grpc.guard import ConnectionGuard
+from pyserve.restricted import GRPC_CATEGORIES
 from pyserve.http.body import TooLarge, inflate
 
 if TYPE_CHECKING:
@@ -58,6 +68,9 @@ RECEIVE_FRAME = 1024 * 1024
 """``SETTINGS_MAX_FRAME_SIZE`` advertised: large DATA frames mean fewer frames to parse."""
 MAX_CONCURRENT_STREAMS = 4096
 MAX_HEADER_LIST = 64 * 1024
+MAX_CONTINUATIONS = 32
+"""CONTINUATION frames one header block may take (a block of ``MAX_HEADER_LIST`` needs 4 frames
+of the smallest frame size a peer may use)."""
 MAX_MESSAGE_DETAILS = 8192
 """``grpc-message`` is cut to this many bytes: a header list must fit the peer's limit."""
 DRAIN_ABOVE = 4 * 1024 * 1024
@@ -89,6 +102,7 @@ class Stream:
         "compressed", "unary_request", "send_window", "pending", "headers_sent", "remote_closed",
         "finished", "cancelled", "deadline_handle", "deadline_hit", "encoding", "accept_gzip",
         "accept_deflate", "unacked", "drain_waiter", "initial_metadata", "path", "pending_bytes", "writes",
+        "expected", "held",
     )
 
     def __init__(self, stream_id: int, connection: GrpcConnection, send_window: int) -> None:
@@ -98,7 +112,9 @@ class Stream:
         self.context: CallContext | None = None
         self.task: asyncio.Task[None] | None = None
         self.messages: RequestMessages | None = None  # client-streaming calls
-        self.message: bytearray | None = None  # a message being filled across DATA frames
+        self.message: bytearray | None = None  # a message being filled across DATA frames, as they come
+        self.expected = 0  # the length its prefix declared
+        self.held = 0  # bytes counted against the connection's buffer budget (guard)
         self.filled = 0
         self.head = b""  # a message prefix split across DATA frames
         self.compressed = False
@@ -142,6 +158,9 @@ class GrpcConnection(asyncio.Protocol):
         self._streams: dict[int, Stream] = {}
         self._last_stream_id = 0
         self._continuation: tuple[int, int, bytearray] | None = None  # stream id, flags, block so far
+        self._continuations = 0  # CONTINUATION frames of the block so far
+        self._ready: list[Stream] = []  # unary calls completed by the current read, started at its end
+        self._opened = 0  # streams opened on this connection (the idle check)
         self._data_left = 0  # bytes of a DATA frame still to arrive
         self._data_stream: Stream | None = None
         self._data_end = False
@@ -165,6 +184,10 @@ class GrpcConnection(asyncio.Protocol):
         self._data_since_ping = True
         self._keepalive_handle: asyncio.TimerHandle | None = None
         self._keepalive_timeout: asyncio.TimerHandle | None = None
+        self.guard = ConnectionGuard(
+            self.loop, server.buffer_budget, server.connection_buffer, options.idle_timeout_secs,
+            options.message_timeout_secs, self._idle, self._slow, lambda: (self._opened, len(self._streams)),
+        )
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -174,8 +197,15 @@ class GrpcConnection(asyncio.Protocol):
             transport.abort()  # type: ignore[attr-defined]
             return
         self.peer = _peer_string(transport)
+        refusal = self.server.refusal(self)
+        if refusal:  # over --grpc-max-connections: a readable refusal, then close
+            self._closed = True
+            transport.write(_SERVER_PREFACE + h2.goaway(0, h2.ENHANCE_YOUR_CALM, refusal.encode()))  # type: ignore[attr-defined]
+            transport.close()
+            return
         self.server.connections.add(self)
         self._arm_keepalive()
+        self.guard.start()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -186,6 +216,8 @@ class GrpcConnection(asyncio.Protocol):
         for stream in list(self._streams.values()):
             self._cancel_stream(stream)
         self._streams.clear()
+        self._ready.clear()
+        self.guard.stop()
         self._blocked.clear()
         self._wake_drain()
         self.server.connection_closed(self)
@@ -195,6 +227,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._paused = False
+        self.guard.control_owed = 0
         self._wake_drain()
 
     def eof_received(self) -> bool | None:
@@ -206,8 +239,19 @@ class GrpcConnection(asyncio.Protocol):
         self._opened_in_read = 0
         try:
             self._receive(data)
+            if self._ready and not self._closed:
+                self._start_ready()
         finally:
             self._receiving = False
+        if not self._closed:
+            self._flush()
+
+    def _start_ready(self) -> None:
+        """Start the unary calls this read completed, unless a frame after them reset them."""
+        ready, self._ready = self._ready, []
+        for stream in ready:
+            if not stream.finished and stream.task is None:
+                stream.task = self._start_unary(stream)
 
     def _receive(self, data: bytes) -> None:
         """Parse ``data``; everything its frames and the calls they finish queued is written at
@@ -268,9 +312,6 @@ class GrpcConnection(asyncio.Protocol):
             log.exception("gRPC connection from %s failed", self.peer)
             self._connection_error(h2.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
             return
-        finally:
-            if not self._closed:
-                self._flush()
         if position < end:
             self._buffer = bytearray(view[position:])
         else:
@@ -278,7 +319,6 @@ class GrpcConnection(asyncio.Protocol):
         if self._unacked >= RECEIVE_WINDOW // 4:
             self._write(h2.window_update(0, self._unacked))
             self._unacked = 0
-            self._flush()
 
     def _complete_leftover(self, data: bytes) -> int:
         """Finish the frame (or frame header) left over from the last read with the start of
@@ -352,21 +392,34 @@ class GrpcConnection(asyncio.Protocol):
             if flags & h2.PADDED:
                 payload = _unpad(payload)
             if flags & h2.PRIORITY_FLAG:
+                if len(payload) < 5:
+                    raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "HEADERS too short for its priority")
+                if int.from_bytes(payload[:4], "big") & 0x7FFFFFFF == stream_id:
+                    flags |= _SELF_DEPENDENT  # the block is decoded (HPACK state), then the stream reset
                 payload = payload[5:]
+            if len(payload) > MAX_HEADER_LIST:
+                raise h2.ConnectionError_(h2.ENHANCE_YOUR_CALM, f"header block larger than {MAX_HEADER_LIST} bytes")
             if flags & h2.END_HEADERS:
                 self._headers(stream_id, flags, bytes(payload))
             else:
                 self._continuation = (stream_id, flags, bytearray(payload))
+                self._continuations = 0
+                self.guard.header_block_begins()
         elif kind == h2.CONTINUATION:
             if self._continuation is None or self._continuation[0] != stream_id:
                 raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "unexpected CONTINUATION")
             block = self._continuation[2]
             block += payload
+            self._continuations += 1
             if len(block) > MAX_HEADER_LIST:
                 raise h2.ConnectionError_(h2.ENHANCE_YOUR_CALM, f"header block larger than {MAX_HEADER_LIST} bytes")
+            if self._continuations > MAX_CONTINUATIONS and not flags & h2.END_HEADERS:
+                raise h2.ConnectionError_(h2.ENHANCE_YOUR_CALM,
+                                          f"header block in more than {MAX_CONTINUATIONS} CONTINUATION frames")
             if flags & h2.END_HEADERS:
                 _, first_flags, _ = self._continuation
                 self._continuation = None
+                self.guard.header_started = None
                 self._headers(stream_id, first_flags, bytes(block))
         elif kind == h2.SETTINGS:
             self._settings(flags, stream_id, payload)
@@ -380,7 +433,10 @@ class GrpcConnection(asyncio.Protocol):
             stream = self._streams.pop(stream_id, None)
             if stream is not None:
                 self._blocked.pop(stream_id, None)
+                unanswered = not stream.finished
                 self._cancel_stream(stream)
+                if unanswered and not self.guard.reset_allowed():  # "rapid reset" (CVE-2023-44487)
+                    raise h2.ConnectionError_(h2.ENHANCE_YOUR_CALM, "too many calls reset")
         elif kind == h2.GOAWAY:
             self.closing = True
             if not self._streams:
@@ -388,8 +444,16 @@ class GrpcConnection(asyncio.Protocol):
         elif kind == h2.PUSH_PROMISE:
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "a client cannot push")
         elif kind == h2.PRIORITY:
+            if stream_id == 0:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "PRIORITY on stream 0")
             if len(payload) != 5:
                 raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "malformed PRIORITY")
+            if int.from_bytes(payload[:4], "big") & 0x7FFFFFFF == stream_id:  # RFC 9113 §5.3.1
+                stream = self._streams.get(stream_id)
+                if stream is not None:
+                    self._reset(stream, h2.PROTOCOL_ERROR)
+                else:
+                    self._control(h2.rst_stream(stream_id, h2.PROTOCOL_ERROR))
         # unknown frame types are ignored (RFC 9113 §4.1)
 
     def _settings(self, flags: int, stream_id: int, payload: memoryview) -> None:
@@ -417,7 +481,7 @@ class GrpcConnection(asyncio.Protocol):
                 if not h2.DEFAULT_MAX_FRAME <= value <= 16_777_215:
                     raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "invalid max frame size")
                 self.peer_max_frame = value
-        self._write(h2.frame(h2.SETTINGS, h2.ACK, 0))
+        self._control(_SETTINGS_ACK)
         for stream in list(self._streams.values()):
             if stream.pending:
                 self._send_pending(stream)
@@ -469,25 +533,33 @@ class GrpcConnection(asyncio.Protocol):
                     raise h2.ConnectionError_(h2.ENHANCE_YOUR_CALM, "too_many_pings")
         self._last_ping = now
         self._data_since_ping = False
-        self._write(h2.frame(h2.PING, h2.ACK, 0, bytes(payload)))
+        self._control(h2.frame(h2.PING, h2.ACK, 0, bytes(payload)))
 
     # -- streams ---------------------------------------------------------------------------------
     def _headers(self, stream_id: int, flags: int, block: bytes) -> None:
-        headers = self._decoder.decode(block)  # always: the HPACK table must follow every block
+        headers, problem = self._decoder.decode(block)  # always: the HPACK table must follow every block
         stream = self._streams.get(stream_id)
         if stream is not None:  # trailers from the client end its stream
-            if not flags & h2.END_STREAM:
+            if not flags & h2.END_STREAM or problem or flags & _SELF_DEPENDENT:
                 self._reset(stream, h2.PROTOCOL_ERROR)
                 return
             self._remote_end(stream)
             return
         if stream_id <= self._last_stream_id:
-            return  # a stream that already ended here
+            if any(name.startswith(":") for name, _ in headers):  # a new request, not late trailers
+                raise h2.ConnectionError_(
+                    h2.PROTOCOL_ERROR, f"stream id {stream_id} is not above the last one ({self._last_stream_id})")
+            return  # trailers of a stream that already ended here
         if not stream_id & 1:
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "even stream id from a client")
         self._last_stream_id = stream_id
+        if problem or flags & _SELF_DEPENDENT:  # malformed (RFC 9113 §8.1.1): a stream error
+            log.debug("gRPC connection from %s: stream %d reset: %s", self.peer, stream_id,
+                      problem or "the stream depends on itself")
+            self._control(h2.rst_stream(stream_id, h2.PROTOCOL_ERROR))
+            return
         if self.closing or len(self._streams) >= MAX_CONCURRENT_STREAMS:
-            self._write(h2.rst_stream(stream_id, h2.REFUSED_STREAM))
+            self._control(h2.rst_stream(stream_id, h2.REFUSED_STREAM))
             return
         stream = Stream(stream_id, self, self.peer_initial_window)
         path = method = content_type = ""
@@ -506,6 +578,7 @@ class GrpcConnection(asyncio.Protocol):
             elif name == "grpc-accept-encoding":
                 stream.accept_gzip, stream.accept_deflate = _accepted_compressions(value)
         self._streams[stream_id] = stream
+        self._opened += 1
         self._opened_in_read += 1
         client_activity.request_from(self.activity_key, together=self._opened_in_read > 1 or len(self._streams) > 1)
         stream.path = path
@@ -519,6 +592,10 @@ class GrpcConnection(asyncio.Protocol):
         handler = self.server.lookup(path)
         if handler is None:
             self._fail(stream, grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path}")
+            return
+        denied = self._restricted(path, headers)
+        if denied:  # before any byte of the body is taken
+            self._fail(stream, grpc.StatusCode.UNAVAILABLE, denied)
             return
         if stream.encoding not in _ENCODINGS:
             self._fail(stream, grpc.StatusCode.UNIMPLEMENTED,
@@ -537,6 +614,16 @@ class GrpcConnection(asyncio.Protocol):
             stream.task = self.loop.create_task(self._run(stream))
         if stream.remote_closed:
             self._remote_end(stream)
+
+    def _restricted(self, path: str, headers: Sequence[tuple[str, str]]) -> str:
+        """The refusal of a call to a restricted category without its header, or ""."""
+        rules = self.server.restrictions
+        if not rules:
+            return ""
+        rule = rules.get(GRPC_CATEGORIES.get(path.rsplit("/", 1)[-1], ""))
+        if rule is None or (rule.key, rule.value) in headers:
+            return ""
+        return rule.grpc_message
 
     def _begin_data(self, stream_id: int, flags: int, length: int) -> None:
         if self._continuation is not None:  # also for DATA taken as it arrives, not only in _frame
@@ -568,17 +655,22 @@ class GrpcConnection(asyncio.Protocol):
             self._remote_end(stream)
 
     def _stream_bytes(self, stream: Stream, chunk: memoryview) -> None:
-        """Cut a stream's DATA bytes into gRPC messages (5-byte prefix + message)."""
+        """Cut a stream's DATA bytes into gRPC messages (5-byte prefix + message).
+
+        A message whole in ``chunk`` is taken with one copy; one spread over several DATA frames
+        grows as its bytes arrive (counted against the connection's buffer budget)."""
         position, end = 0, len(chunk)
         while position < end:
             message = stream.message
             if message is not None:
-                take = min(len(message) - stream.filled, end - position)
-                message[stream.filled:stream.filled + take] = chunk[position:position + take]
-                stream.filled += take
+                take = min(stream.expected - len(message), end - position)
+                if not self._hold(stream, take):
+                    return
+                message += chunk[position:position + take]
                 position += take
-                if stream.filled == len(message):
+                if len(message) == stream.expected:
                     stream.message = None
+                    self.guard.release(stream)
                     self._message(stream, message)
                 continue
             if stream.head or end - position < 5:
@@ -607,15 +699,27 @@ class GrpcConnection(asyncio.Protocol):
                 if stream.finished:
                     return
             else:
-                stream.message = bytearray(length)
-                stream.filled = 0
+                stream.expected = length
+                stream.message = bytearray()
+
+    def _hold(self, stream: Stream, size: int) -> bool:
+        """Count ``size`` more bytes of a stream's incomplete message; False (the call ended with
+        RESOURCE_EXHAUSTED) when the connection's or the server's budget would be passed."""
+        refusal = self.guard.hold(stream, size)
+        if refusal:
+            self._fail(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+            return False
+        return True
 
     def _message(self, stream: Stream, message: bytes | bytearray) -> None:
         if stream.compressed:
+            room = min(self.max_message, self.guard.available())
             try:
-                message = inflate(message, stream.encoding, self.max_message)
+                message = inflate(message, stream.encoding, room)
             except TooLarge as exc:
-                self._fail(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max ({exc})")
+                limit = (f"--grpc-max-message-size {self.max_message}" if room == self.max_message
+                         else f"the {room} byte(s) left of the server's buffers for incomplete messages")
+                self._fail(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max ({exc}; {limit})")
                 return
             except ValueError as exc:
                 self._fail(stream, grpc.StatusCode.INTERNAL, f"cannot decompress the request message: {exc}")
@@ -641,7 +745,10 @@ class GrpcConnection(asyncio.Protocol):
             if stream.unary_request is None:
                 self._fail(stream, grpc.StatusCode.UNIMPLEMENTED, "a unary call got no request message")
                 return
-            stream.task = self._start_unary(stream)
+            if self._receiving:  # started once the whole read is parsed (a reset after it withdraws it)
+                self._ready.append(stream)
+            else:
+                stream.task = self._start_unary(stream)
 
     def _start_unary(self, stream: Stream) -> asyncio.Task[None] | None:
         """Run a unary call whose request is complete; its task, or None if it already ended.
@@ -674,6 +781,8 @@ class GrpcConnection(asyncio.Protocol):
         was_finished, stream.finished = stream.finished, True
         stream.pending.clear()
         stream.pending_bytes = 0
+        stream.message = None
+        self.guard.release(stream)
         if stream.deadline_handle is not None:
             stream.deadline_handle.cancel()
         if stream.messages is not None:
@@ -867,6 +976,9 @@ class GrpcConnection(asyncio.Protocol):
         if stream.deadline_handle is not None:
             stream.deadline_handle.cancel()
             stream.deadline_handle = None
+        if stream.message is not None or stream.held:
+            stream.message = None
+            self.guard.release(stream)
         if code == grpc.StatusCode.OK and not trailing and not details:
             block = _TRAILERS_OK
         else:
@@ -962,6 +1074,13 @@ class GrpcConnection(asyncio.Protocol):
     def _write(self, data: bytes) -> None:
         self._out.append(data)
 
+    def _control(self, frame: bytes) -> None:
+        """Queue a control frame owed to the peer (an acknowledgement, a reset); a peer that
+        keeps asking for them while it does not read is told to calm down and dropped."""
+        if not self.guard.control_frame(self._paused):
+            raise h2.ConnectionError_(h2.ENHANCE_YOUR_CALM, "too many control frames owed to a peer that does not read")
+        self._out.append(frame)
+
     def _schedule_flush(self) -> None:
         if self._receiving:
             return  # data_received writes at its end (a call it finished at once included)
@@ -991,7 +1110,27 @@ class GrpcConnection(asyncio.Protocol):
         log.debug("gRPC connection from %s closed: %s", self.peer, message)
         self._write(h2.goaway(self._last_stream_id, code, message.encode("utf-8", "replace")[:256]))
         self._flush()
-        self._close()
+        if self._paused:  # a peer that does not read would keep the socket open for ever
+            self._closed = True
+            self.abort()
+        else:
+            self._close()
+
+    def _idle(self) -> None:
+        """No call for ``--grpc-idle-timeout-secs``: GOAWAY NO_ERROR, then close."""
+        log.debug("gRPC connection from %s closed: idle", self.peer)
+        self.goaway()
+
+    def _slow(self, stream: Stream | None) -> None:
+        """A message (``stream``) or a header block (None) took longer than
+        ``--grpc-message-timeout-secs`` to arrive."""
+        timeout = self.guard.message_timeout
+        if stream is None:
+            self._connection_error(h2.PROTOCOL_ERROR, f"header block not received within {timeout:g} s")
+            return
+        self._fail(stream, grpc.StatusCode.DEADLINE_EXCEEDED,
+                   f"the request message was not received within {timeout:g} s (--grpc-message-timeout-secs)")
+        self._schedule_flush()
 
     def goaway(self) -> None:
         """Refuse new streams (GOAWAY, NO_ERROR) and close once the open ones are done."""
@@ -1040,6 +1179,10 @@ class GrpcConnection(asyncio.Protocol):
 
 # -- helpers ---------------------------------------------------------------------------------------
 
+
+_SELF_DEPENDENT = 0x100
+"""Not an HTTP/2 flag: marks a HEADERS frame whose priority names its own stream."""
+_SETTINGS_ACK = h2.frame(h2.SETTINGS, h2.ACK, 0)
 
 _SERVER_PREFACE = h2.settings({
     h2.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,

@@ -1,9 +1,10 @@
 """HTTP/2 framing for pyserve's gRPC server (RFC 9113), kept to what a gRPC server needs.
 
 Frames are built and parsed here; connection state lives in :mod:`pyserve.grpc.connection`.
-Header blocks are decoded with the ``hpack`` package (HPACK, RFC 7541); a block made only of
-references to the decoding table decodes to the same headers while the table is unchanged, so
-such blocks are remembered by their bytes (the common case: a client repeating one call).
+Header blocks are decoded with the ``hpack`` package (HPACK, RFC 7541); a block that leaves the
+decoding table as it was decodes to the same headers while the table stays unchanged, so such
+blocks are remembered by their bytes (the common case: a client repeating one call) until a
+block changes the table.
 Headers the server sends are literals that never enter the peer's table, so encoding needs
 no state at all.
 """
@@ -144,16 +145,22 @@ STATUS_200: Final = b"\x88"
 class HeaderDecoder:
     """Decodes one connection's request header blocks (the connection's HPACK state).
 
+    A block is remembered by its bytes only while the dynamic table stays the one it was
+    decoded against: any block that changes the table (an insertion, an eviction, a size
+    update) forgets every remembered block, so an index always means what RFC 7541 says it
+    means at that point of the connection.
+
     :param max_header_list_size: the decoded size (RFC 7541 §4.1) above which a block is refused.
     """
 
     def __init__(self, max_header_list_size: int) -> None:
         self._decoder = Decoder(max_header_list_size=max_header_list_size)
         self._table = self._decoder.header_table
-        self._remembered: dict[bytes, list[tuple[str, str]]] = {}
+        self._remembered: dict[bytes, tuple[list[tuple[str, str]], str]] = {}
 
-    def decode(self, block: bytes) -> list[tuple[str, str]]:
-        """The ``(name, value)`` pairs of ``block``, in order.
+    def decode(self, block: bytes) -> tuple[list[tuple[str, str]], str]:
+        """The ``(name, value)`` pairs of ``block``, in order, and why they do not form a valid
+        HTTP/2 field section ("" when they do: RFC 9113 §8.2 and §8.3, see ``field_problem``).
 
         :raises ConnectionError_: COMPRESSION_ERROR for a block that is not valid HPACK.
         """
@@ -167,12 +174,42 @@ class HeaderDecoder:
         except (HPACKError, ValueError, UnicodeDecodeError) as exc:  # hpack raises all three for bad input
             # the type only: hpack's messages show object addresses of this process
             raise ConnectionError_(COMPRESSION_ERROR, f"invalid header block ({type(exc).__name__})") from None
+        result = (headers, field_problem(headers))
         entries = self._table.dynamic_entries
         if len(entries) == size and (entries[0] if entries else None) is first and self._table.maxsize == limit:
             if len(self._remembered) >= 256:  # headers that vary per call (e.g. ids): keep the set small
                 self._remembered.clear()
-            self._remembered[bytes(block)] = headers
-        return headers
+            self._remembered[bytes(block)] = result
+        else:  # the table changed: blocks remembered so far may now mean other headers
+            self._remembered.clear()
+        return result
+
+
+_PSEUDO = frozenset({":method", ":scheme", ":path", ":authority", ":protocol"})
+_CONNECTION_SPECIFIC = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"})
+
+
+def field_problem(headers: list[tuple[str, str]]) -> str:
+    """Why decoded request headers are malformed (RFC 9113 §8.2, §8.3), or "".
+
+    Field names must be lower case; pseudo-header fields must be request ones and come before
+    every regular field; connection-specific fields are not allowed, nor ``te`` other than
+    ``trailers``.
+    """
+    regular = False
+    for name, value in headers:
+        if name.startswith(":"):
+            if regular:
+                return f"pseudo-header field '{name}' after a regular field"
+            if name not in _PSEUDO:
+                return f"unknown pseudo-header field '{name}'"
+        else:
+            regular = True
+            if name in _CONNECTION_SPECIFIC or (name == "te" and value != "trailers"):
+                return f"connection-specific header field '{name}'"
+        if not name.islower() and name != name.lower():
+            return f"header field name '{name}' is not lower case"
+    return ""
 
 
 # -- gRPC header values -----------------------------------------------------------------------

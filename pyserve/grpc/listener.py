@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import socket
 import ssl
@@ -19,7 +20,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
+from pyserve import limits
 from pyserve.grpc.connection import GrpcConnection
+from pyserve.grpc.guard import BufferBudget, server_buffer_default
 from pyserve.handoff import balancer as balancing
 from pyserve.tcp import bind_tcp
 
@@ -27,6 +30,9 @@ if TYPE_CHECKING:
     from pyserve.grpc.call import CallContext
     from pyserve.grpc.connection import Stream
     from pyserve.grpc.server import GrpcOptions
+
+
+log = logging.getLogger("pyserve.grpc")
 
 
 class _CallDetails(NamedTuple):
@@ -39,7 +45,8 @@ class _CallDetails(NamedTuple):
 class GrpcServer:
     """A gRPC server on asyncio (HTTP/2 with prior knowledge, no TLS).
 
-    :param options: message size cap, keepalive and ping policy (``GrpcOptions``).
+    :param options: message size cap, keepalive and ping policy, restricted protocols, and the
+        limits of :mod:`pyserve.grpc.guard` (``GrpcOptions``).
     :param interceptors: ``grpc.aio.ServerInterceptor`` objects, applied per call in order.
     :param reuse_port: bind TCP ports with ``SO_REUSEPORT`` (processes sharing a port).
     """
@@ -47,6 +54,13 @@ class GrpcServer:
     def __init__(self, options: GrpcOptions, interceptors: Sequence[Any] | None = None, reuse_port: bool = False) -> None:
         self.options = options
         self.interceptors = tuple(interceptors or ())
+        self.restrictions = dict(options.restrictions)
+        """``--grpc-restricted-protocol``: checked from each call's headers (``GrpcConnection``)."""
+        self.connection_buffer = options.max_connection_buffer or options.max_message_bytes
+        self.buffer_budget = BufferBudget(options.max_server_buffer or server_buffer_default(self.connection_buffer))
+        """Bytes of incomplete request messages all connections hold (``--grpc-max-server-buffer``)."""
+        self.max_connections = limits.connection_limit(options.max_connections)
+        self._refusals = limits.RefusalLog(log, "gRPC service (--grpc-max-connections)")
         self.reuse_port = reuse_port
         self.inherit_as: str | None = None
         """The service name whose pre-bound socket (``pyserve.tcp.inherit``) a TCP port takes."""
@@ -164,6 +178,13 @@ class GrpcServer:
         """
         await asyncio.get_running_loop().connect_accepted_socket(
             lambda: GrpcConnection(self), sock, ssl=tls or self.adopted_tls)
+
+    def refusal(self, connection: GrpcConnection) -> str:
+        """Why a new connection is refused (the cap of TCP connections is reached), or ""."""
+        if connection.peer.startswith("unix:") or len(self.connections) < self.max_connections:
+            return ""
+        self._refusals.refused(self.max_connections)
+        return f"the server has reached its limit of {self.max_connections} connections; try again later"
 
     def tcp_connection_count(self) -> int:
         """Open TCP connections (frontends' relay channels on the Unix socket left out)."""

@@ -48,6 +48,13 @@ class GrpcOptions:
     server_key: str = ""  # --grpc-server-key (PEM)
     root_cert: str = ""  # --grpc-root-cert (PEM): the CA client certificates must chain to
     header_forward_pattern: str = ""  # --grpc-header-forward-pattern (pyserve.header_forwarding)
+    # limits of pyserve's own server (pyserve.grpc.guard); grpcio applies max_connections and
+    # idle_timeout_secs through its channel arguments, not the others
+    max_connections: int = 0  # --grpc-max-connections; 0: from the descriptor limit (pyserve.limits)
+    idle_timeout_secs: float = 300.0  # --grpc-idle-timeout-secs: a connection without calls is closed; 0: never
+    message_timeout_secs: float = 300.0  # --grpc-message-timeout-secs: a request message must arrive in time; 0: no limit
+    max_connection_buffer: int = 0  # --grpc-max-connection-buffer: incomplete messages per connection; 0: max_message_bytes
+    max_server_buffer: int = 0  # --grpc-max-server-buffer: all connections; 0: a quarter of memory (at least the above)
 
 
 @dataclass(frozen=True)
@@ -204,15 +211,18 @@ def new_server(options: GrpcOptions, reuse_port: bool = False) -> Any:
     ``reuse_port`` lets several processes listen on one port (grpc core would set
     SO_REUSEPORT by default: it is set explicitly either way).
     """
-    interceptors = [grpc_interceptor(options.restrictions)] if options.restrictions else None
     if options.implementation == "grpcio":
+        interceptors = [grpc_interceptor(options.restrictions)] if options.restrictions else None
         extra = [("grpc.so_reuseport", int(reuse_port))]
+        if options.idle_timeout_secs > 0:
+            extra.append(("grpc.max_connection_idle_ms", int(options.idle_timeout_secs * 1000)))
         return grpc.aio.server(options=channel_options(options) + extra, interceptors=interceptors)
     if options.implementation != "pyserve":
         raise RuntimeError(f"unknown gRPC server '{options.implementation}' (choose from {', '.join(GRPC_SERVERS)})")
     from pyserve.grpc.listener import GrpcServer
 
-    return GrpcServer(options, interceptors=interceptors, reuse_port=reuse_port)
+    # pyserve's own server checks options.restrictions from a call's headers, before its body
+    return GrpcServer(options, reuse_port=reuse_port)
 
 
 def create_server(dataplane: DataPlane, options: GrpcOptions, reuse_port: bool = False) -> tuple[Any, int]:

@@ -5,18 +5,21 @@ in the order they are sent — from any instance thread — each tagged with the
 and the ``triton_final_response`` parameter. Errors are per request (``error_message``, with
 an ``infer_response`` naming the request) and keep the stream open, unless the client asked for ``triton_grpc_error`` (then the first error
 ends the stream with a status). Closing or cancelling the stream cancels every open request.
+Responses wait for the writer in a ``pyserve.backlog.ResponseBacklog``: a decoupled model that
+sends faster than the client reads is paused in its ``send`` (backpressure), not buffered
+without bound.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from google.protobuf.message import DecodeError
 
 from pyserve import protocol as pb
+from pyserve.backlog import ResponseBacklog
 from pyserve.dataplane import DataPlane
 from pyserve.errors import ErrorCode, InferError
 from pyserve.grpc.codec import decode_infer, encode_infer, error_only_response, model_version
@@ -92,9 +95,8 @@ class StreamSession:
         self.closed = False
         # (sender, response, final) from any thread, or (None, message to write, False) from the
         # loop; turned into messages only as the writer asks for them, so a reader that does not
-        # keep up costs the loop nothing (deque appends and pops are atomic)
-        self._inbox: deque[tuple[_StreamSender | None, Any, bool]] = deque()
-        self._waiter: asyncio.Future[None] | None = None  # set while responses() waits for the inbox
+        # keep up costs the loop nothing, and pauses the senders once the backlog is full
+        self._inbox = ResponseBacklog(self.loop)
         self._open: set[InferRequest] = set()
         self._reading = True
 
@@ -136,20 +138,13 @@ class StreamSession:
             self._open.add(request)
 
     def post(self, sender: _StreamSender, response: InferResponse | InferError | None, final: bool) -> None:
-        """Queue one response for the writer (any thread); wakes the writer if it waits."""
-        self._inbox.append((sender, response, final))
-        if self._waiter is not None:
-            self.loop.call_soon_threadsafe(self._wake)
+        """Queue one response for the writer (any thread); wakes the writer if it waits, and
+        waits (off the loop) while the writer is ``RESPONSE_BACKLOG`` responses behind."""
+        self._inbox.put((sender, response, final))
 
     def _put(self, item: Any) -> None:
         """Queue a message (or an error ending the stream) made on the loop."""
-        self._inbox.append((None, item, False))
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._inbox.put((None, item, False))
 
     def _deliver(self, sender: _StreamSender, response: InferResponse | InferError | None, final: bool) -> Any:
         """On the loop: the item to write for one response (None: nothing); closes the request
@@ -183,15 +178,7 @@ class StreamSession:
         """Messages to write, in the order they were sent; ends when all requests are done."""
         inbox = self._inbox
         while not self.closed:
-            if not inbox:
-                self._waiter = self.loop.create_future()
-                try:
-                    if not inbox:  # a post may have come before the waiter was set
-                        await self._waiter
-                finally:
-                    self._waiter = None
-                continue
-            sender, item, final = inbox.popleft()
+            sender, item, final = await inbox.get()
             if sender is not None:
                 item = self._deliver(sender, item, final)
                 if item is None:
@@ -203,7 +190,7 @@ class StreamSession:
     def cancel_open(self) -> None:
         """The stream ended or broke: cancel what is still running."""
         self.closed = True
-        self._inbox.clear()
+        self._inbox.close()
         for request in list(self._open):
             request.cancel()
             self.dataplane.finished(request)

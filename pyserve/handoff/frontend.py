@@ -572,6 +572,7 @@ async def serve(settings: dict[str, Any], prepared: Any = None) -> int:
         http = FrontendHttpServer(
             OwnerHttpProxy(settings["owner_http"]), dataplane,  # type: ignore[arg-type]
             max_input_size=settings["http_max_input_size"], restrictions=restrictions,
+            **settings.get("http_limits", {}),
         )
         if balance:
             adopters[balancing.HTTP] = http.adopt

@@ -206,7 +206,7 @@ def create_app(
                 return sse_event({"error": exc.message})
 
         def close() -> None:
-            sender.closed = True
+            sender.close()
             infer_request.cancel()
             dataplane.finished(infer_request)
 

@@ -268,6 +268,8 @@ def _json_to_array(data: Any, spec: TensorSpec, shape: tuple[int, ...], count: i
         raw = np.array(elements)
     _check_element_count(raw.size, name, shape, count)
     kind = raw.dtype.kind
+    if dtype.name != "BOOL" and kind in "biuf" and _holds_bools(elements):  # numpy reads true as 1
+        raise InferError.invalid(f"'data' of {dtype.name} input '{name}' must hold numbers, not true/false")
     if dtype.name == "BOOL":
         if kind != "b":
             raise InferError.invalid(f"'data' of BOOL input '{name}' must hold true/false values")
@@ -285,6 +287,14 @@ def _json_to_array(data: Any, spec: TensorSpec, shape: tuple[int, ...], count: i
     elif kind not in "iuf":
         raise InferError.invalid(f"'data' of {dtype.name} input '{name}' must hold numbers")
     return raw.astype(dtype.dtype, copy=False).reshape(shape)
+
+
+def _holds_bools(data: list[Any]) -> bool:
+    """Whether nested JSON lists hold ``true``/``false`` (a C-level pass over each list's types)."""
+    types = set(map(type, data))
+    if bool in types:
+        return True
+    return list in types and any(_holds_bools(item) for item in data if type(item) is list)
 
 
 def _json_to_bytes_array(elements: list[Any], name: str, shape: tuple[int, ...], count: int) -> np.ndarray:

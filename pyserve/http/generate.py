@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from pyserve.backlog import ResponseBacklog
 from pyserve.errors import InferError
 from pyserve.http.codec import _json_to_array
 from pyserve.inference import InferRequest, InferResponse
@@ -122,25 +123,33 @@ def _plain(value: Any) -> Any:
 
 
 class GenerateSender:
-    """Collects one request's responses on the event loop (sent from any thread)."""
+    """Collects one request's responses on the event loop (sent from any thread); a model that
+    sends faster than the client reads waits in ``send`` (``pyserve.backlog``)."""
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[tuple[InferResponse | InferError | None, bool]] = asyncio.Queue()
-        self.closed = False
+        self.backlog = ResponseBacklog(self.loop)
+
+    @property
+    def closed(self) -> bool:
+        return self.backlog.closed
+
+    def close(self) -> None:
+        """The client went away: later responses are dropped, a waiting sender is released."""
+        self.backlog.close()
 
     def send(self, response: InferResponse | InferError | None, final: bool) -> None:
-        if self.closed:  # the client went away: drop it (the loop may be gone too)
+        if self.backlog.closed:  # the client went away: drop it (the loop may be gone too)
             return
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (response, final))
+        self.backlog.put((response, final))
 
     def is_cancelled(self) -> bool:
-        return self.closed
+        return self.backlog.closed
 
     async def responses(self) -> AsyncIterator[InferResponse | InferError]:
         """Every response until the final flag (a bare final flag yields nothing)."""
         while True:
-            response, final = await self.queue.get()
+            response, final = await self.backlog.get()
             if response is not None:
                 yield response
             if final:

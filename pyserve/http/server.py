@@ -22,7 +22,13 @@ request gets 400 and the connection is closed. The request line plus headers of 
 may take at most ``MAX_HEAD_SIZE`` bytes: past that the request is answered 431 (414 when the
 URL alone is most of it) and the connection closed, so an endless header can neither grow the
 server's memory nor keep the event loop busy re-joining it. A transfer coding other than
-``chunked`` gets 501 and the connection is closed. A client that disconnects while its infer
+``chunked`` gets 501 and the connection is closed. A request's line and headers must arrive
+within ``header_timeout`` seconds of its first byte and its body within ``body_timeout`` seconds
+of its headers (``--http-header-timeout-secs``, ``--http-body-timeout-secs``), and no byte may be
+more than ``READ_TIMEOUT`` seconds after the one before; otherwise it is answered 408 and the
+connection closed. Bytes that begin no request (leading CRLFs) do not keep an idle connection
+open. Past ``max_connections`` open TCP connections (``--http-max-connections``) a new one is
+answered 503 and closed, and a warning is logged. A client that disconnects while its infer
 request waits has the request cancelled, so a queued request never executes. Reading pauses
 while the transport's write buffer is full, while too many requests are pipelined, or while
 an ASGI handler has not consumed the body already buffered.
@@ -42,7 +48,7 @@ from urllib.parse import unquote
 
 import httptools
 
-from pyserve import client_activity
+from pyserve import client_activity, limits
 from pyserve.dataplane import DataPlane
 from pyserve.errors import InferError
 from pyserve.handoff import balancer as balancing
@@ -74,6 +80,10 @@ KEEP_ALIVE_TIMEOUT = 5.0
 READ_TIMEOUT = 60.0
 """Seconds a partly received request may go without a byte before it is answered 408 and the
 connection closed (a client that stalls mid-request must not hold the connection for ever)."""
+HEADER_TIMEOUT = 30.0
+"""``--http-header-timeout-secs`` default: a request line and headers must arrive within this."""
+BODY_TIMEOUT = 300.0
+"""``--http-body-timeout-secs`` default: a request body must arrive within this of its headers."""
 MAX_PIPELINED = 16
 """Reading pauses while more requests than this wait on one connection."""
 BODY_HIGH_WATER = 1 << 20
@@ -169,6 +179,7 @@ class HttpProtocol(asyncio.Protocol):
         self.deadline_action: Callable[[], None] | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0  # when ``timer`` fires
+        self.phase_started: float | None = None  # when the current request's head (or body) began
         self.client: tuple[str, int] | None = None
         self.local: tuple[str, int] | None = None
         self.queued = False  # an answer of this connection waits in ``server.replies``
@@ -180,6 +191,12 @@ class HttpProtocol(asyncio.Protocol):
         if self.server.shutting_down:  # accepted while the server stops: nobody would close it later
             self.closed = True
             self.transport.abort()
+            return
+        refusal = self.server.refusal(transport)
+        if refusal is not None:  # over --http-max-connections: a readable answer, then close
+            self.closed = True
+            self.transport.write(refusal)
+            self.transport.close()
             return
         sock = transport.get_extra_info("socket")
         if sock is not None:
@@ -228,7 +245,6 @@ class HttpProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.ignore_input or self.closed:
             return
-        self.deadline = None
         if self.in_head and len(data) > self.head_room:
             self._receive_past_head_room(data)
         else:
@@ -307,6 +323,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self.current = None if self.ignore_input else _Request()
+        self.phase_started = None
 
     def on_url(self, url: bytes) -> None:
         request = self.current
@@ -325,6 +342,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.in_head = False
+        self.phase_started = None
         request = self.current
         parser = self.parser
         if request is None or parser is None:  # after a refused request: what follows is not read
@@ -672,20 +690,29 @@ class HttpProtocol(asyncio.Protocol):
             self.close()
 
     def _arm_read_timer(self) -> None:
-        self._set_deadline(READ_TIMEOUT, self._read_timeout)
+        """A request is partly received: it must go on within ``READ_TIMEOUT`` and its head (or
+        body) end within the server's total limit for it, counted from when it began."""
+        now = self.loop.time()
+        if self.phase_started is None:  # set here, not per request: most arrive in one read
+            self.phase_started = now
+        limit = self.server.header_timeout if self.in_head else self.server.body_timeout
+        self._set_deadline(max(min(READ_TIMEOUT, self.phase_started + limit - now), 0.0), self._read_timeout)
 
     def _read_timeout(self) -> None:
-        """A request stopped arriving half-way: answer 408 (when nothing else is being
-        answered on the connection) and close."""
+        """A request stopped arriving half-way, or took too long in all: answer 408 (when
+        nothing else is being answered on the connection) and close."""
         if self.closed or self.current is None:
             return
         if self.reading_paused:  # we stopped reading, not the client: wait on
+            self.phase_started = None
             self._arm_read_timer()
             return
         self.ignore_input = True
         transport = self.transport
         if transport is not None and not any(r.started for r in self.pipeline):
-            body = error_body(f"the request was not received within {READ_TIMEOUT:g} s")
+            part, limit = ("headers", self.server.header_timeout) if self.in_head else ("body", self.server.body_timeout)
+            body = error_body(f"the request {part} did not arrive in time ({limit:g} s in all, "
+                              f"at most {READ_TIMEOUT:g} s between bytes)")
             self.write(
                 _status_line(408) + b"content-type: application/json\r\ncontent-length: %d\r\n"
                 b"connection: close\r\n\r\n" % len(body) + body
@@ -903,6 +930,10 @@ class HttpServer:
     :param max_input_size: the request body cap (``--http-max-input-size``).
     :param restrictions: ``--http-restricted-api`` rules (the ``inference`` one is checked here
         for native infer; ``app`` enforces the others).
+    :param max_connections: open TCP connections past which new ones are refused with 503
+        (``--http-max-connections``; 0: the default of ``pyserve.limits.connection_limit``).
+    :param header_timeout: seconds a request's line and headers may take in all.
+    :param body_timeout: seconds a request's body may take in all, from the end of its headers.
     """
 
     def __init__(
@@ -912,8 +943,15 @@ class HttpServer:
         *,
         max_input_size: int,
         restrictions: Restrictions | None = None,
+        max_connections: int = 0,
+        header_timeout: float = HEADER_TIMEOUT,
+        body_timeout: float = BODY_TIMEOUT,
     ) -> None:
         self.app = app
+        self.max_connections = limits.connection_limit(max_connections)
+        self.header_timeout = header_timeout if header_timeout > 0 else float("inf")
+        self.body_timeout = body_timeout if body_timeout > 0 else float("inf")
+        self._refusals = limits.RefusalLog(log, "HTTP service (--http-max-connections)")
         self.dataplane = dataplane
         self.max_input_size = max_input_size
         self.inference_rule: Restriction | None = (restrictions or {}).get("inference")
@@ -947,6 +985,20 @@ class HttpServer:
             transport = connection.transport
             if transport is not None and not connection.closed and not transport.is_closing():
                 transport.write(data)
+
+    def refusal(self, transport: asyncio.BaseTransport) -> bytes | None:
+        """The 503 answer for a new TCP connection past ``max_connections``, or None to serve it
+        (a frontend's relay connections on the Unix socket are never refused)."""
+        if len(self.connections) < self.max_connections:
+            return None
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family == socket.AF_UNIX:
+            return None
+        self._refusals.refused(self.max_connections)
+        body = error_body(f"the server has reached its limit of {self.max_connections} connections "
+                          "(--http-max-connections); try again later")
+        return (_status_line(503) + b"content-type: application/json\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n" % len(body) + body)
 
     def infer_target(self, url: bytes) -> tuple[str, str | None] | None:
         """``(model, version)`` when a POST to ``url`` is a native infer request, else None.

@@ -8,7 +8,8 @@ with that environment's interpreter (``start_in_environment``; see
 
 * Inputs: the parent copies each batch's input bytes once into the instance's reusable
   shared-memory *input arena* (grown, under a new name, when a batch does not fit) and sends
-  only names, offsets, dtypes and shapes over a pipe. The worker wraps them as read-only numpy
+  only names, offsets, dtypes and shapes over a pipe; the worker unlinks the arena's name as soon
+  as it has mapped it (nothing is left in ``/dev/shm``, even when a stuck worker is abandoned). The worker wraps them as read-only numpy
   views, valid for the duration of ``execute`` (the arena is overwritten by the next batch);
   ``as_numpy()`` hands the model a copy of such a view, made on its first call.
 * Outputs: the worker writes a batch's outputs into one fresh shared-memory segment and sends
@@ -57,6 +58,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from pyserve import ErrorCode, InferError, InferRequest, InferResponse, InstanceContext, ModelContext
+from pyserve.shared_memory import forget_server_segment, note_server_segment
 
 from pyserve_backend_python import metrics, model_control, results
 from pyserve_backend_python.errors import TritonModelException
@@ -78,9 +80,13 @@ _BYTES = "BYTES"
 
 
 # -- shared memory helpers (untracked: the owner unlinks explicitly) ------------------------------
+_noted: dict[str, tuple[int, int]] = {}  # segments of this process that no client may register
+
+
 def _create_segment(name: str, size: int) -> mmap.mmap:
     fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
+        _noted[name] = note_server_segment(fd)
         os.ftruncate(fd, size)
         return mmap.mmap(fd, size)
     finally:
@@ -96,6 +102,9 @@ def _open_segment(name: str, size: int) -> mmap.mmap:
 
 
 def _unlink(name: str) -> None:
+    noted = _noted.pop(name, None)
+    if noted is not None:
+        forget_server_segment(noted)
     try:
         _posixshmem.shm_unlink("/" + name)
     except FileNotFoundError:
@@ -401,6 +410,7 @@ class ProcessRunner:
     # lifecycle
     def _start(self) -> None:
         process: Any
+        self._release_arena()  # the worker unlinks the arena's name once mapped: a new one needs a new arena
         if self._environment is not None:
             process, parent = start_in_environment(self._environment, self._spec, self._prefix + "o")
         else:

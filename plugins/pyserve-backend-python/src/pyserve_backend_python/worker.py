@@ -274,6 +274,8 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
                     pass
             arena = process._open_segment(arena_msg[0], arena_msg[1]) if arena_msg[0] else None
             arena_name = arena_msg[0]
+            if arena_msg[0]:  # mapped here and in the server: the name is not needed any more, and
+                process._unlink(arena_msg[0])  # is then neither left in /dev/shm nor open to anyone
         requests = [make_request(m, process._unpack(m["inputs"], arena, False)) for m in metas]
         executing.set()
         try:
