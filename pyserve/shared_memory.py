@@ -281,14 +281,6 @@ class ShmTarget:
     offset: int
     byte_size: int
 
-    def parameters(self) -> dict[str, Any]:
-        """The shm parameters echoed on the response output."""
-        params: dict[str, Any] = {"shared_memory_region": self.region.name}
-        if self.offset:
-            params["shared_memory_offset"] = self.offset
-        params["shared_memory_byte_size"] = self.byte_size
-        return params
-
 
 class SharedMemoryManager:
     """The regions clients registered with one server. Thread-safe."""

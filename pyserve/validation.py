@@ -239,6 +239,14 @@ def _is_uint(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
 
 
+def _reserved_message(key: str, allow: frozenset[str]) -> str:
+    allowed = sorted(k for k in allow if k.startswith("triton_"))
+    if not allowed:
+        return f"parameter keys starting with 'triton_' are reserved: '{key}'"
+    return ("parameter keys starting with 'triton_' are reserved for Triton usage. Only the following keys "
+            f"starting with 'triton_' are allowed: {', '.join(allowed)} (got '{key}')")  # Triton's gRPC text
+
+
 def parse_parameters(params: Mapping[str, Any], *, allow: frozenset[str] = frozenset()) -> RequestOptions:
     """Interpret request-level parameters as Triton does.
 
@@ -270,7 +278,7 @@ def parse_parameters(params: Mapping[str, Any], *, allow: frozenset[str] = froze
         elif key in allow or key == "headers":
             continue
         elif key.startswith("triton_"):
-            raise InferError.invalid(f"parameter keys starting with 'triton_' are reserved: '{key}'")
+            raise InferError.invalid(_reserved_message(key, allow))
         elif isinstance(value, (bool, int, float, str)):
             options.custom[key] = value
         else:

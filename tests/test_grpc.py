@@ -447,15 +447,49 @@ def test_request_id_and_parameters(client: grpcclient.InferenceServerClient) -> 
 def test_reserved_parameters_refused(stub: service_pb2_grpc.GRPCInferenceServiceStub, http: httpx.Client) -> None:
     # tritonclient refuses reserved keys itself, so the raw stub sends them
     data = np.array([1], dtype=np.int32)
-    for key in ("triton_x", "triton_enable_empty_final_response"):  # the latter is for the stream only
+    for key in ("triton_x", "triton_final_response"):
         request = raw_request("echo", {"IN": (data, "INT32")})
         request.parameters[key].bool_param = True
         error = rpc_error(stub.ModelInfer, request)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details() == (  # Triton 2.51's text, then the key
+            "parameter keys starting with 'triton_' are reserved for Triton usage. Only the following keys "
+            f"starting with 'triton_' are allowed: triton_enable_empty_final_response (got '{key}')")
+    for key in ("triton_x", "triton_enable_empty_final_response"):  # HTTP accepts no triton_ key (as Triton)
         body = {"inputs": [{"name": "IN", "datatype": "INT32", "shape": [1], "data": [1]}], "parameters": {key: True}}
         response = http.post("/v2/models/echo/infer", json=body)
         assert response.status_code == 400
-        assert error.details() == response.json()["error"]
+        assert response.json()["error"] == f"parameter keys starting with 'triton_' are reserved: '{key}'"
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_unary_call_accepts_and_ignores_enable_empty_final_response(
+    stub: service_pb2_grpc.GRPCInferenceServiceStub, value: bool
+) -> None:
+    """perf_analyzer (and model-analyzer through it) sets the parameter on every gRPC request:
+    Triton accepts it on ModelInfer too, does not pass it to the model and answers as usual."""
+    request = raw_request("echo", {"IN": (np.array([5, 6], dtype=np.int32), "INT32")}, id="e")
+    request.parameters["triton_enable_empty_final_response"].bool_param = value
+    request.parameters["mine"].string_param = "kept"
+    response = stub.ModelInfer(request)
+    assert response.id == "e"
+    assert np.frombuffer(response.raw_output_contents[0], dtype=np.int32).tolist() == [5, 6]
+    assert json.loads(_bytes_element(response.raw_output_contents[1])) == {"mine": "kept"}
+
+
+def test_enable_empty_final_response_must_be_a_bool(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
+    request = raw_request("echo", {"IN": (np.array([1], dtype=np.int32), "INT32")})
+    request.parameters["triton_enable_empty_final_response"].int64_param = 1
+    error = rpc_error(stub.ModelInfer, request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == (
+        "invalid value type for 'triton_enable_empty_final_response' parameter, expected bool_param.")
+
+
+def _bytes_element(raw: bytes) -> bytes:
+    """The first element of a serialized BYTES tensor (4-byte length, then the bytes)."""
+    size = int.from_bytes(raw[:4], "little")
+    return raw[4 : 4 + size]
 
 
 def test_requested_outputs(client: grpcclient.InferenceServerClient) -> None:

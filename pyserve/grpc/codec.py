@@ -120,10 +120,10 @@ class DecodedGrpcRequest:
         self.shm_outputs = shm_outputs
 
 
-STREAM_PARAMETERS = frozenset({"triton_enable_empty_final_response"})
-"""Request parameters only ``ModelStreamInfer`` understands."""
+GRPC_PARAMETERS = frozenset({"triton_enable_empty_final_response"})
+"""The ``triton_`` request parameters gRPC accepts, on ``ModelStreamInfer`` and (as Triton does,
+ignoring it there: perf_analyzer sets it on every gRPC request) on ``ModelInfer`` too."""
 
-_NO_PARAMETERS: frozenset[str] = frozenset()
 
 
 def decode_infer(
@@ -131,7 +131,8 @@ def decode_infer(
 ) -> DecodedGrpcRequest:
     """Decode and validate a ``ModelInferRequest`` for ``model``.
 
-    :param stream: the request came on ``ModelStreamInfer`` (stream-only parameters allowed).
+    :param stream: the request came on ``ModelStreamInfer``. Both calls accept the same
+        parameters (``GRPC_PARAMETERS``; a unary call ignores them, as Triton does).
     :param shm: the server's shared-memory regions (tensors naming a region need it).
 
     :raises InferError: malformed or not matching the config (INVALID_ARG).
@@ -191,8 +192,13 @@ def decode_infer(
         inputs[spec.name] = array.reshape(shape)
         shapes[spec.name] = shape
     batch = finish_inputs(name, io, inputs, shapes)
-    allow = STREAM_PARAMETERS if stream else _NO_PARAMETERS
-    options = parse_parameters(parameters_dict(message.parameters), allow=allow)
+    request_parameters = message.parameters
+    empty_final = request_parameters.get("triton_enable_empty_final_response") if request_parameters else None
+    if empty_final is not None and empty_final.WhichOneof("parameter_choice") != "bool_param":
+        raise InferError.invalid(
+            "invalid value type for 'triton_enable_empty_final_response' parameter, expected bool_param."
+        )
+    options = parse_parameters(parameters_dict(request_parameters), allow=GRPC_PARAMETERS)
     outputs = message.outputs[:]
     names = check_outputs_requested(name, io, [o.name for o in outputs])
     classification: dict[str, int] = {}
@@ -447,13 +453,11 @@ def _encode_head(
         if k:
             array = classify(array, k, spec.labels if spec else (), io.batching, name)
             datatype = "BYTES"
-        out = add_output(name=name, datatype=datatype, shape=array.shape)
+        add_output(name=name, datatype=datatype, shape=array.shape)
         target = decoded.shm_outputs.get(name) if decoded.shm_outputs else None
         if target is not None:
             wire = encode_bytes_elements(array) if datatype == "BYTES" else _byte_view(array)
-            write_output(target, wire, name)
-            for key, value in target.parameters().items():
-                set_parameter(out.parameters[key], value)
+            write_output(target, wire, name)  # no parameters on the output, as Triton 2.51 answers
             raw.append(b"")  # keeps raw_output_contents index-aligned with outputs
             continue
         if datatype == "BYTES":

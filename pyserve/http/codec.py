@@ -447,8 +447,9 @@ def encode_infer(
             datatype = "BYTES"
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if opts.shm is not None:
+            # no "parameters", as Triton 2.51 answers: NVIDIA's C++ client reads any output
+            # parameters as binary data ("non-existing object member 'binary_data_size'")
             write_output(opts.shm, _to_wire_bytes(array, datatype), name)
-            entry["parameters"] = opts.shm.parameters()
         elif opts.binary:
             blob = _to_wire_bytes(array, datatype)
             entry["parameters"] = {"binary_data_size": len(blob)}
