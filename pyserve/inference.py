@@ -100,7 +100,8 @@ class InferRequest:
     :ivar priority: the schedule priority level (0 = model default).
     :ivar timeout_us: the queue timeout the client asked for (0 = model default).
     :ivar batch_size: size of the leading batch dimension (1 for non-batching models).
-    :ivar arrival_ns: ``time.monotonic_ns()`` when the frontend created the request.
+    :ivar arrival_ns: ``time.monotonic_ns()`` when the request arrived: frontends set it to the
+        moment they started decoding it; otherwise when the request was created.
     :ivar trace: the request's ``pyserve.tracing.RequestTrace`` when it is sampled, else None.
     :ivar stats: the ``pyserve.metrics.ModelStats`` the request is counted in (set when it is
         submitted; None for requests the server does not count, e.g. warmup).
@@ -111,6 +112,11 @@ class InferRequest:
         its computation began and ended inside the execute (``ModelStats.backend_compute``),
         else None.
     :ivar first_response_ns: when a first, non-final response was sent (0 = none yet).
+    :ivar reply_ns: when the final response was handed to the frontend (0 = not yet). A
+        frontend that reports when it sent the response out (``ModelStats.response_sent``)
+        sets it to -1 before submitting the request.
+    :ivar responses: how many responses were counted in ``response_stats`` so far.
+    :ivar last_response_ns: when the last of those was sent (0 = none yet).
     :ivar rescheduled: None unless the model runs iterative sequences (``sequence_batching {
         iterative_sequence: true }``); then False when an execute starts and True once the
         backend called ``reschedule()`` during it.
@@ -130,6 +136,7 @@ class InferRequest:
         "exec_start_ns",
         "first_response_ns",
         "flags",
+        "last_response_ns",
         "id",
         "inputs",
         "model_name",
@@ -137,7 +144,9 @@ class InferRequest:
         "parameters",
         "priority",
         "requested_outputs",
+        "reply_ns",
         "rescheduled",
+        "responses",
         "stats",
         "timeout_us",
         "trace",
@@ -183,6 +192,9 @@ class InferRequest:
         self.exec_end_ns = 0
         self.compute_ns: tuple[int, int] | None = None
         self.first_response_ns = 0
+        self.reply_ns = 0
+        self.responses = 0
+        self.last_response_ns = 0
         self.rescheduled: bool | None = None
 
     def __repr__(self) -> str:
@@ -227,14 +239,18 @@ class InferRequest:
             raise InferError("request has no response sender attached", ErrorCode.INTERNAL)
         return self._sender
 
-    def reply(self, response: InferResponse | InferError | None, final: bool = True) -> None:
-        """Send a response (already checked) or an error to the frontend."""
+    def reply(self, response: InferResponse | InferError | None, final: bool = True, handed_ns: int = 0) -> None:
+        """Send a response (already checked) or an error to the frontend.
+
+        :param handed_ns: when the backend handed a non-final response over, before it was
+            checked (its compute output starts there in ``response_stats``); 0: unknown.
+        """
         stats = self.stats
         if stats is not None and not self._final_sent:  # count each request once, at its end
             if final:
                 stats.request_done(self, response)
-            elif not self.first_response_ns and response is not None:
-                self.first_response_ns = time.monotonic_ns()
+            elif response is not None:
+                stats.response(self, response, handed_ns)
         if final:
             self._final_sent = True
         self.attached_sender().send(response, final)
@@ -279,6 +295,7 @@ class BackendResponseSender:
                 f"a final response was already sent for this request of model '{request.model_name}'",
                 ErrorCode.INTERNAL,
             )
+        handed = time.monotonic_ns() if request.stats is not None and not final else 0
         result: InferResponse | InferError | None
         if isinstance(response, InferResponse):
             if response.error is not None:
@@ -291,7 +308,7 @@ class BackendResponseSender:
             result = error_response(response, request.model_name)
         else:
             result = response
-        request.reply(result, final)
+        request.reply(result, final, handed)
 
     def is_cancelled(self) -> bool:
         return self._request.is_cancelled()

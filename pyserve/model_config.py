@@ -376,6 +376,7 @@ def validate(config: Any, model_dir: Path) -> list[str]:
                     f"field 'dynamic_batching.preferred_batch_size': {size} must be between 1 "
                     f"and max_batch_size ({config.max_batch_size})"
                 )
+    problems.extend(_model_metrics_problems(config))
     if config.response_cache.enable:
         if config.model_transaction_policy.decoupled:
             problems.append("field 'response_cache': the response cache is not supported for decoupled models")
@@ -384,6 +385,36 @@ def validate(config: Any, model_dir: Path) -> list[str]:
                 "field 'response_cache': the response cache is not supported with the sequence batcher"
             )
     return problems
+
+
+HISTOGRAM_FAMILIES = ("nv_inference_first_response_histogram_ms",)
+"""The metric families whose buckets a config's ``model_metrics`` can set (Triton's)."""
+
+
+def _model_metrics_problems(config: Any) -> list[str]:
+    problems = []
+    for index, control in enumerate(config.model_metrics.metric_control):
+        family = control.metric_identifier.family
+        where = f"field 'model_metrics.metric_control[{index}]'"
+        if family not in HISTOGRAM_FAMILIES:
+            problems.append(f"{where}: metric family '{family}' has no histogram to configure "
+                            f"(known: {', '.join(HISTOGRAM_FAMILIES)})")
+        buckets = list(control.histogram_options.buckets)
+        if control.HasField("histogram_options") and (
+            not buckets or any(not b < c for b, c in zip(buckets, buckets[1:]))
+            or any(b != b or b in (float("inf"), float("-inf")) for b in buckets)
+        ):
+            problems.append(f"{where}: histogram_options.buckets must be finite and strictly increasing "
+                            f"(got {buckets})")
+    return problems
+
+
+def histogram_buckets(config: Any, family: str) -> tuple[float, ...] | None:
+    """The bucket bounds ``model_metrics`` sets for ``family``, or None (the server's)."""
+    for control in config.model_metrics.metric_control:
+        if control.metric_identifier.family == family and control.HasField("histogram_options"):
+            return tuple(control.histogram_options.buckets)
+    return None
 
 
 def model_io(config: Any, model_dir: Path) -> ModelIO:

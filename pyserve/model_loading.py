@@ -292,6 +292,8 @@ class ModelLoader:
                 version.fail(f"{built.config_origin}: invalid ensemble: " + "; ".join(str(exc).splitlines()))
                 continue
             version.scheduler = EnsembleScheduler(source.name, steps, version.io, self.get)
+            _metric_options(version, config)
+            version.stats.load_duration_s = 0.0  # nothing to load: its steps are models of their own
             version.state = ModelState.READY
 
     def _commit(self, name: str, built: _Built) -> str:
@@ -472,6 +474,7 @@ class ModelLoader:
         :raises NotForkSafe: while preparing, a model that must be loaded after the fork
             (its model was finalized).
         """
+        started = time.monotonic_ns()
         source = built.source
         config = ModelConfig()
         config.CopyFrom(base_config)
@@ -500,6 +503,7 @@ class ModelLoader:
             return False
         version.config = config
         version.io = model_config.model_io(config, source.path)
+        _metric_options(version, config)
         version.context = context
         version.backend = backend
         context.fork_safe = self._preparing is not None
@@ -549,12 +553,14 @@ class ModelLoader:
         ]
         if isinstance(scheduler, (LoopScheduler, LoopShortcut)):  # they execute on the loop
             scheduler.attach(version.workers)
+        version.stats.load_duration_s = (time.monotonic_ns() - started) / 1e9  # _start_version adds its part
         return True
 
     def _start_version(self, version: ModelVersion, model_path: Path) -> None:
         """Start a created version's instance threads, warm it up, and make it READY (or
         UNAVAILABLE with the reason, everything it made finalized)."""
         assert version.config is not None and version.context is not None
+        started = time.monotonic_ns()
         version.prepared = False
         try:
             for worker in version.workers:
@@ -569,6 +575,7 @@ class ModelLoader:
             version.fail(str(exc) if isinstance(exc, WarmupError) else
                          f"model '{version.name}' version {version.version} could not start: {_describe(exc)}")
             return
+        version.stats.load_duration_s = (version.stats.load_duration_s or 0.0) + (time.monotonic_ns() - started) / 1e9
         version.state = ModelState.READY
         self._notify("pyserve_model_ready", version.context)
 
@@ -832,3 +839,10 @@ def _describe(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
     return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _metric_options(version: ModelVersion, config: Any) -> None:
+    """Apply the config's ``model_metrics`` (first-response histogram buckets) to the version."""
+    buckets = model_config.histogram_buckets(config, "nv_inference_first_response_histogram_ms")
+    if buckets is not None:
+        version.stats.use_first_response_buckets(buckets)

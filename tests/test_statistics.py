@@ -147,8 +147,11 @@ def test_counts_follow_triton_rules(server: ServerThread) -> None:
     for key in ("compute_input", "compute_infer", "compute_output"):
         assert stats[key]["count"] == 4
     assert stats["compute_infer"]["ns"] >= 4 * 2_000_000  # the backend sleeps 2 ms per execute
-    assert stats["success"]["ns"] >= stats["compute_infer"]["ns"]
-    assert stats["compute_input"]["ns"] > 0 and stats["compute_output"]["ns"] > 0  # codec times
+    # the backend reports no compute of its own: the execute call is compute infer, the checking
+    # of its responses compute output; decoding and encoding are in the request, not in compute
+    assert stats["compute_input"]["ns"] == 0 and stats["compute_output"]["ns"] > 0
+    parts = sum(stats[key]["ns"] for key in ("queue", "compute_input", "compute_infer", "compute_output"))
+    assert parts <= stats["success"]["ns"]
     assert stats["cache_hit"] == {"count": 0, "ns": 0}
     assert v2["execution_count"] == 5  # the failed request executed too
     assert v2["inference_count"] == 3 + 3 + 1
@@ -228,7 +231,7 @@ def test_http_tritonclient_statistics(server: ServerThread) -> None:
         client.close()
 
 
-def test_grpc_infer_counts_codec_time(server: ServerThread) -> None:
+def test_grpc_infer_durations_add_up(server: ServerThread) -> None:
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         tensor = grpcclient.InferInput("INPUT0", [1, 2], "FP32")
@@ -238,4 +241,6 @@ def test_grpc_infer_counts_codec_time(server: ServerThread) -> None:
     finally:
         client.close()
     assert int(stats["success"]["count"]) == 1
-    assert int(stats["compute_input"]["ns"]) > 0 and int(stats["compute_output"]["ns"]) > 0
+    assert int(stats["compute_output"]["ns"]) > 0
+    parts = sum(int(stats[key].get("ns", 0)) for key in ("queue", "compute_input", "compute_infer", "compute_output"))
+    assert parts <= int(stats["success"]["ns"])

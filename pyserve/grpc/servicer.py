@@ -150,6 +150,7 @@ class InferenceServicer:
             if dataplane.grpc_forwarding is not None:
                 dataplane.grpc_forwarding.apply(context.invocation_metadata() or (), decoded.request)
             decode_ns = monotonic_ns() - decode_start
+            decoded.request.arrival_ns = decode_start  # the request's statistics start with its decoding
             response = await self.infer_decoded(model, decoded, decode_ns, context)
         except InferError as exc:
             await _abort(context, exc)
@@ -159,20 +160,21 @@ class InferenceServicer:
 
     async def infer_decoded(self, model: Any, decoded: Any, decode_ns: int, context: grpc.aio.ServicerContext) -> Any:
         """Run a decoded ``ModelInfer`` request and encode its answer (``ModelInferResponse`` bytes,
-        or ``WireParts`` for a large one).
+        or ``WireParts`` for a large one). The request's statistics count it as sent once it is
+        encoded (``decode_ns`` is inside its duration already: it starts at ``arrival_ns``).
 
         :raises InferError: the model answered an error.
         """
         infer_request = decoded.request
         if self.dataplane.tracing.active:
             infer_request.trace_parent = _trace_parent(context)
+        infer_request.reply_ns = -1  # response_sent below ends the request's duration
         result = await self.dataplane.infer(model, infer_request)
         if isinstance(result, InferError):
             raise result
-        encode_start = monotonic_ns()
         response = encode_infer_wire(result, decoded, model, join=False)
-        if infer_request.stats is not None and infer_request.exec_start_ns >= 0:  # not for cache hits
-            infer_request.stats.codec(decode_ns, monotonic_ns() - encode_start)
+        if infer_request.stats is not None:
+            infer_request.stats.response_sent(infer_request)
         return response
 
     async def ModelStreamInfer(

@@ -13,6 +13,7 @@ without bound.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -66,6 +67,8 @@ class _StreamSender:
                 infer = encode_infer(response, self._decoded, self._model)
             except InferError as exc:
                 return self._error(exc, final)
+            if final and request.stats is not None:  # the request's duration ends here
+                request.stats.response_sent(request)
         infer.parameters["triton_final_response"].bool_param = final
         return pb.ModelStreamInferResponse(infer_response=infer)
 
@@ -118,11 +121,14 @@ class StreamSession:
     def _start(self, message: Any) -> None:
         try:
             model = self.dataplane.model(message.model_name, model_version(message.model_version))
+            decode_start = time.monotonic_ns()
             decoded = decode_infer(message, model, stream=True, shm=self.dataplane.shared_memory)
         except InferError as exc:
             self._emit_error(exc, message.id)
             return
         request = decoded.request
+        request.arrival_ns = decode_start  # the request's statistics run from its decoding ...
+        request.reply_ns = -1  # ... until its final response is encoded (``message``)
         for name, value in self.forwarded:
             request.parameters[name] = value
         empty_final = False

@@ -91,8 +91,12 @@ def decode_request(
 ) -> tuple[DecodedRequest, int]:
     """Decompress and decode an infer body; ``(decoded, decode nanoseconds)``.
 
+    The request's statistics start here: its ``arrival_ns`` is the moment decoding began, and
+    it is marked to end when ``encode_reply`` has its response ready to send.
+
     :raises InferError: a bad encoding, header length or request.
     """
+    decode_start = monotonic_ns()
     encoding = headers.get(b"content-encoding")
     if encoding:
         body = decode_content(body, encoding.decode("latin-1"), limit)
@@ -100,12 +104,14 @@ def decode_request(
     header_length = parse_header_length(
         raw_length.decode("latin-1") if raw_length is not None else None, len(body)
     )
-    decode_start = monotonic_ns()
     decoded = decode_infer(body, header_length, model, dataplane.shared_memory)
     forwarding = dataplane.http_forwarding
     if forwarding is not None:
         forwarding.apply(((k.decode("latin-1"), v) for k, v in headers.items()), decoded.request)
     decode_ns = monotonic_ns() - decode_start
+    request = decoded.request
+    request.arrival_ns = decode_start
+    request.reply_ns = -1  # encode_reply reports when the response is ready to go out
     if dataplane.tracing.active:
         parent = headers.get(b"traceparent")
         decoded.request.trace_parent = parent.decode("latin-1") if parent is not None else None
@@ -133,17 +139,15 @@ def encode_reply(
     result: InferResponse | InferError, decoded: DecodedRequest, model: ModelVersion, decode_ns: int,
     accept_encoding: bytes | None,
 ) -> Reply:
-    """The 200 answer for a model's response, compressed if the client accepts it.
+    """The 200 answer for a model's response, compressed if the client accepts it; the
+    request's statistics count it as sent once it is encoded (``decode_ns`` is already inside
+    the request's duration: it runs from the start of decoding).
 
     :raises InferError: the model answered an error, or the response cannot be encoded.
     """
     if isinstance(result, InferError):
         raise result
-    encode_start = monotonic_ns()
     content, out_headers = encode_infer(result, decoded, model)
-    request = decoded.request
-    if request.stats is not None and request.exec_start_ns >= 0:  # not for cache hits
-        request.stats.codec(decode_ns, monotonic_ns() - encode_start)
     if len(out_headers) == 1 and out_headers.get("content-type") == JSON_TYPE:
         raw_headers = _JSON_HEADERS  # the usual answer: shared, never mutated
     else:
@@ -152,6 +156,9 @@ def encode_reply(
         content, applied = compress(content, accept_encoding.decode("latin-1"))
         if applied:
             raw_headers = [*raw_headers, (b"content-encoding", applied.encode("latin-1"))]
+    request = decoded.request
+    if request.stats is not None:
+        request.stats.response_sent(request)
     return 200, content, raw_headers
 
 

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
-from pyserve.metrics.stats import FAILURE_REASONS, FIRST_RESPONSE_BUCKETS_MS, loaded_versions
+from pyserve.metrics.stats import FAILURE_REASONS, loaded_versions
 from pyserve.metrics.summaries import DEFAULT_QUANTILES, SUMMARY_FIELDS, parse_quantiles
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ BUILTIN_FAMILIES = frozenset({
     "nv_inference_exec_count", "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
     "nv_inference_compute_input_duration_us", "nv_inference_compute_infer_duration_us",
     "nv_inference_compute_output_duration_us", "nv_inference_pending_request_count",
-    "nv_inference_first_response_histogram_ms", "nv_cache_num_hits_per_model",
+    "nv_inference_first_response_histogram_ms", "nv_model_load_duration_secs", "nv_cache_num_hits_per_model",
     *(f"nv_inference_{field}_summary_us" for field in SUMMARY_FIELDS),
     "nv_cache_num_misses_per_model", "nv_cache_hit_duration_per_model", "nv_cache_miss_duration_per_model",
     "nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes", "nv_gpu_power_usage",
@@ -211,6 +211,7 @@ _HELP = {
     "nv_inference_compute_output_duration_us": "Cumulative inference compute output duration in microseconds (does not include cached requests)",
     "nv_inference_pending_request_count": "Instantaneous number of pending requests awaiting execution per-model.",
     "nv_inference_first_response_histogram_ms": "Duration from request to first response in milliseconds",
+    "nv_model_load_duration_secs": "Model load time in seconds",
     # Triton 2.51's help texts, its "Cumulative" on the compute summaries included
     "nv_inference_request_summary_us": "Summary of inference request duration in microseconds (includes cached requests)",
     "nv_inference_queue_summary_us": "Summary of inference queuing duration in microseconds (includes cached requests)",
@@ -251,6 +252,7 @@ class _ModelCollector:
         count = _family("nv_inference_count", "counter")
         exec_count = _family("nv_inference_exec_count", "counter")
         pending = _family("nv_inference_pending_request_count", "gauge")
+        load = _family("nv_model_load_duration_secs", "gauge")
         durations = [
             (_family("nv_inference_request_duration_us", "counter"), "success_ns"),
             (_family("nv_inference_queue_duration_us", "counter"), "queue_ns"),
@@ -278,11 +280,13 @@ class _ModelCollector:
             count.add_sample(count.name, labels, snap.inference_count)
             exec_count.add_sample(exec_count.name, labels, snap.execution_count)
             pending.add_sample(pending.name, labels, snap.pending)
+            if snap.load_duration_s is not None:
+                load.add_sample(load.name, labels, snap.load_duration_s)
             for family, field in durations:
                 family.add_sample(family.name, labels, getattr(snap, field) // 1000)
             if self._settings.histogram_latencies:
                 cumulative = 0
-                for bound, hits in zip(FIRST_RESPONSE_BUCKETS_MS, snap.first_buckets):
+                for bound, hits in zip(snap.first_bounds, snap.first_buckets):
                     cumulative += hits
                     first.add_sample(first.name + "_bucket", {**labels, "le": _number(bound)}, cumulative)
                 first.add_sample(first.name + "_bucket", {**labels, "le": "+Inf"}, snap.first_count)
@@ -307,6 +311,7 @@ class _ModelCollector:
         yield exec_count
         yield from (family for family, _ in durations)
         yield pending
+        yield load
         if self._settings.histogram_latencies:
             yield first
         yield from summaries

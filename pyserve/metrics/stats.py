@@ -3,15 +3,31 @@
 
 Counting rules (Triton's): a request counts once as a success or a failure when its final
 response is sent. Success, queue and request duration include response-cache hits; compute
-input/infer/output, ``inference_count`` and ``execution_count`` do not. Queue time is execute
-start minus arrival; compute infer is the execute call; compute input/output are the frontends'
-decode/encode times when they report them (HTTP ``/infer``, gRPC ``ModelInfer``), else 0. A
-backend that reports where its computation began and ended inside the execute
-(``ModelStats.backend_compute``, e.g. a native backend's ``ModelInstanceReportStatistics``)
-splits the execute call at those points: the part before goes to compute input, the part after
-to compute output, the rest stays compute infer (the same nanoseconds, counted once).
-Failures carry a reason: ``REJECTED`` (refused by the scheduler: queue full, queue timeout),
-``CANCELED``, ``BACKEND`` (the request reached execute), ``OTHER``.
+input/infer/output, ``inference_count`` and ``execution_count`` do not.
+
+What each duration covers, so that queue + compute input + infer + output <= request for every
+request (gRPC streaming, ensembles and BLS calls included):
+
+* request: from arrival (the frontend has the request and starts decoding it) until its
+  response went out. Frontends that encode the response after the core answered
+  (HTTP ``/infer``, gRPC ``ModelInfer`` and ``ModelStreamInfer``) report the moment it was
+  encoded and handed to the transport (``response_sent``); for others (the in-process API, a
+  BLS call, an ensemble step) the request ends when the core answers it.
+* queue: arrival until an instance took the request (its execute began).
+* compute input / infer / output: the instance's phases. Without a report from the backend the
+  execute call is compute infer and compute output runs from its return until the batch's
+  responses were checked and ready to send (compute input is 0: the inputs are already
+  arrays). A backend that reports where its computation began and ended inside the execute
+  (``ModelStats.backend_compute``, e.g. a native backend's ``ModelInstanceReportStatistics``)
+  splits the execute call at those points: the part before goes to compute input, the part
+  after to compute output.
+
+``batch_stats`` count the same phases per execution. ``response_stats`` count every response
+by its index within its request (Triton 24.03+): success / fail / empty (a final flag with no
+response) / cancel, with the response's compute infer (from the previous response, or the
+execute start, until the backend handed it over) and compute output (until it went to the
+frontend). Failures carry a reason: ``REJECTED`` (refused by the scheduler: queue full, queue
+timeout), ``CANCELED``, ``BACKEND`` (the request reached execute), ``OTHER``.
 """
 
 from __future__ import annotations
@@ -20,7 +36,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pyserve.errors import ErrorCode, InferError
@@ -37,33 +53,44 @@ FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 _REJECTED, _CANCELED, _BACKEND, _OTHER = range(4)
 
 FIRST_RESPONSE_BUCKETS_MS = (100.0, 500.0, 2000.0, 5000.0)
-"""Bucket bounds of ``nv_inference_first_response_histogram_ms`` (Triton's defaults)."""
-_FIRST_BUCKETS = len(FIRST_RESPONSE_BUCKETS_MS)
+"""Bucket bounds of ``nv_inference_first_response_histogram_ms`` (Triton's defaults; a model's
+config can set its own through ``model_metrics``)."""
+
+MEMORY_TYPES = ("CPU", "CPU_PINNED", "GPU")
+"""The ``type`` values of ``memory_usage`` rows."""
+
+RESPONSE_FIELDS = ("success", "fail", "empty_response", "cancel")
+"""The outcomes ``response_stats`` counts per response index (each ``[count, ns]``)."""
+_R_SUCCESS, _R_FAIL, _R_EMPTY, _R_CANCEL = range(4)
+_R_INFER, _R_OUTPUT = 8, 10  # offsets of compute infer / output [count, ns] in an entry
+_R_SIZE = 12
 
 
 class ModelStats:
     """The statistics of one model version.
 
     Thread-safety: counters change under ``lock`` (instance threads, the event loop), except
-    ``enqueued``, ``input_ns`` and ``output_ns``, which only the event loop writes
-    (``ModelVersion.enqueue``, the frontends' ``codec``) and so need no lock. Readers take a
-    copy with ``snapshot``.
+    ``enqueued`` and ``sent_ns``, which only the event loop writes (``ModelVersion.enqueue``,
+    the frontends' ``response_sent``) and so need no lock. Readers take a copy with
+    ``snapshot``.
 
     A request carries its model's ``ModelStats`` in ``request.stats`` from the moment it is
     submitted; ``request.exec_start_ns`` is -1 before it is queued, 0 while it is queued and
     the execute start (``time.monotonic_ns``) once an instance took it.
+
+    :param first_bounds: the bucket bounds (ms) of the first-response histogram.
     """
 
     __slots__ = (
-        "backend_input_ns", "backend_output_ns", "batches", "cache_hit_count", "cache_hit_ns",
-        "cache_miss_count", "cache_miss_ns",
+        "batches", "cache_hit_count", "cache_hit_ns", "cache_miss_count", "cache_miss_ns",
         "compute_count", "dequeued", "enqueued", "execution_count", "fail_count", "fail_ns",
-        "failures", "first_buckets", "first_count", "first_sum_ms", "inference_count",
-        "infer_ns", "input_ns", "last_inference_ns", "lock", "output_ns", "queue_ns",
-        "success_count", "success_ns", "summaries", "_epoch_offset_ns",
+        "failures", "first_bounds", "first_buckets", "first_count", "first_sum_ms", "inference_count",
+        "infer_ns", "input_ns", "last_inference_ns", "load_duration_s", "lock", "memory_usage",
+        "output_ns", "queue_ns", "responses", "sent_ns", "success_count", "success_ns", "summaries",
+        "_epoch_offset_ns",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, first_bounds: Sequence[float] = FIRST_RESPONSE_BUCKETS_MS) -> None:
         self.lock = threading.Lock()
         self.success_count = 0
         self.success_ns = 0
@@ -74,8 +101,7 @@ class ModelStats:
         self.input_ns = 0
         self.infer_ns = 0
         self.output_ns = 0
-        self.backend_input_ns = 0  # execute time before / after the backend's reported compute
-        self.backend_output_ns = 0  # (under the lock; input_ns / output_ns are loop-only)
+        self.sent_ns = 0  # answered → response sent, of the successes whose frontend reports it
         self.cache_hit_count = 0
         self.cache_hit_ns = 0
         self.cache_miss_count = 0
@@ -87,9 +113,17 @@ class ModelStats:
         self.batches: dict[int, list[int]] = {}  # batch size → [count, input_ns, infer_ns, output_ns]
         self.enqueued = 0
         self.dequeued = 0
-        self.first_buckets = [0] * len(FIRST_RESPONSE_BUCKETS_MS)
+        self.first_bounds = tuple(float(b) for b in first_bounds)
+        self.first_buckets = [0] * len(self.first_bounds)
         self.first_count = 0
         self.first_sum_ms = 0.0
+        self.responses: dict[int, list[int]] = {}
+        """Response index → counts and ns: ``RESPONSE_FIELDS`` pairs, then compute infer and
+        output pairs (``[count, ns] * 6``)."""
+        self.memory_usage: tuple[tuple[str, int, int], ...] = ()
+        """What the backend reported holding: ``(type, device id, bytes)`` (``report_memory``)."""
+        self.load_duration_s: float | None = None
+        """How long the version took to load (``nv_model_load_duration_secs``)."""
         self.summaries: LatencySummaries | None = None
         """Set when ``--metrics-config summary_latencies=true``: each success's durations."""
         self._epoch_offset_ns = time.time_ns() - time.monotonic_ns()
@@ -99,42 +133,58 @@ class ModelStats:
         """An instance starts executing ``requests`` (they leave the queue)."""
         for request in requests:
             request.exec_start_ns = start_ns
+            request.compute_ns = None  # an iterative sequence's request comes back: a new execute
         with self.lock:
             self.dequeued += len(requests)
 
-    def executed(self, requests: Sequence[InferRequest], start_ns: int, end_ns: int, failed: bool = False) -> None:
-        """The execute call of ``requests`` returned: one execution of their total batch size.
+    def executed(
+        self,
+        requests: Sequence[InferRequest],
+        start_ns: int,
+        end_ns: int,
+        failed: bool = False,
+        ready_ns: int = 0,
+    ) -> None:
+        """The execute call of ``requests`` (started at ``start_ns``) returned at ``end_ns`` and
+        their responses were checked and ready to send at ``ready_ns`` (0: at ``end_ns``): one
+        execution of their total batch size. Call it before the responses are sent.
+
+        Requests the backend reported no compute for get the execute call as theirs; the batch
+        statistics split the execute at the earliest start and latest end its requests report.
 
         :param failed: the execute raised: as Triton counts it, still an execution (and its
             batch), but no inferences (``inference_count``).
         """
+        ready_ns = ready_ns or end_ns
+        call = (start_ns, end_ns)
         size = 0
         first = last = 0
         for request in requests:
-            request.exec_end_ns = end_ns
             size += request.batch_size
             compute = request.compute_ns
-            if compute is not None:  # the batch's compute: earliest start to latest end reported
-                if not first or compute[0] < first:
-                    first = compute[0]
-                if compute[1] > last:
-                    last = compute[1]
-        duration = end_ns - start_ns
-        before = after = 0
-        if first and start_ns <= first <= last <= end_ns:
-            before = first - start_ns
-            after = end_ns - last
+            if compute is None or not start_ns <= compute[0] <= compute[1] <= end_ns:
+                if request.exec_end_ns and request.final_sent:
+                    continue  # answered during its execute: counted already
+                request.compute_ns = compute = call
+            request.exec_end_ns = ready_ns
+            if not first or compute[0] < first:  # the batch's compute: earliest start to latest end
+                first = compute[0]
+            if compute[1] > last:
+                last = compute[1]
+        if not first:
+            first, last = start_ns, end_ns
+        before, infer, after = first - start_ns, last - first, ready_ns - last
         with self.lock:
             self.execution_count += 1
             if not failed:
                 self.inference_count += size
             entry = self.batches.get(size)
             if entry is None:
-                self.batches[size] = [1, before, duration - before - after, after]
+                self.batches[size] = [1, before, infer, after]
             else:
                 entry[0] += 1
                 entry[1] += before
-                entry[2] += duration - before - after
+                entry[2] += infer
                 entry[3] += after
 
     def backend_compute(
@@ -174,35 +224,57 @@ class ModelStats:
                 start, end = request.exec_start_ns, request.exec_end_ns
                 first = min(max(compute_start_ns, start), end)
                 last = min(max(compute_end_ns, first), end)
-                self.backend_input_ns += first - start
-                self.backend_output_ns += end - last
+                self.input_ns += first - start
+                self.output_ns += end - last
                 self.infer_ns -= (first - start) + (end - last)
+
+    def response(self, request: InferRequest, response: InferResponse | InferError, handed_ns: int = 0) -> None:
+        """A non-final response of ``request`` (a decoupled model's) is being sent.
+
+        :param handed_ns: when the backend handed the response over (before it was checked);
+            0: now.
+        """
+        now = time.monotonic_ns()
+        if not request.first_response_ns:
+            request.first_response_ns = now
+        if request.exec_start_ns <= 0:
+            return
+        with self.lock:
+            self._count_response(request, _R_FAIL if isinstance(response, InferError) else _R_SUCCESS,
+                                 handed_ns or now, now)
+
+    def _count_response(self, request: InferRequest, outcome: int, handed_ns: int, now: int) -> None:
+        """Count response number ``request.responses`` (under the lock) and move to the next."""
+        index = request.responses
+        request.responses = index + 1
+        previous = request.last_response_ns or request.exec_start_ns
+        request.last_response_ns = now
+        entry = self.responses.get(index)
+        if entry is None:
+            entry = self.responses[index] = [0] * _R_SIZE
+        slot = 2 * outcome
+        entry[slot] += 1
+        entry[slot + 1] += now - previous
+        if outcome <= _R_FAIL:  # a response the backend computed: its infer and output parts
+            handed = min(max(handed_ns, previous), now)
+            entry[_R_INFER] += 1
+            entry[_R_INFER + 1] += handed - previous
+            entry[_R_OUTPUT] += 1
+            entry[_R_OUTPUT + 1] += now - handed
 
     def request_done(self, request: InferRequest, response: InferResponse | InferError | None) -> None:
         """The final response of ``request`` is being sent: count a success or a failure."""
         now = time.monotonic_ns()
         total = now - request.arrival_ns
         start = request.exec_start_ns
+        deferred = request.reply_ns < 0  # the frontend reports when the response went out
+        request.reply_ns = now
         if isinstance(response, InferError):
-            code = response.code
-            if code is ErrorCode.CANCELLED:
-                reason = _CANCELED
-            elif start > 0:
-                reason = _BACKEND
-            elif code is ErrorCode.UNAVAILABLE:
-                reason = _REJECTED
-            else:
-                reason = _OTHER
-            with self.lock:
-                self.fail_count += 1
-                self.fail_ns += total
-                self.failures[reason] += 1
-                if start == 0:
-                    self.dequeued += 1
+            self._failed(request, response, start, total, now)
             return
         first = request.first_response_ns or now
         first_ms = (first - request.arrival_ns) / 1e6
-        queued = infer = -1
+        queued = c_in = infer = c_out = -1
         with self.lock:
             self.success_count += 1
             self.success_ns += total
@@ -216,39 +288,71 @@ class ModelStats:
                     end = request.exec_end_ns = now
                 compute = request.compute_ns
                 if compute is not None and start <= compute[0] <= compute[1] <= end:
-                    self.backend_input_ns += compute[0] - start
-                    self.backend_output_ns += end - compute[1]
-                    infer = compute[1] - compute[0]
+                    c_in, infer, c_out = compute[0] - start, compute[1] - compute[0], end - compute[1]
+                    handed = compute[1]
                 else:
-                    infer = end - start
+                    c_in, infer, c_out = 0, end - start, 0
+                    handed = end
+                self.input_ns += c_in
                 self.infer_ns += infer
+                self.output_ns += c_out
+                self._count_response(request, _R_SUCCESS if response is not None else _R_EMPTY, handed, now)
             elif start == 0:  # queued but answered without an instance (an ensemble)
                 self.dequeued += 1
                 self.compute_count += 1
             self.first_count += 1
             self.first_sum_ms += first_ms
-            index = bisect_left(FIRST_RESPONSE_BUCKETS_MS, first_ms)  # bounds are inclusive ("le")
-            if index < _FIRST_BUCKETS:
+            index = bisect_left(self.first_bounds, first_ms)  # bounds are inclusive ("le")
+            if index < len(self.first_buckets):
                 self.first_buckets[index] += 1
         summaries = self.summaries
         if summaries is not None:
-            summaries.observe(REQUEST, total)
+            if not deferred:
+                summaries.observe(REQUEST, total)
             if queued >= 0:
                 summaries.observe(QUEUE, queued)
+                summaries.observe(COMPUTE_INPUT, c_in)
                 summaries.observe(COMPUTE_INFER, infer)
+                summaries.observe(COMPUTE_OUTPUT, c_out)
 
-    def codec(self, input_ns: int, output_ns: int) -> None:
-        """A frontend reports how long it took to decode a request and encode its response.
+    def _failed(self, request: InferRequest, error: InferError, start: int, total: int, now: int) -> None:
+        code = error.code
+        if code is ErrorCode.CANCELLED:
+            reason = _CANCELED
+        elif start > 0:
+            reason = _BACKEND
+        elif code is ErrorCode.UNAVAILABLE:
+            reason = _REJECTED
+        else:
+            reason = _OTHER
+        with self.lock:
+            self.fail_count += 1
+            self.fail_ns += total
+            self.failures[reason] += 1
+            if start == 0:
+                self.dequeued += 1
+            if reason == _CANCELED:
+                if start <= 0 and not request.last_response_ns:  # cancelled in the queue
+                    request.last_response_ns = request.arrival_ns
+                self._count_response(request, _R_CANCEL, now, now)
+            elif start > 0:
+                self._count_response(request, _R_FAIL, now, now)
 
-        Event loop only (both frontends decode and encode there): the two counters have that
-        single writer, so no lock is taken.
+    def response_sent(self, request: InferRequest) -> None:
+        """A frontend encoded the successful final response of ``request`` and handed it to the
+        transport: the request's duration runs until now. Event loop only (the frontends
+        encode there): ``sent_ns`` has that single writer, so no lock is taken. A request the
+        frontend marked beforehand (``request.reply_ns = -1``) has its request summary
+        recorded here instead of when the core answered.
         """
-        self.input_ns += input_ns
-        self.output_ns += output_ns
+        replied = request.reply_ns
+        if replied <= 0:
+            return
+        now = time.monotonic_ns()
+        self.sent_ns += now - replied
         summaries = self.summaries
         if summaries is not None:
-            summaries.observe(COMPUTE_INPUT, input_ns)
-            summaries.observe(COMPUTE_OUTPUT, output_ns)
+            summaries.observe(REQUEST, now - request.arrival_ns)
 
     def rejected(self, request: InferRequest) -> None:
         """The scheduler refused ``request`` (queue full, bad sequence control): a failure."""
@@ -257,6 +361,28 @@ class ModelStats:
             self.fail_count += 1
             self.fail_ns += total
             self.failures[_REJECTED] += 1
+
+    # -- set up by the loader, reported by backends ------------------------------------------------
+    def use_first_response_buckets(self, bounds: Sequence[float]) -> None:
+        """Use ``bounds`` (ms, increasing) for the first-response histogram (a config's
+        ``model_metrics``). Call before the version serves: the buckets start empty."""
+        with self.lock:
+            self.first_bounds = tuple(float(b) for b in bounds)
+            self.first_buckets = [0] * len(self.first_bounds)
+
+    def report_memory_usage(self, usage: Iterable[tuple[str, int, int]]) -> None:
+        """What the version holds, as ``(type, device id, bytes)`` rows (Triton's
+        ``memory_usage``: type ``CPU``, ``CPU_PINNED`` or ``GPU``); replaces an earlier report.
+        Any thread.
+
+        :raises ValueError: an unknown type, or a negative id or size.
+        """
+        rows = tuple((str(kind), int(device), int(size)) for kind, device, size in usage)
+        for kind, device, size in rows:
+            if kind not in MEMORY_TYPES or device < 0 or size < 0:
+                raise ValueError(f"memory usage ({kind!r}, {device}, {size}): the type must be one of "
+                                 f"{', '.join(MEMORY_TYPES)} and the id and size non-negative")
+        self.memory_usage = rows
 
     # -- response cache --------------------------------------------------------------------------
     def cache_lookup(self, hit: bool, duration_ns: int) -> None:
@@ -275,7 +401,7 @@ class ModelStats:
     # -- replicas in frontend processes ----------------------------------------------------------
     _ADDITIVE = (
         "success_count", "success_ns", "fail_count", "fail_ns", "queue_ns", "compute_count", "input_ns",
-        "infer_ns", "output_ns", "backend_input_ns", "backend_output_ns", "cache_hit_count", "cache_hit_ns",
+        "infer_ns", "output_ns", "sent_ns", "cache_hit_count", "cache_hit_ns",
         "cache_miss_count", "cache_miss_ns", "inference_count", "execution_count", "enqueued", "dequeued",
         "first_count", "first_sum_ms",
     )
@@ -287,6 +413,7 @@ class ModelStats:
             values["failures"] = list(self.failures)
             values["first_buckets"] = list(self.first_buckets)
             values["batches"] = {size: list(entry) for size, entry in self.batches.items()}
+            values["responses"] = {index: list(entry) for index, entry in self.responses.items()}
             values["last_inference_ns"] = self.last_inference_ns
         return values
 
@@ -303,6 +430,10 @@ class ModelStats:
                 mine = self.batches.setdefault(int(size), [0, 0, 0, 0])
                 for index, value in enumerate(entry):
                     mine[index] += value
+            for key, entry in delta.get("responses", {}).items():
+                mine = self.responses.setdefault(int(key), [0] * _R_SIZE)
+                for index, value in enumerate(entry):
+                    mine[index] += value
             self.last_inference_ns = max(self.last_inference_ns, delta.get("last_inference_ns", 0))
 
     # -- reading -------------------------------------------------------------------------------
@@ -316,14 +447,14 @@ class ModelStats:
         with self.lock:
             return StatsSnapshot(
                 success_count=self.success_count,
-                success_ns=self.success_ns,
+                success_ns=self.success_ns + self.sent_ns,
                 fail_count=self.fail_count,
                 fail_ns=self.fail_ns,
                 queue_ns=self.queue_ns,
                 compute_count=self.compute_count,
-                input_ns=self.input_ns + self.backend_input_ns,
+                input_ns=self.input_ns,
                 infer_ns=self.infer_ns,
-                output_ns=self.output_ns + self.backend_output_ns,
+                output_ns=self.output_ns,
                 cache_hit_count=self.cache_hit_count,
                 cache_hit_ns=self.cache_hit_ns,
                 cache_miss_count=self.cache_miss_count,
@@ -339,6 +470,10 @@ class ModelStats:
                 first_buckets=tuple(self.first_buckets),
                 first_count=self.first_count,
                 first_sum_ms=self.first_sum_ms,
+                first_bounds=self.first_bounds,
+                responses={index: tuple(entry) for index, entry in self.responses.items()},
+                memory_usage=self.memory_usage,
+                load_duration_s=self.load_duration_s,
             )
 
 
@@ -352,6 +487,11 @@ def counters_delta(now: Mapping[str, Any], before: Mapping[str, Any] | None) -> 
     old = before["batches"]
     delta["batches"] = {
         size: [a - b for a, b in zip(entry, old.get(size, (0, 0, 0, 0)))] for size, entry in now["batches"].items()
+    }
+    old = before.get("responses", {})
+    delta["responses"] = {
+        index: [a - b for a, b in zip(entry, old.get(index, (0,) * _R_SIZE))]
+        for index, entry in now.get("responses", {}).items()
     }
     delta["last_inference_ns"] = now["last_inference_ns"]
     return delta
@@ -383,6 +523,10 @@ class StatsSnapshot:
     first_buckets: tuple[int, ...]
     first_count: int
     first_sum_ms: float
+    first_bounds: tuple[float, ...] = FIRST_RESPONSE_BUCKETS_MS
+    responses: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    memory_usage: tuple[tuple[str, int, int], ...] = ()
+    load_duration_s: float | None = None
 
     def to_json(self, name: str, version: int) -> dict[str, Any]:
         """Triton's ``ModelStatistics`` JSON object (one entry of ``model_stats``)."""
@@ -406,7 +550,14 @@ class StatsSnapshot:
                 "cache_hit": duration(self.cache_hit_count, self.cache_hit_ns),
                 "cache_miss": duration(self.cache_miss_count, self.cache_miss_ns),
             },
-            "response_stats": {},
+            "response_stats": {
+                str(index): {
+                    "compute_infer": duration(entry[_R_INFER], entry[_R_INFER + 1]),
+                    "compute_output": duration(entry[_R_OUTPUT], entry[_R_OUTPUT + 1]),
+                    **{name: duration(entry[2 * i], entry[2 * i + 1]) for i, name in enumerate(RESPONSE_FIELDS)},
+                }
+                for index, entry in sorted(self.responses.items())
+            },
             "batch_stats": [
                 {
                     "batch_size": size,
@@ -416,7 +567,9 @@ class StatsSnapshot:
                 }
                 for size, entry in sorted(self.batches.items())
             ],
-            "memory_usage": [],
+            "memory_usage": [
+                {"type": kind, "id": device, "byte_size": size} for kind, device, size in self.memory_usage
+            ],
         }
 
 

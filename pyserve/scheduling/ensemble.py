@@ -21,7 +21,9 @@ its steps still in flight are cancelled and whatever they send later is dropped.
 
 Statistics (Triton's rules): a successful ensemble request counts one execution of its batch
 size; its queue time is the wait until the scheduler took it and its compute input / infer /
-output times are the sums of those of its steps' requests.
+output times are the sums of those of its steps' requests. A step's request arrives when the
+response of the step before it was sent (not when the event loop took that response up), so the
+hand-off between steps is that step's queue time, as it is in Triton.
 """
 
 from __future__ import annotations
@@ -260,15 +262,16 @@ class _Wave:
     """The tensors of one flow through the graph: the request's inputs and the outputs of the
     steps that ran in it; a decoupled step's every response forks a new wave."""
 
-    __slots__ = ("emitted", "pool", "started")
+    __slots__ = ("emitted", "pool", "ready_ns", "started")
 
-    def __init__(self, pool: dict[str, Any], started: set[int]) -> None:
+    def __init__(self, pool: dict[str, Any], started: set[int], ready_ns: int = 0) -> None:
         self.pool = pool
         self.started = started  # indexes of the steps started in this wave (or the one it forked from)
         self.emitted = False
+        self.ready_ns = ready_ns  # when the step response that last updated the pool was sent (0: none)
 
     def fork(self) -> _Wave:
-        return _Wave(dict(self.pool), set(self.started))
+        return _Wave(dict(self.pool), set(self.started), self.ready_ns)
 
 
 class _Call:
@@ -365,6 +368,8 @@ class _Run:
                 self._settle(None, ())
             else:
                 wave = call.wave.fork() if call.decoupled else call.wave
+                child = call.child  # its steps arrive when this response was sent, not when the loop got it
+                wave.ready_ns = (child.reply_ns if final else child.last_response_ns) or time.monotonic_ns()
                 updated = []
                 for step_output, tensor in call.step.outputs.items():
                     value = response.outputs.get(step_output)
@@ -421,6 +426,8 @@ class _Run:
         except InferError as exc:
             self._step_failed(step, exc)
             return
+        if wave.ready_ns:  # the hand-off from the step before is this step's queue time
+            child.arrival_ns = wave.ready_ns
         call = _Call(self, step, wave, child, model.decoupled)
         if call.decoupled:
             self.streaming = True
@@ -505,12 +512,13 @@ class _Run:
         request = self.request
         start = self.start_ns
         before, infer, after = self.durations
-        request.exec_start_ns = start
-        request.compute_ns = (start + before, start + before + infer)
         stats = request.stats
         if stats is not None:
             stats.begin((request,), start)
-            stats.executed((request,), start, start + before + infer + after)
+        request.exec_start_ns = start
+        request.compute_ns = (start + before, start + before + infer)
+        if stats is not None:
+            stats.executed((request,), start, start + before + infer, ready_ns=start + before + infer + after)
         else:
             request.exec_end_ns = start + before + infer + after
 

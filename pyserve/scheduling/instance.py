@@ -172,8 +172,6 @@ class InstanceWorker:
             execution_board.leave(self._slot)
             end_ns = time.monotonic_ns()
             self.last_execute_ns = end_ns - start_ns
-            if stats is not None:
-                stats.executed(live, start_ns, end_ns)
         except Exception as exc:
             execution_board.leave(self._slot)
             end_ns = time.monotonic_ns()
@@ -189,10 +187,12 @@ class InstanceWorker:
             return
         if tracing:
             mark_batch(live, "COMPUTE_OUTPUT_START")
-        if results is None:
-            self._check_senders(live)
-            return
-        if len(results) != len(live):
+        if results is None or len(results) != len(live):
+            if stats is not None:
+                stats.executed(live, start_ns, end_ns)
+            if results is None:
+                self._check_senders(live)
+                return
             error = InferError(
                 f"backend '{self.instance.model.backend.name}' returned {len(results)} "
                 f"response(s) for {len(live)} request(s) of model '{self._model_name}'",
@@ -202,10 +202,13 @@ class InstanceWorker:
             for request in live:
                 request.reply(error)
             return
-        for request, result in zip(live, results):
-            if request.rescheduled:  # iterative sequences: it comes back in a later batch
-                continue
-            request.reply(self._finish(request, result))
+        # compute output: the responses are checked first, counted, then sent
+        finished = [(request, self._finish(request, result)) for request, result in zip(live, results)
+                    if not request.rescheduled]  # a rescheduled one comes back in a later batch
+        if stats is not None:
+            stats.executed(live, start_ns, end_ns, ready_ns=time.monotonic_ns())
+        for request, answer in finished:
+            request.reply(answer)
 
     def _check_senders(self, requests: list[InferRequest]) -> None:
         """``None`` from execute: decoupled models answer later; others must have answered."""

@@ -16,6 +16,7 @@ import inspect
 import json
 import logging
 import threading
+import time
 from collections.abc import Coroutine, Sequence
 from types import ModuleType
 from typing import Any, Protocol
@@ -155,6 +156,7 @@ class ThreadRunner:
         wrap = InferenceRequest._from_server
         wrapped = [wrap(request) for request in requests]
         token = context.enter(model)
+        compute_start = time.monotonic_ns()
         try:
             outcome = self._object.execute(wrapped)
             # A list (the usual answer) is never awaitable: skip the ABC check for it.
@@ -170,6 +172,7 @@ class ThreadRunner:
             raise results.execute_failure(model.name, self._instance.name, exc) from None
         finally:
             context.leave(token)
+        _report_compute(requests, compute_start, time.monotonic_ns())
         return results.convert(model.name, requests, outcome, self._decoupled)
 
     def _async_done(self, future: concurrent.futures.Future[Any], requests: Sequence[InferRequest]) -> None:
@@ -223,6 +226,15 @@ class ThreadRunner:
             loop, self._loop = self._loop, None
         if loop is not None:
             loop.stop()
+
+
+def _report_compute(requests: Sequence[InferRequest], start_ns: int, end_ns: int) -> None:
+    """Tell the statistics where ``execute()`` ran inside the backend's execute: wrapping the
+    requests before it is compute input, converting the responses after it compute output (the
+    phases Triton's Python backend reports)."""
+    stats = requests[0].stats if requests else None
+    if stats is not None:
+        stats.backend_compute(requests, requests[0].exec_start_ns, start_ns, end_ns, end_ns)
 
 
 async def _await(awaitable: Any) -> Any:
