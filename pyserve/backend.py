@@ -11,7 +11,7 @@ Two ways to write one:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -78,6 +78,8 @@ class ModelContext:
         backend answered ``pyserve_backend_fork_safe``); the backend may set it to False in
         ``pyserve_model_create`` for a model that cannot be inherited by a forked process.
         False otherwise.
+    :ivar statistics: the version's ``pyserve.metrics.ModelStats`` (None outside a server);
+        backends report through ``report_memory_usage``.
     """
 
     name: str
@@ -93,6 +95,17 @@ class ModelContext:
     compute_only: bool = False
     single_process_reason: str = ""
     fork_safe: bool = False
+    statistics: Any = None
+
+    def report_memory_usage(self, usage: Iterable[tuple[str, int, int]]) -> None:
+        """Report what this version holds: ``(type, device id, bytes)`` rows, type ``"CPU"``,
+        ``"CPU_PINNED"`` or ``"GPU"`` (the ``memory_usage`` of Triton's statistics). Replaces an
+        earlier report; any thread; a no-op outside a server.
+
+        :raises ValueError: an unknown type, or a negative id or size.
+        """
+        if self.statistics is not None:
+            self.statistics.report_memory_usage(usage)
 
     @property
     def version_path(self) -> Path:

@@ -488,6 +488,7 @@ class ModelLoader:
             auto_complete=self.auto_complete,
             server=self.server_handle,
             metrics=self.custom_metrics,
+            statistics=version.stats,
         )
         hooks = backend.hooks
         if self.auto_complete:

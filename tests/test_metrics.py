@@ -582,3 +582,54 @@ def test_gpu_gauges_from_nvml_readings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "nv_cpu_utilization" not in page.families
     monitor.close()
     assert calls == ["init", "shutdown"]
+
+
+def test_model_load_duration_gauge(gate_server: ServerThread) -> None:
+    """``nv_model_load_duration_secs`` (Triton, from 24.10): a gauge per loaded version, seconds."""
+    page = scrape(gate_server)
+    family = page.families["nv_model_load_duration_secs"]
+    assert family.type == "gauge" and family.documentation == "Model load time in seconds"
+    assert {tuple(sorted(s.labels.items())) for s in family.samples} == {
+        (("model", name), ("version", "1")) for name in ("ident", "batched", "limited")
+    }
+    assert all(0 < s.value < 600 for s in family.samples)
+
+
+FIRST_BUCKETS = """
+    model_metrics { metric_control [ {
+      metric_identifier { family: "nv_inference_first_response_histogram_ms" }
+      histogram_options { buckets: [ 0.5, 20, 3000 ] }
+    } ] }
+"""
+
+
+def test_model_metrics_sets_first_response_buckets(make_repo: Callable[..., Path], start_server: StartServer) -> None:
+    server = start_server(
+        make_repo({"ident": IDENT + FIRST_BUCKETS, "batched": IDENT}), backends={"gate": GateBackend()},
+        use_entry_points=False, metrics_config={"histogram_latencies": "true"},
+    )
+    assert infer(server, "ident") == 200 and infer(server, "batched") == 200
+    page = scrape(server)
+    buckets = [s.labels["le"] for s in page.families["nv_inference_first_response_histogram_ms"].samples
+               if s.name.endswith("_bucket") and s.labels["model"] == "ident"]
+    assert buckets == ["0.5", "20", "3000", "+Inf"]
+    assert page.value("nv_inference_first_response_histogram_ms_bucket", **LABELS, le="+Inf") == 1
+    other = {"model": "batched", "version": "1"}  # the server's default buckets elsewhere
+    assert page.value("nv_inference_first_response_histogram_ms_bucket", **other, le="5000") == 1
+
+
+@pytest.mark.parametrize("control, message", [
+    ('metric_identifier { family: "nv_inference_first_response_histogram_ms" } '
+     "histogram_options { buckets: [ 10, 5 ] }", "must be finite and strictly increasing"),
+    ('metric_identifier { family: "nv_inference_count" } histogram_options { buckets: [ 1 ] }',
+     "metric family 'nv_inference_count' has no histogram to configure"),
+])
+def test_model_metrics_errors_name_the_field(
+    make_repo: Callable[..., Path], start_server: StartServer, control: str, message: str
+) -> None:
+    server = start_server(make_repo({"ident": IDENT + f"model_metrics {{ metric_control [ {{ {control} }} ] }}\n"}),
+                          backends={"gate": GateBackend()}, use_entry_points=False, exit_on_error=False)
+    with urllib.request.urlopen(f"http://{server.url}/v2/repository/index", data=b"{}", timeout=10) as response:
+        (entry,) = json.loads(response.read())
+    assert entry["state"] == "UNAVAILABLE"
+    assert "model_metrics.metric_control[0]" in entry["reason"] and message in entry["reason"]
