@@ -62,8 +62,8 @@ MEMORY_TYPES = ("CPU", "CPU_PINNED", "GPU")
 RESPONSE_FIELDS = ("success", "fail", "empty_response", "cancel")
 """The outcomes ``response_stats`` counts per response index (each ``[count, ns]``)."""
 _R_SUCCESS, _R_FAIL, _R_EMPTY, _R_CANCEL = range(4)
-_R_INFER, _R_OUTPUT = 8, 10  # offsets of compute infer / output [count, ns] in an entry
-_R_SIZE = 12
+_R_INFER, _R_OUTPUT = 8, 9  # compute infer / output ns; their count is success + fail
+_R_SIZE = 10
 
 
 class ModelStats:
@@ -87,7 +87,7 @@ class ModelStats:
         "failures", "first_bounds", "first_buckets", "first_count", "first_sum_ms", "inference_count",
         "infer_ns", "input_ns", "last_inference_ns", "load_duration_s", "lock", "memory_usage",
         "output_ns", "queue_ns", "responses", "sent_ns", "success_count", "success_ns", "summaries",
-        "_epoch_offset_ns",
+        "_epoch_offset_ns", "_first_response",
     )
 
     def __init__(self, first_bounds: Sequence[float] = FIRST_RESPONSE_BUCKETS_MS) -> None:
@@ -117,9 +117,10 @@ class ModelStats:
         self.first_buckets = [0] * len(self.first_bounds)
         self.first_count = 0
         self.first_sum_ms = 0.0
-        self.responses: dict[int, list[int]] = {}
-        """Response index → counts and ns: ``RESPONSE_FIELDS`` pairs, then compute infer and
-        output pairs (``[count, ns] * 6``)."""
+        self._first_response = [0] * _R_SIZE
+        self.responses: dict[int, list[int]] = {0: self._first_response}
+        """Response index → ``[count, ns]`` of each of ``RESPONSE_FIELDS``, then the compute
+        infer and compute output ns (counted for successes and failures)."""
         self.memory_usage: tuple[tuple[str, int, int], ...] = ()
         """What the backend reported holding: ``(type, device id, bytes)`` (``report_memory``)."""
         self.load_duration_s: float | None = None
@@ -257,10 +258,8 @@ class ModelStats:
         entry[slot + 1] += now - previous
         if outcome <= _R_FAIL:  # a response the backend computed: its infer and output parts
             handed = min(max(handed_ns, previous), now)
-            entry[_R_INFER] += 1
-            entry[_R_INFER + 1] += handed - previous
-            entry[_R_OUTPUT] += 1
-            entry[_R_OUTPUT + 1] += now - handed
+            entry[_R_INFER] += handed - previous
+            entry[_R_OUTPUT] += now - handed
 
     def request_done(self, request: InferRequest, response: InferResponse | InferError | None) -> None:
         """The final response of ``request`` is being sent: count a success or a failure."""
@@ -288,15 +287,24 @@ class ModelStats:
                     end = request.exec_end_ns = now
                 compute = request.compute_ns
                 if compute is not None and start <= compute[0] <= compute[1] <= end:
-                    c_in, infer, c_out = compute[0] - start, compute[1] - compute[0], end - compute[1]
-                    handed = compute[1]
+                    began, handed = compute
                 else:
-                    c_in, infer, c_out = 0, end - start, 0
+                    began = start
                     handed = end
+                c_in = began - start
+                infer = handed - began
+                c_out = end - handed
                 self.input_ns += c_in
                 self.infer_ns += infer
                 self.output_ns += c_out
-                self._count_response(request, _R_SUCCESS if response is not None else _R_EMPTY, handed, now)
+                if request.responses or response is None:  # a decoupled model's
+                    self._count_response(request, _R_SUCCESS if response is not None else _R_EMPTY, handed, now)
+                else:  # the usual case, inline: its only response
+                    entry = self._first_response
+                    entry[0] += 1
+                    entry[1] += now - start
+                    entry[_R_INFER] += handed - start
+                    entry[_R_OUTPUT] += now - handed
             elif start == 0:  # queued but answered without an instance (an ensemble)
                 self.dequeued += 1
                 self.compute_count += 1
@@ -552,11 +560,12 @@ class StatsSnapshot:
             },
             "response_stats": {
                 str(index): {
-                    "compute_infer": duration(entry[_R_INFER], entry[_R_INFER + 1]),
-                    "compute_output": duration(entry[_R_OUTPUT], entry[_R_OUTPUT + 1]),
+                    "compute_infer": duration(entry[0] + entry[2], entry[_R_INFER]),
+                    "compute_output": duration(entry[0] + entry[2], entry[_R_OUTPUT]),
                     **{name: duration(entry[2 * i], entry[2 * i + 1]) for i, name in enumerate(RESPONSE_FIELDS)},
                 }
                 for index, entry in sorted(self.responses.items())
+                if entry[0] or entry[2] or entry[4] or entry[6]
             },
             "batch_stats": [
                 {
