@@ -157,8 +157,11 @@ def start_pyserve(repository: Path, work: Path, timeout: float) -> Server:
 def start_triton(install: _triton.TritonInstall, repository: Path, work: Path, timeout: float) -> Server:
     """Triton 2.51 on ``repository``, loopback only."""
     http, grpc_port, metrics = free_port(), free_port(), free_port()
+    backends = work / "triton-backends"
+    if not backends.exists():
+        install.prepare_backends(backends)
     command = [str(install.binary), "--model-repository", str(repository.resolve()),
-               "--backend-directory", str(install.prepare_backends(work / "triton-backends")),
+               "--backend-directory", str(backends),
                "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address", "127.0.0.1",
                "--http-port", str(http), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics)]
     return spawn("triton", command, http, grpc_port, work / "triton.log", install.environment(), timeout,
