@@ -25,6 +25,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,8 +69,27 @@ def wrapper(tool: _perf_analyzer.PerfAnalyzer, work: Path) -> Path:
     return script
 
 
-def config_yaml(server: Server, metrics_port: int, search: str, protocol: str, work: Path,
-                repository: Path, perf_analyzer: Path) -> str:
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a server listens (loopback): its name and HTTP, gRPC and metrics ports."""
+
+    name: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+
+
+@dataclass(frozen=True)
+class Space:
+    """The search space: concurrency, instance count and max batch size up to these."""
+
+    concurrency: int = 2
+    instances: int = 2
+    batch: int = 2
+
+
+def config_yaml(server: Endpoint, search: str, protocol: str, work: Path, repository: Path,
+                perf_analyzer: Path, space: Space = Space()) -> str:
     """model-analyzer's config for one run (JSON is YAML)."""
     run = work / f"{server.name}-{search}-{protocol}"
     (run / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -79,7 +99,7 @@ def config_yaml(server: Server, metrics_port: int, search: str, protocol: str, w
         "triton_launch_mode": "remote",
         "triton_http_endpoint": f"127.0.0.1:{server.http_port}",
         "triton_grpc_endpoint": f"127.0.0.1:{server.grpc_port}",
-        "triton_metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
+        "triton_metrics_url": f"http://127.0.0.1:{server.metrics_port}/metrics",
         "client_protocol": protocol,
         "perf_analyzer_path": str(perf_analyzer),
         "perf_analyzer_flags": {"stability-percentage": 100, "max-trials": 20},
@@ -88,9 +108,9 @@ def config_yaml(server: Server, metrics_port: int, search: str, protocol: str, w
         "checkpoint_directory": str(run / "checkpoints"),
         "export_path": str(run / "results"),
         "run_config_search_mode": search,
-        "run_config_search_max_concurrency": 2,
-        "run_config_search_max_instance_count": 2,
-        "run_config_search_max_model_batch_size": 2,
+        "run_config_search_max_concurrency": space.concurrency,
+        "run_config_search_max_instance_count": space.instances,
+        "run_config_search_max_model_batch_size": space.batch,
         "skip_summary_reports": True,
     })
 
@@ -110,11 +130,11 @@ def measured_variants(checkpoints: Path) -> tuple[int, int]:
     return variants, measurements
 
 
-def run_one(tool: Path, server: Server, metrics_port: int, search: str, protocol: str, work: Path,
-            repository: Path, perf_analyzer: Path, timeout: float) -> tuple[bool, str]:
+def run_one(tool: Path, server: Endpoint, search: str, protocol: str, work: Path, repository: Path,
+            perf_analyzer: Path, timeout: float, space: Space = Space()) -> tuple[bool, str]:
     """One ``model-analyzer profile``; (passed, note)."""
     config = work / f"{server.name}-{search}-{protocol}.yaml"
-    config.write_text(config_yaml(server, metrics_port, search, protocol, work, repository, perf_analyzer))
+    config.write_text(config_yaml(server, search, protocol, work, repository, perf_analyzer, space))
     log = work / f"{server.name}-{search}-{protocol}.log"
     with log.open("w") as out:
         try:
@@ -178,9 +198,11 @@ def main(argv: list[str] | None = None) -> int:
             for search in args.searches.split(","):
                 for protocol in args.protocols.split(","):
                     server, metrics_port = start(name, install, repository, work)  # a fresh server per run
+                    assert server.http_port is not None and server.grpc_port is not None
+                    endpoint = Endpoint(name, server.http_port, server.grpc_port, metrics_port)
                     try:
-                        ok, note = run_one(tool, server, metrics_port, search, protocol, work, repository,
-                                           perf_analyzer, args.timeout)
+                        ok, note = run_one(tool, endpoint, search, protocol, work, repository, perf_analyzer,
+                                           args.timeout)
                     finally:
                         server.stop()
                     failed_on_pyserve |= name == "pyserve" and not ok

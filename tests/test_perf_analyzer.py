@@ -91,7 +91,7 @@ def test_mode_completes_with_a_plausible_breakdown(
 ) -> None:
     (mode,) = [m for m in modes.MODES if m.name == name]
     result = perf_analyzer.run(modes.arguments(mode, _Ports(server), 30), timeout=150)  # type: ignore[arg-type]
-    outcome = modes.judge(result.returncode, result.stdout)
+    outcome = modes.judge(result.returncode, result.stdout, client_bound=mode.model != "decoupled")
     assert outcome.ok, f"{name}: {outcome.note}\n{result.stdout[-2000:]}"
 
 

@@ -25,6 +25,10 @@ return ``prometheus_client`` metrics (``.labels(...).inc()``, ``.set()``, ``.obs
 asking again for an existing name returns the same family. ``include(registry)`` shows
 everything an existing ``prometheus_client.CollectorRegistry`` (or collector) holds. Counters
 appear under exactly the given name, without a ``_total`` suffix, as Triton's custom metrics do.
+
+Statistics: ``model.report_memory_usage([(type, device_id, byte_size), ...])`` (type ``"CPU"``,
+``"CPU_PINNED"`` or ``"GPU"``) sets what the version holds, shown as ``memory_usage`` in
+Triton's statistics (any hook, any thread; a later report replaces it).
 """
 
 from __future__ import annotations
