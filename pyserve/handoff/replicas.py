@@ -258,6 +258,7 @@ class ReplicaSet:
         if not any(delta[k] for k in ("success_count", "fail_count", "enqueued", "dequeued", "execution_count")):
             return None
         delta["batches"] = {str(size): entry for size, entry in delta["batches"].items() if entry[0]}
+        delta["responses"] = {str(index): entry for index, entry in delta["responses"].items() if any(entry)}
         return delta
 
     def stats_deltas(self) -> list[list[Any]]:
