@@ -13,6 +13,8 @@ used through trixie's own dynamic loader::
 The packages (``libc6 libstdc++6 libgcc-s1 libssl3t64 zlib1g``) are fetched with ``apt-get
 download`` under a private apt configuration (its own sources list, lists and cache, signed by
 the ``debian-archive-keyring`` the host already has), so the host's apt state is not touched.
+The archive is the one the host's own apt sources use for Debian (``$PYSERVE_DEBIAN_MIRROR``
+overrides it).
 ``dpkg-deb -x`` unpacks them; nothing is installed into the system.
 
 Everything goes to ``$XDG_CACHE_HOME/pyserve-bench/perf-analyzer-<version>`` (``~/.cache/...``)
@@ -35,7 +37,7 @@ from pathlib import Path
 VERSION = "2.60.0"
 WHEEL_PLATFORM = "manylinux_2_38_x86_64"
 DEBIAN_SUITE = "trixie"
-DEBIAN_MIRROR = "http://deb.debian.org/debian"
+APT_SOURCES = (Path("/etc/apt/sources.list.d"), Path("/etc/apt/sources.list"))
 KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
 RUNTIME_PACKAGES = ("libc6", "libstdc++6", "libgcc-s1", "libssl3t64", "zlib1g")
 _LIBDIR = Path("usr/lib/x86_64-linux-gnu")
@@ -125,6 +127,36 @@ def _install_wheel(cache: Path, log: Path) -> None:
     _binary(cache).chmod(0o755)
 
 
+def debian_mirror() -> str:
+    """The Debian archive the host's apt sources name (the first ``.../debian`` URI), or
+    ``$PYSERVE_DEBIAN_MIRROR``.
+
+    :raises RuntimeError: neither is there.
+    """
+    chosen = os.environ.get("PYSERVE_DEBIAN_MIRROR", "")
+    if chosen:
+        return chosen.rstrip("/")
+    files: list[Path] = []
+    for place in APT_SOURCES:
+        if place.is_dir():
+            files += sorted(p for p in place.iterdir() if p.suffix in (".sources", ".list"))
+        elif place.is_file():
+            files.append(place)
+    for path in files:
+        for line in path.read_text(errors="replace").splitlines():
+            words = line.split()
+            if words[:1] == ["URIs:"]:
+                uris = words[1:]
+            elif words[:1] == ["deb"]:
+                uris = [w for w in words[1:] if "://" in w][:1]
+            else:
+                continue
+            for uri in uris:
+                if uri.rstrip("/").endswith("/debian"):
+                    return uri.rstrip("/")
+    raise RuntimeError("no Debian archive in the host's apt sources; set PYSERVE_DEBIAN_MIRROR to one")
+
+
 def _install_runtime(cache: Path, log: Path) -> None:
     """Debian trixie's runtime libraries into ``cache/root`` via a private apt configuration."""
     for tool in ("apt-get", "dpkg-deb"):
@@ -136,7 +168,7 @@ def _install_runtime(cache: Path, log: Path) -> None:
     for sub in ("lists/partial", "cache/archives/partial", "etc/preferences.d", "debs"):
         (apt / sub).mkdir(parents=True, exist_ok=True)
     sources = apt / "etc" / "sources.list"
-    sources.write_text(f"deb [signed-by={KEYRING}] {DEBIAN_MIRROR} {DEBIAN_SUITE} main\n")
+    sources.write_text(f"deb [signed-by={KEYRING}] {debian_mirror()} {DEBIAN_SUITE} main\n")
     options: list[str] = []
     for key, value in (("Dir::Etc::SourceList", sources), ("Dir::Etc::SourceParts", apt / "etc" / "none"),
                        ("Dir::Etc::Preferences", apt / "etc" / "preferences"),

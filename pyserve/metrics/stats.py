@@ -122,7 +122,7 @@ class ModelStats:
         """Response index → ``[count, ns]`` of each of ``RESPONSE_FIELDS``, then the compute
         infer and compute output ns (counted for successes and failures)."""
         self.memory_usage: tuple[tuple[str, int, int], ...] = ()
-        """What the backend reported holding: ``(type, device id, bytes)`` (``report_memory``)."""
+        """What the backend reported holding: ``(type, device id, bytes)`` (``report_memory_usage``)."""
         self.load_duration_s: float | None = None
         """How long the version took to load (``nv_model_load_duration_secs``)."""
         self.summaries: LatencySummaries | None = None
