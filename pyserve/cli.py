@@ -257,6 +257,8 @@ def _add_operations(run: argparse.ArgumentParser) -> None:
                      help="require header KEY: VALUE for the listed HTTP API categories (repeatable)")
     ops.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="APIS:KEY=VALUE",
                      help="require metadata triton-grpc-protocol-KEY: VALUE for the listed gRPC categories")
+    ops.add_argument("--status-page", type=_bool, default=True, metavar="BOOL",
+                     help="serve the status page on the HTTP port at /status (and / for browsers; default true)")
     ops.add_argument("--max-tensor-elements", type=int, default=0, metavar="N",
                      help="refuse input tensors declaring more than N elements (default 0: no limit)")
 
@@ -287,6 +289,7 @@ def _operations_options(args: argparse.Namespace) -> tuple[dict[str, Any], dict[
         "cache_config": parse_cache_config(args.cache_config),
         "http_restricted_api": parse_restrictions(args.http_restricted_api),
         "max_tensor_elements": args.max_tensor_elements,
+        "status_page": args.status_page,
     }
     grpc = {"restrictions": parse_restrictions(args.grpc_restricted_protocol, grpc=True)}
     return server, grpc

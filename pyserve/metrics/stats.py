@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pyserve.errors import ErrorCode, InferError
+from pyserve.metrics.latency import LATENCY_BUCKETS, latency_bucket
 from pyserve.metrics.summaries import COMPUTE_INFER, COMPUTE_INPUT, COMPUTE_OUTPUT, QUEUE, REQUEST, LatencySummaries
 from pyserve.repository import is_version_number
 
@@ -59,7 +60,7 @@ class ModelStats:
         "cache_miss_count", "cache_miss_ns",
         "compute_count", "dequeued", "enqueued", "execution_count", "fail_count", "fail_ns",
         "failures", "first_buckets", "first_count", "first_sum_ms", "inference_count",
-        "infer_ns", "input_ns", "last_inference_ns", "lock", "output_ns", "queue_ns",
+        "infer_ns", "input_ns", "last_inference_ns", "latency_buckets", "lock", "output_ns", "queue_ns",
         "success_count", "success_ns", "summaries", "_epoch_offset_ns",
     )
 
@@ -90,6 +91,8 @@ class ModelStats:
         self.first_buckets = [0] * len(FIRST_RESPONSE_BUCKETS_MS)
         self.first_count = 0
         self.first_sum_ms = 0.0
+        self.latency_buckets = [0] * LATENCY_BUCKETS
+        """Successes by request duration (``pyserve.metrics.latency``): the status page's percentiles."""
         self.summaries: LatencySummaries | None = None
         """Set when ``--metrics-config summary_latencies=true``: each success's durations."""
         self._epoch_offset_ns = time.time_ns() - time.monotonic_ns()
@@ -206,6 +209,7 @@ class ModelStats:
         with self.lock:
             self.success_count += 1
             self.success_ns += total
+            self.latency_buckets[latency_bucket(total)] += 1
             self.last_inference_ns = now
             if start > 0:
                 queued = start - request.arrival_ns
@@ -286,6 +290,7 @@ class ModelStats:
             values: dict[str, Any] = {name: getattr(self, name) for name in self._ADDITIVE}
             values["failures"] = list(self.failures)
             values["first_buckets"] = list(self.first_buckets)
+            values["latency_buckets"] = list(self.latency_buckets)
             values["batches"] = {size: list(entry) for size, entry in self.batches.items()}
             values["last_inference_ns"] = self.last_inference_ns
         return values
@@ -299,6 +304,10 @@ class ModelStats:
                 self.failures[index] += value
             for index, value in enumerate(delta.get("first_buckets", ())):
                 self.first_buckets[index] += value
+            latency = self.latency_buckets
+            for index, value in enumerate(delta.get("latency_buckets", ())):
+                if value:
+                    latency[min(index, LATENCY_BUCKETS - 1)] += value
             for size, entry in delta.get("batches", {}).items():
                 mine = self.batches.setdefault(int(size), [0, 0, 0, 0])
                 for index, value in enumerate(entry):
@@ -339,6 +348,7 @@ class ModelStats:
                 first_buckets=tuple(self.first_buckets),
                 first_count=self.first_count,
                 first_sum_ms=self.first_sum_ms,
+                latency_buckets=tuple(self.latency_buckets),
             )
 
 
@@ -349,6 +359,7 @@ def counters_delta(now: Mapping[str, Any], before: Mapping[str, Any] | None) -> 
     delta: dict[str, Any] = {name: now[name] - before[name] for name in ModelStats._ADDITIVE}
     delta["failures"] = [a - b for a, b in zip(now["failures"], before["failures"])]
     delta["first_buckets"] = [a - b for a, b in zip(now["first_buckets"], before["first_buckets"])]
+    delta["latency_buckets"] = [a - b for a, b in zip(now["latency_buckets"], before["latency_buckets"])]
     old = before["batches"]
     delta["batches"] = {
         size: [a - b for a, b in zip(entry, old.get(size, (0, 0, 0, 0)))] for size, entry in now["batches"].items()
@@ -383,6 +394,8 @@ class StatsSnapshot:
     first_buckets: tuple[int, ...]
     first_count: int
     first_sum_ms: float
+    latency_buckets: tuple[int, ...] = ()
+    """Successes by request duration (``pyserve.metrics.latency`` buckets)."""
 
     def to_json(self, name: str, version: int) -> dict[str, Any]:
         """Triton's ``ModelStatistics`` JSON object (one entry of ``model_stats``)."""
