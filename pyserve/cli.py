@@ -444,6 +444,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         [Path(p) for p in args.repository],
         config_name=args.model_config_name,
         auto_complete=not (args.strict_model_config or args.disable_auto_complete_config),
+        backend_config=_backend_config(args.backend_config),
     )
     for line in problems:
         print(line)
@@ -520,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="as for run: every config must declare its inputs and outputs")
     validate.add_argument("--disable-auto-complete-config", action="store_true",
                           help="as for run: backends will not complete model configs")
+    validate.add_argument("--backend-config", action="append", default=[], type=_backend_setting,
+                          metavar="BACKEND,KEY=VALUE",
+                          help="as for run: settings the backends' own checks use (repeatable)")
     backends = sub.add_parser("backends", help="list installed backends")
     backends.add_argument("--json", action="store_true", help="print JSON instead of a table")
     backends.add_argument("--check", action="store_true",

@@ -19,8 +19,8 @@ What a replica changes, and why the rules below exist:
 * a Python model that calls other models (BLS) or defines custom metrics would call or count
   in its own process: ``auto`` skips Python models whose ``model.py`` uses those APIs;
 * GPU instance groups are not replicated by ``auto`` (one copy of the weights per process), nor
-  are Python models with their own environment (``EXECUTION_ENV_PATH``: they run in worker
-  processes already);
+  are Python models with their own environment (``EXECUTION_ENV_PATH``, or a requirements file:
+  they run in worker processes already);
 * statistics and ``nv_inference_*`` metrics stay whole: the owner pulls each replica's
   counters (``counters_delta``) before it answers a statistics request or a metrics scrape.
 
@@ -84,6 +84,8 @@ def _auto_reason(version: ModelVersion) -> str | None:
         return "its instances take rate-limiter resources (counted in one process)"
     if config.backend == "python" and "EXECUTION_ENV_PATH" in config.parameters:
         return "it runs in its own Python environment (EXECUTION_ENV_PATH), in worker processes"
+    if config.backend == "python" and _has_requirements(version):
+        return "it runs in the Python environment of its requirements, in worker processes"
     if config.backend == "python" and version.context is not None:
         filename = config.default_model_filename or "model.py"
         source = Path(version.context.version_path) / filename
@@ -95,6 +97,17 @@ def _auto_reason(version: ModelVersion) -> str | None:
             if marker in text:
                 return f"its {filename} uses '{marker.rstrip('(')}' (BLS or custom metrics)"
     return None
+
+
+def _has_requirements(version: ModelVersion) -> bool:
+    """Whether a Python model names or has a requirements file (``pyserve_backend_python.requirements``)."""
+    parameter = version.config.parameters.get("requirements")
+    if parameter is not None and parameter.string_value.strip():
+        return True
+    if version.context is None:
+        return False
+    folders = (Path(version.context.version_path), Path(version.context.path))
+    return any((folder / "requirements.txt").is_file() for folder in folders)
 
 
 def replicable(version: ModelVersion, mode: ReplicationMode, repositories: Any = ()) -> tuple[bool, str]:

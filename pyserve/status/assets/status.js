@@ -99,8 +99,11 @@
       details.appendChild(full);
       cell.appendChild(details);
     }
-    const first = reason.split("\n", 1)[0];
-    text(details.querySelector("summary"), first.length > 160 ? first.slice(0, 157) + "\u2026" : first);
+    // the first line says where it failed, the last one (of a traceback) what went wrong
+    const lines = reason.split("\n").map(function (l) { return l.trim(); }).filter(Boolean);
+    let brief = lines[0] || "";
+    if (lines.length > 1) brief += " \u2026 " + lines[lines.length - 1];
+    text(details.querySelector("summary"), brief.length > 240 ? brief.slice(0, 239) + "\u2026" : brief);
     text(details.querySelector("pre"), reason);
   }
 
