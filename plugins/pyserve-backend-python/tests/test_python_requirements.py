@@ -306,29 +306,36 @@ def test_concurrent_builders_build_once_and_a_dead_build_is_replaced(tmp_path: P
     assert requirements.cached(requirements.Settings(cache), key) is not None
 
 
-def _validate(repo: Path, cache: Path) -> subprocess.CompletedProcess[str]:
+def _validate(repo: Path, cache: Path, installer: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pyserve", "validate", str(repo), "--backend-config",
-         f"python,{requirements.CACHE_DIR_KEY}={cache}", "--backend-config", f"python,{requirements.INSTALLER_KEY}=pip"],
+         f"python,{requirements.CACHE_DIR_KEY}={cache}", "--backend-config",
+         f"python,{requirements.INSTALLER_KEY}={installer}"],
         capture_output=True, text=True, timeout=240, check=False,
     )
 
 
+@pytest.mark.parametrize("installer", ["pip", "uv"])
 def test_validate_reports_requirements_that_do_not_resolve_without_building_anything(
-    tmp_path: Path, offline_pip: Path,
+    tmp_path: Path, offline_pip: Path, installer: str,
 ) -> None:
+    if installer == "uv" and requirements.find_uv() is None:
+        pytest.skip("uv is not installed")
     repo, cache = tmp_path / "repo", tmp_path / "cache"
     _requirements_model(repo, "resolvable", f"{DISTRIBUTION}==1.0\n")
     _requirements_model(repo, "unresolvable", f"{DISTRIBUTION}==2.0\n")
-    done = _validate(repo, cache)
+    done = _validate(repo, cache, installer)
     assert done.returncode == 1, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith("unresolvable: version 1: requirements '") and "cannot be resolved (pip)" in lines[0]
-    assert f"No matching distribution found for {DISTRIBUTION}==2.0" in lines[0]
+    assert lines[0].startswith("unresolvable: version 1: requirements '")
+    assert f"cannot be resolved ({installer})" in lines[0]
+    said = {"pip": f"No matching distribution found for {DISTRIBUTION}==2.0",  # each installer's own words
+            "uv": f"there is no version of {DISTRIBUTION}==2.0"}[installer]
+    assert said in lines[0]
     assert not cache.exists() or not _published(cache)  # a dry run: no environment was made
     (repo / "unresolvable" / "1" / "requirements.txt").write_text(f"{DISTRIBUTION}>=1\n")
-    done = _validate(repo, cache)
+    done = _validate(repo, cache, installer)
     assert done.returncode == 0 and "OK: no problems found" in done.stdout, done.stdout + done.stderr
 
 

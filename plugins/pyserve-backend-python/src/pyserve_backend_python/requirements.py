@@ -46,7 +46,7 @@ import sysconfig
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -210,7 +210,7 @@ def cached(settings: Settings, key: str) -> Path | None:
 
 
 @contextlib.contextmanager
-def _locked(path: Path, model_name: str, timeout_s: float):  # type: ignore[no-untyped-def]
+def _locked(path: Path, model_name: str, timeout_s: float) -> Iterator[None]:
     """Hold ``flock`` on ``path``, waiting at most ``timeout_s`` for another builder."""
     descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -377,10 +377,12 @@ def _run(model_name: str, installer: str, command: list[str], requirements: Path
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, 9)
         process.wait()
-        reader.join(5)
         raise PythonModelError(f"model '{model_name}': installing the requirements '{requirements}' took longer "
                                f"than {TIMEOUT_KEY} allows; stopped") from None
-    reader.join(5)
+    finally:
+        reader.join(5)
+        assert process.stdout is not None
+        process.stdout.close()
     if code != 0:
         raise PythonModelError(f"model '{model_name}': installing the requirements '{requirements}' failed "
                                f"({installer} exited with code {code}):\n{_errors(list(tail))}")
@@ -425,4 +427,5 @@ def check(model_name: str, requirements: Path, settings: Settings) -> list[str]:
     if done.returncode == 0:
         return []
     lines = [line.rstrip() for line in (done.stdout + "\n" + done.stderr).splitlines() if line.strip()]
-    return [f"requirements '{requirements}' cannot be resolved ({installer}): {_errors(lines)}"]
+    said = "; ".join(_errors(lines).splitlines())  # one line per problem
+    return [f"requirements '{requirements}' cannot be resolved ({installer}): {said}"]
