@@ -59,17 +59,17 @@ def main(out: Path) -> None:
             output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
         """, {"1/model.py": BROKEN_PY})
         with serve(repo) as server, sync_playwright() as playwright:
-            loads = [
-                threading.Thread(target=_load, args=(server.url, "identity_fp32", [("INPUT0", [1, 16])], 12.0)),
-                threading.Thread(target=_load, args=(server.url, "add_sub", [("INPUT0", [1, 4]), ("INPUT1", [1, 4])],
-                                                     12.0)),
-            ]
-            for load in loads:
-                load.start()
             browser = playwright.chromium.launch(executable_path=chromium, args=FLAGS, headless=True)
             page = browser.new_page(viewport={"width": 1500, "height": 520})
             page.goto(f"http://{server.url}/status")
-            time.sleep(8.0)  # a few refreshes under load
+            loads = [
+                threading.Thread(target=_load, args=(server.url, "identity_fp32", [("INPUT0", [1, 16])], 15.0)),
+                threading.Thread(target=_load, args=(server.url, "add_sub", [("INPUT0", [1, 4]), ("INPUT1", [1, 4])],
+                                                     15.0)),
+            ]
+            for load in loads:
+                load.start()
+            time.sleep(11.0)  # a few refreshes under load, the window full
             page.screenshot(path=str(out), full_page=True)
             browser.close()
             for load in loads:
