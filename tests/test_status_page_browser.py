@@ -104,7 +104,7 @@ def test_the_page_shows_the_repository_a_failed_models_reason_and_numbers_that_m
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.goto(f"http://{server.url}/", wait_until="load")  # a browser's Accept header: the page
-    page.wait_for_function("document.querySelectorAll('#models tbody tr').length >= 9", timeout=WAIT_MS)
+    page.wait_for_function("() => document.querySelectorAll('#models tbody tr').length >= 9", timeout=WAIT_MS)
     for model in sorted(p.name for p in EXAMPLE_REPOSITORY.iterdir() if (p / "config.pbtxt").is_file()):
         assert _cell(page, model, "state") == "READY", model
     assert _cell(page, "identity_fp32", "instances") == "2 × CPU (2 running)"
@@ -143,13 +143,13 @@ def test_the_page_shows_the_repository_a_failed_models_reason_and_numbers_that_m
 def test_a_hostile_filter_in_the_address_is_shown_as_text(browser: Any, server: ServerThread) -> None:
     page = browser.new_page()
     page.goto(f"http://{server.url}/status?model=%3Cscript%3Ewindow.__pwned%3D1%3C%2Fscript%3E")
-    page.wait_for_function("document.getElementById('empty').textContent.includes('No model matches')",
+    page.wait_for_function("() => document.getElementById('empty').textContent.includes('No model matches')",
                            timeout=WAIT_MS)
     assert page.locator("#filter").input_value() == "<script>window.__pwned=1</script>"
     assert "<script>window.__pwned=1</script>" in page.locator("#empty").text_content()
     assert page.locator("main script").count() == 0 and page.evaluate("window.__pwned") is None
     page.fill("#filter", "identity")  # the filter narrows the table as one types
-    page.wait_for_function("document.querySelectorAll('#models tbody tr').length === 2", timeout=WAIT_MS)
+    page.wait_for_function("() => document.querySelectorAll('#models tbody tr').length === 2", timeout=WAIT_MS)
 
 
 def test_load_and_unload_buttons_only_where_the_repository_api_is_allowed(browser: Any, tmp_path: Path) -> None:
@@ -160,22 +160,22 @@ def test_load_and_unload_buttons_only_where_the_repository_api_is_allowed(browse
     with serve(repo, model_control_mode="explicit", load_models=["one"], http_restricted_api=rules) as server:
         plain = browser.new_page()
         plain.goto(f"http://{server.url}/status")
-        plain.wait_for_function("!document.getElementById('restricted').hidden", timeout=WAIT_MS)
+        plain.wait_for_function("() => !document.getElementById('restricted').hidden", timeout=WAIT_MS)
         assert "model-repository" in plain.locator("#restricted").text_content()
         assert plain.locator("button").count() == 0
         context = browser.new_context(extra_http_headers={"admin-key": "secret"})
         try:
             admin = context.new_page()
             admin.goto(f"http://{server.url}/status")
-            admin.wait_for_function("document.querySelectorAll('#models tbody tr').length === 2", timeout=WAIT_MS)
+            admin.wait_for_function("() => document.querySelectorAll('#models tbody tr').length === 2", timeout=WAIT_MS)
             assert _cell(admin, "one", "state") == "READY" and _cell(admin, "two", "state") == "not loaded"
             _row(admin, "two").locator("button.load").click()
             admin.wait_for_function(
-                "[...document.querySelectorAll('#models tbody tr')].some(r => r.dataset.model === 'two'"
+                "() => [...document.querySelectorAll('#models tbody tr')].some(r => r.dataset.model === 'two'"
                 " && r.querySelector('td.state').textContent === 'READY')", timeout=WAIT_MS)
             _row(admin, "one").locator("button.unload").click()
             admin.wait_for_function(
-                "[...document.querySelectorAll('#models tbody tr')].some(r => r.dataset.model === 'one'"
+                "() => [...document.querySelectorAll('#models tbody tr')].some(r => r.dataset.model === 'one'"
                 " && r.querySelector('button.load'))", timeout=WAIT_MS)
             assert "unloaded" in admin.locator("#message").text_content()
         finally:
@@ -183,5 +183,5 @@ def test_load_and_unload_buttons_only_where_the_repository_api_is_allowed(browse
     with serve(repo) as unrestricted:  # not in explicit mode: no buttons either
         page = browser.new_page()
         page.goto(f"http://{unrestricted.url}/status")
-        page.wait_for_function("document.querySelectorAll('#models tbody tr').length === 2", timeout=WAIT_MS)
+        page.wait_for_function("() => document.querySelectorAll('#models tbody tr').length === 2", timeout=WAIT_MS)
         assert page.locator("button").count() == 0

@@ -92,7 +92,7 @@ def status_routes(dataplane: Any, restrictions: Restrictions | None = None) -> l
                         media_type="application/json")
 
     return [
-        Route("/", root, methods=["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
+        Route("/", root, methods=None),  # every method: only a browser's GET gets the page
         Route("/status", page, methods=["GET"]),
         Route("/status/json", data, methods=["GET"]),
         Route("/status/status.js", script, methods=["GET"]),
