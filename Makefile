@@ -37,6 +37,10 @@ $(VENV)/.installed: $(BIN)/python $(PYPROJECTS)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
+	# The status page's browser test drives Debian's Chromium; without apt (or root) it is skipped.
+	command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+		chromium fonts-dejavu-core >/dev/null; } || echo "chromium not installed: the browser test will be skipped"
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install --quiet $(PACKAGES) $(FRAMEWORK_PACKAGES) -e '.[test,ray]'
 	# Triton's own compiled Python backend, hosted by pyserve-backend-native's tests. --no-deps:

@@ -173,6 +173,11 @@ class Backend:
         """Load one model version; the return value becomes ``model.state``."""
         return None
 
+    def validate_model(self, model: ModelContext) -> list[str] | None:
+        """``pyserve validate``: what would keep this model version from loading (one line per
+        problem), found without loading it; None: nothing to say."""
+        return None
+
     def finalize_model(self, model: ModelContext) -> None:
         """Release one model version."""
 
@@ -209,6 +214,10 @@ class Backend:
     @hookimpl
     def pyserve_model_auto_complete(self, model: ModelContext) -> bool | None:
         return self.auto_complete_config(model)
+
+    @hookimpl
+    def pyserve_model_validate(self, model: ModelContext) -> list[str] | None:
+        return self.validate_model(model)
 
     @hookimpl
     def pyserve_model_create(self, model: ModelContext) -> Any:

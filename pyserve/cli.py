@@ -292,6 +292,8 @@ def _add_operations(run: argparse.ArgumentParser) -> None:
                      help="require header KEY: VALUE for the listed HTTP API categories (repeatable)")
     ops.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="APIS:KEY=VALUE",
                      help="require metadata triton-grpc-protocol-KEY: VALUE for the listed gRPC categories")
+    ops.add_argument("--status-page", type=_bool, default=True, metavar="BOOL",
+                     help="serve the status page on the HTTP port at /status (and / for browsers; default true)")
     ops.add_argument("--max-tensor-elements", type=int, default=0, metavar="N",
                      help="refuse input tensors declaring more than N elements (default 0: no limit)")
 
@@ -322,6 +324,7 @@ def _operations_options(args: argparse.Namespace) -> tuple[dict[str, Any], dict[
         "cache_config": parse_cache_config(args.cache_config),
         "http_restricted_api": parse_restrictions(args.http_restricted_api),
         "max_tensor_elements": args.max_tensor_elements,
+        "status_page": args.status_page,
     }
     grpc = {"restrictions": parse_restrictions(args.grpc_restricted_protocol, grpc=True)}
     return server, grpc
@@ -484,6 +487,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         [Path(p) for p in args.repository],
         config_name=args.model_config_name,
         auto_complete=not (args.strict_model_config or args.disable_auto_complete_config),
+        backend_config=_backend_config(args.backend_config),
     )
     for line in problems:
         print(line)
@@ -560,6 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="as for run: every config must declare its inputs and outputs")
     validate.add_argument("--disable-auto-complete-config", action="store_true",
                           help="as for run: backends will not complete model configs")
+    validate.add_argument("--backend-config", action="append", default=[], type=_backend_setting,
+                          metavar="BACKEND,KEY=VALUE",
+                          help="as for run: settings the backends' own checks use (repeatable)")
     backends = sub.add_parser("backends", help="list installed backends")
     backends.add_argument("--json", action="store_true", help="print JSON instead of a table")
     backends.add_argument("--check", action="store_true",

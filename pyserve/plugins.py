@@ -51,6 +51,7 @@ LIFECYCLE_HOOKS = (
     "pyserve_backend_initialize",
     "pyserve_backend_finalize",
     "pyserve_model_auto_complete",
+    "pyserve_model_validate",
     "pyserve_model_create",
     "pyserve_model_finalize",
     "pyserve_instance_create",
@@ -127,6 +128,7 @@ class BackendHooks:
     backend_initialize: Any
     backend_finalize: Any
     model_auto_complete: Any
+    model_validate: Any
     model_create: Any
     model_finalize: Any
     instance_create: Any

@@ -171,6 +171,15 @@ class RestrictedHttp:
         await self.app(scope, receive, send)
 
 
+def denied(restrictions: Restrictions, category: str, headers: Iterable[tuple[bytes, bytes]]) -> Restriction | None:
+    """The rule a request with ``headers`` (lowercase names, as ASGI gives them) breaks by
+    reading ``category``, or None when it may (unrestricted, or the header is there)."""
+    rule = restrictions.get(category)
+    if rule is None or _has_header(headers, rule):
+        return None
+    return rule
+
+
 def _has_header(headers: Iterable[tuple[bytes, bytes]], rule: Restriction) -> bool:
     key = rule.key.encode("latin-1")
     value = rule.value.encode("latin-1")

@@ -89,6 +89,7 @@ class ServerOptions:
     cache_config: tuple[str, Mapping[str, str]] | None = None  # --cache-config: (cache, settings)
     trace_config: TraceConfig | None = None  # --trace-config
     http_restricted_api: Mapping[str, Restriction] = field(default_factory=dict)  # category → header
+    status_page: bool = True  # --status-page: GET /status (and / for browsers) on the HTTP port (pyserve.status)
     max_tensor_elements: int = 0  # elements per input tensor; 0 = no limit
     # Serve GET /metrics on metrics_port. Off by default for embedded servers, so that they never
     # take port 8002 unasked; ``pyserve run`` turns it on, as Triton (--allow-metrics, default true).
@@ -490,6 +491,7 @@ class Server:
             self.dataplane,
             max_input_size=self.options.http_max_input_size,
             restrictions=self.options.http_restricted_api,
+            status_page=self.options.status_page,
         )
         if self.options.http_server not in ("pyserve", "uvicorn"):
             raise StartupError(f"unknown HTTP server '{self.options.http_server}' (expected pyserve or uvicorn)")

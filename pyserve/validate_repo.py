@@ -3,7 +3,9 @@
 Checks what can be checked without loading a model: config syntax and fields, normalization,
 the version directories and policy, label files, whether the backend a model names is
 installed, and each ensemble's steps against the configs of the models they name (the same plan
-check the server runs when it loads the ensemble).
+check the server runs when it loads the ensemble). Then each backend is asked what it can tell
+about its models without loading them (``pyserve_model_validate``: e.g. the Python backend
+checks that a model's requirements file resolves).
 
 A config may leave its inputs and outputs out when its backend auto-completes configs (as
 ``pyserve run`` lets backends do unless ``--disable-auto-complete-config``; to know whether it
@@ -15,11 +17,13 @@ that model's name). A config that declares tensors is taken as complete.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pyserve import model_config
+from pyserve.backend import BackendContext, ModelContext
 from pyserve.errors import ErrorCode, InferError, ModelConfigError
 from pyserve.plugins import BackendUnavailable, PluginHost
 from pyserve.repository import scan, select_versions, version_numbers
@@ -50,13 +54,16 @@ class _Unknowable(Exception):
 
 
 def validate_repositories(
-    repositories: list[Path], host: PluginHost | None = None, config_name: str = "", auto_complete: bool = True
+    repositories: list[Path], host: PluginHost | None = None, config_name: str = "", auto_complete: bool = True,
+    backend_config: Mapping[str, Mapping[str, str]] | None = None,
 ) -> list[str]:
     """One line per problem, each starting with the model name and the file it is about.
 
     :param config_name: ``--model-config-name``, as ``pyserve run`` reads the configs.
     :param auto_complete: as ``pyserve run`` without ``--disable-auto-complete-config``: a
         config may leave its tensors to a backend that auto-completes configs.
+    :param backend_config: ``--backend-config`` settings per backend (``""``: every backend),
+        given to the backends' ``pyserve_model_validate``.
     """
     host = host if host is not None else PluginHost()
     problems: list[str] = []
@@ -105,11 +112,37 @@ def validate_repositories(
             )
         if len(problems) == before:
             checked[name] = _CheckedModel(config, source.path, selected, tensors_known)
+            if config.platform != model_config.ENSEMBLE_PLATFORM:
+                problems.extend(_backend_problems(host, name, config, source.path, selected, backend_config or {}))
     for name, model in sorted(checked.items()):
         if model.config.platform == model_config.ENSEMBLE_PLATFORM:
             problems.extend(f"{name}: {sources[name].config_path}: invalid ensemble: {p}"
                             for p in _ensemble_problems(model, checked))
     return problems
+
+
+def _backend_problems(host: PluginHost, name: str, config: Any, path: Path, versions: list[int],
+                      backend_config: Mapping[str, Mapping[str, str]]) -> list[str]:
+    """What the model's backend says about each selected version (``pyserve_model_validate``)."""
+    try:
+        backend = host.backend(config.backend)
+    except BackendUnavailable as exc:
+        return [f"{name}: backend '{config.backend}' cannot be imported: {exc}"]
+    settings = {**backend_config.get("", {}), **backend_config.get(config.backend, {})}
+    context = BackendContext(name=config.backend, config=settings)
+    found: list[str] = []
+    for version in versions:
+        model = ModelContext(name=name, version=version, config=config, path=path, backend=context,
+                             parameters=model_config.parameters(config))
+        try:
+            answers = backend.hooks.model_validate(model=model)
+        except Exception as exc:  # noqa: BLE001 - a backend's bug is reported, the check goes on
+            found.append(f"{name}: version {version}: backend '{config.backend}' could not check it: "
+                         f"{type(exc).__name__}: {exc}")
+            continue
+        for answer in answers:
+            found.extend(f"{name}: version {version}: {line}" for line in answer or ())
+    return found
 
 
 def _completes_configs(host: PluginHost, config: Any) -> bool:

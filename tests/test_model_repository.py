@@ -452,3 +452,43 @@ def test_an_ensembles_config_shows_its_transaction_policy(start_server: StartSer
     server = start_server(repo)
     assert entry(server, "chain")["state"] == "READY"
     assert model_config_json(server, "chain")["model_transaction_policy"] == {"decoupled": False}
+
+
+def test_validate_asks_each_backend_about_its_model_versions(tmp_path: Path) -> None:
+    """``pyserve_model_validate``: a backend's own checks, run per selected version, with the
+    ``--backend-config`` settings; a backend whose check raises is reported, not fatal."""
+    from pyserve.plugins import PluginHost
+
+    seen: list[tuple[str, int, dict[str, str]]] = []
+
+    class Checking(pyserve.Backend):
+        def validate_model(self, model: Any) -> list[str]:
+            seen.append((model.name, model.version, dict(model.backend.config)))
+            return [f"weights file missing in {model.version_path.name}"] if model.name == "bad" else []
+
+        def execute(self, instance: Any, requests: Any) -> Any:
+            return []
+
+    class Raising(pyserve.Backend):
+        def validate_model(self, model: Any) -> list[str]:
+            raise RuntimeError("cannot tell")
+
+        def execute(self, instance: Any, requests: Any) -> Any:
+            return []
+
+    repo = tmp_path / "repo"
+    config = 'backend: "{}"\nmax_batch_size: 0\nversion_policy: {{ all {{ }} }}\n' \
+             'input [ {{ name: "IN" data_type: TYPE_FP32 dims: [ 1 ] }} ]\n' \
+             'output [ {{ name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]\n'
+    write_model(repo, "bad", config.format("checking"), versions=(1, 2))
+    write_model(repo, "good", config.format("checking"))
+    write_model(repo, "odd", config.format("raising"))
+    host = PluginHost(extra_backends={"checking": Checking(), "raising": Raising()}, use_entry_points=False)
+    problems = validate_repositories([repo], host=host, backend_config={"checking": {"key": "value"}})
+    assert problems == [
+        "bad: version 1: weights file missing in 1",
+        "bad: version 2: weights file missing in 2",
+        "odd: version 1: backend 'raising' could not check it: RuntimeError: cannot tell",
+    ]
+    assert [(name, version) for name, version, _ in seen] == [("bad", 1), ("bad", 2), ("good", 1)]
+    assert all(settings == {"key": "value"} for _, _, settings in seen)

@@ -22,8 +22,8 @@ What a replica changes, and why the rules below exist:
 * a dynamic batcher with a queue delay waits for company: split over processes, each would
   gather half the requests, so ``auto`` keeps such models with the owner;
 * GPU instance groups are not replicated by ``auto`` (one copy of the weights per process), nor
-  are Python models with their own environment (``EXECUTION_ENV_PATH``: they run in worker
-  processes already);
+  are Python models with their own environment (``EXECUTION_ENV_PATH``, or a requirements file:
+  they run in worker processes already);
 * statistics and ``nv_inference_*`` metrics stay whole: the owner pulls each replica's
   counters (``counters_delta``) before it answers a statistics request or a metrics scrape.
 

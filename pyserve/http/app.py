@@ -76,7 +76,8 @@ async def _collect(sender: GenerateSender) -> list[InferResponse | InferError]:
 
 
 def create_app(
-    dataplane: DataPlane, *, max_input_size: int, restrictions: Restrictions | None = None
+    dataplane: DataPlane, *, max_input_size: int, restrictions: Restrictions | None = None,
+    status_page: bool = False,
 ) -> InferFastPath | RestrictedHttp:
     """Build the ASGI application serving ``dataplane``: the infer fast path in front of
     the Starlette routes for everything else (``/infer`` itself is answered by the fast path, or
@@ -85,6 +86,8 @@ def create_app(
     :param max_input_size: the largest request body accepted, compressed or not.
     :param restrictions: ``--http-restricted-api`` rules; when given, a 403 check sits in
         front of everything.
+    :param status_page: serve the status page (``/status``, and ``/`` for browsers;
+        ``pyserve.status``).
     """
 
     async def live(request: Request) -> Response:
@@ -305,6 +308,10 @@ def create_app(
             Route(prefix + "/generate_stream", generate_stream, methods=["POST"]),
         ]
     routes += extension_routes(dataplane, max_input_size)  # shared memory, trace, logging
+    if status_page:
+        from pyserve.status import status_routes
+
+        routes += status_routes(dataplane, restrictions)
     app = Starlette(
         routes=routes,
         exception_handlers={HTTPException: http_error, Exception: internal_error},

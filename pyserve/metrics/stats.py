@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pyserve.errors import ErrorCode, InferError
+from pyserve.metrics.latency import LATENCY_BUCKETS, latency_bucket
 from pyserve.metrics.summaries import COMPUTE_INFER, COMPUTE_INPUT, COMPUTE_OUTPUT, QUEUE, REQUEST, LatencySummaries
 from pyserve.repository import is_version_number
 
@@ -85,7 +86,7 @@ class ModelStats:
         "batches", "cache_hit_count", "cache_hit_ns", "cache_miss_count", "cache_miss_ns",
         "compute_count", "dequeued", "enqueued", "execution_count", "fail_count", "fail_ns",
         "failures", "first_bounds", "first_buckets", "first_count", "first_sum_ms", "inference_count",
-        "infer_ns", "input_ns", "last_inference_ns", "load_duration_s", "lock", "memory_usage",
+        "infer_ns", "input_ns", "last_inference_ns", "latency_buckets", "load_duration_s", "lock", "memory_usage",
         "output_ns", "queue_ns", "responses", "sent_ns", "success_count", "success_ns", "summaries",
         "_epoch_offset_ns", "_first_response",
     )
@@ -125,6 +126,8 @@ class ModelStats:
         """What the backend reported holding: ``(type, device id, bytes)`` (``report_memory_usage``)."""
         self.load_duration_s: float | None = None
         """How long the version took to load (``nv_model_load_duration_secs``)."""
+        self.latency_buckets = [0] * LATENCY_BUCKETS
+        """Successes by request duration (``pyserve.metrics.latency``): the status page's percentiles."""
         self.summaries: LatencySummaries | None = None
         """Set when ``--metrics-config summary_latencies=true``: each success's durations."""
         self._epoch_offset_ns = time.time_ns() - time.monotonic_ns()
@@ -277,6 +280,7 @@ class ModelStats:
         with self.lock:
             self.success_count += 1
             self.success_ns += total
+            self.latency_buckets[latency_bucket(total)] += 1
             self.last_inference_ns = now
             if start > 0:
                 queued = start - request.arrival_ns
@@ -420,6 +424,7 @@ class ModelStats:
             values: dict[str, Any] = {name: getattr(self, name) for name in self._ADDITIVE}
             values["failures"] = list(self.failures)
             values["first_buckets"] = list(self.first_buckets)
+            values["latency_buckets"] = list(self.latency_buckets)
             values["batches"] = {size: list(entry) for size, entry in self.batches.items()}
             values["responses"] = {index: list(entry) for index, entry in self.responses.items()}
             values["last_inference_ns"] = self.last_inference_ns
@@ -434,6 +439,10 @@ class ModelStats:
                 self.failures[index] += value
             for index, value in enumerate(delta.get("first_buckets", ())):
                 self.first_buckets[index] += value
+            latency = self.latency_buckets
+            for index, value in enumerate(delta.get("latency_buckets", ())):
+                if value:
+                    latency[min(index, LATENCY_BUCKETS - 1)] += value
             for size, entry in delta.get("batches", {}).items():
                 mine = self.batches.setdefault(int(size), [0, 0, 0, 0])
                 for index, value in enumerate(entry):
@@ -482,6 +491,7 @@ class ModelStats:
                 responses={index: tuple(entry) for index, entry in self.responses.items()},
                 memory_usage=self.memory_usage,
                 load_duration_s=self.load_duration_s,
+                latency_buckets=tuple(self.latency_buckets),
             )
 
 
@@ -492,6 +502,7 @@ def counters_delta(now: Mapping[str, Any], before: Mapping[str, Any] | None) -> 
     delta: dict[str, Any] = {name: now[name] - before[name] for name in ModelStats._ADDITIVE}
     delta["failures"] = [a - b for a, b in zip(now["failures"], before["failures"])]
     delta["first_buckets"] = [a - b for a, b in zip(now["first_buckets"], before["first_buckets"])]
+    delta["latency_buckets"] = [a - b for a, b in zip(now["latency_buckets"], before["latency_buckets"])]
     old = before["batches"]
     delta["batches"] = {
         size: [a - b for a, b in zip(entry, old.get(size, (0, 0, 0, 0)))] for size, entry in now["batches"].items()
@@ -535,6 +546,8 @@ class StatsSnapshot:
     responses: dict[int, tuple[int, ...]] = field(default_factory=dict)
     memory_usage: tuple[tuple[str, int, int], ...] = ()
     load_duration_s: float | None = None
+    latency_buckets: tuple[int, ...] = ()
+    """Successes by request duration (``pyserve.metrics.latency`` buckets)."""
 
     def to_json(self, name: str, version: int) -> dict[str, Any]:
         """Triton's ``ModelStatistics`` JSON object (one entry of ``model_stats``)."""

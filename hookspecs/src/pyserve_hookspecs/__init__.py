@@ -9,6 +9,7 @@ TRITONBACKEND lifecycle of Triton Inference Server, in matched pairs::
     pyserve_instance_create           … pyserve_instance_finalize     (per model instance)
     pyserve_execute                                                  (per gathered batch)
     pyserve_instance_ready                                           (per readiness question, optional)
+    pyserve_model_validate                                           (pyserve validate only, optional)
 
 Each backend is one pluggy plugin, found through the entry-point group
 ``pyserve.backends`` (entry-point name = backend name). The server calls a backend's hooks

@@ -125,6 +125,28 @@ def pyserve_model_auto_complete(model: ModelContext) -> bool | None:
     """
 
 
+@hookspec
+def pyserve_model_validate(model: ModelContext) -> list[str] | None:
+    """Say what would keep a model version from loading, without loading it.
+
+    When: only in ``pyserve validate``, once per version the model's version policy selects,
+    after the model's config passed the server's own checks; never in a running server, and
+    without ``pyserve_backend_initialize`` having run.
+    Thread: the command's main thread; blocking work (reading files, asking a package index)
+    is fine.
+
+    The backend may look at the model's files and settings (e.g. that a weights file exists,
+    that a requirements file resolves) but must not load the model nor change anything the
+    server would later find (``model.server`` and ``model.state`` are None).
+
+    :param model: the model's context (see ``pyserve_model_create``); ``model.backend.config``
+        holds the ``--backend-config`` settings given to ``pyserve validate``.
+    :returns: one line per problem (the command prefixes the model name and version), or
+        None / an empty list when there is nothing to report.
+    :raises Exception: reported as a problem of the model version, with the exception text.
+    """
+
+
 @hookspec(firstresult=True)
 def pyserve_model_create(model: ModelContext) -> Any:
     """Load one version of a model (Triton's ``TRITONBACKEND_ModelInitialize``).

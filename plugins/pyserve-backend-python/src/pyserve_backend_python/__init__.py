@@ -39,7 +39,7 @@ from pyserve import (
 )
 from pyserve.protocol.config_json import model_config_to_dict
 
-from pyserve_backend_python import compute, context, environment, loader, metrics
+from pyserve_backend_python import compute, context, environment, loader, metrics, requirements
 from pyserve_backend_python.config import ModelConfig
 from pyserve_backend_python.environment import ExecutionEnvironment
 from pyserve_backend_python.loader import PythonModelError
@@ -61,6 +61,7 @@ __all__ = [
     "pyserve_model_auto_complete",
     "pyserve_model_create",
     "pyserve_model_finalize",
+    "pyserve_model_validate",
 ]
 
 EXECUTION_MODES = ("thread", "process")
@@ -88,16 +89,34 @@ class PythonModelState:
 
 
 def _environment(model: ModelContext) -> ExecutionEnvironment | None:
-    """The model's ``EXECUTION_ENV_PATH`` environment (unpacked once per model version), or None.
+    """The model's own environment, or None: ``EXECUTION_ENV_PATH`` (unpacked once per model
+    version), else the cached one of its requirements file (``requirements``).
 
-    :raises PythonModelError: see ``environment.prepare``.
+    :raises PythonModelError: see ``environment.prepare`` and ``requirements.ensure``; both
+        ``EXECUTION_ENV_PATH`` and the ``requirements`` parameter given.
     """
     prepared = _environments.get(model)
     if prepared is not None:
         return prepared
     value = environment.configured_path(model.parameters, Path(model.path))
     if value is None:
-        return None
+        wanted = requirements.find(model.name, model.parameters, Path(model.path), Path(model.version_path))
+        if wanted is None:
+            return None
+        if model.parameters.get("execution_mode", "") == "thread":
+            if (model.parameters.get(requirements.PARAMETER) or "").strip():
+                raise PythonModelError(f"model '{model.name}': '{requirements.PARAMETER}' needs execution_mode "
+                                       "'process' (a model in the server's own process uses the server's packages)")
+            log.warning("model '%s': %s is not installed: execution_mode 'thread' runs the model with the "
+                        "server's own packages", model.name, wanted)
+            return None
+        settings = requirements.Settings.from_config(model.backend.config)
+        prepared = requirements.ensure(model.name, wanted, settings)
+        _environments[model] = prepared
+        return prepared
+    if (model.parameters.get(requirements.PARAMETER) or "").strip():
+        raise PythonModelError(f"model '{model.name}': give either {environment.PARAMETER} or "
+                               f"'{requirements.PARAMETER}', not both")
     prepared = environment.prepare(model.name, value)
     _environments[model] = prepared
     weakref.finalize(model, prepared.close)  # also if the version fails before it is created
@@ -174,9 +193,31 @@ def _auto_complete_in(own: ExecutionEnvironment, model: ModelContext) -> bool:
 
 
 @hookimpl
+def pyserve_model_validate(model: ModelContext) -> list[str]:
+    """``pyserve validate``: an ``EXECUTION_ENV_PATH`` that does not exist, a ``requirements``
+    parameter naming no file, or a requirements set that does not resolve (a dry run of the
+    installer against the configured index: no environment is made; a set whose environment is
+    already cached passes without asking the index)."""
+    try:
+        value = environment.configured_path(model.parameters, Path(model.path))
+        if value is not None:
+            if not Path(value).exists():
+                return [f"{environment.PARAMETER} '{value}' does not exist"]
+            return []
+        wanted = requirements.find(model.name, model.parameters, Path(model.path), Path(model.version_path))
+        if wanted is None or (model.parameters.get("execution_mode", "") == "thread"
+                              and not (model.parameters.get(requirements.PARAMETER) or "").strip()):
+            return []
+        return requirements.check(model.name, wanted, requirements.Settings.from_config(model.backend.config))
+    except PythonModelError as exc:
+        return [str(exc)]
+
+
+@hookimpl
 def pyserve_model_create(model: ModelContext) -> PythonModelState:
     """Import the model file (a fresh module per version) and check the execution mode; for a
-    model with ``EXECUTION_ENV_PATH``, prepare its environment instead (its workers import it).
+    model with ``EXECUTION_ENV_PATH`` or a requirements file, prepare its environment instead
+    (its workers import it).
     A thread-mode model that only computes is declared so (``pyserve_backend_python.compute``),
     so that its short executes may run on the server's event loop while one client sends.
 
@@ -195,16 +236,16 @@ def pyserve_model_create(model: ModelContext) -> PythonModelState:
     if own is not None:
         if mode == "thread":
             raise PythonModelError(
-                f"model '{model.name}': {environment.PARAMETER} needs execution_mode 'process' (a model "
+                f"model '{model.name}': {own.source} needs execution_mode 'process' (a model "
                 "in the server's own process runs in the server's Python environment)"
             )
         if not mode:
             log.info("model '%s': %s given, so it runs in execution_mode 'process' with %s",
-                     model.name, environment.PARAMETER, own.python)
+                     model.name, own.source, own.python)
         context.remember(model)
         model.fork_safe = False
-        model.single_process_reason = ("it runs in its own Python environment (EXECUTION_ENV_PATH), in worker "
-                                       "processes")
+        model.single_process_reason = ("it runs in its own Python environment (EXECUTION_ENV_PATH or its "
+                                       "requirements), in worker processes")
         return PythonModelState(None, "process", own)
     context.remember(model)
     state = PythonModelState(_load(model), mode or "thread")

@@ -39,16 +39,25 @@ VERSION_TIMEOUT_S = 30.0
 class ExecutionEnvironment:
     """An unpacked environment a model's workers run in.
 
-    :ivar configured: the parameter's value, ``$$TRITON_MODEL_DIRECTORY`` expanded (for messages).
+    :ivar configured: the parameter's value, ``$$TRITON_MODEL_DIRECTORY`` expanded (for
+        messages); for a requirements environment, what it was made from.
     :ivar root: the environment's directory.
     :ivar python: its interpreter, which the worker processes are started with.
     :ivar unpacked: ``root`` is a temporary directory this backend unpacked (``close`` removes it).
+    :ivar source: what asked for it: ``EXECUTION_ENV_PATH``, or ``requirements`` (a cached
+        environment made from a requirements file: ``pyserve_backend_python.requirements``).
     """
 
     configured: str
     root: Path
     python: Path
     unpacked: bool
+    source: str = PARAMETER
+
+    @property
+    def described(self) -> str:
+        """How messages name it: ``EXECUTION_ENV_PATH '<path>'`` or what it was made from."""
+        return f"{PARAMETER} '{self.configured}'" if self.source == PARAMETER else self.configured
 
     def close(self) -> None:
         """Remove the unpacked copy (an environment directory given as such is left alone)."""

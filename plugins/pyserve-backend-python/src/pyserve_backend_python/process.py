@@ -62,7 +62,7 @@ from pyserve.shared_memory import forget_server_segment, note_server_segment
 
 from pyserve_backend_python import metrics, model_control, results
 from pyserve_backend_python.errors import TritonModelException
-from pyserve_backend_python.environment import PARAMETER, ExecutionEnvironment
+from pyserve_backend_python.environment import ExecutionEnvironment
 from pyserve_backend_python.loader import PythonModelError
 from pyserve_backend_python.runner import initialize_args
 
@@ -356,7 +356,7 @@ def auto_complete_in_environment(environment: ExecutionEnvironment, spec: dict[s
             conn.send(("stop",))
     except (EOFError, OSError):
         process.join(STOP_TIMEOUT_S)
-        raise PythonModelError(f"model '{spec['name']}': the worker in {PARAMETER} '{environment.configured}' "
+        raise PythonModelError(f"model '{spec['name']}': the worker in {environment.described} "
                                f"exited with code {process.exitcode} before auto_complete_config answered") from None
     finally:
         conn.close()
