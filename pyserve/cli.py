@@ -135,6 +135,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--metrics-port", type=_port, default=8002, help="metrics port (default 8002)")
     run.add_argument("--allow-http", type=_bool, default=True, metavar="BOOL")
     run.add_argument("--allow-grpc", type=_bool, default=True, metavar="BOOL")
+    run.add_argument("--allow-openai", type=_bool, default=True, metavar="BOOL",
+                     help="serve the OpenAI-compatible /v1 routes on the HTTP port (default true)")
     run.add_argument("--allow-metrics", type=_bool, default=True, metavar="BOOL",
                      help="serve Prometheus metrics on --metrics-port at /metrics (default true)")
     metrics_flags = run.add_argument_group("metrics")
@@ -390,6 +392,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         allow_http=args.allow_http,
         allow_grpc=args.allow_grpc,
+        allow_openai=args.allow_openai,
         allow_metrics=args.allow_metrics,
         allow_cpu_metrics=args.allow_cpu_metrics,
         allow_gpu_metrics=args.allow_gpu_metrics,

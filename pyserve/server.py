@@ -30,6 +30,7 @@ from pyserve.header_forwarding import compile_forwarding
 from pyserve.grpc.server import create_server as create_grpc_server
 from pyserve.http.app import create_app
 from pyserve.http.body import DEFAULT_MAX_INPUT_SIZE
+from pyserve.http.openai import OpenAIMetrics
 from pyserve.handoff.balancer import FRONTEND_BALANCE, ConnectionBalancer
 from pyserve.handoff.owner import HandoffServer
 from pyserve.handoff.prefork import Preforked
@@ -69,6 +70,7 @@ class ServerOptions:
     metrics_port: int = 8002
     allow_http: bool = True
     allow_grpc: bool = True
+    allow_openai: bool = True  # --allow-openai: the OpenAI-compatible /v1 routes on the HTTP port
     grpc: GrpcOptions = field(default_factory=GrpcOptions)
     server_id: str = "pyserve"
     exit_timeout_secs: float = 30.0
@@ -492,6 +494,8 @@ class Server:
             max_input_size=self.options.http_max_input_size,
             restrictions=self.options.http_restricted_api,
             status_page=self.options.status_page,
+            openai=self.options.allow_openai,
+            openai_metrics=OpenAIMetrics(self.metrics.registry) if self.options.allow_openai else None,
         )
         if self.options.http_server not in ("pyserve", "uvicorn"):
             raise StartupError(f"unknown HTTP server '{self.options.http_server}' (expected pyserve or uvicorn)")

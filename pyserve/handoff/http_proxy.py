@@ -3,7 +3,10 @@
 Every route but infer (health, metadata, config, repository, statistics, shared memory,
 trace, logging, generate) is answered by the owner, so a frontend never holds state of its
 own. The request body streams to the owner with chunked transfer encoding; the answer streams
-back as it arrives (server-sent events included). Idle connections to the owner are reused.
+back as it arrives (server-sent events included, the OpenAI ``/v1`` routes and decoupled models'
+infer streams among them). A client that goes away before its answer is complete drops the
+connection to the owner, so the owner cancels the request as if its own client had left. Idle
+connections to the owner are reused.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class _Answer:
         self.events: list[tuple[str, Any]] = []
         self.parser = httptools.HttpResponseParser(self)
         self.complete = False
+        self.abandoned = False  # the client went away: the owner's connection was dropped
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))
@@ -102,9 +106,34 @@ class OwnerHttpProxy:
         await writer.drain()
         answer = _Answer()
         head_only = scope["method"] == "HEAD"
+        watcher = asyncio.ensure_future(self._watch(receive, writer, answer))
+        try:
+            return await self._answer(answer, reader, send, head_only)
+        finally:
+            watcher.cancel()
+
+    @staticmethod
+    async def _watch(receive: Any, writer: asyncio.StreamWriter, answer: _Answer) -> None:
+        """The client went away before the answer was complete: drop the owner's connection,
+        so the owner stops what it does for the request (a streamed answer's model request)."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not answer.complete:
+            answer.abandoned = True
+            writer.transport.abort()
+
+    @staticmethod
+    async def _answer(answer: _Answer, reader: asyncio.StreamReader, send: Any, head_only: bool) -> bool:
         while not answer.complete:
-            data = await reader.read(1 << 16)
+            try:
+                data = await reader.read(1 << 16)
+            except ConnectionError:
+                if answer.abandoned:
+                    return False
+                raise
             if not data:
+                if answer.abandoned:  # the client is gone: nobody reads the rest
+                    return False
                 answer.parser.feed_data(b"")  # may complete a body that ends with the connection
                 if not answer.complete:
                     raise ConnectionError("the model owner closed the connection mid-answer")

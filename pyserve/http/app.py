@@ -27,6 +27,9 @@ from pyserve.http.errors import error_response, status_error
 from pyserve.http.extensions import extension_routes
 from pyserve.http.fast_infer import InferFastPath
 from pyserve.http.generate import SSE_TYPE, GenerateSender, decode_generate, encode_generate, sse_event
+from pyserve.http.infer_stream import infer_once, infer_stream
+from pyserve.http.openai import OpenAIMetrics, openai_routes
+from pyserve.http.openai.errors import OpenAIError
 from pyserve.inference import InferRequest, InferResponse
 from pyserve.restricted import RestrictedHttp, Restrictions
 
@@ -78,16 +81,20 @@ async def _collect(sender: GenerateSender) -> list[InferResponse | InferError]:
 def create_app(
     dataplane: DataPlane, *, max_input_size: int, restrictions: Restrictions | None = None,
     status_page: bool = False,
+    openai: bool = True, openai_metrics: OpenAIMetrics | None = None,
 ) -> InferFastPath | RestrictedHttp:
     """Build the ASGI application serving ``dataplane``: the infer fast path in front of
-    the Starlette routes for everything else (``/infer`` itself is answered by the fast path, or
-    natively by ``pyserve.http.server.HttpServer``).
+    the Starlette routes for everything else (``/infer`` of a non-decoupled model is answered by
+    the fast path, or natively by ``pyserve.http.server.HttpServer``; a decoupled model's
+    streams from here, ``pyserve.http.infer_stream``).
 
     :param max_input_size: the largest request body accepted, compressed or not.
     :param restrictions: ``--http-restricted-api`` rules; when given, a 403 check sits in
         front of everything.
     :param status_page: serve the status page (``/status``, and ``/`` for browsers;
         ``pyserve.status``).
+    :param openai: serve the OpenAI-compatible ``/v1`` routes (``pyserve.http.openai``).
+    :param openai_metrics: where those routes count tokens and their timings (None: nowhere).
     """
 
     async def live(request: Request) -> Response:
@@ -147,10 +154,16 @@ def create_app(
             return error_response(exc)
         return _json(dataplane.repository_index(ready_only))
 
-    async def infer_elsewhere(request: Request) -> Response:
-        # POST .../infer never gets here: the fast path (or HttpServer) answers it first. The
-        # route exists so that other methods on an infer path get 405, as Triton answers.
-        return status_error(500, "infer request reached the fallback application")
+    async def infer(request: Request) -> Response:
+        # POST .../infer of a non-decoupled model is answered by the fast path (or HttpServer)
+        # before it gets here, unless the model was reloaded meanwhile; a decoupled one streams.
+        try:
+            model = dataplane.model(request.path_params["model_name"], _version(request))
+        except InferError as exc:
+            return error_response(exc)
+        if model.decoupled:
+            return await infer_stream(request, dataplane, model, max_input_size)
+        return await infer_once(request, dataplane, model, max_input_size)
 
     async def start_generate(request: Request) -> tuple[Any, InferRequest, GenerateSender]:
         """Decode a generate body and schedule it; the caller must call ``dataplane.finished``.
@@ -278,6 +291,8 @@ def create_app(
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         message = {404: "Not Found", 405: "Method Not Allowed"}.get(exc.status_code, str(exc.detail))
+        if openai and request.url.path.startswith("/v1/"):  # OpenAI clients read their own error shape
+            return OpenAIError(exc.status_code, message).response()
         return status_error(exc.status_code, message)
 
     async def internal_error(request: Request, exc: Exception) -> Response:
@@ -303,7 +318,7 @@ def create_app(
             Route(prefix + "/ready", model_ready, methods=["GET"]),
             Route(prefix + "/config", model_config, methods=["GET"]),
             Route(prefix + "/stats", model_stats, methods=["GET"]),
-            Route(prefix + "/infer", infer_elsewhere, methods=["POST"]),
+            Route(prefix + "/infer", infer, methods=["POST"]),
             Route(prefix + "/generate", generate, methods=["POST"]),
             Route(prefix + "/generate_stream", generate_stream, methods=["POST"]),
         ]
@@ -312,6 +327,8 @@ def create_app(
         from pyserve.status import status_routes
 
         routes += status_routes(dataplane, restrictions)
+    if openai:
+        routes += openai_routes(dataplane, max_input_size, openai_metrics)
     app = Starlette(
         routes=routes,
         exception_handlers={HTTPException: http_error, Exception: internal_error},

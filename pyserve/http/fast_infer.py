@@ -1,6 +1,7 @@
 """The hot path: ``POST /v2/models/{m}[/versions/{v}]/infer`` as a plain ASGI handler.
 
-Inference requests skip Starlette's router, middleware and ``Request``/``Response`` objects:
+Inference requests (of non-decoupled models: a decoupled model's answer streams from the
+application, ``pyserve.http.infer_stream``) skip Starlette's router, middleware and ``Request``/``Response`` objects:
 the path is matched by hand, the body is read straight from ``receive`` (with the size cap),
 and the answer goes out in two ``send`` calls. Every other route falls through to the
 Starlette application. Behaviour (status codes, error texts, compression) is the same as on
@@ -71,6 +72,16 @@ def infer_model(dataplane: DataPlane, name: str, version: str | None) -> ModelVe
     if model.decoupled:
         raise InferError.unsupported(DECOUPLED_MESSAGE)
     return model
+
+
+def streams(dataplane: DataPlane, name: str, version: str | None) -> bool:
+    """Whether an infer request to ``name`` is answered as a stream by the application (a
+    decoupled model: ``pyserve.http.infer_stream``) rather than here. False for an unknown
+    model: the fast path answers its error."""
+    try:
+        return dataplane.model(name, version).decoupled
+    except InferError:
+        return False
 
 
 def check_declared_length(declared: bytes | None, limit: int) -> None:
@@ -183,7 +194,7 @@ class InferFastPath:
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             target = route(scope["path"])
-            if target is not None:
+            if target is not None and not streams(self.dataplane, *target):
                 await self._infer(scope, receive, send, *target)
                 return
         await self.app(scope, receive, send)

@@ -155,6 +155,14 @@ class GenerateSender:
             if final:
                 return
 
+    async def items(self) -> AsyncIterator[tuple[InferResponse | InferError | None, bool]]:
+        """Every ``(response, final)`` as sent, the final flag last (a bare one as ``(None, True)``)."""
+        while True:
+            response, final = await self.backlog.get()
+            yield response, final
+            if final:
+                return
+
 
 def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"

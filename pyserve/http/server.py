@@ -1,6 +1,7 @@
 """A lean HTTP/1.1 server for pyserve's HTTP port: ``asyncio.Protocol`` + ``httptools``.
 
-``POST /v2/models/{m}[/versions/{v}]/infer`` is answered natively: the body is collected by
+``POST /v2/models/{m}[/versions/{v}]/infer`` of a non-decoupled model is answered natively (a
+decoupled model's stream goes to the application like any other route): the body is collected by
 the protocol (the ``--http-max-input-size`` cap is enforced from ``Content-Length`` before
 anything is buffered, and while a chunked body streams in), then the same steps as the ASGI
 fast path (``pyserve.http.fast_infer``) run without a task: decode → ``dataplane.submit`` →
@@ -64,7 +65,6 @@ from pyserve.http.fast_infer import (
     decode_request,
     encode_reply,
     error_reply,
-    infer_model,
     route,
     submit_request,
 )
@@ -432,11 +432,15 @@ class HttpProtocol(asyncio.Protocol):
             request.discard_body = True
             return
         try:
-            request.model = infer_model(server.dataplane, *request.target)  # type: ignore[misc]
+            model = server.dataplane.model(*request.target)  # type: ignore[misc]
         except InferError as exc:
             request.early = error_reply(exc)
             request.discard_body = True
             return
+        if model.decoupled:  # its answer streams: the application serves it (pyserve.http.infer_stream)
+            request.target = None
+            return
+        request.model = model
         declared = None
         for name, value in request.headers:
             if name == b"content-length":

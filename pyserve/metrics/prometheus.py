@@ -154,6 +154,9 @@ BUILTIN_FAMILIES = frozenset({
     "nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes", "nv_gpu_power_usage",
     "nv_gpu_power_limit", "nv_energy_consumption", "nv_cpu_utilization", "nv_cpu_memory_total_bytes",
     "nv_cpu_memory_used_bytes",
+    # the OpenAI routes' families (pyserve.http.openai.metrics.FAMILIES)
+    "pyserve_openai_time_to_first_token_seconds", "pyserve_openai_inter_token_latency_seconds",
+    "pyserve_openai_prompt_tokens", "pyserve_openai_completion_tokens",
 })
 """Names of the families the server itself exports (custom families cannot take them)."""
 
