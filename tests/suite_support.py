@@ -335,3 +335,80 @@ class RunningServer:
         self._reader.join(5)
         if self.process.stderr is not None:
             self.process.stderr.close()
+
+
+# -- language-model-shaped Python models (the OpenAI routes and KServe streaming) -------------------
+
+WORDS_MODEL_PY = '''
+import asyncio
+import json
+import os
+import re
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.marks = json.loads(args["model_config"])["parameters"]["marks"]["string_value"]
+
+    async def execute(self, requests):
+        for request in requests:
+            await self.run(request)
+        return None
+
+    def piece(self, text):
+        return pb_utils.InferenceResponse([pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_))])
+
+    async def run(self, request):
+        sender = request.get_response_sender()
+        text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)[0].decode()
+        word, _, rest = text.partition(" ")
+        if word == "refuse":
+            error = pb_utils.TritonError("refused: " + rest, pb_utils.TritonError.INVALID_ARG)
+            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+        elif word == "forever":
+            while not sender.is_cancelled():
+                sender.send(self.piece("x"))
+                await asyncio.sleep(0.01)
+            open(os.path.join(self.marks, rest), "w").close()
+            sender.send(flags=FINAL)
+        elif word == "fail":
+            sender.send(self.piece("one "))
+            sender.send(self.piece("two "))
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("failed after two words")), flags=FINAL)
+        else:
+            for piece in re.findall(r"\\S+\\s*", text):
+                sender.send(self.piece(piece))
+                await asyncio.sleep(0)
+            sender.send(flags=FINAL)
+'''
+"""A decoupled Python model streaming its ``text_input`` back one word per response; ``refuse X``
+fails at once (INVALID_ARG), ``fail`` fails after two words, ``forever TAG`` streams until
+cancelled and then creates the file ``TAG`` in the folder of config parameter ``marks``."""
+
+
+def words_config(marks: Path, extra: str = "") -> str:
+    """``words``: ``WORDS_MODEL_PY``, decoupled, recording cancellations in ``marks``."""
+    return f"""
+backend: "python"
+max_batch_size: 0
+model_transaction_policy {{ decoupled: true }}
+input [ {{ name: "text_input" data_type: TYPE_STRING dims: [ 1 ] }} ]
+output [ {{ name: "text_output" data_type: TYPE_STRING dims: [ 1 ] }} ]
+parameters {{ key: "marks" value {{ string_value: "{marks}" }} }}
+{extra}
+"""
+
+
+def wait_for_file(path: Path, timeout: float = 30.0) -> bool:
+    """Whether ``path`` exists within ``timeout`` seconds (polled)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return True
+        time.sleep(0.02)
+    return path.exists()

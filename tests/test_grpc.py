@@ -604,15 +604,16 @@ def test_full_queue_is_unavailable(server: ServerThread) -> None:
     assert "Exceeds maximum queue size" in refused.message()
 
 
-def test_decoupled_model_refused_on_model_infer(client: grpcclient.InferenceServerClient, http: httpx.Client) -> None:
+def test_decoupled_model_refused_on_model_infer_and_streamed_over_http(client: grpcclient.InferenceServerClient, http: httpx.Client) -> None:
     error = client_error(client.infer, "square", [grpc_input("IN", np.array([1], dtype=np.int32), "INT32")])
     assert error.status() == "StatusCode.UNIMPLEMENTED"
     assert "ModelInfer RPC doesn't support models with decoupled transaction policy" in error.message()
     assert "ModelStreamInfer" in error.message()
     body = {"inputs": [{"name": "IN", "datatype": "INT32", "shape": [1], "data": [1]}]}
-    response = http.post("/v2/models/square/infer", json=body)
-    assert response.status_code == 501
-    assert response.json() == {"error": "HTTP end point doesn't support models with decoupled transaction policy"}
+    response = http.post("/v2/models/square/infer", json=body)  # HTTP streams it instead (test_infer_stream)
+    assert response.status_code == 200 and response.headers["content-type"] == "application/x-ndjson"
+    assert [json.loads(line)["parameters"] for line in response.text.splitlines()] == [
+        {"triton_final_response": False}, {"triton_final_response": True}]
 
 
 # -- large tensors ------------------------------------------------------------------------------------
