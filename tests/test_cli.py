@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import openai
 import pytest
 import tritonclient.http as httpclient
 from suite_support import EXAMPLE_REPOSITORY, REPO_ROOT, RunningServer, wait_for, write_model
 
-EXAMPLE_MODELS = ("add_sub", "classifier", "identity_bytes", "identity_fp32", "sentiment", "simple", "square")
+EXAMPLE_MODELS = ("add_sub", "classifier", "identity_bytes", "identity_fp32", "sentiment", "simple", "square", "tiny_lm")
 EXIT_TIMEOUT = 10
 
 
@@ -108,7 +109,14 @@ def test_run_without_repository_serves_the_bundled_examples(run_server: Any) -> 
     finally:
         client.close()
     assert names == sorted(EXAMPLE_MODELS)
+    # the README's openai call: the bundled tiny_lm answers on the OpenAI-compatible routes
+    with openai.OpenAI(base_url=f"http://{url}/v1", api_key="unused", max_retries=0, timeout=30) as llm:
+        answer = llm.chat.completions.create(model="tiny_lm", messages=[{"role": "user", "content": "Hello"}],
+                                             temperature=0)
+    assert answer.usage is not None and answer.usage.completion_tokens == len(answer.choices[0].message.content or "")
+    assert answer.choices[0].finish_reason in ("stop", "length")
     assert server.stop(timeout=20) == 0, server.stderr
+    assert not [line for line in server.lines if line.startswith(("E", "W"))], server.stderr  # a clean start
 
 
 def test_run_with_bad_repository_path(tmp_path: Path) -> None:

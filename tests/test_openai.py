@@ -76,6 +76,15 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
 """
 
 
+def word_tokenizer() -> str:
+    """A ``tokenizer.json``: one token per whitespace-separated word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tokenizer.to_str()
+
+
 def make_repository(root: Path) -> Path:
     repo = root / "models"
     shutil.copytree(EXAMPLE_REPOSITORY / "tiny_lm", repo / "tiny_lm")
@@ -83,7 +92,8 @@ def make_repository(root: Path) -> Path:
     write_model(repo, "words", words_config(root / "marks"), {"1/model.py": WORDS_MODEL_PY})
     write_model(repo, "echo_params", ECHO_PARAMS, {"1/model.py": ECHO_PY})
     write_model(repo, "echo_sampling", ECHO_SAMPLING, {"1/model.py": ECHO_PY})
-    write_model(repo, "echo_template", ECHO_PARAMS, {"1/model.py": ECHO_PY, "chat_template.jinja": TEMPLATE})
+    write_model(repo, "echo_template", ECHO_PARAMS, {"1/model.py": ECHO_PY, "chat_template.jinja": TEMPLATE,
+                                                     "1/tokenizer.json": word_tokenizer()})
     write_model(repo, "plain", PLAIN)
     return repo
 
@@ -230,6 +240,8 @@ def test_model_chat_template_and_its_refusal(client: openai.OpenAI) -> None:
         model="echo_template", messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
 
     assert echoed(result)["prompt"] == ["[USER] Hi\n[ASSISTANT]"]
+    # counted with the model's tokenizer.json (a word a token): the prompt, and the one hex word answered
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (3, 1)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="echo_template", messages=[{"role": "system", "content": "S"}])
     assert "no system messages, please" in info.value.message

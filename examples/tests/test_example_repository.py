@@ -22,7 +22,7 @@ def load_config(name: str) -> object:
 
 
 def test_repository_has_the_documented_models() -> None:
-    assert MODELS == ["add_sub", "classifier", "identity_bytes", "identity_fp32", "sentiment", "simple", "square"]
+    assert MODELS == ["add_sub", "classifier", "identity_bytes", "identity_fp32", "sentiment", "simple", "square", "tiny_lm"]
 
 
 @pytest.mark.parametrize("name", MODELS)
