@@ -132,6 +132,39 @@ def test_bad_model_and_unreachable_server(example_server: ServerThread) -> None:
     assert "--shape INPUT0:" in done.stderr
 
 
+def test_llm_endpoints_report_time_to_first_token_inter_token_latency_and_tokens(
+    example_server: ServerThread, tmp_path: Path,
+) -> None:
+    json_file = tmp_path / "llm.json"
+    done = bench("-m", "tiny_lm", "-u", example_server.url, "--endpoint-type", "chat", "--concurrency-range", "1:2:1",
+                 "--request-count", "6", "--max-tokens", "12", "--json", str(json_file))
+    assert done.returncode == 0, done.stderr
+    assert "TTFT avg ms" in done.stdout and "ITL avg ms" in done.stdout and "Out tok/s" in done.stdout
+
+    document = json.loads(json_file.read_text())
+    assert document["endpoint_type"] == "chat" and document["max_tokens"] == 12
+    assert [level["concurrency"] for level in document["levels"]] == [1, 2]
+    for level in document["levels"]:
+        assert level["requests"] == 6
+        assert 0 < level["output_tokens_avg"] <= 12 and level["output_tokens_per_s"] > 0
+        assert 0 < level["ttft_ms"]["p50"] <= level["ttft_ms"]["p99"] <= level["latency_ms"]["p99"]
+        assert level["itl_ms"]["avg"] >= 0
+
+    done = bench("-m", "tiny_lm", "-u", example_server.url, "--endpoint-type", "completions", "--request-count", "2",
+                 "--max-tokens", "4", "-q")
+    assert done.returncode == 0, done.stderr
+
+
+def test_llm_endpoint_errors(example_server: ServerThread) -> None:
+    done = bench("-m", "no_such_model", "-u", example_server.url, "--endpoint-type", "completions", "-q")
+    assert done.returncode == 1 and "HTTP 404" in done.stderr and "model_not_found" in done.stderr
+    done = bench("-m", "tiny_lm", "-i", "grpc", "-u", example_server.grpc_url, "--endpoint-type", "chat")
+    assert done.returncode == 1 and "leave out -i grpc" in done.stderr
+    done = bench("-m", "tiny_lm", "-u", example_server.url, *FAST)
+    assert done.returncode == 1 and "--endpoint-type" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_shared_memory_needs_server_support(example_server: ServerThread) -> None:
     done = bench("-m", "simple", "-u", example_server.url, "--shared-memory", "system", *FAST)
     if done.returncode == 0:  # the server supports the extension

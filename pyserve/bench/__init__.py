@@ -6,7 +6,9 @@
 * :mod:`pyserve.bench.worker` — the load generator processes (asyncio, raw HTTP/1.1, unary gRPC over
   :mod:`pyserve.bench.h2client`, `grpc.aio` for `--streaming`);
 * :mod:`pyserve.bench.runner` — levels, stability, aggregation;
-* :mod:`pyserve.bench.report` — progress display, summary table, CSV / JSON / PNG.
+* :mod:`pyserve.bench.report` — progress display, summary table, CSV / JSON / PNG;
+* :mod:`pyserve.bench.llm` — ``--endpoint-type``: time to first token, inter-token latency and
+  tokens/s on the OpenAI-compatible routes.
 """
 
 from __future__ import annotations
@@ -14,9 +16,33 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pyserve.bench.options import BenchError, BenchOptions, add_bench_parser, options_from_args
+from pyserve.bench.options import (
+    DEFAULT_HTTP_URL,
+    BenchError,
+    BenchOptions,
+    add_bench_parser,
+    options_from_args,
+    range_values,
+)
 
 __all__ = ["BenchError", "BenchOptions", "add_bench_parser", "cmd_bench", "options_from_args"]
+
+
+def _run_llm(args: argparse.Namespace) -> int:
+    """``--endpoint-type``: the OpenAI-routes benchmark (``pyserve.bench.llm``)."""
+    from pyserve.bench.llm import DEFAULT_PROMPT, LlmOptions, run
+
+    if args.protocol != "http" or args.request_rate_range is not None or args.streaming:
+        raise BenchError("--endpoint-type measures the HTTP /v1 routes at --concurrency-range levels: "
+                         "leave out -i grpc, --streaming and --request-rate-range")
+    url = BenchOptions(model=args.model, url=args.url or DEFAULT_HTTP_URL)
+    host, port = url.host_port
+    levels = [1] if args.concurrency_range is None else [int(v) for v in range_values(*args.concurrency_range)]
+    return run(LlmOptions(
+        model=args.model, host=host, port=port, endpoint_type=args.endpoint_type, concurrency=levels,
+        request_count=args.request_count, prompt=args.prompt or DEFAULT_PROMPT, max_tokens=args.max_tokens,
+        json=args.json, quiet=args.quiet,
+    ))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -24,6 +50,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pyserve.bench.runner import run
 
     try:
+        if args.endpoint_type is not None:
+            return _run_llm(args)
         options = options_from_args(args)
         return run(options)
     except BenchError as exc:

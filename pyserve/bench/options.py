@@ -183,6 +183,16 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     bench.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                        help="draw latency against throughput (needs matplotlib)")
     bench.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+    llm = bench.add_argument_group(
+        "language models", "--endpoint-type measures a model on the OpenAI-compatible routes instead: time to first "
+        "token, inter-token latency and tokens/s of streamed requests, per --concurrency-range level")
+    llm.add_argument("--endpoint-type", choices=["completions", "chat"], default=None,
+                     help="/v1/completions or /v1/chat/completions")
+    llm.add_argument("--request-count", type=_positive_int, default=32, metavar="N",
+                     help="streamed requests per concurrency level (default 32)")
+    llm.add_argument("--prompt", default=None, help="the prompt (or the user message) of every request")
+    llm.add_argument("--max-tokens", type=_positive_int, default=64, metavar="N",
+                     help="max_tokens of every request (default 64)")
     return bench
 
 

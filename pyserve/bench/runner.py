@@ -331,7 +331,8 @@ def run(options: BenchOptions, out: Any = None, err: Any = None) -> int:
     try:
         info = control.model_info(options.model, options.model_version)
         if info.decoupled and not options.streaming:
-            raise BenchError(f"model '{info.name}' is decoupled: use -i grpc --streaming")
+            raise BenchError(f"model '{info.name}' is decoupled: use -i grpc --streaming (or --endpoint-type "
+                             "completions|chat for a language model on the OpenAI routes)")
         samples = inputs.build_samples(info, options)
         shm_slots = None
         if options.shared_memory == "system":
