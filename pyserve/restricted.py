@@ -102,6 +102,10 @@ def http_category(method: str, path: str) -> str | None:
         return "logging"
     if path == "/v2/models/stats":
         return "statistics"
+    if path in ("/v1/completions", "/v1/chat/completions"):  # the OpenAI-compatible routes
+        return "inference"
+    if path == "/v1/models" or path.startswith("/v1/models/"):
+        return "metadata"
     match = _MODEL_PATH.match(path)
     if match is None:
         return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import re
 import socket
@@ -20,6 +21,7 @@ import pytest
 import tritonclient.http as httpclient
 from suite_support import EXAMPLE_REPOSITORY, REPO_ROOT, RunningServer, wait_for, write_model
 
+README = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
 EXAMPLE_MODELS = ("add_sub", "classifier", "identity_bytes", "identity_fp32", "sentiment", "simple", "square", "tiny_lm")
 EXIT_TIMEOUT = 10
 
@@ -115,6 +117,11 @@ def test_run_without_repository_serves_the_bundled_examples(run_server: Any) -> 
                                              temperature=0)
     assert answer.usage is not None and answer.usage.completion_tokens == len(answer.choices[0].message.content or "")
     assert answer.choices[0].finish_reason in ("stop", "length")
+    snippet = README.split("## Use it with the openai client", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(snippet.replace("localhost:8000", url), {})  # the README's three lines, as written
+    assert printed.getvalue().endswith("\n")
     assert server.stop(timeout=20) == 0, server.stderr
     assert not [line for line in server.lines if line.startswith(("E", "W"))], server.stderr  # a clean start
 

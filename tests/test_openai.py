@@ -409,3 +409,43 @@ def test_allow_openai_false_turns_the_routes_off(root: Path, tmp_path: Path) -> 
         answer = httpx.get(f"http://{thread.url}/v1/models")
 
     assert answer.status_code == 404 and answer.json() == {"error": "Not Found"}
+
+
+def test_model_requests_are_traced_under_the_clients_traceparent(root: Path, tmp_path: Path) -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pyserve.tracing import parse_trace_config
+
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    config = parse_trace_config(["mode=opentelemetry", "level=TIMESTAMPS", "rate=1"])
+    repo = tmp_path / "models"
+    write_model(repo, "words", words_config(root / "marks"), {"1/model.py": WORDS_MODEL_PY})
+    with serve(repo, trace_config=config) as thread:
+        exporter = InMemorySpanExporter()
+        thread.server.dataplane.tracing.use_span_exporter(exporter)
+        with openai.OpenAI(base_url=f"http://{thread.url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+            client.completions.create(model="words", prompt="one two", n=2,
+                                      extra_headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+        roots = [s for s in exporter.get_finished_spans() if s.name == "InferRequest"]
+
+    assert len(roots) == 2
+    assert all(format(s.context.trace_id, "032x") == trace_id for s in roots)
+    assert all(s.attributes["triton.model_name"] == "words" for s in roots)
+
+
+def test_restricted_apis_cover_the_routes(tmp_path: Path) -> None:
+    from pyserve.restricted import Restriction
+
+    repo = tmp_path / "models"
+    shutil.copytree(EXAMPLE_REPOSITORY / "tiny_lm", repo / "tiny_lm")
+    rules = {"inference": Restriction("infer-key", "yes"), "metadata": Restriction("meta-key", "yes")}
+    with serve(repo, http_restricted_api=rules) as thread:
+        with openai.OpenAI(base_url=f"http://{thread.url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+            with pytest.raises(openai.PermissionDeniedError):
+                client.completions.create(model="tiny_lm", prompt="x", max_tokens=1)
+            with pytest.raises(openai.PermissionDeniedError):
+                client.models.list()
+            allowed = client.completions.create(model="tiny_lm", prompt="x", max_tokens=1,
+                                                extra_headers={"infer-key": "yes"})
+            assert [m.id for m in client.models.list(extra_headers={"meta-key": "yes"})] == ["tiny_lm"]
+    assert allowed.usage is not None and allowed.usage.completion_tokens <= 1
