@@ -402,7 +402,7 @@ def test_metrics_count_tokens_and_their_timings(client: openai.OpenAI, server: S
     assert samples['nv_inference_request_success{model="tiny_lm",version="1"}'] >= 1
 
 
-def test_allow_openai_false_turns_the_routes_off(root: Path, tmp_path: Path) -> None:
+def test_allow_openai_false_turns_the_routes_off(tmp_path: Path) -> None:
     repo = tmp_path / "models"
     shutil.copytree(EXAMPLE_REPOSITORY / "tiny_lm", repo / "tiny_lm")
     with serve(repo, allow_openai=False) as thread:
@@ -411,7 +411,7 @@ def test_allow_openai_false_turns_the_routes_off(root: Path, tmp_path: Path) -> 
     assert answer.status_code == 404 and answer.json() == {"error": "Not Found"}
 
 
-def test_model_requests_are_traced_under_the_clients_traceparent(root: Path, tmp_path: Path) -> None:
+def test_model_requests_are_traced_under_the_clients_traceparent(tmp_path: Path) -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from pyserve.tracing import parse_trace_config
@@ -419,7 +419,7 @@ def test_model_requests_are_traced_under_the_clients_traceparent(root: Path, tmp
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     config = parse_trace_config(["mode=opentelemetry", "level=TIMESTAMPS", "rate=1"])
     repo = tmp_path / "models"
-    write_model(repo, "words", words_config(root / "marks"), {"1/model.py": WORDS_MODEL_PY})
+    write_model(repo, "words", words_config(tmp_path), {"1/model.py": WORDS_MODEL_PY})
     with serve(repo, trace_config=config) as thread:
         exporter = InMemorySpanExporter()
         thread.server.dataplane.tracing.use_span_exporter(exporter)
@@ -449,3 +449,19 @@ def test_restricted_apis_cover_the_routes(tmp_path: Path) -> None:
                                                 extra_headers={"infer-key": "yes"})
             assert [m.id for m in client.models.list(extra_headers={"meta-key": "yes"})] == ["tiny_lm"]
     assert allowed.usage is not None and allowed.usage.completion_tokens <= 1
+
+
+def test_uvicorn_serves_the_routes_and_a_leaving_client_cancels(tmp_path: Path) -> None:
+    repo, marks = tmp_path / "models", tmp_path / "marks"
+    marks.mkdir()
+    write_model(repo, "words", words_config(marks), {"1/model.py": WORDS_MODEL_PY})
+    with serve(repo, http_server="uvicorn") as thread:
+        with openai.OpenAI(base_url=f"http://{thread.url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+            chunks = client.chat.completions.create(model="words", messages=[{"role": "user", "content": "hi"}],
+                                                    stream=True)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == "user: hi\nassistant:"
+            stream = client.completions.create(model="words", prompt="forever uvicorn", stream=True)
+            for _, chunk in zip(range(3), stream):
+                assert chunk.choices[0].text == "x"
+            stream.close()
+            assert wait_for_file(marks / "uvicorn")

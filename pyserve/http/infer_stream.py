@@ -97,19 +97,7 @@ async def infer_stream(request: Request, dataplane: DataPlane, model: ModelVersi
         close()
         return error_response(first[0])
 
-    def encode(response: InferResponse | InferError | None, final: bool) -> bytes:
-        head: dict[str, Any] = {"id": infer.id} if infer.id else {}
-        head.update(model_name=model.name, model_version=str(model.version))
-        if isinstance(response, InferError):
-            return frame(orjson.dumps({**head, "error": response.message, "parameters": {FINAL: final}}))
-        if response is None:
-            return frame(orjson.dumps({**head, "outputs": [], "parameters": {FINAL: final}}))
-        marked = InferResponse(response.outputs, {**response.parameters, FINAL: final})
-        try:
-            data, _ = encode_infer(marked, decoded, model)
-        except InferError as exc:
-            return frame(orjson.dumps({**head, "error": exc.message, "parameters": {FINAL: final}}))
-        return frame(data)
+    encode = _Encoder(model, decoded, frame)
 
     async def body() -> AsyncIterator[bytes]:
         yield encode(*first)
@@ -119,6 +107,31 @@ async def infer_stream(request: Request, dataplane: DataPlane, model: ModelVersi
             yield encode(response, final)
 
     return EventStream(body(), media_type, on_close=close)
+
+
+class _Encoder:
+    """One model response (or error, or bare final flag) as one framed JSON object of the stream."""
+
+    def __init__(self, model: ModelVersion, decoded: DecodedRequest, frame: Callable[[bytes], bytes]) -> None:
+        self.model = model
+        self.decoded = decoded
+        self.frame = frame
+        request_id = decoded.request.id
+        self.head: dict[str, Any] = {"id": request_id} if request_id else {}
+        self.head.update(model_name=model.name, model_version=str(model.version))
+
+    def __call__(self, response: InferResponse | InferError | None, final: bool) -> bytes:
+        marker = {"parameters": {FINAL: final}}
+        if isinstance(response, InferError):
+            return self.frame(orjson.dumps({**self.head, "error": response.message, **marker}))
+        if response is None:
+            return self.frame(orjson.dumps({**self.head, "outputs": [], **marker}))
+        marked = InferResponse(response.outputs, {**response.parameters, FINAL: final})
+        try:
+            data, _ = encode_infer(marked, self.decoded, self.model)
+        except InferError as exc:
+            return self.frame(orjson.dumps({**self.head, "error": exc.message, **marker}))
+        return self.frame(data)
 
 
 async def infer_once(request: Request, dataplane: DataPlane, model: ModelVersion, limit: int) -> Response:
