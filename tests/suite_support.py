@@ -405,10 +405,6 @@ parameters {{ key: "marks" value {{ string_value: "{marks}" }} }}
 
 
 def wait_for_file(path: Path, timeout: float = 30.0) -> bool:
-    """Whether ``path`` exists within ``timeout`` seconds (polled)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return True
-        time.sleep(0.02)
-    return path.exists()
+    """True once ``path`` exists (``wait_for``: AssertionError after ``timeout`` seconds)."""
+    wait_for(path.exists, timeout, f"the file '{path.name}'")
+    return True
