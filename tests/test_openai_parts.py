@@ -65,6 +65,7 @@ def test_requests_are_normalized() -> None:
     ({"model": "m", "prompt": "x", "top_p": True}, "top_p"),
     ({"model": "m", "prompt": "x", "stop": [""]}, "stop"),
     ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
+    ({"model": "m", "prompt": ["x"] * 3, "n": 50}, "n"),
     ({"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
      "stream_options.include_usage"),
 ])

@@ -74,16 +74,6 @@ def infer_model(dataplane: DataPlane, name: str, version: str | None) -> ModelVe
     return model
 
 
-def streams(dataplane: DataPlane, name: str, version: str | None) -> bool:
-    """Whether an infer request to ``name`` is answered as a stream by the application (a
-    decoupled model: ``pyserve.http.infer_stream``) rather than here. False for an unknown
-    model: the fast path answers its error."""
-    try:
-        return dataplane.model(name, version).decoupled
-    except InferError:
-        return False
-
-
 def check_declared_length(declared: bytes | None, limit: int) -> None:
     """Refuse a body whose ``Content-Length`` is over ``limit`` before reading any of it.
 
@@ -194,17 +184,22 @@ class InferFastPath:
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             target = route(scope["path"])
-            if target is not None and not streams(self.dataplane, *target):
-                await self._infer(scope, receive, send, *target)
-                return
+            if target is not None:
+                try:
+                    model = self.dataplane.model(*target)
+                except InferError as exc:
+                    await _send(send, *error_reply(exc))
+                    return
+                if not model.decoupled:  # a decoupled model's answer streams from the application
+                    await self._infer(scope, receive, send, model)
+                    return
         await self.app(scope, receive, send)
 
-    async def _infer(self, scope: Scope, receive: Any, send: Any, name: str, version: str | None) -> None:
+    async def _infer(self, scope: Scope, receive: Any, send: Any, model: ModelVersion) -> None:
         headers: Headers = {}
         for key, value in scope["headers"]:
             headers[key] = value
         try:
-            model = infer_model(self.dataplane, name, version)
             body = await self._read(receive, headers)
             if body is None:
                 return  # the client went away

@@ -21,7 +21,8 @@ MAX_N = 128
 MAX_STOP = 16
 """The most stop sequences one request may give."""
 MAX_PROMPTS = 64
-"""The most prompts one ``/v1/completions`` request may batch."""
+"""The most prompts one ``/v1/completions`` request may batch (and ``n`` times the prompts is at
+most ``MAX_N``: one request never starts more than that many model requests)."""
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 _UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "suffix", "tools", "tool_choice", "functions",
@@ -111,6 +112,8 @@ def parse_completion(payload: dict[str, Any]) -> GenerationRequest:
     if best_of is not None and best_of != payload.get("n", 1):
         raise invalid("'best_of' is not supported", "best_of")
     request = _common(payload, chat=False)
+    if len(prompts) * request.n > MAX_N:
+        raise invalid(f"'n' times the number of prompts may be at most {MAX_N}", "n")
     request.prompts = prompts
     request.echo = _bool(payload, "echo", False)
     request.sampling.max_tokens = _max_tokens(payload, "max_tokens")
