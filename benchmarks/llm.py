@@ -11,8 +11,10 @@ Starts ``pyserve run`` on the bundled example repository and measures, at each `
    ``--aiperf PATH``, with the model's folder as its local tokenizer (``tokenizer.json``):
    ``aiperf profile --endpoint-type chat --streaming``.
 
-genai-perf itself needs the compiled ``perf_analyzer``; the package index here offers only a
-0.1.0 placeholder of ``perf-analyzer`` with no binary, so genai-perf cannot run and is not tried.
+genai-perf itself runs the compiled ``perf_analyzer``: ``pip install genai-perf`` resolves its
+``perf-analyzer`` dependency to a 0.1.0 placeholder without the binary on a host older than glibc
+2.38 (the 2.60 wheel's floor; ``_perf_analyzer.py`` runs that binary for perf_analyzer itself), so
+genai-perf is not tried here; aiperf needs no binary.
 
 Prints a markdown table on stdout and exits 0 (a failed client is a note in the output).
 Run: ``.venv/bin/python benchmarks/llm.py [--requests 32] [--concurrency 1 4] [--max-tokens 64]``.
