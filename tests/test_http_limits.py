@@ -41,7 +41,9 @@ class Echo(Backend):
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     repo: Path = tmp_path_factory.mktemp("limits")
     write_model(repo, "ident", IDENT)
-    with serve(repo, backends={"echo": Echo()}, allow_grpc=False, use_entry_points=False) as thread:
+    # one process: some tests watch this process's HTTP connections
+    with serve(repo, backends={"echo": Echo()}, allow_grpc=False, use_entry_points=False,
+               frontend_processes=0) as thread:
         yield thread
 
 
