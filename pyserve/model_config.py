@@ -8,7 +8,6 @@ defaults). ``validate`` lists every remaining problem, each naming the field it 
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from google.protobuf import text_format
 
 from pyserve import datatypes
 from pyserve.datatypes import DataType
+from pyserve.devices import gpu_count
 from pyserve.errors import ModelConfigError
 from pyserve.repository import contained_path
 from pyserve.protocol import ModelConfig, data_type_name
@@ -72,17 +72,6 @@ def parse_config(text: str, path: Path | str) -> Any:
         where = f"{path}:{line}:{column}" if line else str(path)
         raise ModelConfigError(f"{where}: {message}") from None
     return config
-
-
-def gpu_count() -> int:
-    """GPUs visible to this process (NVIDIA device nodes), honouring CUDA_VISIBLE_DEVICES."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"])
-    try:
-        return len([n for n in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", n)])
-    except OSError:
-        return 0
 
 
 def _kind_name(group: Any) -> str:

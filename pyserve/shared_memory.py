@@ -221,11 +221,16 @@ def cuda_available() -> bool:
     return _cupy() is not None
 
 
+CUDA_IPC_HANDLE_SIZE = 64
+"""Bytes of a ``cudaIpcMemHandle_t``: what ``raw_handle`` must hold."""
+
+
 class CudaRegion(Region):
     """Device memory of another process, opened from a ``cudaIpcMemHandle_t`` with cupy.
 
-    Inputs are copied to host memory (backends take numpy arrays); outputs are copied to the
-    device.
+    Inputs are copied to host memory once (backends take numpy arrays: the view returned is
+    of that copy); outputs are copied to the device. A CUDA error in either copy (say, a
+    ``byte_size`` larger than the client's allocation) is the request's INVALID_ARG error.
     """
 
     kind = "cuda"
@@ -245,18 +250,26 @@ class CudaRegion(Region):
         except Exception as exc:
             raise InferError.invalid(f"failed to open CUDA IPC handle for region '{name}': {exc}") from None
 
-    def read(self, offset: int, byte_size: int) -> bytes:
-        host = np.empty(byte_size, dtype=np.uint8)
+    def _copy(self, destination: int, source: int, size: int, direction: str) -> None:
         runtime = self._cupy.cuda.runtime
-        with self._cupy.cuda.Device(self.device_id):
-            runtime.memcpy(host.ctypes.data, self._pointer + offset, byte_size, runtime.memcpyDeviceToHost)
-        return host.tobytes()
+        try:
+            with self._cupy.cuda.Device(self.device_id):
+                runtime.memcpy(destination, source, size, getattr(runtime, direction))
+        except Exception as exc:  # cupy's CUDARuntimeError: the region is not what was registered
+            raise InferError.invalid(
+                f"CUDA shared memory region '{self.name}': copying {size} byte(s) failed: {exc}"
+            ) from None
+
+    def read(self, offset: int, byte_size: int) -> memoryview:
+        host = np.empty(byte_size, dtype=np.uint8)
+        if byte_size:
+            self._copy(host.ctypes.data, self._pointer + offset, byte_size, "memcpyDeviceToHost")
+        return host.data
 
     def write(self, offset: int, data: memoryview | bytes) -> None:
         host = np.frombuffer(data, dtype=np.uint8)
-        runtime = self._cupy.cuda.runtime
-        with self._cupy.cuda.Device(self.device_id):
-            runtime.memcpy(self._pointer + offset, host.ctypes.data, host.size, runtime.memcpyHostToDevice)
+        if host.size:
+            self._copy(self._pointer + offset, host.ctypes.data, host.size, "memcpyHostToDevice")
 
     def close(self) -> None:
         try:
@@ -312,13 +325,22 @@ class SharedMemoryManager:
     def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
         """Open a CUDA IPC memory handle under ``name``.
 
-        :raises InferError: UNSUPPORTED without cupy/a GPU; bad arguments; the name taken.
+        The arguments are checked first (a ``raw_handle`` of other than ``CUDA_IPC_HANDLE_SIZE``
+        bytes is INVALID_ARG before CUDA sees it), then whether CUDA can be used.
+
+        :raises InferError: bad arguments; UNSUPPORTED without cupy/a GPU; the name taken.
         """
         _check_name(name)
+        if not isinstance(raw_handle, (bytes, bytearray)) or len(raw_handle) != CUDA_IPC_HANDLE_SIZE:
+            size = len(raw_handle) if isinstance(raw_handle, (bytes, bytearray)) else type(raw_handle).__name__
+            raise InferError.invalid(
+                f"failed to register CUDA shared memory region '{name}': 'raw_handle' must be a "
+                f"{CUDA_IPC_HANDLE_SIZE}-byte cudaIpcMemHandle_t (got {size})"
+            )
         _check_uint(device_id, "device_id")
         _check_uint(byte_size, "byte_size")
         self._refuse_taken(name)
-        self._add(CudaRegion(name, raw_handle, device_id, byte_size))
+        self._add(CudaRegion(name, bytes(raw_handle), device_id, byte_size))
 
     def register_cuda_json(self, name: str, body: dict[str, Any]) -> None:
         """``register_cuda`` from the HTTP body ``{"raw_handle": {"b64": ...}, "device_id", "byte_size"}``."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
+from pyserve.devices import visible_indices
 from pyserve.metrics.prometheus import _family
 
 log = logging.getLogger("pyserve.metrics")
@@ -60,9 +61,11 @@ class GpuSample:
 
 
 class NvmlReader:
-    """GPU readings through NVML (``pynvml``, from the ``nvidia-ml-py`` package).
+    """GPU readings through NVML (``pynvml``, from the ``nvidia-ml-py`` package), for the GPUs
+    this process may use: those ``CUDA_VISIBLE_DEVICES`` leaves visible (``pyserve.devices``),
+    as Triton reports only the GPUs CUDA shows it.
 
-    :raises RuntimeError: ``pynvml`` is missing, NVML cannot start, or there is no GPU.
+    :raises RuntimeError: ``pynvml`` is missing, NVML cannot start, or there is no visible GPU.
     """
 
     def __init__(self) -> None:
@@ -79,12 +82,19 @@ class NvmlReader:
             count = pynvml.nvmlDeviceGetCount()
             if count == 0:
                 raise RuntimeError("NVML reports no GPU")
-            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-            self._uuids = [_text(pynvml.nvmlDeviceGetUUID(h)) for h in self._handles]
-        except Exception:
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            uuids = [_text(pynvml.nvmlDeviceGetUUID(h)) for h in handles]
+            chosen = visible_indices(uuids)
+            if not chosen:
+                raise RuntimeError(f"CUDA_VISIBLE_DEVICES leaves none of the {count} GPU(s) NVML lists visible")
+            self._handles = [handles[i] for i in chosen]
+            self._uuids = [uuids[i] for i in chosen]
+        except Exception as exc:  # NVMLError too: the caller turns GPU metrics off on RuntimeError
             with contextlib.suppress(Exception):
                 pynvml.nvmlShutdown()
-            raise
+            if isinstance(exc, RuntimeError):
+                raise
+            raise RuntimeError(f"NVML could not list the GPUs: {type(exc).__name__}: {exc}") from None
         self._energy_start = [self._call(pynvml.nvmlDeviceGetTotalEnergyConsumption, h) for h in self._handles]
 
     @staticmethod
