@@ -9,10 +9,20 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
+from gpu_support import gpu_reason
 from suite_support import EXAMPLE_REPOSITORY
 
 from pyserve.server import ServerThread
 from pyserve.testing import ServerFactory, serve, write_model
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` skip, saying why, where no NVIDIA GPU is listed by ``nvidia-smi``."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    reason = gpu_reason() if gpu_items else None
+    if reason is not None:
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
 
 @pytest.fixture
 def make_repo(tmp_path: Path) -> Callable[..., Path]:

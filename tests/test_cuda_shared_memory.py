@@ -27,7 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 from pyserve.server import ServerThread
 from pyserve.shared_memory import CUDA_IPC_HANDLE_SIZE, cuda_available
-from pyserve.testing import write_model
+from pyserve.testing import serve, write_model
 
 
 class CUDARuntimeError(RuntimeError):
@@ -89,18 +89,27 @@ class HostRuntime:
         ctypes.memmove(destination, source, size)
 
 
-@pytest.fixture
-def runtime(monkeypatch: pytest.MonkeyPatch) -> HostRuntime:
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cuda-shm") / "repo"
+    write_model(root, "ident", IDENTITY_CONFIG)
+    return root
+
+
+@pytest.fixture(scope="module")
+def standin(repo: Path) -> Iterator[tuple[HostRuntime, ServerThread]]:
+    """One server for the module, with the stand-in installed as ``cupy`` while it runs."""
     host = HostRuntime()
     cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=host, Device=_Device))
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    return host
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "cupy", cupy)
+        with serve(repo) as server:
+            yield host, server
 
 
 @pytest.fixture
-def repo(tmp_path: Path) -> Path:
-    write_model(tmp_path / "repo", "ident", IDENTITY_CONFIG)
-    return tmp_path / "repo"
+def runtime(standin: tuple[HostRuntime, ServerThread]) -> HostRuntime:
+    return standin[0]
 
 
 def _clients(server: ServerThread, protocol: str) -> tuple[Any, Any]:
@@ -127,10 +136,10 @@ def protocol(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def client(runtime: HostRuntime, repo: Path, start_server: StartServer, protocol: str) -> Iterator[tuple[Any, Any]]:
-    server = start_server(repo)
-    client, module = _clients(server, protocol)
+def client(standin: tuple[HostRuntime, ServerThread], protocol: str) -> Iterator[tuple[Any, Any]]:
+    client, module = _clients(standin[1], protocol)
     yield client, module
+    client.unregister_cuda_shared_memory()
     client.close()
 
 
@@ -200,11 +209,13 @@ def test_bad_registrations(runtime: HostRuntime, client: tuple[Any, Any], protoc
     assert _regions(connection, protocol) == {}
 
 
-def test_handle_size_is_checked_before_cuda(http_server: ServerThread) -> None:
+def test_handle_size_is_checked_before_cuda(repo: Path, start_server: StartServer,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Without cupy or a GPU: a malformed handle is INVALID_ARG, a well-formed one UNSUPPORTED."""
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)  # the module's stand-in, if it is installed
     if cuda_available():
         pytest.skip("cupy and a GPU are present")
-    client = httpclient.InferenceServerClient(http_server.url.removeprefix("http://"))
+    client = httpclient.InferenceServerClient(start_server(repo).url.removeprefix("http://"))
     try:
         with pytest.raises(InferenceServerException, match="must be a 64-byte") as caught:
             client.register_cuda_shared_memory("r", _b64(b"\0" * 63), 0, 16)
@@ -215,7 +226,3 @@ def test_handle_size_is_checked_before_cuda(http_server: ServerThread) -> None:
     finally:
         client.close()
 
-
-@pytest.fixture
-def http_server(repo: Path, start_server: StartServer) -> ServerThread:
-    return start_server(repo)

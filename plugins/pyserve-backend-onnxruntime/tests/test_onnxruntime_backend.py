@@ -395,6 +395,7 @@ def test_good_models_are_ready(server: ServerThread) -> None:
 # --------------------------------------------------------------------------- GPU
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(gpu_count() == 0 or "CUDAExecutionProvider" not in ort.get_available_providers(),
                     reason="needs a GPU and onnxruntime-gpu")
 def test_gpu_instance_uses_cuda_provider(tmp_path: Path, pyserve_server_factory: ServerFactory) -> None:

@@ -501,6 +501,7 @@ def test_bad_string_models_are_unavailable_with_a_reason(server: ServerThread, m
 # --------------------------------------------------------------------------- GPU
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
 def test_gpu_instance_runs_on_cuda(tmp_path: Path, pyserve_server_factory: ServerFactory, modules: dict[str, Any]) -> None:
     pt_models.save_traced(modules["mlp"], torch.zeros(2, 4), tmp_path / "mlp.pt")
