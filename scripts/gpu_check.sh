@@ -181,7 +181,8 @@ if [ -n "$TRITON_WHEELS" ]; then
 fi
 
 # The checks: tests/test_gpu.py and the framework plugins' own GPU tests (in-process servers).
-# -W default: a library's deprecation warning must not fail a check.
+# -W default: a library's deprecation warning must not fail a check; -o timeout: a test's first
+# server start imports torch, onnxruntime and cupy.
 TESTS=(tests/test_gpu.py)
 case ",$SKIP," in *,onnx,*) ;; *)
     TESTS+=(plugins/pyserve-backend-onnxruntime/tests/test_onnxruntime_backend.py::test_gpu_instance_uses_cuda_provider) ;;
@@ -195,12 +196,12 @@ export PYSERVE_GPU_TRITON_VENV=$TRITON_VENV
 if [ "$MODE" = cpu ]; then export PYSERVE_GPU_CHECK_CPU_ONLY=1; else unset PYSERVE_GPU_CHECK_CPU_ONLY; fi
 cd "$ROOT"
 if [ "$DRY" = 1 ]; then
-    run timeout "$TIMEOUT" "$RUN_PY" -m pytest "${TESTS[@]}" -q -rA -W default --junitxml "$OUT/gpu-junit.xml"
+    run timeout "$TIMEOUT" "$RUN_PY" -m pytest "${TESTS[@]}" -q -rA -W default -o timeout=300 --junitxml "$OUT/gpu-junit.xml"
     run "$RUN_PY" scripts/gpu_report.py "$OUT/gpu-junit.xml"
     exit 0
 fi
 set +e
-timeout "$TIMEOUT" "$RUN_PY" -m pytest "${TESTS[@]}" -q -rA -W default \
+timeout "$TIMEOUT" "$RUN_PY" -m pytest "${TESTS[@]}" -q -rA -W default -o timeout=300 \
     --junitxml "$OUT/gpu-junit.xml" >"$OUT/gpu-pytest.log" 2>&1
 status=$?
 set -e
