@@ -512,3 +512,23 @@ def test_gpu_instance_runs_on_cuda(tmp_path: Path, pyserve_server_factory: Serve
     x = np.random.default_rng(6).standard_normal((3, 4)).astype(np.float32)
     got = infer(gpu_server, "grpc", "mlp_gpu", {"INPUT__0": x}).as_numpy("OUTPUT__0")
     np.testing.assert_allclose(got, call(modules["mlp"], x).numpy(), rtol=1e-4, atol=1e-5)
+
+
+class OnCurrentDevice(torch.nn.Module):
+    """Adds ones made on ``"cuda"``: CUDA's current device, not the input's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.ones(x.size(), dtype=x.dtype, device=torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_gpu_instance_forward_runs_with_its_device_current(tmp_path: Path, pyserve_server_factory: ServerFactory) -> None:
+    """A GPU 1 instance's forward sees cuda:1 as the current device (Triton's device guard)."""
+    pt_models.save_scripted(OnCurrentDevice(), tmp_path / "current.pt")
+    config = MLP_CONFIG.replace('dims: [ 3 ]', 'dims: [ 4 ]') + "instance_group [ { kind: KIND_GPU, gpus: [ 1 ] } ]\n"
+    write_model(tmp_path / "repo", "current", config + 'parameters { key: "probe_run" value { string_value: "false" } }\n',
+                {"1/model.pt": (tmp_path / "current.pt").read_bytes()})
+    server = pyserve_server_factory(tmp_path / "repo", backends=BACKENDS, use_entry_points=False)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_array_equal(infer(server, "grpc", "current", {"INPUT__0": x}).as_numpy("OUTPUT__0"), x + 1)

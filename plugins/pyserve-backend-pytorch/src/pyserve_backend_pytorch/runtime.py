@@ -528,8 +528,17 @@ class TorchInstance(FrameworkInstance):
     def forward(self, inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
         """Run forward on host arrays; output name → result tensor (on the instance's device).
 
+        On a GPU the instance's device is CUDA's current device while forward runs (as Triton's
+        device guard): tensors a model creates on ``"cuda"`` land on its own GPU, not on GPU 0.
+
         :raises InferError: forward's result lacks a configured output.
         """
+        if self.device.type == "cuda":
+            with self.torch.cuda.device(self.device):
+                return self._forward(inputs)
+        return self._forward(inputs)
+
+    def _forward(self, inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
         with self.guard():
             if self.model.optimized_execution:
                 result = self._call(inputs)
