@@ -122,8 +122,8 @@ if [ "$MODE" = cpu ]; then
 else
     # A venv that sees the packages of --python (the GPU machine's torch, cupy, onnxruntime,
     # pynvml, cuda-bindings) through a .pth file, with the repository and the rest installed in
-    # it. Made without pip (the base interpreter may have no ensurepip); the base's pip installs
-    # into it with --python, else the venv gets pip from ensurepip.
+    # it. Made without pip (the base interpreter may have no ensurepip): the base's pip runs in
+    # it through the .pth (or with pip's --python), else the venv gets pip from ensurepip.
     BASE=${PY:-python3}
     RUN_PY=$VENV/bin/python
     log=$OUT/install.log
@@ -135,7 +135,9 @@ else
 for p in sys.path:
     if p.endswith(("site-packages", "dist-packages")):
         print(f"import site; site.addsitedir({p!r})")' >"$site/_gpu_check_base.pth"
-        if "$BASE" -m pip --python "$RUN_PY" --version >>"$log" 2>&1; then
+        if "$RUN_PY" -m pip --version >>"$log" 2>&1; then  # the base's pip, seen through the .pth
+            pip=("$RUN_PY" -m pip)
+        elif "$BASE" -m pip --python "$RUN_PY" --version >>"$log" 2>&1; then
             pip=("$BASE" -m pip --python "$RUN_PY")
         elif "$RUN_PY" -m ensurepip >>"$log" 2>&1; then
             pip=("$RUN_PY" -m pip)
@@ -145,7 +147,7 @@ for p in sys.path:
         fi
     else
         echo "+ (write the site dirs of $BASE into $VENV/lib/python*/site-packages/_gpu_check_base.pth)"
-        pip=("$BASE" -m pip --python "$RUN_PY")
+        pip=("$RUN_PY" -m pip)
     fi
     pip+=(install --disable-pip-version-check --no-input)
     if [ -n "$WHEELS" ]; then pip+=(--no-index --find-links "$WHEELS"); fi
@@ -169,10 +171,15 @@ for p in sys.path:
 fi
 
 if [ -n "$TRITON_WHEELS" ]; then
-    # --no-deps: only pytriton and numpy<2 (benchmarks/_triton.py finds them in a venv's site-packages)
-    triton_pip=("${PY:-python3}" -m pip --python "$TRITON_VENV/bin/python" install --no-index --no-deps --no-input
-                --disable-pip-version-check "$TRITON_WHEELS"/*.whl)
+    # Only pytriton and numpy<2, into a venv of their own (benchmarks/_triton.py finds them in its
+    # site-packages); the base's pip installs them there with --target, --no-deps.
     run "${PY:-python3}" -m venv --clear --without-pip "$TRITON_VENV"
+    triton_site='$TRITON_SITE'
+    if [ "$DRY" = 0 ]; then
+        triton_site=$("$TRITON_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    fi
+    triton_pip=("${PY:-python3}" -m pip install --no-index --no-deps --no-input --disable-pip-version-check
+                --upgrade --target "$triton_site" "$TRITON_WHEELS"/*.whl)
     if [ "$DRY" = 1 ]; then
         run "${triton_pip[@]}"
     elif ! "${triton_pip[@]}" >>"$OUT/install.log" 2>&1; then
@@ -188,7 +195,8 @@ case ",$SKIP," in *,onnx,*) ;; *)
     TESTS+=(plugins/pyserve-backend-onnxruntime/tests/test_onnxruntime_backend.py::test_gpu_instance_uses_cuda_provider) ;;
 esac
 case ",$SKIP," in *,torch,*) ;; *)
-    TESTS+=(plugins/pyserve-backend-pytorch/tests/test_pytorch_backend.py::test_gpu_instance_runs_on_cuda) ;;
+    TESTS+=(plugins/pyserve-backend-pytorch/tests/test_pytorch_backend.py::test_gpu_instance_runs_on_cuda
+            plugins/pyserve-backend-pytorch/tests/test_pytorch_backend.py::test_gpu_instance_forward_runs_with_its_device_current) ;;
 esac
 status=0
 export PYSERVE_GPU_CHECK=1 PYSERVE_GPU_CHECK_SKIP=$SKIP PYSERVE_GPU_CHECK_OUT=$OUT PYTHONUNBUFFERED=1

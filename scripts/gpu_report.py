@@ -30,6 +30,7 @@ CHECKS = {
     "test_default_layout_serves_gpu_models": "default process layout serves KIND_GPU models",
     "test_gpu_instance_uses_cuda_provider": "onnxruntime plugin test: KIND_GPU instance (in-process server)",
     "test_gpu_instance_runs_on_cuda": "pytorch plugin test: KIND_GPU instance (in-process server)",
+    "test_gpu_instance_forward_runs_with_its_device_current": "pytorch plugin test: GPU 1 instance's forward on cuda:1 (two GPUs)",
     "test_throughput_against_triton": "throughput against Triton 2.51 on the same GPU (same-run ratio)",
 }
 """Test function → what the row says it checks."""
