@@ -359,13 +359,13 @@ def reports(result: Any, name: str = "REPORT") -> list[dict[str, Any]]:
     return [json.loads(item) for item in result.as_numpy(name).reshape(-1)]
 
 
-def shm_output_region(result: Any, name: str) -> str | None:
-    """The ``shared_memory_region`` a tritonclient (HTTP or gRPC) result names for output ``name``."""
+def carries_no_data(result: Any, name: str) -> bool:
+    """Whether a tritonclient (HTTP or gRPC) result's output ``name`` came without data (it was
+    written to shared memory instead)."""
     output = result.get_output(name)
     if isinstance(output, dict):
-        return output.get("parameters", {}).get("shared_memory_region")
-    parameter = output.parameters.get("shared_memory_region")
-    return None if parameter is None else str(parameter.string_param)
+        return "data" not in output and "binary_data_size" not in output.get("parameters", {})
+    return not any(result.get_response().raw_output_contents) and not output.contents.ListFields()
 
 
 # -- a real `pyserve run` ------------------------------------------------------------------------
