@@ -76,8 +76,16 @@ class DataPlane:
         self.stats_sources: list[Any] = []
         """Async callables run before statistics are read: replicas in frontend processes
         report their counts (``pyserve.handoff``)."""
-        self.extensions = [e for e in EXTENSIONS if e != "cuda_shared_memory" or cuda_available()]
-        """What server metadata reports: ``EXTENSIONS``, CUDA shared memory only when usable."""
+        self._extensions: list[str] | None = None
+
+    @property
+    def extensions(self) -> list[str]:
+        """What server metadata reports: ``EXTENSIONS``, CUDA shared memory only when usable
+        (asked on first use, not at construction: asking starts CUDA, which must not happen
+        before ``pyserve run`` forks its frontend processes)."""
+        if self._extensions is None:
+            self._extensions = [e for e in EXTENSIONS if e != "cuda_shared_memory" or cuda_available()]
+        return self._extensions
 
     # -- health and metadata -----------------------------------------------------------------
     def is_ready(self) -> bool:
