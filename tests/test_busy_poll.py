@@ -77,7 +77,8 @@ def _window_after(action: Callable[[], None]) -> tuple[int, int]:
 
 @pytest.mark.parametrize("batching", [False, True], ids=["inline", "inline-batcher"])
 def test_the_loop_polls_for_the_window_after_an_inline_answer(tmp_path: Path, batching: bool) -> None:
-    with serve(_repository(tmp_path, batching), busy_poll_us=WINDOW_US) as server, _client(server.url) as client:
+    with serve(_repository(tmp_path, batching), busy_poll_us=WINDOW_US, frontend_processes=0) as server, \
+            _client(server.url) as client:
         assert busy_poll.window_us() == WINDOW_US
         windows, turns = _window_after(lambda: _back_to_back(client, "inline"))
         assert windows >= 1 and turns >= 2, (windows, turns)  # polled over several loop turns, then stopped
@@ -89,7 +90,7 @@ def test_the_loop_polls_for_the_window_after_an_inline_answer(tmp_path: Path, ba
 def test_no_polling_while_several_clients_send_requests(tmp_path: Path) -> None:
     """Requests over two connections: the loop is seldom idle then, and polling would only take
     CPU from the clients and other processes. One client alone again: polling comes back."""
-    with serve(_repository(tmp_path), busy_poll_us=WINDOW_US) as server, \
+    with serve(_repository(tmp_path), busy_poll_us=WINDOW_US, frontend_processes=0) as server, \
             _client(server.url) as first, _client(server.url) as second:
 
         def both() -> None:
@@ -105,7 +106,7 @@ def test_no_polling_while_several_clients_send_requests(tmp_path: Path) -> None:
 
 
 def test_off_by_default(tmp_path: Path) -> None:
-    with serve(_repository(tmp_path)) as server, _client(server.url) as client:
+    with serve(_repository(tmp_path), frontend_processes=0) as server, _client(server.url) as client:
         assert _window_after(lambda: _infer(client, "inline")) == (0, 0)
 
 

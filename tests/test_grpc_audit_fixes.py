@@ -40,7 +40,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     policy = asyncio.get_event_loop_policy()
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     try:
-        with serve(path) as thread:
+        with serve(path, frontend_processes=0) as thread:  # the tests read this process's gRPC connections
             asyncio.set_event_loop_policy(policy)
             yield thread
     finally:

@@ -87,7 +87,7 @@ def test_leading_crlfs_do_not_keep_an_idle_connection_open(repo: Path, monkeypat
 
 @pytest.fixture
 def capped(repo: Path) -> Iterator[ServerThread]:
-    with serve(repo, http_max_connections=2) as thread:
+    with serve(repo, http_max_connections=2, frontend_processes=0) as thread:
         yield thread
 
 
