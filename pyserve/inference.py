@@ -43,7 +43,11 @@ class ResponseSender(Protocol):
     """Where the responses of one request go.
 
     ``send`` may be called from any thread. A request gets exactly one call with
-    ``final=True``; for a non-decoupled model that call carries its only response.
+    ``final=True``. For a non-decoupled model that call usually carries its only response; a
+    backend may also send the response with ``final=False`` and then ``final=True`` without
+    one (Triton's flags). Frontends hold what comes before the final call and answer then:
+    one response is the answer, more than one fails the request ("expected a single
+    response, got N") as Triton's frontends do.
     """
 
     def send(self, response: InferResponse | InferError | None, final: bool) -> None:
@@ -204,8 +208,12 @@ class InferRequest:
         """The sender a backend answers this request through (any thread, any time).
 
         Decoupled models send any number of responses and then ``final=True`` (with or
-        without a last response); other models may send exactly one response with
-        ``final=True`` instead of returning it from ``pyserve_execute``.
+        without a last response); other models may send exactly one response (with
+        ``final=True``, or without it and then ``final=True`` alone) instead of returning it
+        from ``pyserve_execute``. A request whose sender a backend took may be answered after
+        ``pyserve_execute`` returned, from any thread (Triton lets a backend release a
+        request and respond later); one whose sender was never taken must be answered by the
+        returned list.
         """
         sender = self._backend_sender
         if sender is None:
@@ -260,6 +268,12 @@ class InferRequest:
         """Whether the request's final response went out."""
         return self._final_sent
 
+    @property
+    def sender_taken(self) -> bool:
+        """Whether a backend took this request's response sender (``response_sender()``), so
+        that it may still answer after ``pyserve_execute`` returned."""
+        return self._backend_sender is not None
+
     def cancel(self) -> None:
         """Mark the request cancelled (client disconnect); a queued request is then dropped."""
         self._cancelled = True
@@ -276,15 +290,16 @@ class BackendResponseSender:
     """What ``InferRequest.response_sender()`` returns: sends from any thread.
 
     Responses are checked like returned ones (requested outputs, datatypes) before they
-    reach the client.
+    reach the client. ``responses_sent`` counts the responses (and errors) sent so far.
 
     :raises InferError: on ``send`` after the final response was sent.
     """
 
-    __slots__ = ("_request",)
+    __slots__ = ("_request", "responses_sent")
 
     def __init__(self, request: InferRequest) -> None:
         self._request = request
+        self.responses_sent = 0
 
     def send(self, response: InferResponse | InferError | BaseException | None = None, final: bool = False) -> None:
         request = self._request
@@ -308,6 +323,8 @@ class BackendResponseSender:
             result = error_response(response, request.model_name)
         else:
             result = response
+        if response is not None:
+            self.responses_sent += 1
         request.reply(result, final, handed)
 
     def is_cancelled(self) -> bool:
@@ -329,16 +346,24 @@ class FutureSender:
     """A ``ResponseSender`` for one-response requests awaited on an asyncio loop.
 
     ``send`` hands the response to the loop thread-safely; ``result`` is awaited by the
-    frontend. Used for HTTP ``/infer`` and gRPC ``ModelInfer``.
+    frontend. Used for HTTP ``/infer``, gRPC ``ModelInfer`` and non-decoupled ensemble steps.
+    Responses sent before the final call are held until it comes; then a single response is
+    the result, and more than one an INTERNAL error "expected a single response, got N", as
+    Triton's HTTP and gRPC frontends answer.
     """
 
-    __slots__ = ("_future", "_loop")
+    __slots__ = ("_future", "_held", "_loop")
 
     def __init__(self, loop: Any, future: Any) -> None:
         self._loop = loop
         self._future = future
+        self._held: list[InferResponse | InferError] | None = None
 
     def send(self, response: InferResponse | InferError | None, final: bool) -> None:
+        if not final or self._held is not None:  # the one-call answer skips this
+            response = self._single(response, final)
+            if response is _WAITING:
+                return
         if response is None:
             response = InferError("model sent no response for the request", ErrorCode.INTERNAL)
         if getattr(_delivery, "inline", None) is self._loop:
@@ -352,6 +377,23 @@ class FutureSender:
 
     def is_cancelled(self) -> bool:
         return self._future.cancelled()
+
+    def _single(self, response: InferResponse | InferError | None, final: bool) -> Any:
+        """Hold ``response`` until the final call; then the one response, None for none, or
+        the error for more than one (``_WAITING`` before the final call)."""
+        held = self._held
+        if held is None:
+            held = self._held = []
+        if response is not None:
+            held.append(response)
+        if not final:
+            return _WAITING
+        if len(held) > 1:
+            return InferError(f"expected a single response, got {len(held)}", ErrorCode.INTERNAL)
+        return held[0] if held else None
+
+
+_WAITING = object()
 
 
 def _resolve(future: Any, response: InferResponse | InferError) -> None:

@@ -30,19 +30,32 @@ _END = object()
 
 
 class _StreamSender:
-    """Turns one request's responses into stream messages, from any thread."""
+    """Turns one request's responses into stream messages, from any thread.
 
-    __slots__ = ("_decoded", "_empty_final", "_model", "_session")
+    For a non-decoupled model, as Triton 2.51's stream does, what comes before the final
+    call is held, and the first response (or error) goes out with the final call; any later
+    one is dropped.
+    """
+
+    __slots__ = ("_decoded", "_empty_final", "_held", "_model", "_one", "_session")
 
     def __init__(self, session: StreamSession, decoded: Any, model: Any, empty_final: bool) -> None:
         self._session = session
         self._decoded = decoded
         self._model = model
         self._empty_final = empty_final
+        self._one = not model.decoupled
+        self._held: InferResponse | InferError | None = None
 
     def send(self, response: InferResponse | InferError | None, final: bool) -> None:
         if self._session.closed:  # the stream ended: drop it (the loop may be gone too)
             return
+        if self._one and (not final or self._held is not None):
+            if self._held is None:
+                self._held = response
+            if not final:
+                return
+            response = self._held
         self._session.post(self, response, final)
 
     def is_cancelled(self) -> bool:

@@ -211,11 +211,13 @@ class InstanceWorker:
             request.reply(answer)
 
     def _check_senders(self, requests: list[InferRequest]) -> None:
-        """``None`` from execute: decoupled models answer later; others must have answered."""
+        """``None`` from execute: decoupled models answer later; others must have answered,
+        or have taken the request's response sender (they may answer later, as Triton
+        lets a backend release a request and respond from another thread)."""
         if self.instance.model.config.model_transaction_policy.decoupled:
             return
         for request in requests:
-            if not request.final_sent and not request.rescheduled:
+            if not request.final_sent and not request.rescheduled and not request.sender_taken:
                 request.reply(InferError(
                     f"backend '{self.instance.model.backend.name}' returned no response for a request of "
                     f"model '{self._model_name}' and sent none through its response sender",

@@ -145,7 +145,7 @@ def test_served_request_wrapper_and_response_sender() -> None:
     server_request = _server_request()
     sink = _Collect()
     server_request.attach_sender(sink)
-    request = InferenceRequest._from_server(server_request)
+    request = InferenceRequest._from_server(server_request, False)
     assert [t.name() for t in request.inputs()] == ["IN"]
     assert request.inputs()[0].as_numpy() is server_request.inputs["IN"]
     assert request.requested_output_names() == {"OUT"}
@@ -155,14 +155,24 @@ def test_served_request_wrapper_and_response_sender() -> None:
     assert not request.is_cancelled()
     sender = request.get_response_sender()
     assert request.get_response_sender() is sender
-    with pytest.raises(pb_utils.TritonModelException, match="response is required"):
+    with pytest.raises(pb_utils.TritonModelException, match="Inference Response object must be provided"):
         sender.send()
-    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.ones(1, np.int32))]))
+    with pytest.raises(pb_utils.TritonModelException, match="Unsupported flag provided"):
+        sender.send(flags=3)
+    # a non-decoupled model: the final flag alone needs a response before it (Triton >= 2.47)
+    with pytest.raises(pb_utils.TritonModelException, match="cannot send complete final before sending a response"):
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    response = pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.ones(1, np.int32))])
+    sender.send(response)
+    with pytest.raises(pb_utils.TritonModelException) as second:
+        sender.send(response)
+    assert str(second.value) == "Unable to send response. Non-decoupled model cannot send more than one response."
     sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
     assert [final for _, final in sink.sent] == [False, True]
     assert isinstance(sink.sent[0][0], InferResponse) and sink.sent[1][0] is None
-    with pytest.raises(pb_utils.TritonModelException, match="closed"):
+    with pytest.raises(pb_utils.TritonModelException) as closed:
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    assert str(closed.value) == "Unable to send response. Response sender has been closed."
     server_request.cancel()
     assert request.is_cancelled() and sender.is_cancelled()
     with pytest.raises(pb_utils.TritonModelException, match="needs sequence_batching { iterative_sequence: true }"):

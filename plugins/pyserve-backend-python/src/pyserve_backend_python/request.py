@@ -106,13 +106,16 @@ class InferenceRequest:
         self._trace: InferenceTrace | None = trace or InferenceTrace()
         self._parameters = parse_parameters(parameters, "request")
         self._server_request: InferRequest | None = None
+        self._decoupled = False
         self._sender: InferenceResponseSender | None = None
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 
     @classmethod
-    def _from_server(cls, request: InferRequest) -> InferenceRequest:
-        """Wrap a request the server hands to ``execute`` (no copies)."""
+    def _from_server(cls, request: InferRequest, decoupled: bool = False) -> InferenceRequest:
+        """Wrap a request the server hands to ``execute`` (no copies) of a model that is
+        ``decoupled`` or not (its response sender checks Triton's one-response rule)."""
         self = cls.__new__(cls)
+        self._decoupled = decoupled
         self._model_name = request.model_name
         self._model_version = int(request.model_version)
         self._inputs = [Tensor._wrap(name, array) for name, array in request.inputs.items()]
@@ -196,7 +199,7 @@ class InferenceRequest:
         if self._server_request is None:
             raise TritonModelException("only requests passed to execute() have a response sender")
         if self._sender is None:
-            self._sender = InferenceResponseSender(self._server_request)
+            self._sender = InferenceResponseSender(self._server_request, self._decoupled)
         return self._sender
 
     def set_release_flags(self, flags: int) -> None:

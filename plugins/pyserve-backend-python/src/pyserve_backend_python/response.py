@@ -120,38 +120,48 @@ def _as_array(value: Any) -> Any:
 class InferenceResponseSender:
     """Sends the responses of one request (Triton's ``InferenceResponseSender``).
 
-    Callers may use it from any thread, also after ``execute`` returned. Every request must
-    end with exactly one ``send(..., flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL)`` (with or
-    without a response); a send after that raises ``TritonModelException``.
+    Callers may use it from any thread, also after ``execute`` returned. ``flags`` is 0 or
+    ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``; every request must end with exactly one
+    ``send(..., flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL)`` (with or without a response).
+    A non-decoupled model sends exactly one response, as Triton >= 2.47 checks it: a second
+    one, or the final flag before any response, raises. A send after the final flag raises.
+    Every refusal raises ``TritonModelException`` with Triton's message.
     """
 
-    __slots__ = ("_request", "_sender")
+    __slots__ = ("__weakref__", "_decoupled", "_request", "_sender")
 
-    def __init__(self, request: InferRequest) -> None:
+    def __init__(self, request: InferRequest, decoupled: bool = True) -> None:
         self._request = request
+        self._decoupled = decoupled
         self._sender: BackendResponseSender = request.response_sender()
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
         """Send a response; ``flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL`` ends the request.
 
-        :raises TritonModelException: the request already ended, ``response`` is not an
-            ``InferenceResponse``, or it is None without the final flag.
+        :raises TritonModelException: an unknown flag; ``response`` is not an
+            ``InferenceResponse``, or it is None without the final flag; a non-decoupled
+            model sends a second response, or the final flag before any response; the
+            request already ended.
         """
-        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        if response is None and not final:
-            raise TritonModelException(
-                "a response is required unless flags include TRITONSERVER_RESPONSE_COMPLETE_FINAL"
-            )
-        if response is not None and not isinstance(response, InferenceResponse):
+        if flags != TRITONSERVER_RESPONSE_COMPLETE_FINAL and flags != 0:
+            raise TritonModelException("Unable to send response. Unsupported flag provided.")
+        final = flags != 0
+        if response is None:
+            if not final:
+                raise TritonModelException(
+                    "Inference Response object must be provided when the response flags is set to zero."
+                )
+        elif not isinstance(response, InferenceResponse):
             raise TritonModelException(
                 f"send() expects a pb_utils.InferenceResponse, got {type(response).__name__}"
             )
+        sender = self._sender
+        if not self._decoupled:
+            check_one_response(sender.responses_sent, response is not None, final)
         try:
-            self._sender.send(response.to_server() if response is not None else None, final)
-        except InferError as exc:
-            raise TritonModelException(
-                f"Unable to send response. Response sender has been closed: {exc.message}"
-            ) from None
+            sender.send(response.to_server() if response is not None else None, final)
+        except InferError:
+            raise TritonModelException(CLOSED_MESSAGE) from None
 
     def is_cancelled(self) -> bool:
         """Whether the client cancelled the request (or went away)."""
@@ -161,6 +171,25 @@ class InferenceResponseSender:
     def final_sent(self) -> bool:
         """Whether the final response went out (pyserve extension)."""
         return self._request.final_sent
+
+
+CLOSED_MESSAGE = "Unable to send response. Response sender has been closed."
+"""Triton's text for a send after the final flag (scripts compare it exactly)."""
+MORE_THAN_ONE_MESSAGE = "Unable to send response. Non-decoupled model cannot send more than one response."
+FINAL_FIRST_MESSAGE = (
+    "Unable to send response. Non-decoupled model cannot send complete final before sending a response."
+)
+
+
+def check_one_response(sent: int, has_response: bool, final: bool) -> None:
+    """Triton's rule for a non-decoupled model's sender, ``sent`` responses having gone out.
+
+    :raises TritonModelException: a second response, or the final flag alone before any.
+    """
+    if has_response and sent > 0:
+        raise TritonModelException(MORE_THAN_ONE_MESSAGE)
+    if not has_response and final and sent == 0:
+        raise TritonModelException(FINAL_FIRST_MESSAGE)
 
 
 _END = object()

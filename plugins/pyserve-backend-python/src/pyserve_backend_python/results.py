@@ -1,8 +1,9 @@
 """What a ``TritonPythonModel.execute`` returned, turned into what ``pyserve_execute`` returns.
 
-Default mode: a list with one ``InferenceResponse`` per request. A ``None`` entry is allowed
-for a request the model answered through its response sender; if any entry is None (or any
-request was already answered), the other responses are sent through the senders too and the
+Default mode: a list with one ``InferenceResponse`` per request. A ``None`` entry (or
+``None`` for the whole list) leaves the request to the model's response sender, which may
+answer it during or after execute (see ``watch_unanswered``); when any entry is None or any
+request's sender was used, the returned responses are sent through the senders too and the
 hook returns None, so that no request is answered twice. Decoupled mode: execute returns
 None and every request is answered through its sender.
 """
@@ -10,12 +11,14 @@ None and every request is answered through its sender.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from pyserve import ErrorCode, InferError, InferRequest, InferResponse
 
-from pyserve_backend_python.response import InferenceResponse
+from pyserve_backend_python.errors import TritonModelException
+from pyserve_backend_python.response import InferenceResponse, check_one_response
 
 log = logging.getLogger("pyserve.python_backend")
 
@@ -36,23 +39,33 @@ def execute_failure(model_name: str, instance_name: str, exc: BaseException) -> 
     )
 
 
-def convert(model_name: str, requests: Sequence[InferRequest], result: Any, decoupled: bool) -> ServerResults:
-    """Check and convert execute's return value.
+def convert(
+    model_name: str,
+    requests: Sequence[InferRequest],
+    result: Any,
+    decoupled: bool,
+    instance_name: str = "",
+    wrapped: Sequence[Any] | None = None,
+) -> ServerResults:
+    """Check and convert execute's return value (``wrapped``: the ``pb_utils`` requests
+    ``execute`` received, when it ran in this process).
 
     :raises InferError: the return value is unusable for the whole batch (not a list, wrong
-        length, or not None in decoupled mode); every unanswered request gets the error.
+        length, not None in decoupled mode, or a response returned for a request whose sender
+        already sent one); every unanswered request gets the error.
     """
     if decoupled:
         if result is not None:
             raise InferError(
-                f"Python model '{model_name}' uses the decoupled transaction policy, so execute() must "
-                f"return None and answer through the response senders; it returned {type(result).__name__}",
+                f"Python model '{instance_name or model_name}' is using the decoupled mode and the execute "
+                f"function must return None. (It returned {type(result).__name__}; decoupled models answer "
+                "through the response senders.)",
                 ErrorCode.INTERNAL,
             )
         return None
     if result is None:
-        return None  # the core checks that every request was answered through its sender
-    if not isinstance(result, (list, tuple)):
+        result = [None] * len(requests)
+    elif not isinstance(result, (list, tuple)):
         raise InferError(
             f"Python model '{model_name}': execute() must return a list of pb_utils.InferenceResponse, "
             f"got {type(result).__name__}",
@@ -65,24 +78,55 @@ def convert(model_name: str, requests: Sequence[InferRequest], result: Any, deco
             ErrorCode.INTERNAL,
         )
     converted: list[InferResponse | InferError | None] = [_one(model_name, item) for item in result]
-    if all(item is not None for item in converted) and not any(r.final_sent for r in requests):
+    if all(item is not None for item in converted) and not any(r.sender_taken for r in requests):
         return converted  # type: ignore[return-value]
     for request, item in zip(requests, converted):
-        if request.final_sent:
-            if item is not None:
-                log.error("Python model '%s' returned a response for a request it had already answered "
-                          "through its response sender; the returned response is dropped", model_name)
-            continue
-        if item is None:
-            if request.rescheduled:  # set_release_flags(RESCHEDULE): it comes back in a later execute
-                continue
-            item = InferError(
-                f"Python model '{model_name}' returned None for a request it did not answer through "
-                "its response sender",
-                ErrorCode.INTERNAL,
-            )
-        request.response_sender().send(item, final=True)
+        if item is not None and request.sender_taken:
+            # as Triton's stub: a returned response is one more sent with the final flag, so
+            # after one sent through the sender it fails the batch
+            try:
+                check_one_response(request.response_sender().responses_sent, True, True)
+            except TritonModelException as exc:
+                raise execute_failure(model_name, instance_name or model_name, exc) from None
+    for index, (request, item) in enumerate(zip(requests, converted)):
+        if item is not None:
+            if not request.final_sent:
+                request.response_sender().send(item, final=True)
+        elif not request.final_sent and not request.rescheduled:
+            watch_unanswered(model_name, request, wrapped[index] if wrapped is not None else None)
     return None
+
+
+def watch_unanswered(model_name: str, request: InferRequest, wrapper: Any) -> None:
+    """A request execute left unanswered (``None`` in its place, or ``None`` returned): the
+    model may answer it later through its response sender, from any thread (Triton >= 2.47).
+    Once the model holds neither the request nor its sender (both garbage), nobody can:
+    it is then ended, with the response already sent, or with an error. (Triton leaves such
+    a request open for ever.)"""
+    if wrapper is None:  # no pb_utils request to watch (process mode): fail it now
+        _release(model_name, request)
+        return
+    sender = wrapper.get_response_sender()  # also tells the core the request is answered later
+    weakref.finalize(sender, _release, model_name, request)
+
+
+def _release(model_name: str, request: InferRequest) -> None:
+    if request.final_sent:
+        return
+    sender = request.response_sender()
+    try:
+        if sender.responses_sent:
+            log.warning("Python model '%s' released a request after sending its response without the final "
+                        "flag; ending it", model_name)
+            sender.send(None, final=True)
+        else:
+            sender.send(InferError(
+                f"Python model '{model_name}' returned None for a request and released it without sending "
+                "a response through its response sender",
+                ErrorCode.INTERNAL,
+            ), final=True)
+    except InferError:
+        pass  # answered meanwhile
 
 
 def _one(model_name: str, item: Any) -> InferResponse | InferError | None:

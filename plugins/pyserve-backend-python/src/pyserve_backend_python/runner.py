@@ -154,7 +154,8 @@ class ThreadRunner:
     def execute(self, requests: Sequence[InferRequest]) -> results.ServerResults:
         model = self._model
         wrap = InferenceRequest._from_server
-        wrapped = [wrap(request) for request in requests]
+        decoupled = self._decoupled
+        wrapped = [wrap(request, decoupled) for request in requests]
         token = context.enter(model)
         compute_start = time.monotonic_ns()
         try:
@@ -173,7 +174,7 @@ class ThreadRunner:
         finally:
             context.leave(token)
         _report_compute(requests, compute_start, time.monotonic_ns())
-        return results.convert(model.name, requests, outcome, self._decoupled)
+        return results.convert(model.name, requests, outcome, decoupled, self._instance.name, wrapped)
 
     def _async_done(self, future: concurrent.futures.Future[Any], requests: Sequence[InferRequest]) -> None:
         """A decoupled ``async def execute`` finished: answer what it left unanswered on failure."""
@@ -189,7 +190,7 @@ class ThreadRunner:
             error = results.execute_failure(self._model.name, self._instance.name, exc)
         else:
             try:
-                results.convert(self._model.name, requests, future.result(), True)
+                results.convert(self._model.name, requests, future.result(), True, self._instance.name)
             except InferError as exc:
                 error = exc
         if error is None:

@@ -260,6 +260,7 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
         request._trace = InferenceTrace(meta.get("trace_context"))
         request._parameters = meta["parameters"]
         request._server_request = WorkerRequest(meta["key"])  # type: ignore[assignment]  # duck-typed server request
+        request._decoupled = True  # only decoupled models have response senders in a worker
         request._sender = None
         request._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         return request
@@ -290,8 +291,13 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
         if not spec.get("decoupled"):
             for meta in metas:
                 cancelled.discard(meta["key"])
-        if outcome is None and spec.get("decoupled"):
-            return ("results", "", 0, None)  # the responses go through the response senders
+        if spec.get("decoupled"):
+            if outcome is None:
+                return ("results", "", 0, None)  # the responses go through the response senders
+            try:
+                results.convert(name, [], outcome, True, instance_name)
+            except InferError as exc:
+                return ("batch_error", exc.message, int(exc.code))
         if not isinstance(outcome, (list, tuple)):
             return ("batch_error", f"Python model '{name}': execute() must return a list of "
                     f"pb_utils.InferenceResponse, got {type(outcome).__name__}", int(ErrorCode.INTERNAL))
