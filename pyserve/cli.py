@@ -654,6 +654,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None and args.command == "run":
+        # Model code sees no command-line arguments, as in Triton's Python-backend stub: a
+        # model's unittest.main("model", exit=False) must not read the server's flags.
+        del sys.argv[1:]
     handlers = {"run": cmd_run, "validate": cmd_validate, "backends": cmd_backends, "new-backend": cmd_new_backend,
                 "bench": cmd_bench, "ray-deploy": cmd_ray_deploy}
     return handlers[args.command](args)

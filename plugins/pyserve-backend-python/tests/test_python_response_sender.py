@@ -92,9 +92,9 @@ class TritonPythonModel:
             elif mode == "final_first":         # the final flag before any response
                 sender.send(flags=FINAL)
             elif mode == "after_return":
-                later(lambda: sender.send(resp("late"), flags=FINAL))
+                later(lambda sender=sender, resp=resp: sender.send(resp("late"), flags=FINAL))
             elif mode == "after_return_two_calls":
-                later(lambda: (sender.send(resp("late")), sender.send(flags=FINAL)))
+                later(lambda sender=sender, resp=resp: (sender.send(resp("late")), sender.send(flags=FINAL)))
             elif mode == "after_final":
                 sender.send(resp("r1"), flags=FINAL)
                 noting(lambda: sender.send(resp("r2")))
@@ -105,7 +105,7 @@ class TritonPythonModel:
                 sender.send(resp("r1"), flags=FINAL)
                 returned = resp("returned")
             elif mode == "returned_and_after":
-                later(lambda: sender.send(resp("late"), flags=FINAL))
+                later(lambda sender=sender, resp=resp: sender.send(resp("late"), flags=FINAL))
                 returned = resp("returned")
             elif mode == "released":            # nothing sent, nothing kept
                 del sender

@@ -9,7 +9,8 @@ find the files next to model.py. While the file runs
 directory are at the front of ``sys.path``, as Triton's stub puts them, so the model can
 import helper modules that sit next to it. Helper modules imported from the model directory
 are then taken out of ``sys.modules`` again, so another model's ``utils.py`` does not resolve
-to this one's; the model keeps its references to them.
+to this one's; the model keeps its references to them. The model's own file is importable by
+its name at any time (``import model``, as Triton's test models use it): see ``alias``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 from types import ModuleType
 
 from pyserve import ModelContext
+
+from pyserve_backend_python import alias
 
 DEFAULT_MODEL_FILENAME = "model.py"
 MODEL_CLASS = "TritonPythonModel"
@@ -109,6 +112,7 @@ def load_module(model: ModelContext) -> ModuleType:
     if not isinstance(getattr(module, MODEL_CLASS, None), type):
         unload_module(module)
         raise PythonModelError(f"'{path.name}' of model '{model.name}' defines no class '{MODEL_CLASS}'")
+    alias.register(model, module)
     return module
 
 
@@ -117,6 +121,7 @@ def unload_module(module: ModuleType) -> None:
     package_name = module.__name__.rpartition(".")[0]
     if not package_name.startswith(_PREFIX):
         return
+    alias.forget(module)
     names = list(sys.modules)  # one copy: other threads may import meanwhile
     for name in names:
         if name == package_name or name.startswith(package_name + "."):

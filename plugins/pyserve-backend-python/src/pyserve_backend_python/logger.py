@@ -12,6 +12,8 @@ import enum
 import json
 import logging
 
+from pyserve_backend_python import arguments
+
 _log = logging.getLogger("pyserve.python_model")
 
 
@@ -44,6 +46,9 @@ _TO_LOGGING = {
 }
 
 
+_Level = LogLevel  # for annotations inside Logger, whose ``LogLevel`` attribute shadows the class
+
+
 class Logger:
     """Static logging methods (``pb_utils.Logger.log_info("...")``); also usable on an instance."""
 
@@ -54,26 +59,36 @@ class Logger:
     VERBOSE = LogLevel.VERBOSE
 
     @staticmethod
-    def log(message: str, level: int = LogLevel.INFO) -> None:
-        """Log ``message`` at ``level``."""
-        _log.log(_TO_LOGGING.get(LogLevel(level), logging.INFO), "%s", _Quoted(message), stacklevel=2)
+    def log(message: str, level: _Level = LogLevel.INFO) -> None:
+        """Log ``message`` at ``level`` (a ``Logger.LogLevel``).
+
+        :raises TypeError: ``message`` is not a str, or ``level`` not a ``LogLevel`` (as
+            Triton's binding: a plain int is refused).
+        """
+        if not isinstance(level, LogLevel):
+            raise TypeError(f"level must be a pb_utils.LogLevel, got {type(level).__name__}")
+        _log.log(_TO_LOGGING[level], "%s", _Quoted(_message(message)), stacklevel=2)
 
     @staticmethod
     def log_info(message: str) -> None:
-        """Log at INFO."""
-        _log.info("%s", _Quoted(message), stacklevel=2)
+        """Log at INFO. :raises TypeError: ``message`` is not a str."""
+        _log.info("%s", _Quoted(_message(message)), stacklevel=2)
 
     @staticmethod
     def log_warn(message: str) -> None:
-        """Log at WARNING."""
-        _log.warning("%s", _Quoted(message), stacklevel=2)
+        """Log at WARNING. :raises TypeError: ``message`` is not a str."""
+        _log.warning("%s", _Quoted(_message(message)), stacklevel=2)
 
     @staticmethod
     def log_error(message: str) -> None:
-        """Log at ERROR."""
-        _log.error("%s", _Quoted(message), stacklevel=2)
+        """Log at ERROR. :raises TypeError: ``message`` is not a str."""
+        _log.error("%s", _Quoted(_message(message)), stacklevel=2)
 
     @staticmethod
     def log_verbose(message: str) -> None:
-        """Log at VERBOSE (``logging.DEBUG``)."""
-        _log.debug("%s", _Quoted(message), stacklevel=2)
+        """Log at VERBOSE (``logging.DEBUG``). :raises TypeError: ``message`` is not a str."""
+        _log.debug("%s", _Quoted(_message(message)), stacklevel=2)
+
+
+def _message(message: object) -> str:
+    return arguments.text(message, "the log message")

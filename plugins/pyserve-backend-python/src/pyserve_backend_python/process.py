@@ -293,6 +293,7 @@ _ENVIRONMENT_BOOTSTRAP = """\
 import site, sys
 from multiprocessing.connection import Connection
 conn = Connection(int(sys.argv[1]))
+del sys.argv[1:]  # model code sees no arguments, as in Triton's stub
 site_dirs, paths, spec, prefix = conn.recv()
 for directory in site_dirs:  # after the environment's own packages, with their .pth files
     if directory not in sys.path:
@@ -776,11 +777,19 @@ def _code(value: int) -> ErrorCode:
         return ErrorCode.INTERNAL
 
 
+class _ModelStub(SimpleNamespace):
+    """A ``SimpleNamespace`` that can be weakly referenced and hashed by identity (``alias``
+    keys a ``WeakKeyDictionary`` on the model)."""
+
+    __hash__ = object.__hash__  # type: ignore[assignment]
+    __eq__ = object.__eq__
+
+
 def model_stub(spec: dict[str, Any]) -> SimpleNamespace:
     """What ``loader`` needs of a ``ModelContext``, rebuilt in the worker."""
     from pathlib import Path
 
-    return SimpleNamespace(
+    return _ModelStub(
         name=spec["name"], version=spec["version"], path=Path(spec["path"]),
         version_path=Path(spec["version_path"]),
         config=SimpleNamespace(default_model_filename=spec["default_model_filename"]), server=None,

@@ -11,6 +11,7 @@ from typing import Any
 from pyserve import InferError, InferRequest
 from pyserve.tracing import traceparent_of
 
+from pyserve_backend_python import arguments
 from pyserve_backend_python.constants import (
     TRITONSERVER_MEMORY_CPU,
     TRITONSERVER_REQUEST_RELEASE_ALL,
@@ -86,22 +87,22 @@ class InferenceRequest:
         trace: InferenceTrace | None = None,
         parameters: Mapping[str, Any] | str | None = None,
     ) -> None:
-        tensors = list(inputs)
+        tensors = arguments.sequence(inputs, "InferenceRequest inputs")
         for tensor in tensors:
             if not isinstance(tensor, Tensor):
                 raise TritonModelException(
                     f"InferenceRequest inputs must be pb_utils.Tensor objects, got {type(tensor).__name__}"
                 )
         if not isinstance(correlation_id, (int, str)):
-            raise TritonModelException("correlation_id must be an int or a str")
-        self._model_name = str(model_name)
-        self._model_version = int(model_version)
+            raise TypeError(f"correlation_id must be an int or a str, got {type(correlation_id).__name__}")
+        self._model_name = arguments.text(model_name, "model_name")
+        self._model_version = arguments.integer(model_version, "model_version")
         self._inputs = tensors
-        self._requested_output_names = tuple(str(name) for name in requested_output_names)
-        self._request_id = str(request_id)
+        self._requested_output_names = arguments.texts(requested_output_names, "requested_output_names")
+        self._request_id = arguments.text(request_id, "request_id")
         self._correlation_id = correlation_id
-        self._flags = int(flags)
-        self._timeout = int(timeout)
+        self._flags = arguments.integer(flags, "flags")
+        self._timeout = arguments.integer(timeout, "timeout")
         self._preferred_memory: PreferredMemory | None = preferred_memory or PreferredMemory()
         self._trace: InferenceTrace | None = trace or InferenceTrace()
         self._parameters = parse_parameters(parameters, "request")

@@ -11,6 +11,7 @@ from typing import Any
 from pyserve import InferError, InferRequest, InferResponse
 from pyserve.inference import BackendResponseSender
 
+from pyserve_backend_python import arguments
 from pyserve_backend_python.constants import TRITONSERVER_RESPONSE_COMPLETE_FINAL
 from pyserve_backend_python.errors import TritonError, TritonModelException, as_triton_error
 from pyserve_backend_python.tensor import Tensor, output_array, server_array
@@ -52,11 +53,11 @@ class InferenceResponse:
 
     def __init__(
         self,
-        output_tensors: Iterable[Tensor] | None = None,
+        output_tensors: Iterable[Tensor] = (),
         error: TritonError | str | None = None,
         parameters: Mapping[str, Any] | str | None = None,
     ) -> None:
-        tensors = list(output_tensors) if output_tensors is not None else []
+        tensors = arguments.sequence(output_tensors, "InferenceResponse output_tensors")
         for tensor in tensors:
             if not isinstance(tensor, Tensor):
                 raise TritonModelException(

@@ -193,7 +193,9 @@ class Tensor:
 
     def __init__(self, name: str, tensor: Any) -> None:
         if not isinstance(name, str):
-            raise TritonModelException(f"tensor name must be a str, got {type(name).__name__}")
+            raise TypeError(f"tensor name must be a str, got {type(name).__name__}")
+        if tensor is None:
+            raise TypeError(f"tensor '{name}': the data must be a numpy array, got None")
         array = tensor if isinstance(tensor, np.ndarray) else np.asarray(tensor)
         if array.dtype.kind in "SU":
             array = _as_object_bytes(array)
