@@ -199,8 +199,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                      help="backends do not complete model configs")
     run.add_argument("--exit-timeout-secs", type=float, default=30.0, metavar="SECS",
                      help="on SIGINT/SIGTERM, wait this long for in-flight requests (default 30)")
-    run.add_argument("--exit-on-error", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
-                     help="exit if any model fails to load (default false: serve the others)")
+    run.add_argument("--exit-on-error", type=_bool, nargs="?", const=True, default=True, metavar="BOOL",
+                     help="exit if any model fails to load at startup (default true, as Triton; "
+                          "false: serve the others)")
     run.add_argument("--backend-config", action="append", default=[], type=_backend_setting,
                      metavar="BACKEND,KEY=VALUE",
                      help="a setting passed to a backend (repeatable)")

@@ -219,6 +219,8 @@ class DataPlane:
         if self.tracing.active:  # the only cost of tracing while it is off
             self.tracing.begin(request)
         request.stats = model.stats  # counted from here on: a cache hit never reaches enqueue
+        if request.shm_regions is not None:  # in use until finished (unregistering them fails)
+            self.shared_memory.hold(request.shm_regions)
         cache = self.cache
         if cache is not None and cache_enabled(model) and cache.serve(request):
             self._open.add(request)  # answered from the cache: the scheduler is skipped
@@ -226,6 +228,7 @@ class DataPlane:
         try:
             model.enqueue(request)
         except InferError as exc:
+            self._let_go(request)
             return exc
         self._open.add(request)
         return None
@@ -236,10 +239,18 @@ class DataPlane:
         return len(self._open)
 
     def finished(self, request: InferRequest) -> None:
-        """A submitted request got its final response (or was abandoned); call on the loop."""
+        """A submitted request got its final response (or was abandoned); call on the loop.
+        Its shared-memory regions are no longer in use (its outputs are written by then)."""
         self._open.discard(request)
+        if request.shm_regions is not None:
+            self._let_go(request)
         if not self._open and self._idle is not None:
             self._idle.set()
+
+    def _let_go(self, request: InferRequest) -> None:
+        regions, request.shm_regions = request.shm_regions, None
+        if regions is not None:
+            self.shared_memory.let_go(regions)
 
     async def infer(self, model: ModelVersion, request: InferRequest) -> InferResponse | InferError:
         """Schedule a decoded request and wait for its single response.

@@ -121,6 +121,9 @@ class InferRequest:
         sets it to -1 before submitting the request.
     :ivar responses: how many responses were counted in ``response_stats`` so far.
     :ivar last_response_ns: when the last of those was sent (0 = none yet).
+    :ivar shm_regions: the shared-memory regions (``pyserve.shared_memory.Region``) its
+        tensors use, or None: they are in use (cannot be unregistered) from when the request is
+        submitted until it is finished (``DataPlane.submit`` / ``DataPlane.finished``).
     :ivar rescheduled: None unless the model runs iterative sequences (``sequence_batching {
         iterative_sequence: true }``); then False when an execute starts and True once the
         backend called ``reschedule()`` during it.
@@ -151,6 +154,7 @@ class InferRequest:
         "reply_ns",
         "rescheduled",
         "responses",
+        "shm_regions",
         "stats",
         "timeout_us",
         "trace",
@@ -200,6 +204,7 @@ class InferRequest:
         self.responses = 0
         self.last_response_ns = 0
         self.rescheduled: bool | None = None
+        self.shm_regions: list[Any] | None = None
 
     def __repr__(self) -> str:
         return f"InferRequest(model={self.model_name!r}, id={self.id!r}, inputs={list(self.inputs)})"

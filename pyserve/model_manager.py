@@ -174,6 +174,19 @@ class ModelManager(ModelControl):
                     return False
         return True
 
+    def startup_failures(self) -> list[str]:
+        """One line per model (version) that is not READY after the startup load, with its
+        reason, and per ``--load-model`` name the repositories lack (what ``all_ready`` and
+        ``missing_startup_models`` count)."""
+        lines = [f"  '{name}': not found in the model repositories" for name in self.missing_startup_models]
+        for name, record in sorted(self.records.items()):
+            if not record.versions:
+                lines.append(f"  '{name}': {record.reason or record.state.value}")
+            for number, v in sorted(record.versions.items()):
+                if v.state is not ModelState.READY and not (v.state is ModelState.UNAVAILABLE and v.reason == "unloaded"):
+                    lines.append(f"  '{name}' version {number}: {v.reason or v.state.value}")
+        return lines
+
     def index(self, ready_only: bool = False) -> list[dict[str, str]]:
         """The repository index: one entry per model version (or per model with no version),
         and, unless ``ready_only``, the name of every model on disk that was never loaded."""

@@ -76,9 +76,10 @@ def parse_restrictions(items: Iterable[str], *, grpc: bool = False) -> dict[str,
         for api in apis.split(","):
             api = api.strip()
             if api not in CATEGORIES:
-                raise RestrictionError(f"unknown restricted API category '{api}' (expected one of {', '.join(CATEGORIES)})")
+                raise RestrictionError(  # Triton's words first (its scripts grep them), then the choices
+                    f"unknown restricted api '{api}' (expected one of {', '.join(CATEGORIES)})")
             if api in result:
-                raise RestrictionError(f"restricted API category '{api}' is given more than once")
+                raise RestrictionError(f"api '{api}' can not be specified in multiple config groups")
             result[api] = Restriction(key, value)
     return result
 

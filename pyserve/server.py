@@ -75,7 +75,7 @@ class ServerOptions:
     server_id: str = "pyserve"
     exit_timeout_secs: float = 30.0
     auto_complete: bool = True
-    exit_on_error: bool = False
+    exit_on_error: bool = True
     backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     http_max_input_size: int = DEFAULT_MAX_INPUT_SIZE
     http_max_connections: int = 0  # --http-max-connections; 0: from the descriptor limit (pyserve.limits)
@@ -358,8 +358,10 @@ class Server:
         await loop.run_in_executor(None, self.models.load_all)
         self._log_model_table()
         if self.options.exit_on_error and (self.models.missing_startup_models or not self.models.all_ready()):
+            failures = self.models.startup_failures()
             await loop.run_in_executor(None, self.models.unload_all)
-            raise StartupError("failed to load all models (--exit-on-error)")
+            raise StartupError("failed to load all models (--exit-on-error true, the default; "
+                               "--exit-on-error false serves the others):\n" + "\n".join(failures))
         if self.options.max_tensor_elements:  # process-wide: validation has no per-server state
             self._saved_element_limit = validation.LIMITS.max_tensor_elements
             validation.LIMITS.max_tensor_elements = self.options.max_tensor_elements

@@ -36,9 +36,10 @@ check (while a request waits in a queue or runs, since inputs are views read by 
 or during an output copy) can still crash it. Only a client that can register regions, which is
 a local process sharing ``/dev/shm`` with the server, can do this, as with Triton.
 
-Lifetime: a request holds a reference to the ``Region`` (and its numpy views hold the
-mapping's buffer), so unregistering a region that a request is using only removes the
-name; the mapping itself is unmapped when the last request using it lets go of it.
+Lifetime: a region is in use from when a request naming it is submitted until that request
+is finished (its outputs written); unregistering it meanwhile fails, as in Triton 2.51 ("Cannot
+unregister shared memory region 'x', it is currently in use."). Numpy views of inputs keep the
+mapping's buffer alive, so the mapping is unmapped only when the last of them goes.
 """
 
 from __future__ import annotations
@@ -99,16 +100,20 @@ class Region(abc.ABC):
     def __init__(self, name: str, byte_size: int) -> None:
         self.name = name
         self.byte_size = byte_size
+        self.users = 0  # requests using it now (SharedMemoryManager.hold / let_go, under its lock)
 
     def check_window(self, offset: int, byte_size: int, what: str) -> None:
-        """Refuse an ``offset``/``byte_size`` pair that leaves the region.
+        """Refuse an ``offset``/``byte_size`` pair that leaves the region, in Triton's words
+        ("Invalid offset for shared memory region: 'r'", "Invalid offset + byte size for shared
+        memory region: 'r'"), then the numbers.
 
-        :raises InferError: INVALID_ARG naming ``what`` (the tensor) and the region.
+        :raises InferError: INVALID_ARG naming the region and ``what`` (the tensor).
         """
         if offset < 0 or byte_size < 0 or offset + byte_size > self.byte_size:
+            which = "offset" if offset < 0 or (offset > 0 and offset >= self.byte_size) else "offset + byte size"
             raise InferError.invalid(
-                f"{what}: shared memory offset {offset} and byte size {byte_size} exceed the "
-                f"{self.byte_size} byte(s) of region '{self.name}'"
+                f"Invalid {which} for shared memory region: '{self.name}' ({what}: offset {offset} and "
+                f"byte size {byte_size}; the region holds {self.byte_size} byte(s))"
             )
 
     def check_backing(self, offset: int, byte_size: int, what: str) -> None:
@@ -166,8 +171,8 @@ class SystemRegion(Region):
                 )
             if offset + byte_size > info.st_size:
                 raise InferError.invalid(
-                    f"failed to register shared memory region '{name}': offset {offset} plus byte size "
-                    f"{byte_size} exceeds the {info.st_size} byte(s) of shared memory object '{key}'"
+                    f"failed to register shared memory region '{name}': invalid args (offset {offset} plus "
+                    f"byte size {byte_size} exceeds the {info.st_size} byte(s) of shared memory object '{key}')"
                 )
             if offset + byte_size == 0:
                 self._view = memoryview(b"")
@@ -356,17 +361,48 @@ class SharedMemoryManager:
     def unregister(self, name: str = "", kind: str = "system") -> None:
         """Drop region ``name`` of ``kind`` (every region of that kind when ``name`` is empty).
 
-        Unknown names are not an error, as in Triton. Requests already holding the region keep
-        it mapped until they finish.
+        Unknown names are not an error, as in Triton. A region a request is using stays.
+
+        :raises InferError: INTERNAL, as Triton 2.51: "Cannot unregister shared memory region
+            'r', it is currently in use."; for all regions, "Failed to unregister the following
+            system shared memory regions: a ,b ," naming those in use (the others are gone).
         """
         with self._lock:
             if name:
                 region = self._regions.get(name)
                 if region is not None and region.kind == kind:
+                    if region.users:
+                        raise InferError(
+                            f"Cannot unregister shared memory region '{name}', it is currently in use.",
+                            ErrorCode.INTERNAL,
+                        )
                     del self._regions[name]
-            else:
-                for key in [k for k, r in self._regions.items() if r.kind == kind]:
+                return
+            busy = []
+            for key in sorted(k for k, r in self._regions.items() if r.kind == kind):
+                if self._regions[key].users:
+                    busy.append(key)
+                else:
                     del self._regions[key]
+        if busy:
+            label = "system" if kind == "system" else "cuda"
+            raise InferError(
+                f"Failed to unregister the following {label} shared memory regions: "
+                + "".join(f"{key} ," for key in busy),
+                ErrorCode.INTERNAL,
+            )
+
+    def hold(self, regions: list[Region]) -> None:
+        """Mark ``regions`` in use by one more request (``DataPlane.submit``)."""
+        with self._lock:
+            for region in regions:
+                region.users += 1
+
+    def let_go(self, regions: list[Region]) -> None:
+        """Undo ``hold`` for a request that finished (``DataPlane.finished``)."""
+        with self._lock:
+            for region in regions:
+                region.users -= 1
 
     def status(self, name: str = "", kind: str = "system") -> list[dict[str, Any]]:
         """Status entries of every region of ``kind``, or of region ``name``.
@@ -396,9 +432,12 @@ class SharedMemoryManager:
             raise InferError.not_found(f"{what}: Unable to find shared memory region: '{name}'")
         return region
 
-    def input_bytes(self, params: Any, what: str) -> memoryview | bytes:
-        """The bytes an input's shm parameters designate (``params`` maps key → value)."""
+    def input_bytes(self, params: Any, what: str, regions: list[Region] | None = None) -> memoryview | bytes:
+        """The bytes an input's shm parameters designate (``params`` maps key → value); the
+        region is appended to ``regions`` (the request's, see ``hold``)."""
         region, offset, byte_size = self._window(params, what)
+        if regions is not None:
+            regions.append(region)
         return region.read(offset, byte_size)
 
     def output_target(self, params: Any, what: str) -> ShmTarget:

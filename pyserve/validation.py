@@ -10,7 +10,7 @@ the input and the model.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -161,6 +161,37 @@ def encode_bytes_elements(array: np.ndarray) -> bytes:
     return b"".join(parts)
 
 
+def byte_size_mismatch(input_name: str, model_name: str, expected: int, got: int, detail: str) -> InferError:
+    """Triton's INVALID_ARG for input bytes that do not match the input's shape and datatype:
+    "input byte size mismatch for input 'X' for model 'm'. Expected 64, got 128", then
+    ``detail`` in parentheses (where the bytes came from)."""
+    return InferError.invalid(
+        f"input byte size mismatch for input '{input_name}' for model '{model_name}'. "
+        f"Expected {expected}, got {got} ({detail})"
+    )
+
+
+def missing_inputs(model_name: str, io: ModelIO, given: Iterable[str], missing: list[str]) -> InferError:
+    """Triton's INVALID_ARG for a request without all required inputs, word for word (scripts
+    match it): "expected 3 inputs but got 1 inputs for model 'm'. Got input(s) ['A'], but
+    missing required input(s) ['B','C']. Please provide all required input(s)."; with optional
+    inputs in the config, "expected number of inputs between 3 and 4 but got ...". The given
+    names are sorted, the missing ones in config order."""
+    names = sorted(given)
+    required = sum(1 for s in io.inputs.values() if not s.optional)
+    expected = (f"{required} inputs" if required == len(io.inputs)
+                else f"number of inputs between {required} and {len(io.inputs)}")
+    return InferError.invalid(
+        f"expected {expected} but got {len(names)} inputs for model '{model_name}'. "
+        f"Got input(s) {_name_list(names)}, but missing required input(s) {_name_list(missing)}. "
+        "Please provide all required input(s)."
+    )
+
+
+def _name_list(names: Iterable[str]) -> str:
+    return "[" + ",".join(f"'{name}'" for name in names) + "]"
+
+
 def finish_inputs(
     model_name: str, io: ModelIO, inputs: dict[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]
 ) -> int:
@@ -174,12 +205,7 @@ def finish_inputs(
     if len(inputs) != len(io.inputs):  # every given input is known: only then can one be missing
         missing = [n for n, s in io.inputs.items() if n not in inputs and not s.optional]
         if missing:
-            required = sum(1 for s in io.inputs.values() if not s.optional)
-            raise InferError.invalid(
-                f"expected {required} inputs but got {len(inputs)} inputs for model "
-                f"'{model_name}'. Got input(s) {sorted(inputs)}, but missing required input(s) {missing}. "
-                "Please provide all required input(s)."
-            )
+            raise missing_inputs(model_name, io, inputs, missing)
     batch = 1
     if io.batching and shapes:
         batch = -1

@@ -468,6 +468,42 @@ def test_model_config_name_picks_each_models_named_config(run_server: Any, tmp_p
         assert "--model-config-name must be a file name without '.pbtxt' (got '../h100')" in done.stderr
 
 
+FAILING_INIT = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("weights file is corrupt")
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def test_a_model_that_fails_to_load_stops_the_server_by_default(tmp_path: Path, run_server: Any) -> None:
+    """``--exit-on-error`` defaults to true, as Triton's: the server exits non-zero with the
+    model's error; ``--exit-on-error false`` serves the other models."""
+    repo = tmp_path / "repo"
+    write_model(repo, "broken", 'backend: "python"\nmax_batch_size: 0\n'
+                'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+                'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]\n', files={"1/model.py": FAILING_INIT})
+    write_model(repo, "fine", 'backend: "identity"\nmax_batch_size: 0\n'
+                'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+                'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]\n')
+    stopped = run_server("--model-repository", str(repo))
+    assert stopped.process.wait(120) == 1
+    stopped._reader.join(10)
+    assert "failed to load all models" in stopped.stderr
+    assert "'broken' version 1" in stopped.stderr and "weights file is corrupt" in stopped.stderr
+    assert stopped.port is None  # it never listened
+    serving = run_server("--model-repository", str(repo), "--exit-on-error", "false")
+    url = serving.wait_started(120)
+    with httpclient.InferenceServerClient(url) as client:
+        assert client.is_model_ready("fine") and not client.is_model_ready("broken")
+    assert serving.stop(EXIT_TIMEOUT + 30) == 0
+
+
 def test_strict_readiness_off_is_ready_with_a_failed_model(tmp_path: Path) -> None:
     from pyserve.testing import serve, write_model
 

@@ -422,7 +422,7 @@ def test_two_inputs_mixed_forms_refused(stub: service_pb2_grpc.GRPCInferenceServ
     request.raw_input_contents[0] = request.raw_input_contents[0][:-4]
     error = rpc_error(stub.ModelInfer, request)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "needs 64 byte(s)" in error.details() and "holds 60" in error.details()
+    assert "input byte size mismatch for input 'INPUT0' for model 'two'. Expected 64, got 60" in error.details()
 
 
 # -- ModelInfer: ids, parameters, outputs, classification ------------------------------------------
@@ -565,7 +565,9 @@ def test_errors_match_http(
 def test_no_inputs(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
     error = rpc_error(stub.ModelInfer, service_pb2.ModelInferRequest(model_name="echo"))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert error.details() == "the request for model 'echo' has no inputs"
+    assert error.details() == (  # Triton 2.51's text, which its scripts match
+        "expected 1 inputs but got 0 inputs for model 'echo'. Got input(s) [], but missing required "
+        "input(s) ['IN']. Please provide all required input(s).")
 
 
 def test_backend_exception_is_internal_and_server_keeps_serving(

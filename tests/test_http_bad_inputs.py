@@ -163,11 +163,14 @@ CASES: list[Case] = [
          "Request for unknown model: 'm' version 7 is not found", path="/v2/models/m/versions/7/infer"),
     # -- the set of inputs
     Case("missing-input", "only input A; B is required", body(A), 400,
-         "expected 2 inputs but got 1 inputs for model 'm'. Got input(s) ['A'], but missing required input(s) ['B']"),
+         "expected 2 inputs but got 1 inputs for model 'm'. Got input(s) ['A'], but missing required input(s) "
+         "['B']. Please provide all required input(s)."),
     Case("unexpected-input", "A, B and an input C the model does not have",
          body(A, B, {**A, "name": "C"}), 400, "unexpected inference input 'C' for model 'm'"),
     Case("duplicate-input", "input A twice", body(A, A, B), 400, "input 'A' is given more than once for model 'm'"),
-    Case("no-inputs", "'inputs' is an empty list", body(), 400, "request 'inputs' must be a non-empty list"),
+    Case("no-inputs", "'inputs' is an empty list", body(), 400,  # Triton's text, word for word
+         "expected 2 inputs but got 0 inputs for model 'm'. Got input(s) [], but missing required input(s) "
+         "['A','B']. Please provide all required input(s)."),
     Case("inputs-missing", "a JSON object without 'inputs'", b"{}", 400, "request 'inputs' must be a non-empty list"),
     Case("input-not-object", "'inputs' holds a number", orjson.dumps({"inputs": [1]}), 400,
          "each entry of 'inputs' must be a JSON object"),
@@ -200,15 +203,15 @@ CASES: list[Case] = [
     # -- declared sizes against what is sent (never allocated)
     binary_case("binary-size-too-small", "shape [4] FP32 with binary_data_size 12",
                 body(tensor("FP32", [4], binary_data_size=12)), f32_bytes(3), 400,
-                "input 'IN' has shape [4] of FP32, which needs 16 byte(s), but 'binary_data_size' is 12", "f32"),
+                "input byte size mismatch for input 'IN' for model 'f32'. Expected 16, got 12", "f32"),
     binary_case("binary-size-too-large", "shape [4] FP32 with binary_data_size 20",
                 body(tensor("FP32", [4], binary_data_size=20)), f32_bytes(5), 400,
-                "input 'IN' has shape [4] of FP32, which needs 16 byte(s), but 'binary_data_size' is 20", "f32"),
+                "input byte size mismatch for input 'IN' for model 'f32'. Expected 16, got 20", "f32"),
     Case("huge-shape-json", "shape [10^12] with 4 JSON values", body(tensor("FP32", [HUGE], [1, 2, 3, 4])), 400,
          "it holds 4 element(s) but the input shape [1000000000000] needs 1000000000000", model="f32"),
     binary_case("huge-shape-binary", "shape [10^12] FP32 with 16 binary bytes",
                 body(tensor("FP32", [HUGE], binary_data_size=16)), f32_bytes(4), 400,
-                "which needs 4000000000000 byte(s), but 'binary_data_size' is 16", "f32"),
+                "Expected 4000000000000, got 16 (shape [1000000000000] of FP32; 'binary_data_size' is 16)", "f32"),
     binary_case("huge-shape-bytes", "shape [10^12] BYTES with 16 binary bytes",
                 body(tensor("BYTES", [HUGE], binary_data_size=16)), bytes_element(b"abcdefghijkl"), 400,
                 "input 'IN' declares 1000000000000 BYTES element(s) but carries only 16 byte(s) of data", "s"),

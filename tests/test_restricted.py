@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import queue
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -171,11 +173,29 @@ def test_restriction_parsing() -> None:
     for bad in ("health", "health:k", "nope:k=v", ":k=v", "health:=v"):
         with pytest.raises(RestrictionError):
             parse_restrictions([bad])
-    with pytest.raises(RestrictionError, match="more than once"):
+    with pytest.raises(RestrictionError, match="api 'health' can not be specified in multiple config groups"):
         parse_restrictions(["health:a=1", "health:b=2"])
+    with pytest.raises(RestrictionError, match="unknown restricted api 'nope'"):
+        parse_restrictions(["nope:k=v"])
     assert http_category("GET", "/metrics") is None
     assert http_category("POST", "/v2/repository/models/x/load") == "model-repository"
     assert http_category("POST", "/v2/models/x/versions/2/generate_stream") == "inference"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["model-repository,health:k1=v1", "metadata,health:k2=v2"],
+     "api 'health' can not be specified in multiple config groups"),
+    (["model-reposit,health:k1=v1", "metadata,health:k2=v2"], "unknown restricted api 'model-reposit'"),
+])
+def test_bad_restrictions_stop_the_server_with_tritons_words(tmp_path: Path, flags: list[str], message: str) -> None:
+    """As Triton's L0_http script starts it: the server does not start, and says why."""
+    command = [sys.executable, "-m", "pyserve", "run", "--model-repository", str(tmp_path), "--http-port", "0",
+               "--grpc-port", "0", "--metrics-port", "0", "--http-address", "127.0.0.1"]
+    for flag in flags:
+        command.append(f"--http-restricted-api={flag}")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode != 0
+    assert message in done.stderr
 
 
 # -- limits ------------------------------------------------------------------------------------

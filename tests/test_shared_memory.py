@@ -43,11 +43,13 @@ output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ 2 ] } ]
 
 class AddSub(Backend):
     """``OUTPUT0 = INPUT0 + INPUT1``, ``OUTPUT1 = INPUT0 - INPUT1``; echoes BYTES; keeps the
-    last INPUT0 array it saw; sleeps ``delay_ms`` when asked."""
+    last INPUT0 array it saw; sleeps ``delay_ms`` when asked; with parameter ``hold``, waits
+    until ``release`` is set."""
 
     def __init__(self) -> None:
         self.last_input: np.ndarray | None = None
         self.started = threading.Event()
+        self.release = threading.Event()
 
     def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
         responses = []
@@ -57,6 +59,8 @@ class AddSub(Backend):
             delay = float(request.parameters.get("delay_ms", 0))
             if delay:
                 time.sleep(delay / 1000)
+            if request.parameters.get("hold"):
+                self.release.wait(60)
             if instance.model.name == "strings":
                 responses.append(InferResponse({"OUTPUT0": request.inputs["INPUT0"]}))
                 continue
@@ -222,9 +226,14 @@ def test_bad_requests_are_clear_400s(http: httpx.Client, regions: Any) -> None:
     unknown = http.post("/v2/models/addsub/infer", json=_infer_body({**region, "shared_memory_region": "nope"}))
     assert unknown.status_code == 404  # as Triton 2.51
     assert "Unable to find shared memory region: 'nope'" in unknown.json()["error"]
-    assert "exceed the 128 byte(s) of region 'r'" in error(_infer_body({**region, "shared_memory_offset": 100}))
-    assert "exceed" in error(_infer_body({**region, "shared_memory_byte_size": 1024}))
-    assert "needs 64 byte(s)" in error(_infer_body({**region, "shared_memory_byte_size": 32}))
+    # Triton's words first (its scripts match them), then the numbers
+    assert ("Invalid offset + byte size for shared memory region: 'r' (input 'INPUT0': offset 100 and byte size "
+            "64; the region holds 128 byte(s))") in error(_infer_body({**region, "shared_memory_offset": 100}))
+    assert "Invalid offset for shared memory region: 'r'" in error(_infer_body({**region, "shared_memory_offset": 128}))
+    assert "Invalid offset + byte size for shared memory region: 'r'" in error(
+        _infer_body({**region, "shared_memory_byte_size": 1024}))
+    assert "input byte size mismatch for input 'INPUT0' for model 'addsub'. Expected 64, got 32" in error(
+        _infer_body({**region, "shared_memory_byte_size": 32}))
     assert "non-negative integer" in error(_infer_body({**region, "shared_memory_offset": -4}))
     assert "'shared_memory_byte_size' is required" in error(_infer_body({"shared_memory_region": "r"}))
     assert "exactly one of" in error({"inputs": [
@@ -236,7 +245,8 @@ def test_bad_requests_are_clear_400s(http: httpx.Client, regions: Any) -> None:
         _infer_body(region, {**region, "classification": 2})
     )
     assert "should be at least 64 bytes" in error(_infer_body(region, {**region, "shared_memory_byte_size": 16}))
-    assert "exceed" in error(_infer_body(region, {**region, "shared_memory_offset": 96}))
+    assert "Invalid offset + byte size for shared memory region: 'r' (output 'OUTPUT0'" in error(
+        _infer_body(region, {**region, "shared_memory_offset": 96}))
 
     ok = http.post("/v2/models/addsub/infer", json=_infer_body(region, {**region, "shared_memory_offset": 64}))
     assert ok.status_code == 200, ok.text
@@ -254,7 +264,9 @@ def test_registration_errors(http: httpx.Client, regions: Any) -> None:
     again = register("a", {"key": key, "byte_size": 64})
     assert again.status_code == 400 and "already in manager" in again.json()["error"]
     too_big = register("b", {"key": key, "offset": 32, "byte_size": 64})
-    assert too_big.status_code == 400 and "exceeds the 64 byte(s)" in too_big.json()["error"]
+    assert too_big.status_code == 400
+    assert "failed to register shared memory region 'b': invalid args (offset 32 plus byte size 64 exceeds the 64 " \
+           "byte(s)" in too_big.json()["error"]
     for bad_key in ("../etc/passwd", "/a/b", "", "/"):
         response = register("c", {"key": bad_key, "byte_size": 8})
         assert response.status_code == 400, bad_key
@@ -287,7 +299,7 @@ def test_grpc_errors(server: ServerThread, regions: Any) -> None:
         with pytest.raises(InferenceServerException) as info:
             client.infer("addsub", [tensor, other])
         assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
-        assert "exceed the 64 byte(s) of region 'g'" in info.value.message()
+        assert "Invalid offset + byte size for shared memory region: 'g'" in info.value.message()
         with pytest.raises(InferenceServerException) as info:
             client.get_system_shared_memory_status("nope")
         assert info.value.status() == "StatusCode.NOT_FOUND"
@@ -296,37 +308,53 @@ def test_grpc_errors(server: ServerThread, regions: Any) -> None:
 
 
 def test_unregister_while_in_use(server: ServerThread, regions: Any, backend: AddSub) -> None:
+    """As Triton 2.51: a region a request is using cannot be unregistered (500, Triton's words),
+    neither by name nor with the others; once the request is done it can."""
     a, b = _data()
     in_handle, in_key = regions(128)
     out_handle, out_key = regions(64)
+    spare_handle, spare_key = regions(64)
     shm.set_shared_memory_region(in_handle, [a, b])
     client = httpclient.InferenceServerClient(server.url)
     try:
         client.register_system_shared_memory("in", in_key, 128)
         client.register_system_shared_memory("out", out_key, 64)
+        client.register_system_shared_memory("spare", spare_key, 64)
         inputs = [httpclient.InferInput("INPUT0", [16], "INT32"), httpclient.InferInput("INPUT1", [16], "INT32")]
         inputs[0].set_shared_memory("in", 64)
         inputs[1].set_shared_memory("in", 64, offset=64)
         output = httpclient.InferRequestedOutput("OUTPUT0")
         output.set_shared_memory("out", 64)
         outcome: dict[str, Any] = {}
+        backend.release.clear()
 
         def run() -> None:
             try:  # tritonclient.http clients are bound to the thread that made them
                 with httpclient.InferenceServerClient(server.url) as own:
-                    outcome["result"] = own.infer("addsub", inputs, outputs=[output], parameters={"delay_ms": 500})
+                    outcome["result"] = own.infer("addsub", inputs, outputs=[output], parameters={"hold": True})
             except Exception as exc:  # asserted below
                 outcome["error"] = exc
 
         thread = threading.Thread(target=run)
         thread.start()
-        assert backend.started.wait(10)
-        client.unregister_system_shared_memory()
-        assert client.get_system_shared_memory_status() == []
-        thread.join(20)
+        try:
+            assert backend.started.wait(30)
+            with pytest.raises(InferenceServerException) as every:
+                client.unregister_system_shared_memory()
+            assert every.value.status() == "500"
+            assert every.value.message() == (
+                "Failed to unregister the following system shared memory regions: in ,out ,")
+            with pytest.raises(InferenceServerException) as one:
+                client.unregister_system_shared_memory("out")
+            assert one.value.message() == "Cannot unregister shared memory region 'out', it is currently in use."
+            assert sorted(r["name"] for r in client.get_system_shared_memory_status()) == ["in", "out"]
+        finally:
+            backend.release.set()
+        thread.join(60)
         assert "error" not in outcome, outcome
         np.testing.assert_array_equal(shm.get_contents_as_numpy(out_handle, np.int32, [16]), a + b)
-        # the names are gone for new requests
+        client.unregister_system_shared_memory()  # the request is done: nothing holds them now
+        assert client.get_system_shared_memory_status() == []
         with pytest.raises(InferenceServerException, match="Unable to find shared memory region"):
             client.infer("addsub", inputs, outputs=[output])
         assert client.is_server_live()

@@ -19,13 +19,14 @@ from pyserve.inference import InferRequest, InferResponse, ParameterValue
 from pyserve.models import ModelVersion
 from pyserve.protocol import ModelInferRequest, ModelInferResponse
 from pyserve.repository import is_version_number
-from pyserve.shared_memory import SharedMemoryManager, ShmTarget, write_output
+from pyserve.shared_memory import Region, SharedMemoryManager, ShmTarget, write_output
 from pyserve.validation import (
     check_input,
     check_outputs_requested,
     decode_bytes_elements,
     element_count,
     encode_bytes_elements,
+    byte_size_mismatch,
     finish_inputs,
     parse_parameters,
 )
@@ -152,8 +153,7 @@ def decode_infer(
             f"for model '{name}'"
         )
     raw_index = 0
-    if not in_region and not io.has_no_required_inputs:
-        raise InferError.invalid(f"the request for model '{name}' has no inputs")
+    regions: list[Region] | None = None  # the shared-memory regions the request uses
     inputs: dict[str, np.ndarray] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for tensor, region in zip(tensors, in_region):
@@ -168,8 +168,10 @@ def decode_infer(
                 raise InferError.unsupported(f"{what}: shared memory is not enabled on this endpoint")
             if tensor.HasField("contents"):
                 raise InferError.invalid(f"{what}: contents must be empty when 'shared_memory_region' is used")
-            data = shm.input_bytes(parameters_dict(tensor.parameters), what)
-            array = _shm_input_array(data, spec, shape, what)
+            if regions is None:
+                regions = []
+            data = shm.input_bytes(parameters_dict(tensor.parameters), what, regions)
+            array = _shm_input_array(data, spec, shape, what, name)
         elif raw:
             if tensor.HasField("contents"):
                 raise InferError.invalid(
@@ -182,10 +184,9 @@ def decode_infer(
             else:
                 expected = count * dtype.itemsize
                 if len(data) != expected:
-                    raise InferError.invalid(
-                        f"input '{spec.name}' has shape {list(shape)} of {dtype.name}, which needs "
-                        f"{expected} byte(s), but its raw_input_contents holds {len(data)}"
-                    )
+                    raise byte_size_mismatch(spec.name, name, expected, len(data),
+                                             f"shape {list(shape)} of {dtype.name}; its raw_input_contents "
+                                             f"holds {len(data)} byte(s)")
                 array = np.frombuffer(data, dtype=dtype.dtype, count=count)
         else:
             array = _typed_contents(tensor, dtype, count, spec.name)
@@ -235,13 +236,17 @@ def decode_infer(
         timeout_us=options.timeout_us,
         batch_size=batch,
     )
+    if shm_outputs:
+        regions = (regions or []) + [target.region for target in shm_outputs.values()]
+    if regions:
+        request.shm_regions = regions
     return DecodedGrpcRequest(request, classification, shm_outputs)
 
 
-def _shm_input_array(data: Any, spec: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
+def _shm_input_array(data: Any, spec: Any, shape: tuple[int, ...], what: str, model: str) -> np.ndarray:
     from pyserve.http.codec import shm_input_array  # one implementation for both frontends
 
-    return shm_input_array(data, spec, shape, what)
+    return shm_input_array(data, spec, shape, what, model)
 
 
 def _typed_contents(tensor: Any, dtype: Any, count: int, name: str) -> np.ndarray:

@@ -20,13 +20,14 @@ from pyserve.errors import InferError
 from pyserve.inference import InferRequest, InferResponse
 from pyserve.model_config import ModelIO, TensorSpec
 from pyserve.models import ModelVersion
-from pyserve.shared_memory import SharedMemoryManager, ShmTarget, write_output
+from pyserve.shared_memory import Region, SharedMemoryManager, ShmTarget, write_output
 from pyserve.validation import (
     check_input,
     check_outputs_requested,
     decode_bytes_elements,
     element_count,
     encode_bytes_elements,
+    byte_size_mismatch,
     finish_inputs,
     parse_parameters,
 )
@@ -130,18 +131,19 @@ def _decode_header(
     if not isinstance(binary_default, bool):
         raise InferError.invalid("parameter 'binary_data_output' must be a boolean")
     raw_inputs = header.get("inputs", [] if io.has_no_required_inputs else None)
-    if not isinstance(raw_inputs, list) or not (raw_inputs or io.has_no_required_inputs):
+    if not isinstance(raw_inputs, list):  # an empty list: finish_inputs names what is missing
         raise InferError.invalid("request 'inputs' must be a non-empty list")
     inputs: dict[str, np.ndarray] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     offset = 0
+    regions: list[Region] = []  # the shared-memory regions the request uses
     for entry in raw_inputs:
         if not isinstance(entry, dict):
             raise InferError.invalid("each entry of 'inputs' must be a JSON object")
         spec, shape = check_input(name, io, entry.get("name"), entry.get("datatype"), entry.get("shape"))
         if spec.name in inputs:
             raise InferError.invalid(f"input '{spec.name}' is given more than once for model '{name}'")
-        array, offset = _decode_input(entry, spec, shape, binary, offset, name, shm)
+        array, offset = _decode_input(entry, spec, shape, binary, offset, name, shm, regions)
         inputs[spec.name] = array
         shapes[spec.name] = shape
     if offset != len(binary):
@@ -163,6 +165,11 @@ def _decode_header(
         timeout_us=options.timeout_us,
         batch_size=batch,
     )
+    for output in outputs.values():
+        if output.shm is not None:
+            regions.append(output.shm.region)
+    if regions:
+        request.shm_regions = regions
     return DecodedRequest(request, outputs)
 
 
@@ -174,6 +181,7 @@ def _decode_input(
     offset: int,
     model: str,
     shm: SharedMemoryManager | None = None,
+    regions: list[Region] | None = None,
 ) -> tuple[np.ndarray, int]:
     params = entry.get("parameters") or {}
     if not isinstance(params, dict):
@@ -189,7 +197,7 @@ def _decode_input(
         if shm is None:
             raise InferError.unsupported(f"input '{spec.name}': shared memory is not enabled on this endpoint")
         what = f"input '{spec.name}'"
-        return shm_input_array(shm.input_bytes(params, what), spec, shape, what), offset
+        return shm_input_array(shm.input_bytes(params, what, regions), spec, shape, what, model), offset
     if (size is not None) == has_data:
         raise InferError.invalid(
             f"input '{spec.name}' must have exactly one of 'data' or parameter 'binary_data_size'"
@@ -213,17 +221,15 @@ def _decode_input(
         else:
             expected = count * dtype.itemsize
             if size != expected:
-                raise InferError.invalid(
-                    f"input '{spec.name}' has shape {list(shape)} of {dtype.name}, which needs "
-                    f"{expected} byte(s), but 'binary_data_size' is {size}"
-                )
+                raise byte_size_mismatch(spec.name, model, expected, size,
+                                         f"shape {list(shape)} of {dtype.name}; 'binary_data_size' is {size}")
             array = np.frombuffer(chunk, dtype=dtype.dtype, count=count)
         return array.reshape(shape), end
     return _json_to_array(entry["data"], spec, shape, count, model), offset
 
 
 def shm_input_array(
-    data: memoryview | bytes, spec: TensorSpec, shape: tuple[int, ...], what: str
+    data: memoryview | bytes, spec: TensorSpec, shape: tuple[int, ...], what: str, model: str
 ) -> np.ndarray:
     """An input read from shared memory: a read-only view on the region (BYTES are split).
 
@@ -235,10 +241,8 @@ def shm_input_array(
         return decode_bytes_elements(data, count, spec.name).reshape(shape)
     expected = count * dtype.itemsize
     if len(data) != expected:
-        raise InferError.invalid(
-            f"{what} has shape {list(shape)} of {dtype.name}, which needs {expected} byte(s), but "
-            f"'shared_memory_byte_size' is {len(data)}"
-        )
+        raise byte_size_mismatch(spec.name, model, expected, len(data),
+                                 f"shape {list(shape)} of {dtype.name}; 'shared_memory_byte_size' is {len(data)}")
     array = np.frombuffer(data, dtype=dtype.dtype, count=count)
     array.flags.writeable = False
     return array.reshape(shape)

@@ -68,7 +68,10 @@ def extension_routes(dataplane: DataPlane, max_input_size: int) -> list[Route]:
             return _ok()
 
         async def unregister(request: Request) -> Response:
-            shm.unregister(request.path_params.get("region", ""), kind)
+            try:
+                shm.unregister(request.path_params.get("region", ""), kind)
+            except InferError as exc:  # a region a request is using
+                return error_response(exc)
             return _ok()
 
         return [

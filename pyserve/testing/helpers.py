@@ -66,7 +66,9 @@ def serve(
     :param backends: backend name → plugin object, registered as if installed.
     :param server_plugins: server-wide plugins (e.g. ``pyserve_execute`` wrappers).
     :param use_entry_points: also find installed backends and plugins by entry point.
-    :param options: any other ``pyserve.server.ServerOptions`` field.
+    :param options: any other ``pyserve.server.ServerOptions`` field. ``exit_on_error`` is
+        False unless given: tests look at models that fail to load (UNAVAILABLE with their
+        reason), where ``pyserve run``, as Triton, stops.
     :raises pyserve.server.StartupError: the server could not start.
     """
     from pyserve.plugins import PluginHost
@@ -81,6 +83,7 @@ def serve(
     options.setdefault("metrics_port", 0)
     if os.environ.get(LAYOUT_VARIABLE) == "default":
         default_layout(options)
+    options.setdefault("exit_on_error", False)
     settings = ServerOptions(model_repositories=[Path(r) for r in repositories], **options)
     thread = ServerThread(Server(settings, host))
     thread.start()

@@ -37,8 +37,10 @@ def write_python_model(repo: Path, name: str, config: str | None, model_py: str,
 
 
 def start(repo: Path, **options: object) -> ServerThread:
-    """A server with the python backend on free loopback ports (HTTP and gRPC)."""
+    """A server with the python backend on free loopback ports (HTTP and gRPC); models that
+    fail to load are served UNAVAILABLE (``exit_on_error`` False unless given)."""
     host = PluginHost(extra_backends={"python": pyserve_backend_python}, use_entry_points=False)
+    options.setdefault("exit_on_error", False)
     settings = ServerOptions(
         model_repositories=[repo], host="127.0.0.1", http_port=0, grpc_port=0, **options  # type: ignore[arg-type]
     )
