@@ -273,6 +273,14 @@ def _reserved_message(key: str, allow: frozenset[str]) -> str:
             f"starting with 'triton_' are allowed: {', '.join(allowed)} (got '{key}')")  # Triton's gRPC text
 
 
+def invalid_parameter(key: str, value: Any) -> InferError:
+    """Triton's INVALID_ARG for a parameter value that is no string, number or boolean."""
+    kind = "object" if isinstance(value, Mapping) else "array" if isinstance(value, list) else type(value).__name__
+    return InferError.invalid(
+        f"parameter '{key}' has invalid type. It should be either 'int', 'bool', or 'string'. (got {kind})"
+    )
+
+
 def parse_parameters(params: Mapping[str, Any], *, allow: frozenset[str] = frozenset()) -> RequestOptions:
     """Interpret request-level parameters as Triton does.
 
@@ -308,9 +316,7 @@ def parse_parameters(params: Mapping[str, Any], *, allow: frozenset[str] = froze
         elif isinstance(value, (bool, int, float, str)):
             options.custom[key] = value
         else:
-            raise InferError.invalid(
-                f"parameter '{key}' must be a string, number or boolean, not {type(value).__name__}"
-            )
+            raise invalid_parameter(key, value)
     if options.flags and options.correlation_id in (0, ""):
         raise InferError.invalid("sequence_start / sequence_end need a non-zero 'sequence_id'")
     return options

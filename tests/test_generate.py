@@ -88,6 +88,13 @@ MODELS = {
         input [ { name: "text_input" data_type: TYPE_STRING dims: [ -1 ] } ]
         output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
     """,
+    "fixed": """
+        backend: "identity"
+        max_batch_size: 8
+        input [ { name: "PROMPT" data_type: TYPE_STRING dims: [ 1 ] },
+                { name: "IDS" data_type: TYPE_INT32 dims: [ 2, -1 ] optional: true } ]
+        output [ { name: "PROMPT" data_type: TYPE_STRING dims: [ 1 ] } ]
+    """,
     "floats": """
         backend: "identity"
         max_batch_size: 0
@@ -194,13 +201,13 @@ def test_generate_extra_keys_become_parameters(http: httpx.Client) -> None:
     response = http.post("/v2/models/params/generate", json={"parameters": {"IN": [8, 9], "top_k": 2}})
     assert response.status_code == 200, response.text
     assert response.json()["OUT"] == [8, 9] and json.loads(response.json()["PARAMS"]) == {"top_k": 2}
-    response = http.post("/v2/models/params/generate", json={"IN": [1], "parameters": {"IN": 5}})
-    assert response.json()["OUT"] == 1  # the top-level input wins; the nested key stays a parameter
-    assert json.loads(response.json()["PARAMS"]) == {"IN": 5}
+    # an input given at the top and in 'parameters' is given twice (Triton 2.51's words)
+    assert_error(http.post("/v2/models/params/generate", json={"IN": [1], "parameters": {"IN": 5}}), 400,
+                 "Converting keyword: 'parameters': input 'IN' already exists in request")
     assert_error(http.post("/v2/models/params/generate", json={"IN": [1], "triton_x": True}), 400,
                  "parameter keys starting with 'triton_' are reserved: 'triton_x'")
     assert_error(http.post("/v2/models/params/generate", json={"IN": [1], "parameters": [1]}), 400,
-                 "'parameters' must be a JSON object")
+                 "Expected JSON object for keyword: 'parameters'")
     assert_error(http.post("/v2/models/params/generate", json={"IN": [1], "bad": [1, 2]}), 400)
 
 
@@ -223,6 +230,34 @@ def test_generate_on_decoupled_model_with_one_response(http: httpx.Client) -> No
 def test_generate_needs_exactly_one_response(http: httpx.Client, count: int) -> None:
     message = assert_error(http.post("/v2/models/square/generate", json={"IN": count}), 400)
     assert message.startswith(ONE_RESPONSE)
+
+
+def test_generate_shapes_values_as_triton(http: httpx.Client) -> None:
+    """Triton 2.51's shapes: the metadata shape (``-1`` first for a batching model) takes the
+    elements, fixed dims first, the innermost variable dim the rest, other variable dims 1."""
+    response = http.post("/v2/models/fixed/generate", json={"PROMPT": "hello"})  # dims [1], batching: [1, 1]
+    assert response.status_code == 200, response.text
+    assert response.json()["PROMPT"] == "hello"
+    assert http.post("/v2/models/fixed/generate", json={"PROMPT": ["hi"], "IDS": [1, 2, 3, 4]}).status_code == 200
+    two = http.post("/v2/models/fixed/generate", json={"PROMPT": ["a", "b"]})  # [2, 1]: a batch of two
+    assert two.status_code == 200 and two.json()["PROMPT"] == ["a", "b"]
+    assert "The schema can not convert input 'IDS' to tensor with proper shape" in assert_error(
+        http.post("/v2/models/fixed/generate", json={"PROMPT": "a", "IDS": [1, 2, 3]}), 400)
+
+
+def test_generate_type_errors_in_tritons_words(http: httpx.Client) -> None:
+    cases = [
+        ({"PROMPT": "a", "PARAMS": {"P": 1}},
+         "parameter 'PARAMS' has invalid type. It should be either 'int', 'bool', or 'string'."),
+        ({"PROMPT": "a", "parameters": {"nested": [1]}},
+         "Converting keyword: 'parameters': parameter 'nested' has invalid type."),
+        ({"PROMPT": {"USER": "a"}}, "attempt to access JSON non-string as string"),
+    ]
+    for body, message in cases:
+        for route in ("generate", "generate_stream"):  # refused before inference: plain JSON errors
+            assert message in assert_error(http.post(f"/v2/models/fixed/{route}", json=body), 400)
+    assert "input 'PROMPT' already exists in request" in assert_error(
+        http.post("/v2/models/fixed/generate", content=b'{"PROMPT": "a", "PROMPT": "b"}'), 400)
 
 
 def test_generate_errors(http: httpx.Client) -> None:

@@ -345,7 +345,7 @@ CASES: list[Case] = [
     Case("reserved-triton-parameter", "parameter triton_foo", body(A, B, parameters={"triton_foo": 1}), 400,
          "parameter keys starting with 'triton_' are reserved: 'triton_foo'"),
     Case("non-scalar-parameter", "parameter p: [1, 2]", body(A, B, parameters={"p": [1, 2]}), 400,
-         "parameter 'p' must be a string, number or boolean, not list"),
+         "parameter 'p' has invalid type. It should be either 'int', 'bool', or 'string'. (got array)"),
     Case("shared-memory-input", "an input naming an unregistered shared memory region",
          body(tensor("FP32", [1], shared_memory_region="r", shared_memory_byte_size=4)), 404,
          "input 'IN': Unable to find shared memory region: 'r'", model="f32"),

@@ -275,8 +275,10 @@ def _json_to_array(data: Any, spec: TensorSpec, shape: tuple[int, ...], count: i
     if dtype.name != "BOOL" and kind in "biuf" and _holds_bools(elements):  # numpy reads true as 1
         raise InferError.invalid(f"'data' of {dtype.name} input '{name}' must hold numbers, not true/false")
     if dtype.name == "BOOL":
-        if kind != "b":
-            raise InferError.invalid(f"'data' of BOOL input '{name}' must hold true/false values")
+        if kind != "b":  # Triton's words first (its scripts match them)
+            raise InferError.invalid(
+                f"attempt to access JSON non-boolean as boolean: 'data' of BOOL input '{name}' must hold "
+                "true/false values")
     elif dtype.dtype.kind in "iu":
         if kind not in "iu":
             # numpy infers float64 (or object) for integers beyond int64, e.g. large UINT64
@@ -306,7 +308,9 @@ def _json_to_bytes_array(elements: list[Any], name: str, shape: tuple[int, ...],
     out = np.empty(count, dtype=object)
     for i, item in enumerate(elements):
         if not isinstance(item, str):
-            raise InferError.invalid(f"'data' of BYTES input '{name}' must hold strings")
+            raise InferError.invalid(
+                "Unable to parse JSON bytes array: attempt to access JSON non-string as string: "
+                f"'data' of BYTES input '{name}' must hold strings")
         out[i] = item.encode("utf-8")
     return out.reshape(shape)
 

@@ -1,10 +1,10 @@
 """Triton's generate extension: ``/generate`` (one JSON object) and ``/generate_stream`` (SSE).
 
 The request body is a JSON object: each top-level key naming a model input becomes that
-input (a scalar → one element, a list → a 1-D tensor, with a batch dimension of 1 for
-batching models), and so does a key of the nested ``parameters`` object naming an input not
-given at the top (as Triton reads ``{"text_input": ..., "parameters": {"max_tokens": 5}}``);
-the other keys, ``id`` among them, become request parameters. Each response is a JSON object with ``model_name``, ``model_version``,
+input (a scalar → one element, a list → its elements, shaped as ``input_shape`` says), and so
+does a key of the nested ``parameters`` object (as Triton reads ``{"text_input": ...,
+"parameters": {"max_tokens": 5}}``); an input given twice is an error; the other keys, ``id``
+among them, become request parameters. Each response is a JSON object with ``model_name``, ``model_version``,
 ``id`` (when given) and one key per output — a single element as a scalar, otherwise a flat
 list. ``/generate_stream`` sends every response as a server-sent event ``data: <json>``;
 errors after the first event arrive as ``data: {"error": ...}``.
@@ -13,6 +13,7 @@ errors after the first event arrive as ``data: {"error": ...}``.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,47 +25,55 @@ from pyserve.errors import InferError
 from pyserve.http.codec import _json_to_array
 from pyserve.inference import InferRequest, InferResponse
 from pyserve.models import ModelVersion
-from pyserve.validation import check_input, finish_inputs, parse_parameters
+from pyserve.validation import check_input, finish_inputs, invalid_parameter, parse_parameters
 
 SSE_TYPE = "text/event-stream; charset=utf-8"
 
 
-def decode_generate(body: bytes | bytearray, model: ModelVersion) -> InferRequest:
-    """Map a generate body onto the model's inputs and parameters.
+class _Object(list):
+    """A JSON object as its (key, value) pairs in order, so that repeated keys are seen."""
 
-    :raises InferError: not a JSON object, a value that does not fit its input, a missing input.
+
+def _load(body: bytes | bytearray) -> Any:
+    try:
+        return json.loads(body, object_pairs_hook=_Object) if body.strip() else _Object()
+    except (ValueError, RecursionError) as exc:
+        raise InferError.invalid(f"failed to parse the request JSON buffer: {exc}") from None
+
+
+def decode_generate(body: bytes | bytearray, model: ModelVersion) -> InferRequest:
+    """Map a generate body onto the model's inputs and parameters, in body order, as Triton 2.51
+    does: a key naming an input becomes it (shaped by ``input_shape``), any other key a request
+    parameter (a string, number or boolean), and the keys of a nested ``parameters`` object
+    likewise, their errors prefixed with "Converting keyword: 'parameters': ".
+
+    :raises InferError: not a JSON object, an input given twice, a value that does not fit its
+        input, a parameter of another type, a missing input.
     """
     io = model.io
     assert io is not None
-    try:
-        payload = orjson.loads(body) if body.strip() else {}
-    except orjson.JSONDecodeError as exc:
-        raise InferError.invalid(f"failed to parse the request JSON buffer: {exc}") from None
-    if not isinstance(payload, dict):
+    payload = _load(body)
+    if not isinstance(payload, _Object):
         raise InferError.invalid("the generate request body must be a JSON object")
-    request_id = payload.get("id", "")
-    if not isinstance(request_id, str):
-        raise InferError.invalid("request 'id' must be a string")
-    params: dict[str, Any] = {}
-    nested = payload.get("parameters", {})
-    if not isinstance(nested, dict):
-        raise InferError.invalid("'parameters' must be a JSON object")
     inputs: dict[str, np.ndarray] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    if request_id:
-        params["id"] = request_id  # Triton passes the id on as a parameter too
-    for key, value in payload.items():
-        if key in ("id", "parameters"):
+    params: dict[str, Any] = {}
+    request_id = ""
+    for key, value in payload:
+        if key == "parameters" and key not in io.inputs:
+            if not isinstance(value, _Object):
+                raise InferError.invalid("Expected JSON object for keyword: 'parameters'")
+            for inner, item in value:
+                try:
+                    _take(model, inner, item, inputs, shapes, params)
+                except InferError as exc:
+                    raise InferError(f"Converting keyword: 'parameters': {exc.message}", exc.code) from None
             continue
-        if key in io.inputs:
-            _add_input(model, key, value, inputs, shapes)
-        else:
-            params[key] = value
-    for key, value in nested.items():  # as Triton: a nested parameter naming an input feeds it
-        if key in io.inputs and key not in inputs:
-            _add_input(model, key, value, inputs, shapes)
-        else:
-            params[key] = value
+        if key == "id" and key not in io.inputs:
+            if not isinstance(value, str):
+                raise InferError.invalid("request 'id' must be a string")
+            request_id = value
+        _take(model, key, value, inputs, shapes, params)
     options = parse_parameters(params)
     batch = finish_inputs(model.name, io, inputs, shapes)
     return InferRequest(
@@ -82,17 +91,64 @@ def decode_generate(body: bytes | bytearray, model: ModelVersion) -> InferReques
     )
 
 
-def _add_input(model: ModelVersion, key: str, value: Any, inputs: dict[str, np.ndarray],
-               shapes: dict[str, tuple[int, ...]]) -> None:
-    """A JSON value as input ``key``: a scalar → one element, a list → a 1-D tensor (batch 1
-    in front for batching models)."""
+def _take(model: ModelVersion, key: str, value: Any, inputs: dict[str, np.ndarray],
+          shapes: dict[str, tuple[int, ...]], params: dict[str, Any]) -> None:
+    """One body key: an input of the model, else a request parameter (``id`` is both)."""
     io = model.io
     assert io is not None
+    if key not in io.inputs:
+        if isinstance(value, list) or value is None:  # an array, an object, null
+            raise invalid_parameter(key, dict(value) if isinstance(value, _Object) else value)
+        params[key] = value
+        return
+    if key in inputs:
+        raise InferError.invalid(f"input '{key}' already exists in request")
+    value = _plain_json(value)
     data = value if isinstance(value, list) else [value]
-    shape = [1, len(data)] if io.batching else [len(data)]
+    shape = input_shape(model, key, len(data))
     spec, checked = check_input(model.name, io, key, io.inputs[key].datatype.name, shape)
     inputs[key] = _json_to_array(data, spec, checked, len(data), model.name)
     shapes[key] = checked
+
+
+def _plain_json(value: Any) -> Any:
+    """``value`` with every ``_Object`` turned back into a dict (the last of repeated keys)."""
+    if isinstance(value, _Object):
+        return {k: _plain_json(v) for k, v in value}
+    if isinstance(value, list):
+        return [_plain_json(v) for v in value]
+    return value
+
+
+def input_shape(model: ModelVersion, key: str, count: int) -> list[int]:
+    """The shape of input ``key`` holding ``count`` elements, as Triton's generate endpoint
+    derives it from the input's metadata shape (``-1`` first for a batching model): each fixed
+    dimension takes its share of the elements, the innermost variable one what remains, any
+    other variable one 1 (so a batching model's ``dims: [1]`` gets ``[1, 1]``).
+
+    :raises InferError: the elements do not fill that shape.
+    """
+    io = model.io
+    assert io is not None
+    shape = ([-1] if io.batching else []) + list(io.inputs[key].dims)
+    remaining = count
+    for dim in reversed(shape):
+        if dim != -1:
+            if dim == 0 or remaining % dim:
+                remaining = -1
+                break
+            remaining //= dim
+    if remaining >= 0:
+        for index in range(len(shape) - 1, -1, -1):
+            if shape[index] == -1:
+                shape[index], remaining = remaining, 1
+    if remaining != 1:
+        raise InferError.invalid(
+            f"The schema can not convert input '{key}' to tensor with proper shape "
+            f"({count} element(s) for dims {list(io.inputs[key].dims)}"
+            f"{' after the batch dimension' if io.batching else ''})"
+        )
+    return shape
 
 
 def encode_generate(response: InferResponse, request: InferRequest, model: ModelVersion) -> dict[str, Any]:

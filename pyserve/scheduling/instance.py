@@ -252,8 +252,9 @@ def check_outputs(
     Lenient where Triton is (its Python backend sends what the model produced): a requested
     output the model did not produce is left out of the response, and an output of another
     numeric datatype is converted to the declared one when numpy can cast it within its kind
-    (e.g. float64 to FP32); each is logged once per model and output. An output that cannot be
-    converted (text for a number, floats for integers) fails the request.
+    (e.g. float64 to FP32), as is an empty one of any datatype (Triton's generate test model
+    answers ``np.array([])`` for a BYTES output); each is logged once per model and output. An
+    output that cannot be converted (text for a number, floats for integers) fails the request.
     """
     outputs: dict[str, np.ndarray] = {}
     produced = response.outputs
@@ -285,6 +286,8 @@ def check_outputs(
 
 def _converted(array: np.ndarray, datatype: datatypes.DataType) -> np.ndarray | None:
     target = datatype.dtype
+    if array.size == 0:  # no element to convert: an empty output of any type (e.g. np.array([]))
+        return np.empty(array.shape, dtype=target)
     if datatype.is_bytes or array.dtype == object or not np.can_cast(array.dtype, target, casting="same_kind"):
         return None
     if target.kind in "iu" and array.dtype.kind in "iu" and array.size:  # narrowing must not wrap
