@@ -357,3 +357,89 @@ def test_failed_ensemble_request_counts_no_execution(start_server: StartServer, 
     assert stats["inference_stats"]["fail"]["count"] == 1
     assert stats["inference_stats"]["success"]["count"] == 1
     assert [b["batch_size"] for b in stats["batch_stats"]] == [1]
+
+
+# -- optional inputs (Triton's L0_optional_input cases) -------------------------------------------
+
+
+OPTIONAL_PAIR = """
+backend: "identity"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] optional: true },
+        { name: "INPUT1" data_type: TYPE_FP32 dims: [ 2 ] optional: true } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2 ] },
+         { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 2 ] } ]
+"""
+
+OPTIONAL_IO = ('{ name: "A" data_type: TYPE_FP32 dims: [ 2 ] optional: true }, '
+               '{ name: "B" data_type: TYPE_FP32 dims: [ 2 ] optional: true }',
+               '{ name: "X" data_type: TYPE_FP32 dims: [ 2 ] }, { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] }')
+
+
+def _optional_infer(server: ServerThread, model: str, given: dict[str, np.ndarray], wanted: list[str]) -> dict:
+    inputs = []
+    for name, data in given.items():
+        tensor = httpclient.InferInput(name, [2], "FP32")
+        tensor.set_data_from_numpy(data)
+        inputs.append(tensor)
+    outputs = [httpclient.InferRequestedOutput(name) for name in wanted]
+    with httpclient.InferenceServerClient(server.url) as client:
+        result = client.infer(model, inputs, outputs=outputs)
+    return {o["name"]: result.as_numpy(o["name"]) for o in result.get_response()["outputs"]}
+
+
+def test_optional_ensemble_inputs_may_be_left_out(start_server: StartServer, make_repo: MakeRepo) -> None:
+    """As Triton: a left-out optional input, and a step output its step did not produce, are
+    there but empty; the steps reading them run without them."""
+    wrapper = ensemble(step("pair", {"INPUT0": "A", "INPUT1": "B"}, {"OUTPUT0": "X", "OUTPUT1": "Y"}), *OPTIONAL_IO)
+    # the second step reads only one tensor of the first (its other input is optional and unmapped)
+    pipeline = ensemble(
+        step("pair", {"INPUT0": "A", "INPUT1": "B"}, {"OUTPUT0": "mid"}) + ","
+        + step("pair", {"INPUT1": "mid"}, {"OUTPUT0": "X", "OUTPUT1": "Y"}), *OPTIONAL_IO)
+    server = start_server(make_repo({"pair": OPTIONAL_PAIR, "wrapper": wrapper, "pipeline": pipeline}))
+    ones, twos = np.ones(2, np.float32), np.full(2, 2, np.float32)
+    got = _optional_infer(server, "wrapper", {"B": twos}, ["Y"])
+    assert list(got) == ["Y"] and (got["Y"] == twos).all()
+    got = _optional_infer(server, "wrapper", {"A": ones}, ["X"])
+    assert (got["X"] == ones).all()
+    # the identity backend answers zeros for an output whose optional input was left out (Triton's)
+    got = _optional_infer(server, "pipeline", {"A": ones, "B": twos}, ["X", "Y"])
+    assert (got["X"] == 0).all() and (got["Y"] == ones).all()
+
+
+def test_an_unproduced_step_output_feeds_an_optional_input(start_server: StartServer, make_repo: MakeRepo) -> None:
+    """Triton's 'optional_connecting_tensor': the first step produces only some of the tensors
+    the second one reads; the second runs without the others."""
+    only_given = """
+backend: "only_given"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] optional: true },
+        { name: "INPUT1" data_type: TYPE_FP32 dims: [ 2 ] optional: true } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2 ] },
+         { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 2 ] } ]
+"""
+
+    class OnlyGiven(Backend):
+        """Echoes only the inputs it was given (as Triton's test model does)."""
+
+        def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[Any]:
+            return [InferResponse({f"OUTPUT{n[-1]}": a for n, a in r.inputs.items()}) for r in requests]
+
+    connecting = ensemble(
+        step("echo", {"INPUT0": "A", "INPUT1": "B"}, {"OUTPUT0": "m0", "OUTPUT1": "m1"}) + ","
+        + step("echo", {"INPUT0": "m0", "INPUT1": "m1"}, {"OUTPUT0": "X", "OUTPUT1": "Y"}), *OPTIONAL_IO)
+    server = start_server(make_repo({"echo": only_given, "connecting": connecting}),
+                          backends={"only_given": OnlyGiven()})
+    ones = np.ones(2, np.float32)
+    got = _optional_infer(server, "connecting", {"A": ones}, ["X"])
+    assert list(got) == ["X"] and (got["X"] == ones).all()
+
+
+def test_a_required_step_input_left_empty_fails_in_tritons_words(start_server: StartServer,
+                                                                 make_repo: MakeRepo) -> None:
+    needs_b = ensemble(step("ident", {"INPUT0": "A", "INPUT1": "B"}, {"OUTPUT0": "X", "OUTPUT1": "Y"}), *OPTIONAL_IO)
+    server = start_server(make_repo({"ident": identity(pair=True), "needs_b": needs_b}))
+    with pytest.raises(InferenceServerException) as caught:
+        _optional_infer(server, "needs_b", {"A": np.ones(2, np.float32)}, ["X"])
+    assert ("in ensemble 'needs_b', step 0 (model 'ident'): expected 2 inputs but got 1 inputs for model 'ident'. "
+            "Got input(s) ['INPUT0'], but missing required input(s) ['INPUT1']") in caught.value.message()

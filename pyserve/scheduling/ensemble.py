@@ -10,7 +10,9 @@ ensemble decoupled exactly when one of its steps is.
 starts as soon as all its input tensors exist, independent steps run concurrently on their
 models' own instances, and tensors pass between steps as the very arrays the previous step
 produced (no copies, no host round trip for device arrays). Only the steps the requested
-outputs need run.
+outputs need run. As in Triton, an optional ensemble input the request leaves out, and a step
+output its step does not produce, are there but empty (``ABSENT``): the steps reading them run
+without them (they must be optional there), and an empty requested output is left out.
 
 Decoupled steps (Triton's semantics): each response of a decoupled step starts a *wave*, its own
 copy of the tensors, that runs the steps downstream of it; every wave that completes the
@@ -42,9 +44,15 @@ from pyserve.errors import ErrorCode, InferError
 from pyserve.inference import FutureSender, InferRequest, InferResponse, RunningLoop, read_only
 from pyserve.model_config import ModelIO
 from pyserve.scheduling.instance import STOP, Batch, check_outputs
-from pyserve.validation import check_input
+from pyserve.validation import check_input, missing_inputs
 
 log = logging.getLogger("pyserve.scheduling")
+
+ABSENT: Any = type("Absent", (), {"__repr__": lambda self: "ABSENT", "__slots__": ()})()
+"""The value in a wave of a tensor that is there but empty (Triton's placeholder): an optional
+ensemble input the request left out, or a step output its step did not produce. A step that
+reads it runs without that input; a requested output that is ABSENT is left out of the
+response."""
 
 ModelLookup = Callable[[str, int | None], Any]
 """``lookup(name, version or None)`` → the READY ``ModelVersion``; raises ``InferError``."""
@@ -215,6 +223,7 @@ class EnsembleScheduler:
         self.io = io
         self.lookup = lookup
         self._plans: dict[tuple[str, ...], tuple[Step, ...]] = {}  # requested outputs -> steps to run
+        self.optional_inputs = tuple(name for name, spec in io.inputs.items() if spec.optional)
         self._running_loop = RunningLoop()  # no getpid system call per request
 
     def _loop(self) -> asyncio.AbstractEventLoop:
@@ -337,7 +346,10 @@ class _Run:
         self.streaming = False  # a decoupled step took part: responses are streamed
         self.durations = [0, 0, 0]  # the steps' compute input / infer / output ns
         self.start_ns = 0
-        self.root = _Wave(dict(request.inputs), set())
+        pool: dict[str, Any] = dict(request.inputs)
+        for name in scheduler.optional_inputs:  # as Triton: a left-out optional input is there, empty
+            pool.setdefault(name, ABSENT)
+        self.root = _Wave(pool, set())
 
     def start(self) -> None:
         """Start the steps the request's inputs feed (a loop callback)."""
@@ -373,9 +385,10 @@ class _Run:
                 updated = []
                 for step_output, tensor in call.step.outputs.items():
                     value = response.outputs.get(step_output)
-                    if value is not None:
-                        wave.pool[tensor] = value
-                        updated.append(tensor)
+                    # an output the step did not produce is there, empty (Triton): a step reading
+                    # it as an optional input runs without it
+                    wave.pool[tensor] = ABSENT if value is None else value
+                    updated.append(tensor)
                 self._advance(wave)
                 if not self.closed:
                     self._settle(wave, updated)
@@ -400,7 +413,9 @@ class _Run:
         if wave is not None and not wave.emitted and self.needed.issubset(wave.pool) \
                 and not self.needed.isdisjoint(updated):
             wave.emitted = True
-            response = InferResponse({name: wave.pool[name] for name in self.request.requested_outputs})
+            pool = wave.pool
+            response = InferResponse({name: pool[name] for name in self.request.requested_outputs
+                                      if pool[name] is not ABSENT})
         if response is not None:
             if self.calls and self.streaming:
                 checked = check_outputs(self.request, response, self.scheduler.io, self.scheduler.name)
@@ -452,15 +467,21 @@ class _Run:
         """
         io: ModelIO = model.io
         inputs = {}
-        batch = 1
+        parent = self.request
+        batch = parent.batch_size if io.batching else 1
         for step_input, tensor in step.inputs.items():
             array = pool[tensor]
+            if array is ABSENT:  # left out, as Triton does; the step model must take it as optional
+                continue
             _, shape = check_input(step.model_name, io, step_input, _datatype(array, io, step_input),
                                    list(array.shape))
             inputs[step_input] = read_only(array)  # a tensor may feed several steps
             if io.batching:
                 batch = shape[0]
-        parent = self.request
+        if len(inputs) != len(io.inputs):
+            missing = [name for name, spec in io.inputs.items() if name not in inputs and not spec.optional]
+            if missing:
+                raise missing_inputs(step.model_name, io, inputs, missing)
         return InferRequest(
             step.model_name,
             model.version,

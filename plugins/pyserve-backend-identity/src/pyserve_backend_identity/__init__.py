@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from pyserve import BackendContext, InferError, InferRequest, InferResponse, InstanceContext, ModelContext, hookimpl
 
 from pyserve_backend_identity.model import ExecuteSnapshot, ExecuteStats, IdentityModel
@@ -42,8 +44,9 @@ def pyserve_execute(
 ) -> list[InferResponse | InferError]:
     """Echo each request's inputs; sleep ``execute_delay_ms`` once for the whole batch.
 
-    :returns: one entry per request, in order: a response with the requested outputs, or an
-        ``INVALID_ARG`` error for a request lacking an input that a requested output needs.
+    :returns: one entry per request, in order: a response with the requested outputs (zeros
+        for one whose optional input was left out, as Triton's identity backend answers), or an
+        ``INVALID_ARG`` error for a request lacking another input that a requested output needs.
     """
     state: IdentityModel = instance.model.state
     if state.execute_delay_s:
@@ -63,9 +66,14 @@ def _echo(
             continue
         array = request.inputs.get(input_name)
         if array is None:
-            return InferError.invalid(
-                f"output '{output_name}' was requested but its input '{input_name}' was not given"
-            )
+            zero = state.absent.get(output_name)
+            if zero is None:
+                return InferError.invalid(
+                    f"output '{output_name}' was requested but its input '{input_name}' was not given"
+                )
+            dtype, dims = zero  # an optional input left out: zeros, as Triton's identity backend
+            shape = (request.batch_size, *dims) if state.batching else dims
+            array = np.full(shape, b"", dtype=object) if dtype.kind == "O" else np.zeros(shape, dtype=dtype)
         outputs[output_name] = array
     return InferResponse(outputs, parameters)
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pyserve import datatypes
 from pyserve.protocol import data_type_name
 
 EXECUTE_DELAY_PARAMETER = "execute_delay_ms"
@@ -69,12 +70,18 @@ class IdentityModel:
     :ivar execute_delay_s: seconds to sleep once per execute call.
     :ivar report_batch_size: whether responses carry the batch statistics.
     :ivar stats: the model's execute counters (shared by all its instances).
+    :ivar absent: output name → (numpy dtype, shape without the batch dimension) of the zero
+        tensor answered, as Triton's identity backend does, when the output is requested but
+        its input is optional and not given (the input's dims with -1 as 1).
+    :ivar batching: whether the model batches (the zero tensor then gets the batch dimension).
     """
 
     pairs: tuple[tuple[str, str], ...]
     execute_delay_s: float = 0.0
     report_batch_size: bool = False
     stats: ExecuteStats = field(default_factory=ExecuteStats, compare=False)
+    absent: Mapping[str, tuple[Any, tuple[int, ...]]] = field(default_factory=dict, compare=False)
+    batching: bool = False
 
     @classmethod
     def from_config(cls, config: Any, parameters: Mapping[str, str]) -> IdentityModel:
@@ -87,6 +94,8 @@ class IdentityModel:
             pairs=_pairs(config),
             execute_delay_s=_execute_delay_ms(parameters) / 1000.0,
             report_batch_size=_report_batch_size(parameters),
+            absent=_absent(config),
+            batching=config.max_batch_size > 0,
         )
 
 
@@ -101,6 +110,17 @@ def _pairs(config: Any) -> tuple[tuple[str, str], ...]:
     for source, target in zip(config.input, config.output):
         _check_pair(source, target)
     return tuple((source.name, target.name) for source, target in zip(config.input, config.output))
+
+
+def _absent(config: Any) -> dict[str, tuple[Any, tuple[int, ...]]]:
+    """The zero tensors of the outputs whose input is optional (see ``IdentityModel.absent``)."""
+    zeros = {}
+    for source, target in zip(config.input, config.output):
+        if source.optional:
+            dtype = datatypes.from_config_name(data_type_name(source.data_type))
+            if dtype is not None:
+                zeros[target.name] = (dtype.dtype, tuple(1 if d == -1 else int(d) for d in _backend_shape(source)))
+    return zeros
 
 
 def _check_pair(source: Any, target: Any) -> None:
