@@ -256,7 +256,7 @@ CASES: list[Case] = [
     Case("header-length-cuts-json", "Inference-Header-Content-Length ends inside the JSON", GOOD, 400,
          "failed to parse the request JSON buffer", headers={"Inference-Header-Content-Length": "10"}),
     Case("raw-binary-two-inputs", "a raw binary body (header length 0) to a model with two inputs",
-         f32_bytes(4), 400, "needs a model with exactly one input; model 'm' has 2",
+         f32_bytes(4), 400, "Raw request must only have 1 input (found 1) to be deduced but got 2 inputs in 'm' model configuration",
          headers={"Inference-Header-Content-Length": "0"}),
     Case("raw-binary-partial-element", "a raw binary body of 5 bytes to an FP32 model", b"12345", 400,
          "raw binary input of 5 byte(s) is not a whole number of FP32 elements", model="f32",

@@ -104,6 +104,20 @@ MODELS: dict[str, str] = {
         output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] },
                  { name: "OUTPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
     """,
+    "one_bytes": """
+        name: "one_bytes"
+        backend: "identity"
+        max_batch_size: 8
+        input [ { name: "IN" data_type: TYPE_STRING dims: [ 1 ] } ]
+        output [ { name: "OUT" data_type: TYPE_STRING dims: [ 1 ] } ]
+    """,
+    "two_var": """
+        name: "two_var"
+        backend: "identity"
+        max_batch_size: 0
+        input [ { name: "IN" data_type: TYPE_FP16 dims: [ -1, -1 ] } ]
+        output [ { name: "OUT" data_type: TYPE_FP16 dims: [ -1, -1 ] } ]
+    """,
     "fixed_nb": """
         name: "fixed_nb"
         backend: "identity"
@@ -846,6 +860,10 @@ def test_raw_binary_request(http: httpx.Client) -> None:
         ],
     }
     assert tail == data.tobytes()
+    # the same body chunk-encoded (httpx sends an iterator with Transfer-Encoding: chunked)
+    chunked = http.post("/v2/models/id_fp32/infer", content=iter([data[:3].tobytes(), data[3:].tobytes()]),
+                        headers={"Inference-Header-Content-Length": "0"})
+    assert split_binary(chunked) == (meta, tail)
     response = http.post(
         "/v2/models/fixed_nb/infer",
         content=data[:6].tobytes(),
@@ -860,12 +878,18 @@ def test_raw_binary_request(http: httpx.Client) -> None:
         headers={"Inference-Header-Content-Length": "0"},
     )
     assert_error(response, 400, "raw binary input has 5 element(s) but the input's dims need 6")
-    # a BYTES input takes the whole body as its single element
-    response = http.post(
-        "/v2/models/id_bytes/infer",
-        content=b"hello\x00world",
-        headers={"Inference-Header-Content-Length": "0"},
-    )
+    # a BYTES input of dims [1] takes the whole body as its single element; other dims are refused
+    # in Triton 2.51's words
+    raw = {"Inference-Header-Content-Length": "0"}
+    assert_error(http.post("/v2/models/id_bytes/infer", content=b"427", headers=raw), 400,
+                 "For BYTE datatype raw input 'IN', the model must have input shape [1] (it has [-1])")
+    assert_error(http.post("/v2/models/two_var/infer", content=np.ones(4, np.float16).tobytes(), headers=raw), 400,
+                 "The shape of the raw input 'IN' can not be deduced because there are more than one "
+                 "variable-sized dimension (dims [-1, -1])")
+    assert_error(http.post("/v2/models/two/infer", content=np.ones(16, np.int32).tobytes(), headers=raw), 400,
+                 "Raw request must only have 1 input (found 1) to be deduced but got 2 inputs in 'two' model "
+                 "configuration (a raw binary request, Inference-Header-Content-Length: 0, is the one input's bytes)")
+    response = http.post("/v2/models/one_bytes/infer", content=b"hello\x00world", headers=raw)
     meta, tail = split_binary(response)
     assert meta["outputs"] == [
         {"name": "OUT", "datatype": "BYTES", "shape": [1, 1], "parameters": {"binary_data_size": 15}}

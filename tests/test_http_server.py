@@ -277,6 +277,23 @@ def test_chunked_request_body(server: ServerThread) -> None:
         assert result["id"] == "chunky" and result["outputs"][0]["data"] == [float(i) for i in range(20)]
 
 
+def test_content_length_with_chunked_is_read_as_chunked_then_closed(server: ServerThread) -> None:
+    """RFC 9112 §6.3, as Triton reads it: Transfer-Encoding wins over Content-Length (here a
+    wrong one), and the connection closes after the answer, so nothing can be smuggled behind."""
+    body = _body("both", [1.0, 2.0])
+    framed = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    smuggled = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    with _connect(server) as sock:
+        reader = Reader(sock)
+        sock.sendall(b"POST /v2/models/ident/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n" + framed + smuggled)
+        status, headers, answer = reader.response()
+        assert status == 200, answer
+        assert orjson.loads(answer)["outputs"][0]["data"] == [1.0, 2.0]
+        assert headers["connection"] == "close"
+        assert reader.closed()  # the request after it was not answered
+
+
 def test_chunked_body_over_the_cap_is_refused(server: ServerThread) -> None:
     with _connect(server) as sock:
         reader = Reader(sock)

@@ -350,16 +350,25 @@ def _decode_raw_binary(body: bytes | bytearray, model: ModelVersion) -> DecodedR
     """Triton's raw binary request: the whole body is the single input's bytes, batch 1."""
     io = model.io
     assert io is not None
-    if len(io.inputs) != 1:
+    if len(io.inputs) != 1:  # Triton's words (its scripts match them), then what pyserve adds
         raise InferError.invalid(
-            f"a raw binary request (Inference-Header-Content-Length: 0) needs a model with exactly "
-            f"one input; model '{model.name}' has {len(io.inputs)}"
+            f"Raw request must only have 1 input (found 1) to be deduced but got {len(io.inputs)} inputs in "
+            f"'{model.name}' model configuration (a raw binary request, Inference-Header-Content-Length: 0, "
+            "is the one input's bytes)"
         )
     spec = next(iter(io.inputs.values()))
     dims = list(spec.dims)
+    variable = [i for i, d in enumerate(dims) if d == -1]
+    if len(variable) > 1:
+        raise InferError.invalid(
+            f"The shape of the raw input '{spec.name}' can not be deduced because there are more than one "
+            f"variable-sized dimension (dims {dims})"
+        )
     if spec.datatype.is_bytes:
-        if dims != [1] and dims != [-1]:
-            raise InferError.invalid("a raw binary BYTES input must have dims [1]")
+        if dims != [1]:  # one element: the whole body
+            raise InferError.invalid(
+                f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1] (it has {dims})"
+            )
         shape = [1]
         array = np.empty(1, dtype=object)
         array[0] = bytes(body)
@@ -368,11 +377,6 @@ def _decode_raw_binary(body: bytes | bytearray, model: ModelVersion) -> DecodedR
         if len(body) % itemsize:
             raise InferError.invalid(
                 f"raw binary input of {len(body)} byte(s) is not a whole number of {spec.datatype.name} elements"
-            )
-        variable = [i for i, d in enumerate(dims) if d == -1]
-        if len(variable) > 1:
-            raise InferError.invalid(
-                "a raw binary request needs an input with at most one variable dimension"
             )
         fixed = element_count([d for d in dims if d != -1])
         total = len(body) // itemsize

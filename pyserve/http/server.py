@@ -163,7 +163,12 @@ class HttpProtocol(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.activity_key = client_activity.connection_key()
-        self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
+        parser = httptools.HttpRequestParser(self)
+        # RFC 9112 §6.3: a request with both Transfer-Encoding and Content-Length is read by its
+        # Transfer-Encoding alone (as Triton reads it), and the connection closes after the answer
+        # (on_headers_complete), which leaves no room for request smuggling on this connection.
+        parser.set_dangerous_leniencies(lenient_chunked_length=True)
+        self.parser: httptools.HttpRequestParser | None = parser
         self.in_head = True  # the next bytes belong to a request line or headers
         self.head_room = MAX_HEAD_SIZE  # bytes the current request's head may still take
         self.pipeline: deque[_Request] = deque()
@@ -353,12 +358,20 @@ class HttpProtocol(asyncio.Protocol):
         request.method = parser.get_method().decode("ascii")
         request.http_version = parser.get_http_version()
         request.keep_alive = parser.should_keep_alive() and not self.server.shutting_down
+        coded = sized = False
         for name, value in request.headers:
             if name == b"expect" and value.lower() == b"100-continue":
                 request.expect_continue = True
-            elif name == b"transfer-encoding" and _unsupported_coding(value):
-                self._refuse_transfer_coding(request, value)
-                return
+            elif name == b"transfer-encoding":
+                if _unsupported_coding(value):
+                    self._refuse_transfer_coding(request, value)
+                    return
+                coded = True
+            elif name == b"content-length":
+                sized = True
+        if coded and sized:  # read as chunked (the parser ignores the length); then close (RFC 9112)
+            request.keep_alive = False
+            request.headers = [(n, v) for n, v in request.headers if n != b"content-length"]
         if request.method == "POST":
             request.target = self.server.infer_target(request.url)
         client_activity.request_from(self.activity_key, together=bool(self.pipeline))  # pipelined: not one at a time
