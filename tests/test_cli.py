@@ -504,6 +504,22 @@ def test_a_model_that_fails_to_load_stops_the_server_by_default(tmp_path: Path, 
     assert serving.stop(EXIT_TIMEOUT + 30) == 0
 
 
+def test_id_names_the_server_in_metadata_for_clients_that_check_for_triton(run_server: Any) -> None:
+    """Triton's client examples check ``server_metadata.name == "triton"``: ``--id triton``
+    makes pyserve answer so over HTTP and gRPC (the default name is ``pyserve``)."""
+    import tritonclient.grpc as grpcclient
+
+    server = run_server("--id", "triton", "--grpc-port", "0")
+    url = server.wait_started(120)
+    with httpclient.InferenceServerClient(url) as client:
+        assert client.get_server_metadata()["name"] == "triton"
+    grpc_port = next(int(m.group(1)) for line in server.lines
+                     if (m := re.search(r"Started GRPCInferenceService at \S+:(\d+)", line)))
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+        assert client.get_server_metadata().name == "triton"
+    assert server.stop(EXIT_TIMEOUT + 30) == 0
+
+
 def test_strict_readiness_off_is_ready_with_a_failed_model(tmp_path: Path) -> None:
     from pyserve.testing import serve, write_model
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import pyserve_backend_repeat
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from pyserve.server import ServerThread
 from pyserve.testing import serve, write_model
@@ -27,11 +28,9 @@ CONFIG = """
              { name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] } ]
 """
 
+NOT_DECOUPLED = CONFIG.replace("model_transaction_policy { decoupled: true }", "")
+
 BROKEN = {
-    "not_decoupled": (
-        CONFIG.replace("model_transaction_policy { decoupled: true }", ""),
-        "the repeat backend needs model_transaction_policy { decoupled: true }",
-    ),
     "no_idx": (
         CONFIG.replace('name: "IDX"', 'name: "INDEX"'),
         "the repeat backend needs the tensors ['IDX'] in the model config",
@@ -42,7 +41,8 @@ BROKEN = {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     repo = tmp_path_factory.mktemp("repeat")
-    for name, config in {"repeat": CONFIG, **{n: c for n, (c, _) in BROKEN.items()}}.items():
+    models = {"repeat": CONFIG, "not_decoupled": NOT_DECOUPLED, **{n: c for n, (c, _) in BROKEN.items()}}
+    for name, config in models.items():
         write_model(repo, name, config)
     with serve(repo, backends={"repeat": pyserve_backend_repeat}, use_entry_points=False) as thread:
         yield thread
@@ -154,3 +154,12 @@ def test_wrong_configs_make_the_model_unavailable(server: ServerThread, name: st
         index = {m.name: m for m in client.get_model_repository_index().models}
     assert index[name].state == "UNAVAILABLE"
     assert BROKEN[name][1] in index[name].reason
+
+
+def test_a_model_that_is_not_decoupled_answers_one_element_requests(server: ServerThread) -> None:
+    """As Triton's repeat backend: one response then the final flag alone make one answer."""
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        result = client.infer("not_decoupled", [tensor("IN", [7])])
+        assert result.as_numpy("OUT").tolist() == [7] and result.as_numpy("IDX").tolist() == [0]
+        with pytest.raises(InferenceServerException, match="expected a single response, got 2"):
+            client.infer("not_decoupled", [tensor("IN", [1, 2])])

@@ -1,8 +1,10 @@
 """pyserve's ``repeat`` backend: one response per element of ``IN``, with optional delays.
 
-A decoupled, module-style plugin. ``pyserve_execute`` hands each request to a sender thread
-and returns ``None`` at once, so the instance is free for the next request while responses
-are still being sent — which is what a decoupled model is for.
+A module-style plugin. ``pyserve_execute`` hands each request to a sender thread and returns
+``None`` at once, so the instance is free for the next request while responses are still
+being sent — which is what a decoupled model is for. As Triton's repeat backend, it also
+serves a model that is not decoupled: a request of one element then gets its one response
+(with more, the frontends fail it: "expected a single response, got N").
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pyserve import InferError, InferRequest, InferResponse, InstanceContext, ModelContext, hookimpl
+from pyserve.inference import BackendResponseSender
 
 REQUIRED_INPUTS = ("IN",)
 OUTPUTS = ("OUT", "IDX")
@@ -21,12 +24,10 @@ OUTPUTS = ("OUT", "IDX")
 
 @hookimpl
 def pyserve_model_create(model: ModelContext) -> None:
-    """Check that the model is decoupled and declares the tensors this backend uses.
+    """Check that the model declares the tensors this backend uses.
 
-    :raises ValueError: not decoupled, or ``IN`` / ``OUT`` / ``IDX`` missing.
+    :raises ValueError: ``IN`` / ``OUT`` / ``IDX`` missing.
     """
-    if not model.config.model_transaction_policy.decoupled:
-        raise ValueError("the repeat backend needs model_transaction_policy { decoupled: true }")
     inputs = {t.name for t in model.config.input}
     outputs = {t.name for t in model.config.output}
     missing = [n for n in REQUIRED_INPUTS if n not in inputs] + [n for n in OUTPUTS if n not in outputs]
@@ -36,15 +37,15 @@ def pyserve_model_create(model: ModelContext) -> None:
 
 @hookimpl
 def pyserve_execute(instance: InstanceContext, requests: Sequence[InferRequest]) -> None:
-    """Start sending each request's responses on its own thread; answer nothing here."""
+    """Start sending each request's responses on its own thread; answer nothing here (the
+    senders are taken here, so that the server knows the answers come later)."""
     for request in requests:
         threading.Thread(
-            target=_repeat, args=(request,), name=f"repeat-{instance.name}", daemon=True
+            target=_repeat, args=(request, request.response_sender()), name=f"repeat-{instance.name}", daemon=True
         ).start()
 
 
-def _repeat(request: InferRequest) -> None:
-    sender = request.response_sender()
+def _repeat(request: InferRequest, sender: BackendResponseSender) -> None:
     values = np.asarray(request.inputs["IN"]).reshape(-1)
     delays = request.inputs.get("DELAY")
     delays = np.asarray(delays).reshape(-1) if delays is not None else np.zeros(0, dtype=np.uint32)
