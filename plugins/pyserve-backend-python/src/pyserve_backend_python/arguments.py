@@ -46,6 +46,8 @@ def sequence(value: Any, what: str) -> list[Any]:
 
     :raises TypeError: ``None``, a ``str`` or anything that is not iterable.
     """
+    if type(value) is list or type(value) is tuple:  # the usual case, without the ABC check
+        return list(value)
     if value is None or isinstance(value, (str, bytes)):
         raise TypeError(f"{what} must be a list, got {type(value).__name__}")
     if not isinstance(value, Iterable):

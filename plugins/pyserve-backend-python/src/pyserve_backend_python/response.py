@@ -157,7 +157,7 @@ class InferenceResponseSender:
                 f"send() expects a pb_utils.InferenceResponse, got {type(response).__name__}"
             )
         sender = self._sender
-        if not self._decoupled:
+        if not self._decoupled and (response is None or sender.responses_sent):  # the first response passes
             check_one_response(sender.responses_sent, response is not None, final)
         try:
             sender.send(response.to_server() if response is not None else None, final)

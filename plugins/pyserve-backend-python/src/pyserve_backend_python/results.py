@@ -63,9 +63,12 @@ def convert(
                 ErrorCode.INTERNAL,
             )
         return None
-    if result is None:
-        result = [None] * len(requests)
-    elif not isinstance(result, (list, tuple)):
+    if result is None:  # every request left to its sender (usually answered already)
+        for index, request in enumerate(requests):
+            if not request.final_sent and not request.rescheduled:
+                watch_unanswered(model_name, request, wrapped[index] if wrapped is not None else None)
+        return None
+    if not isinstance(result, (list, tuple)):
         raise InferError(
             f"Python model '{model_name}': execute() must return a list of pb_utils.InferenceResponse, "
             f"got {type(result).__name__}",
