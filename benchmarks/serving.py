@@ -848,9 +848,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-batched", dest="batched", action="store_false",
                         help="skip pyserve-batched and triton-batched (the same model with dynamic_batching, "
                              "measured on the cells with more than one connection)")
+    parser.add_argument("--connections", default=None, metavar="LIST",
+                        help="measure only the cells with these connection counts, e.g. 1 or 8,32 (all)")
     args = parser.parse_args(argv)
     results = Results(startup_models=args.startup_models)
     cells = list(SERVING_CELLS)
+    if args.connections:
+        wanted = {int(n) for n in args.connections.split(",")}
+        cells = [c for c in cells if c.concurrency in wanted]
     missing = tools_missing(cells)
     if missing:
         results.notes.append("skipped (wrk or h2load not installed; apt-get install wrk nghttp2-client): "
