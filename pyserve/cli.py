@@ -507,19 +507,30 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
     if args.check:
         return _check_backends()
-    infos = PluginHost().installed()
+    host = PluginHost()
+    infos = host.installed()
+    plugins = host.installed_server_plugins()
     if args.json:
         print(json.dumps([
-            {"name": i.name, "distribution": i.distribution, "version": i.version,
-             "platforms": list(i.platforms), "entry_point": i.source}
-            for i in infos
+            *({"kind": "backend", "name": i.name, "distribution": i.distribution, "version": i.version,
+               "platforms": list(i.platforms), "entry_point": i.source} for i in infos),
+            *({"kind": "server_plugin", "name": p.name, "distribution": p.distribution, "version": p.version,
+               "platforms": [], "entry_point": p.source, "resolves_backends": p.resolves_backends,
+               "summary": p.summary} for p in plugins),
         ], indent=2))
         return 0
-    if not infos:
+    if not infos and not plugins:
         print("no backends installed (pip install pyserve-backend-<name>)")
         return 0
     rows = [[i.name, i.distribution, i.version, ", ".join(i.platforms) or "-"] for i in infos]
+    rows += [[f"{p.name} *", p.distribution, p.version, "-"] for p in plugins if p.resolves_backends]
     print(logs.table(["Backend", "Distribution", "Version", "Platforms"], rows))
+    for plugin in plugins:  # a resolver is asked first for every model's backend
+        summary = plugin.summary.rstrip(".") or "no summary"
+        if plugin.resolves_backends:
+            print(f"* {plugin.name}: {summary} (a server plugin, asked first for the backend of every model)")
+        else:
+            print(f"server plugin {plugin.name} ({plugin.distribution} {plugin.version}): {summary}")
     return 0
 
 

@@ -269,6 +269,24 @@ def test_backends_table_and_json() -> None:
     for info in infos.values():
         assert re.fullmatch(r"\d+(\.\d+)+.*", info["version"])
         assert isinstance(info["platforms"], list)
+    assert infos["identity"]["kind"] == "backend"
+
+
+def test_backends_lists_the_native_backend_plugin() -> None:
+    """pyserve-backend-native is a server plugin (it supplies the backend of models whose
+    libtriton_<name>.so it finds), not a named backend: it is listed, marked as such."""
+    pytest.importorskip("pyserve_backend_native", reason="pyserve-backend-native is not installed")
+    table = pyserve("backends")
+    assert table.returncode == 0, table.stderr
+    assert re.search(r"\|\s*native \*\s*\|\s*pyserve-backend-native\s*\|\s*\d+\.\d+", table.stdout), table.stdout
+    assert re.search(r"^\* native: .*libtriton_<name>\.so.*asked first", table.stdout, re.M), table.stdout
+    native = [i for i in json.loads(pyserve("backends", "--json").stdout) if i["name"] == "native"]
+    assert native == [{
+        "kind": "server_plugin", "name": "native", "distribution": "pyserve-backend-native",
+        "version": native[0]["version"], "platforms": [], "entry_point": "pyserve_backend_native:resolver",
+        "resolves_backends": True, "summary": native[0]["summary"],
+    }]
+    assert "libtriton_<name>.so" in native[0]["summary"]
 
 
 def test_run_with_port_in_use() -> None:
