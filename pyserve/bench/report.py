@@ -209,14 +209,14 @@ def write_json(path: Path, results: list[LevelResult], options: BenchOptions, no
 
 def check_plot(path: Path) -> None:
     """What ``--plot`` needs, checked before the run so that it does not fail after it:
-    matplotlib imports, and the file's folder exists.
+    the file's folder exists, and matplotlib imports.
 
-    :raises BenchError: matplotlib is not installed (or fails to import), or no such folder.
+    :raises BenchError: no such folder, or matplotlib is not installed (or fails to import).
     """
-    _pyplot()
     folder = path.parent
     if not folder.is_dir():
         raise BenchError(f"cannot write --plot file '{path}': folder '{folder}' does not exist")
+    _pyplot()
 
 
 def _pyplot() -> Any:
