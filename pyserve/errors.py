@@ -67,3 +67,12 @@ class InferError(Exception):
 
 class ModelConfigError(ValueError):
     """A model's configuration is invalid; the message names the file, line or field."""
+
+
+class ModelFileNotFound(FileNotFoundError, ValueError):  # noqa: N818 - named as what it reports
+    """A file a model needs (its weights, its model.py) is not there; the message names the file.
+
+    Backends raise it from their hooks: the model's unavailable reason is then the message
+    itself, not labelled as a failure of the step that looked for the file (auto-complete,
+    model creation). It is a ``ValueError`` too, for callers that catch those.
+    """

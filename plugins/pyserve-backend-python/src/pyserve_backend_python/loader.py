@@ -48,6 +48,25 @@ def model_file(model: ModelContext) -> Path:
     return model.version_path / (model.config.default_model_filename or DEFAULT_MODEL_FILENAME)
 
 
+def check_source(model: ModelContext, compile_it: bool = True) -> list[str]:
+    """What keeps the model file of a version from importing, found without running it: the
+    file is missing, or (``compile_it``) it does not compile. One line per problem, naming the
+    file (and the line of a ``SyntaxError``)."""
+    path = model_file(model)
+    if not path.is_file():
+        return [f"model file '{path}' not found"]
+    if not compile_it:
+        return []
+    try:
+        compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+    except SyntaxError as exc:  # IndentationError and TabError too
+        where = f"{exc.filename or path}:{exc.lineno}" if exc.lineno else str(exc.filename or path)
+        return [f"{where}: {type(exc).__name__}: {exc.msg}"]
+    except (OSError, ValueError) as exc:  # unreadable, or NUL bytes in the source
+        return [f"model file '{path}' cannot be compiled: {exc}"]
+    return []
+
+
 @contextlib.contextmanager
 def model_path_scope(model: ModelContext) -> Iterator[None]:
     """Put the model's version and model directories on ``sys.path`` for the block, then

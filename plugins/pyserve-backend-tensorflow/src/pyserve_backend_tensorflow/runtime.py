@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pyserve import ErrorCode, InferError, InstanceContext, ModelContext
+from pyserve import ErrorCode, InferError, InstanceContext, ModelContext, ModelFileNotFound
 from pyserve.backend_support import (
     MAX_THREAD_COUNT,
     NUMPY_NAME_TO_CONFIG,
@@ -168,15 +168,15 @@ def config_type_of(dtype: Any) -> str:
 def model_path(model: ModelContext) -> Path:
     """The SavedModel directory or GraphDef file of a model version.
 
-    :raises ValueError: it does not exist (or a SavedModel directory lacks saved_model.pb).
+    :raises ModelFileNotFound: it does not exist (or a SavedModel directory lacks saved_model.pb).
     """
     platform = model.config.platform or SAVEDMODEL_PLATFORM
     path = model.version_path / (model.default_model_filename or DEFAULT_FILENAMES[platform])
     if platform == GRAPHDEF_PLATFORM:
         if not path.is_file():
-            raise ValueError(f"GraphDef file '{path}' not found for model '{model.name}' version {model.version}")
+            raise ModelFileNotFound(f"GraphDef file '{path}' not found for model '{model.name}' version {model.version}")
     elif not (path / "saved_model.pb").is_file():
-        raise ValueError(
+        raise ModelFileNotFound(
             f"SavedModel directory '{path}' (with saved_model.pb) not found for model '{model.name}' "
             f"version {model.version}"
         )
