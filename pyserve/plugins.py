@@ -456,7 +456,7 @@ def _server_plugin_info(ep: metadata.EntryPoint, plugin: object, pm: pluggy.Plug
         ep.name,
         dist.name if dist else "<unknown>",
         dist.version if dist else "",
-        (dist.metadata.json.get("summary") or "") if dist else "",
+        str(dist.metadata.json.get("summary") or "") if dist else "",
         ep.value,
         resolves,
     )
