@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pyserve import ErrorCode, InferError, InstanceContext, ModelContext, ModelFileNotFound
+from pyserve import ErrorCode, InferError, InstanceContext, ModelContext, ModelFileError, ModelFileNotFound
 from pyserve.backend_support import (
     NUMPY_NAME_TO_CONFIG,
     FrameworkInstance,
@@ -188,7 +188,7 @@ def open_session(path: Path, options: Any = None, providers: Sequence[Any] = ("C
     try:
         return ort.InferenceSession(str(path), sess_options=options, providers=list(providers))
     except Exception as exc:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail, ...)
-        raise ValueError(f"cannot load ONNX model '{path}': {type(exc).__name__}: {exc}") from None
+        raise ModelFileError(f"cannot load ONNX model '{path}': {type(exc).__name__}: {exc}") from None
 
 
 def _metadata_session(path: Path) -> Any:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
-from pyserve import ModelContext
+from pyserve import ModelContext, ModelFileError, ModelFileNotFound
 
 from pyserve_backend_python import alias
 
@@ -41,6 +41,16 @@ _import_lock = threading.RLock()
 class PythonModelError(Exception):
     """A model.py could not be loaded or its ``TritonPythonModel`` failed; the message holds
     the Python traceback."""
+
+
+class ModelFileProblem(PythonModelError, ModelFileError):
+    """The model file itself does not import (a ``SyntaxError``, an import that fails, an
+    exception at module level) or defines no ``TritonPythonModel``: the server reports the
+    message as it is (``pyserve.ModelFileError``)."""
+
+
+class ModelFileMissing(ModelFileProblem, ModelFileNotFound):
+    """The version has no model file."""
 
 
 def model_file(model: ModelContext) -> Path:
@@ -105,7 +115,7 @@ def load_module(model: ModelContext) -> ModuleType:
     """
     path = model_file(model)
     if not path.is_file():
-        raise PythonModelError(f"model '{model.name}' version {model.version}: file '{path}' not found")
+        raise ModelFileMissing(f"model '{model.name}' version {model.version}: file '{path}' not found")
     safe = re.sub(r"\W", "_", model.name)
     package_name = f"{_PREFIX}{next(_counter)}_{safe}_{model.version}"
     package = ModuleType(package_name)
@@ -114,7 +124,7 @@ def load_module(model: ModelContext) -> ModuleType:
     module_name = package_name + "." + re.sub(r"\W", "_", path.stem)
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise PythonModelError(f"model '{model.name}': cannot import '{path}'")
+        raise ModelFileProblem(f"model '{model.name}': cannot import '{path}'")
     module = importlib.util.module_from_spec(spec)
     sys.modules[package_name] = package
     sys.modules[module_name] = module  # dataclasses, pickle and typing look modules up by name
@@ -125,12 +135,12 @@ def load_module(model: ModelContext) -> ModuleType:
         unload_module(module)
         if not isinstance(exc, Exception):
             raise
-        raise PythonModelError(
+        raise ModelFileProblem(
             format_failure(f"failed to load '{path.name}' of model '{model.name}' version {model.version}", exc)
         ) from None
     if not isinstance(getattr(module, MODEL_CLASS, None), type):
         unload_module(module)
-        raise PythonModelError(f"'{path.name}' of model '{model.name}' defines no class '{MODEL_CLASS}'")
+        raise ModelFileProblem(f"'{path.name}' of model '{model.name}' defines no class '{MODEL_CLASS}'")
     alias.register(model, module)
     return module
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pyserve import ErrorCode, InferError, InstanceContext, ModelContext, ModelFileNotFound
+from pyserve import ErrorCode, InferError, InstanceContext, ModelContext, ModelFileError, ModelFileNotFound
 from pyserve.backend_support import (
     MAX_THREAD_COUNT,
     NUMPY_NAME_TO_CONFIG,
@@ -199,7 +199,7 @@ def load_savedmodel(path: Path, device: str = "/CPU:0", tags: list[str] | None =
             return tf.saved_model.load(str(path), tags=tags)
     except Exception as exc:
         tagged = f" with tags {tags}" if tags else ""
-        raise ValueError(
+        raise ModelFileError(
             f"cannot load TensorFlow SavedModel '{path}'{tagged}: {type(exc).__name__}: {exc}"
         ) from None
 
@@ -342,7 +342,7 @@ class TensorFlowModel(FrameworkModel):
         try:
             graph_def.ParseFromString(self.path.read_bytes())
         except Exception as exc:
-            raise ValueError(f"cannot load TensorFlow GraphDef '{self.path}': {type(exc).__name__}: {exc}") from None
+            raise ModelFileError(f"cannot load TensorFlow GraphDef '{self.path}': {type(exc).__name__}: {exc}") from None
 
         def import_graph() -> None:
             tf.compat.v1.import_graph_def(graph_def, name="")
@@ -351,7 +351,7 @@ class TensorFlowModel(FrameworkModel):
             with tf.device(device):
                 wrapped = tf.compat.v1.wrap_function(import_graph, [])
         except Exception as exc:
-            raise ValueError(f"cannot import TensorFlow GraphDef '{self.path}': {type(exc).__name__}: {exc}") from None
+            raise ModelFileError(f"cannot import TensorFlow GraphDef '{self.path}': {type(exc).__name__}: {exc}") from None
         graph = wrapped.graph
         found: dict[str, Any] = {}
         for kind, tensors in (("input", self.inputs), ("output", self.outputs)):
