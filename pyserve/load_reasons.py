@@ -20,7 +20,6 @@ import re
 import sys
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from pyserve.errors import ModelFileError
@@ -29,14 +28,6 @@ _TRACEBACK = "Traceback (most recent call last):"
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)')
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 _ABSOLUTE_PATH = re.compile(r"(?<![\w:/.~-])/(?:[\w.@+~-]+/)+(?P<name>[\w.@+~-]+)")
-
-
-@dataclass(frozen=True)
-class Failure:
-    """A load failure's reason (for clients) and full text (for the log)."""
-
-    reason: str
-    detail: str
 
 
 def speaks_for_itself(exc: BaseException) -> bool:
@@ -61,7 +52,7 @@ def describe(stage: str, exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, SyntaxError):
         text = _syntax_error_text(exc)
     elif speaks_for_itself(exc):
-        text = str(exc) if isinstance(exc, (ModelFileError, FileNotFoundError)) or str(exc) else type(exc).__name__
+        text = str(exc) or type(exc).__name__
     else:
         text = f"{stage}: {type(exc).__name__}: {exc}"
     frames = traceback.extract_tb(exc.__traceback__)
