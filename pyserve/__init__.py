@@ -18,7 +18,7 @@ from pyserve_hookspecs import hookimpl  # noqa: E402
 
 from pyserve.batching import gather_inputs, split_outputs  # noqa: E402
 from pyserve.backend import Backend, BackendContext, InstanceContext, ModelContext  # noqa: E402
-from pyserve.errors import ErrorCode, InferError  # noqa: E402
+from pyserve.errors import ErrorCode, InferError, ModelFileError, ModelFileNotFound  # noqa: E402
 from pyserve.inference import SEQUENCE_END, SEQUENCE_START, InferRequest, InferResponse  # noqa: E402
 
 __version__ = "0.1.0"
@@ -34,6 +34,8 @@ __all__ = [
     "InferResponse",
     "InstanceContext",
     "ModelContext",
+    "ModelFileError",
+    "ModelFileNotFound",
     "__version__",
     "gather_inputs",
     "hookimpl",

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+import tempfile
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -507,19 +510,30 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
     if args.check:
         return _check_backends()
-    infos = PluginHost().installed()
+    host = PluginHost()
+    infos = host.installed()
+    plugins = host.installed_server_plugins()
     if args.json:
         print(json.dumps([
-            {"name": i.name, "distribution": i.distribution, "version": i.version,
-             "platforms": list(i.platforms), "entry_point": i.source}
-            for i in infos
+            *({"kind": "backend", "name": i.name, "distribution": i.distribution, "version": i.version,
+               "platforms": list(i.platforms), "entry_point": i.source} for i in infos),
+            *({"kind": "server_plugin", "name": p.name, "distribution": p.distribution, "version": p.version,
+               "platforms": [], "entry_point": p.source, "resolves_backends": p.resolves_backends,
+               "summary": p.summary} for p in plugins),
         ], indent=2))
         return 0
-    if not infos:
+    if not infos and not plugins:
         print("no backends installed (pip install pyserve-backend-<name>)")
         return 0
     rows = [[i.name, i.distribution, i.version, ", ".join(i.platforms) or "-"] for i in infos]
+    rows += [[f"{p.name} *", p.distribution, p.version, "-"] for p in plugins if p.resolves_backends]
     print(logs.table(["Backend", "Distribution", "Version", "Platforms"], rows))
+    for plugin in plugins:  # a resolver is asked first for every model's backend
+        summary = plugin.summary.rstrip(".") or "no summary"
+        if plugin.resolves_backends:
+            print(f"* {plugin.name}: {summary} (a server plugin, asked first for the backend of every model)")
+        else:
+            print(f"server plugin {plugin.name} ({plugin.distribution} {plugin.version}): {summary}")
     return 0
 
 
@@ -601,6 +615,13 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--grpc-port", type=int, default=9000, help="Serve's gRPC proxy port (default 9000)")
     ray.add_argument("--backend-config", action="append", default=[], type=_backend_setting, metavar="<backend>,<key>=<value>",
                      help="backend settings passed to every replica, as pyserve run's")
+    ray.add_argument("--num-cpus", type=float, default=None, metavar="N",
+                     help="CPUs each model replica reserves where its config sets no ray_num_cpus (fractions allowed, "
+                          "e.g. 0.5; default: its CPU instance count; 1 with --per-repository; ensembles run in the "
+                          "ingress and reserve none)")
+    ray.add_argument("--skip-resource-check", action="store_true",
+                     help="deploy even when the cluster lacks the CPUs/GPUs the deployments reserve (a cluster that "
+                          "adds nodes on demand)")
     ray.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the application (300)")
     return parser
 
@@ -613,26 +634,55 @@ def cmd_ray_deploy(args: argparse.Namespace) -> int:
     except ImportError:
         print("pyserve: error: Ray Serve is not installed: pip install 'pyserve[ray]'", file=sys.stderr)
         return 1
-    from pyserve.ray_serve import GRPC_SERVICER_FUNCTION, RayConfigError, build_app
+    from pyserve.ray_serve import GRPC_SERVICER_FUNCTION, RayConfigError, build_app, plan_app
+    from pyserve.ray_serve.resources import shortfall
 
     if args.num_replicas is not None and args.num_replicas < 1:
         print("pyserve: error: --num-replicas must be at least 1", file=sys.stderr)
         return 2
     try:
         backend_config = {k: dict(v) for k, v in _backend_config(args.backend_config).items()}
-        app = build_app(args.model_repository, per_repository=args.per_repository, num_replicas=args.num_replicas,
-                        backend_config=backend_config)
+        plan = plan_app(args.model_repository, per_repository=args.per_repository, num_replicas=args.num_replicas,
+                        backend_config=backend_config, num_cpus=args.num_cpus)
     except (RayConfigError, ValueError) as exc:
         print(f"pyserve: error: {exc}", file=sys.stderr)
         return 2
-    ray.init(address=args.address, log_to_driver=False)
+    with _neutral_directory():  # Ray puts the driver's folder first on its workers' path
+        ray.init(address=args.address, log_to_driver=False)
+    if not args.skip_resource_check:
+        nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+        problems = shortfall(plan, ray.cluster_resources(), nodes, args.per_repository)
+        if problems:
+            print("pyserve: error: " + "\n  ".join(problems), file=sys.stderr)
+            return 1
     serve.start(
         http_options={"host": args.http_host, "port": args.http_port},
         grpc_options={"port": args.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION]},
     )
-    serve.run(app, name=args.name, route_prefix="/", blocking=False)
+    serve.run(build_app([], plan=plan), name=args.name, route_prefix="/", blocking=False)
+    return _wait_for_application(serve, args)
+
+
+@contextlib.contextmanager
+def _neutral_directory() -> Iterator[None]:
+    """Run the block in an empty folder of its own: ``ray.init`` gives Ray's workers the
+    driver's current folder at the front of their ``sys.path``, where a folder named like an
+    installed package (a checkout's ``pyserve/``) would be imported instead of it."""
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="pyserve-ray-") as empty:
+        os.chdir(empty)
+        try:
+            yield
+        finally:
+            os.chdir(here)
+
+
+def _wait_for_application(serve: Any, args: argparse.Namespace) -> int:
+    """Wait until the application is RUNNING (0) or failed or timed out (1), printing what Serve
+    says about a deployment as it changes (a replica waiting for resources, one failing)."""
     import time
 
+    said: dict[str, str] = {}
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         status = serve.status().applications.get(args.name)
@@ -642,6 +692,11 @@ def cmd_ray_deploy(args: argparse.Namespace) -> int:
         if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
             print(f"pyserve: error: application '{args.name}' {status.status}: {status.message}", file=sys.stderr)
             return 1
+        for name, deployment in (status.deployments.items() if status is not None else ()):
+            message = (deployment.message or "").strip()
+            if message and said.get(name) != message:
+                said[name] = message
+                print(f"pyserve: {name}: {message}", file=sys.stderr)
         time.sleep(0.5)
     print(f"pyserve: error: application '{args.name}' not RUNNING after {args.timeout:.0f} s", file=sys.stderr)
     return 1

@@ -20,7 +20,7 @@ from pyserve.protocol.config_json import model_config_to_dict
 from pyserve.readiness import ReadinessChecks
 from pyserve.cache import ResponseCache, cache_enabled
 from pyserve.shared_memory import SharedMemoryManager, cuda_available
-from pyserve.tracing import TraceManager
+from pyserve.tracing import TRACING, TraceManager
 
 log = logging.getLogger("pyserve.dataplane")
 
@@ -216,8 +216,8 @@ class DataPlane:
         model = model.serving()  # a version replaced by a reload hands its requests on
         if not model.ready:
             return InferError.unavailable(f"model '{model.name}' version {model.version} is not ready")
-        if self.tracing.active:  # the only cost of tracing while it is off
-            self.tracing.begin(request)
+        if self.tracing.active or request.trace is not None:  # the only cost of tracing while it is off;
+            self.tracing.begin(request)  # a request with a trace is a traced request's child (BLS)
         request.stats = model.stats  # counted from here on: a cache hit never reaches enqueue
         if request.shm_regions is not None:  # in use until finished (unregistering them fails)
             self.shared_memory.hold(request.shm_regions)
@@ -229,6 +229,8 @@ class DataPlane:
             model.enqueue(request)
         except InferError as exc:
             self._let_go(request)
+            if request.trace is not None:  # refused: no final response will record it
+                TRACING.set(request.trace, False)
             return exc
         self._open.add(request)
         return None

@@ -67,3 +67,17 @@ class InferError(Exception):
 
 class ModelConfigError(ValueError):
     """A model's configuration is invalid; the message names the file, line or field."""
+
+
+class ModelFileError(ValueError):
+    """A model's own file is the problem: it is missing, cannot be parsed, or fails to import.
+    The message names the file and says what is wrong.
+
+    Backends raise it (or a subclass) from their hooks: the model's unavailable reason is then
+    the message itself, not labelled as a failure of the load step that ran into it
+    (auto-complete of the config, model creation).
+    """
+
+
+class ModelFileNotFound(ModelFileError, FileNotFoundError):  # noqa: N818 - named as what it reports
+    """A file a model needs (its weights, its model.py) is not there; the message names the file."""

@@ -24,13 +24,12 @@ import logging
 import shutil
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyserve import model_config
+from pyserve import load_reasons, model_config
 from pyserve.backend import BackendContext, InstanceContext, ModelContext
 from pyserve.errors import ModelConfigError
 from pyserve.metrics import CustomMetrics
@@ -42,6 +41,7 @@ from pyserve.repository import Fingerprint, ModelSource, fingerprint, select_ver
 from pyserve.scheduling import InstanceWorker, LoopScheduler, LoopShortcut, scheduler_for
 from pyserve.scheduling.ensemble import EnsembleScheduler, build_plan
 from pyserve.scheduling.rate_limiter import RateLimiter, RateLimitError, instance_claim
+from pyserve.load_reasons import describe
 from pyserve.warmup import WarmupError, run_warmup
 
 log = logging.getLogger("pyserve.models")
@@ -126,6 +126,7 @@ class ModelLoader:
     backend_directory: str | None
     load_retries: int
     records: dict[str, ModelRecord]
+    repositories: list[Path]  # the model repositories: reasons name files relative to them
     server_handle: Any
     loop: asyncio.AbstractEventLoop | None
     custom_metrics: CustomMetrics
@@ -309,10 +310,15 @@ class ModelLoader:
         old = dict(record.versions) if record is not None else {}
         old_ready = {n: v for n, v in old.items() if v.ready}
         failures = [v for v in built.versions.values() if not v.ready]
-        for version in failures:
-            log.error("model '%s' version %d is UNAVAILABLE: %s", name, version.version, version.reason)
+        roots = self.repositories
+        for version in failures:  # the log gets the full text, clients the reason (load_reasons)
+            full = version.detail or version.reason
+            log.error("model '%s' version %d is UNAVAILABLE: %s", name, version.version, full)
+            version.reason, version.detail = load_reasons.public(version.reason, roots), full
+        error_detail = built.error
         if built.error:
             log.error("model '%s' is UNAVAILABLE: %s", name, built.error)
+            built.error = load_reasons.public(built.error, roots)
         if built.error and old_ready:
             log.error("model '%s': the reload failed; the loaded versions keep serving", name)
             assert record is not None
@@ -357,7 +363,7 @@ class ModelLoader:
             target.override_dir = record_dir
             target.versions = versions
             if built.error:
-                target.fail(built.error)
+                target.fail(built.error, error_detail)
             else:
                 target.state = ModelState.READY if ready_now else ModelState.UNAVAILABLE
                 target.reason = ""
@@ -496,7 +502,7 @@ class ModelLoader:
                 if hooks.model_auto_complete(model=context):
                     model_config.normalize(config, source.path, self.host.platform_backend, built.config_origin)
             except Exception as exc:
-                version.fail(f"auto-complete of the config failed: {_describe(exc)}")
+                version.fail(*describe("auto-complete of the config failed", exc))
                 return False
         problems = model_config.validate(config, source.path)
         if problems:
@@ -511,7 +517,7 @@ class ModelLoader:
         try:
             context.state = hooks.model_create(model=context)
         except Exception as exc:
-            version.fail(f"backend '{backend.info.name}' failed to create the model: {_describe(exc)}")
+            version.fail(*describe(f"backend '{backend.info.name}' failed to create the model", exc))
             return False
         if self._preparing is not None:
             refusal = self._preparing.refusal(version)
@@ -523,7 +529,7 @@ class ModelLoader:
         except Exception as exc:
             self._finalize_instances(version)
             self._finalize_model(version)
-            version.fail(f"backend '{backend.info.name}' failed to create an instance: {_describe(exc)}")
+            version.fail(*describe(f"backend '{backend.info.name}' failed to create an instance", exc))
             return False
         limiter = self.rate_limiter if any(c.needs for c in version.rate_claims) else None
         if limiter is not None:
@@ -573,8 +579,10 @@ class ModelLoader:
             self._stop_workers(version, None)
             self._finalize_instances(version)
             self._finalize_model(version)
-            version.fail(str(exc) if isinstance(exc, WarmupError) else
-                         f"model '{version.name}' version {version.version} could not start: {_describe(exc)}")
+            if isinstance(exc, WarmupError):
+                version.fail(str(exc))
+            else:
+                version.fail(*describe(f"model '{version.name}' version {version.version} could not start", exc))
             return
         version.stats.load_duration_s = (version.stats.load_duration_s or 0.0) + (time.monotonic_ns() - started) / 1e9
         version.state = ModelState.READY
@@ -833,13 +841,6 @@ def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
-
-
-def _describe(exc: BaseException) -> str:
-    """An exception as one reason string: type, message and the innermost frame."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def _metric_options(version: ModelVersion, config: Any) -> None:

@@ -50,6 +50,8 @@ class ModelVersion:
     version: int
     state: ModelState = ModelState.LOADING
     reason: str = ""
+    detail: str = ""
+    """The full text of ``reason`` (tracebacks, server paths) for the log; "" when the same."""
     config: Any = None
     io: ModelIO | None = None
     context: ModelContext | None = None
@@ -97,9 +99,12 @@ class ModelVersion:
             request.stats = None
             raise
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, detail: str = "") -> None:
+        """Make the version UNAVAILABLE: ``reason`` for clients, ``detail`` (the full text,
+        default the reason) for the log (``pyserve.load_reasons``)."""
         self.state = ModelState.UNAVAILABLE
         self.reason = reason
+        self.detail = detail
 
 
 @dataclass(eq=False)
@@ -117,12 +122,16 @@ class ModelRecord:
     versions: dict[int, ModelVersion] = field(default_factory=dict)
     state: ModelState = ModelState.LOADING
     reason: str = ""
+    detail: str = ""
     fingerprint: Any = None
     override_dir: Path | None = None
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, detail: str = "") -> None:
+        """Make the model UNAVAILABLE: ``reason`` for clients, ``detail`` (the full text,
+        default the reason) for the log (``pyserve.load_reasons``)."""
         self.state = ModelState.UNAVAILABLE
         self.reason = reason
+        self.detail = detail
 
     def ready_versions(self) -> list[ModelVersion]:
         return [v for _, v in sorted(self.versions.items()) if v.ready]

@@ -86,6 +86,23 @@ class BackendInfo:
         return f"plugin {self.distribution} {self.version}".rstrip()
 
 
+@dataclass(frozen=True)
+class ServerPluginInfo:
+    """An installed server plugin (entry-point group ``pyserve.plugins``), as ``pyserve
+    backends`` lists it.
+
+    :ivar resolves_backends: it implements ``pyserve_resolve_backend``: it supplies the backend
+        of models it finds one for (e.g. a native ``libtriton_<name>.so`` library).
+    """
+
+    name: str
+    distribution: str
+    version: str
+    summary: str
+    source: str
+    resolves_backends: bool
+
+
 class BackendHooks:
     """Typed facade over the hook callers of one backend's own plugin manager.
 
@@ -214,6 +231,7 @@ class PluginHost:
         self._platforms: dict[str, str] = dict(TRITON_PLATFORMS)
         self.server_plugins: list[object] = []
         self._server_plugin_names: list[str | None] = []
+        self._server_plugin_infos: list[ServerPluginInfo] = []
         if use_entry_points:
             self._read_entry_points()
         for plugin in server_plugins:
@@ -227,9 +245,12 @@ class PluginHost:
             self._platforms[ep.name] = ep.value.strip()
         for ep in metadata.entry_points(group=SERVER_PLUGIN_ENTRY_POINT_GROUP):
             try:
-                self.add_server_plugin(_as_plugin(ep.load()), name=f"{ep.name} ({_dist_label(ep)})")
+                plugin = _as_plugin(ep.load())
+                self.add_server_plugin(plugin, name=f"{ep.name} ({_dist_label(ep)})")
             except Exception as exc:  # a broken optional plugin must not stop the server
                 log.error("server plugin '%s' from %s failed to load: %s", ep.name, _dist_label(ep), exc)
+                continue
+            self._server_plugin_infos.append(_server_plugin_info(ep, plugin, self.pm))
 
     def add_server_plugin(self, plugin: object, name: str | None = None) -> None:
         """Register a server-wide plugin; it may only wrap ``pyserve_execute``."""
@@ -262,6 +283,10 @@ class PluginHost:
     def is_installed(self, name: str) -> bool:
         """Whether a backend of this name is installed or registered (no import happens)."""
         return name in self._extra or name in self._entry_points or name in self._loaded
+
+    def installed_server_plugins(self) -> list[ServerPluginInfo]:
+        """The server plugins loaded from entry points, by name."""
+        return sorted(self._server_plugin_infos, key=lambda info: info.name)
 
     def installed(self) -> list[BackendInfo]:
         """Every installed backend, from metadata alone (nothing is imported)."""
@@ -422,6 +447,19 @@ def _resolved_info(name: str, key: str, plugin: object) -> BackendInfo:
     except metadata.PackageNotFoundError:
         distribution = package
     return BackendInfo(name, distribution, version, (), key, resolved=True)
+
+
+def _server_plugin_info(ep: metadata.EntryPoint, plugin: object, pm: pluggy.PluginManager) -> ServerPluginInfo:
+    dist = ep.dist
+    resolves = any(impl.plugin is plugin for impl in pm.hook.pyserve_resolve_backend.get_hookimpls())
+    return ServerPluginInfo(
+        ep.name,
+        dist.name if dist else "<unknown>",
+        dist.version if dist else "",
+        str(dist.metadata.json.get("summary") or "") if dist else "",
+        ep.value,
+        resolves,
+    )
 
 
 def _dist_label(ep: metadata.EntryPoint) -> str:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyserve import __version__, affinity, busy_poll, client_activity, limits, logs
+from pyserve import __version__, affinity, busy_poll, client_activity, limits, load_reasons, logs
 from pyserve.dataplane import DataPlane
 from pyserve.grpc.server import GrpcOptions
 from pyserve.header_forwarding import compile_forwarding
@@ -557,16 +557,36 @@ class Server:
         client_activity.untracked_server(True)  # its requests are not reported: executes stay on threads
 
     def _log_model_table(self) -> None:
-        rows = [  # Triton's columns first (scripts match "| <model> | <version> | READY |"), then ours
-            [e["name"], e.get("version", "-"), e["state"] + (f": {e['reason']}" if e.get("reason") else ""),
-             self._served_by(e)]
-            for e in self.models.index()
-            if "state" in e  # models on disk that were not loaded (explicit mode) have no state
-        ]
+        """The startup table: one line per model version, a reason by its first line; the full
+        text of each reason the table cut follows it."""
+        rows = []  # Triton's columns first (scripts match "| <model> | <version> | READY |"), then ours
+        cut: list[str] = []
+        for e in self.models.index():
+            if "state" not in e:  # models on disk that were not loaded (explicit mode) have no state
+                continue
+            reason = e.get("reason", "")
+            shown = load_reasons.first_line(reason)
+            rows.append([e["name"], e.get("version", "-"), e["state"] + (f": {shown}" if reason else ""),
+                         self._served_by(e)])
+            if shown != reason:
+                where = f"model '{e['name']}'" + (f" version {e['version']}" if "version" in e else "")
+                cut.append(f"{where}: {self._detail(e) or reason}")
         log.info("\n%s", logs.table(["Model", "Version", "Status", "Backend"], rows))
+        for text in cut:
+            log.info("%s", text)
         backends = [[b.info.name, b.info.distribution, b.info.version] for b in self.plugins.loaded_backends()]
         if backends:
             log.info("\n%s", logs.table(["Backend", "Distribution", "Version"], backends))
+
+    def _detail(self, entry: Mapping[str, str]) -> str:
+        """The full text (for the log) of an index entry's reason; "" when it has none."""
+        record = self.models.records.get(entry["name"])
+        if record is None:
+            return ""
+        if "version" not in entry:
+            return record.detail or record.reason
+        version = record.versions.get(int(entry["version"]))
+        return (version.detail or version.reason) if version is not None else ""
 
     def _served_by(self, entry: Mapping[str, str]) -> str:
         """The startup table's Backend cell: which backend serves a model version and where it

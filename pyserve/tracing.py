@@ -11,7 +11,8 @@ and ``log-frequency``; ``opentelemetry`` keys ``url`` (OTLP/HTTP endpoint), ``re
 Settings can be read and changed at run time, globally or per model
 (``/v2/trace/setting``, ``/v2/models/{m}/trace/setting``, gRPC ``TraceSetting``).
 
-Cost when tracing is off: ``DataPlane.submit`` checks ``TraceManager.active`` and the
+Cost when tracing is off: ``DataPlane.submit`` checks ``TraceManager.active`` (and whether the
+request already has a trace), the ensemble scheduler whether its request has one, and the
 instance workers check ``TRACING.on`` once per batch; nothing else runs.
 
 A sampled request carries a ``RequestTrace`` (``InferRequest.trace``) collecting
@@ -23,6 +24,13 @@ OpenTelemetry mode each trace becomes an ``InferRequest`` span (child of the cli
 IDs are chosen when the request is sampled, so that code running for the request (a Python
 model's ``request.trace().get_context()``, BLS calls it makes) can name it as a parent while the
 request is still running: ``RequestTrace.context``.
+
+The steps of a traced ensemble request, and the BLS calls a Python model makes with
+``trace=request.trace()``, are traced as its children (``child_trace``), as Triton traces
+composing models: always (whatever the rate), with the parent's trace id as ``parent_id`` in
+the trace file, and as ``InferRequest`` spans under the parent's ``InferRequest`` span in
+OpenTelemetry mode. An ensemble's own trace has ``COMPUTE_START`` when its first steps start
+and ``COMPUTE_END`` when it answers.
 """
 
 from __future__ import annotations
@@ -195,8 +203,8 @@ class RequestTrace:
         from ``InferenceTrace.get_context()``); None in Triton mode.
     """
 
-    __slots__ = ("activities", "context", "export", "id", "model_name", "model_version", "otel_ids", "parent",
-                 "parent_id", "request_id", "scope", "timestamps")
+    __slots__ = ("activities", "context", "export", "id", "manager", "model_name", "model_version", "otel_ids",
+                 "parent", "parent_id", "request_id", "scope", "timestamps")
 
     def __init__(self, trace_id: int, request: InferRequest, parent: str | None, scope: _Scope | None,
                  opentelemetry: bool = False, *, parent_id: int = 0, export: bool = True) -> None:
@@ -208,6 +216,8 @@ class RequestTrace:
         self.parent_id = parent_id
         """The id of the trace this one is a child of (a native backend's BLS call), or 0."""
         self.scope = scope
+        self.manager: TraceManager | None = None
+        """The manager recording this trace (set when it begins), which records its children."""
         self.export = export
         """Written to the trace file / exported as spans when done (False: a trace a native
         backend made for its own request, whose activities go to the backend's callbacks)."""
@@ -265,6 +275,20 @@ class RequestTrace:
         return entry
 
 
+def child_trace(parent: RequestTrace, request: InferRequest) -> RequestTrace:
+    """A trace for ``request``, made on behalf of the traced request of ``parent`` (an ensemble
+    step, a BLS call with the request's trace), as Triton traces composing models: traced
+    whatever the sampling, its ``parent_id`` the parent's trace id, recorded with the parent's
+    settings, and in OpenTelemetry mode its ``InferRequest`` span a child of the parent's.
+
+    Set it as ``request.trace`` before the request is submitted (``TraceManager.begin`` then
+    records it), or use ``TraceManager.trace_step`` for a request that is enqueued directly.
+    """
+    opentelemetry = parent.context is not None
+    return RequestTrace(next_trace_id(), request, traceparent_of(parent.context), parent.scope, opentelemetry,
+                        parent_id=parent.id)
+
+
 def mark_batch(requests: Iterable[InferRequest], name: str) -> None:
     """Stamp ``name`` on the traced requests of a batch (instance threads call this)."""
     now = time.time_ns()
@@ -288,6 +312,7 @@ class _TracingSender:
         if final:
             trace = self._trace
             trace.finish()
+            TRACING.set(trace, False)
             try:
                 self._manager.complete(trace, isinstance(response, InferError))
             except Exception:  # tracing must never fail a request
@@ -420,8 +445,9 @@ class TraceManager:
             # whatever the sampling; one with export=False reports to the backend's callbacks
             preset.model_version = request.model_version  # the serving version, now resolved
             if preset.export:
-                preset.scope = self._scopes.get(request.model_name, self._global_scope)
-                request.attach_sender(_TracingSender(self, request.attached_sender(), preset))
+                if preset.scope is None:  # a child (child_trace) keeps its parent's settings
+                    preset.scope = self._scopes.get(request.model_name, self._global_scope)
+                self._record(request, preset)
             return
         scope = self._scopes.get(request.model_name, self._global_scope)
         if not scope.on:
@@ -437,7 +463,22 @@ class TraceManager:
             trace_id = next_trace_id()
         trace = RequestTrace(trace_id, request, request.trace_parent, scope, self.mode == "opentelemetry")
         request.trace = trace
+        self._record(request, trace)
+
+    def _record(self, request: InferRequest, trace: RequestTrace) -> None:
+        """Record ``trace`` when ``request`` sends its final response. Instance workers stamp
+        traced requests while some trace is on its way (its count may have run out since)."""
+        trace.manager = self
+        TRACING.set(trace, True)
         request.attach_sender(_TracingSender(self, request.attached_sender(), trace))
+
+    def trace_step(self, parent: RequestTrace, request: InferRequest) -> None:
+        """Trace ``request``, which runs on behalf of the traced request of ``parent`` without
+        passing through ``begin`` (an ensemble step): a ``child_trace``, recorded when the
+        request sends its final response. Call after its sender is attached."""
+        trace = child_trace(parent, request)
+        request.trace = trace
+        self._record(request, trace)
 
     def _refresh_after_count(self) -> None:
         for key, scope in ((None, self._global_scope), *self._scopes.items()):

@@ -4,8 +4,9 @@ Checks what can be checked without loading a model: config syntax and fields, no
 the version directories and policy, label files, whether the backend a model names is
 installed, and each ensemble's steps against the configs of the models they name (the same plan
 check the server runs when it loads the ensemble). Then each backend is asked what it can tell
-about its models without loading them (``pyserve_model_validate``: e.g. the Python backend
-checks that a model's requirements file resolves).
+about its models without loading them (``pyserve_model_validate``: the Python backend compiles
+model.py and checks that its requirements resolve, the framework backends check that the
+model file they would load is there).
 
 A config may leave its inputs and outputs out when its backend auto-completes configs (as
 ``pyserve run`` lets backends do unless ``--disable-auto-complete-config``; to know whether it

@@ -8,6 +8,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -19,7 +21,7 @@ from suite_support import REPO_ROOT, StartServer, write_model
 
 from pyserve.bench import BenchError, BenchOptions, inputs
 from pyserve.bench.options import range_values
-from pyserve.bench.report import LevelResult, Progress, write_plot
+from pyserve.bench.report import LevelResult, Progress, check_plot, write_plot
 from pyserve.bench.worker import _HttpConnection, Recorder
 from pyserve.server import ServerThread
 
@@ -276,6 +278,28 @@ def test_progress_display() -> None:
     progress.update("long status line")
     progress.update("short", final=True)
     assert tty.getvalue() == "\rlong status line" + "\r" + "short".ljust(16) + "\n"
+
+
+def test_plot_checks_matplotlib_before_running(tmp_path: Path) -> None:
+    """Without matplotlib, ``--plot`` fails at once, before the server is even reached (the URL
+    below answers nothing: a check after connecting would report that instead)."""
+    blocked = tmp_path / "no_matplotlib" / "matplotlib"
+    blocked.mkdir(parents=True)  # a matplotlib that cannot be imported, first on the path
+    (blocked / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n")
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocked.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "pyserve", "bench", "-m", "m", "-u", f"127.0.0.1:{port}", "--plot",
+         str(tmp_path / "plot.png"), *FAST],
+        capture_output=True, text=True, timeout=90, cwd=REPO_ROOT, env=env,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.strip() == "pyserve bench: error: --plot needs matplotlib: pip install matplotlib"
+    assert not (tmp_path / "plot.png").exists()
+    with pytest.raises(BenchError, match="folder .* does not exist"):
+        check_plot(tmp_path / "nowhere" / "plot.png")
 
 
 def test_plot(tmp_path: Path) -> None:

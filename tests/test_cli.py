@@ -207,7 +207,8 @@ def test_validate_checks_ensembles_against_their_step_configs(tmp_path: Path) ->
     write_model(repo, "ident", step_config, versions=(1, 2))
     write_model(repo, "ident_int", step_config.replace("TYPE_FP32", "TYPE_INT32"))
     write_model(repo, "broken", step_config.replace("dims: [ 2 ] } ]\n        output", "dims: [ 0 ] } ]\n        output"))
-    write_model(repo, "completed", 'backend: "python"\n')  # the Python backend auto-completes configs
+    write_model(repo, "completed", 'backend: "python"\n',  # the Python backend auto-completes configs
+                {"1/model.py": "class TritonPythonModel:\n    pass\n"})
     write_model(repo, "bare", 'backend: "identity"\n')  # no tensors at all is allowed, as in Triton
 
     def ensemble(name: str, steps: str) -> None:
@@ -248,6 +249,52 @@ def test_validate_checks_ensembles_against_their_step_configs(tmp_path: Path) ->
     assert unknowable and "input_map names 'X', which is not an input of the model" in unknowable[0], strict.stdout
 
 
+def test_validate_reports_missing_model_files_and_syntax_errors(tmp_path: Path) -> None:
+    """What ``pyserve run`` would find only when loading: a model file the backend needs that is
+    not there (each framework backend says which), and a model.py that does not compile (file
+    and line). Nothing is imported or loaded: the syntax check compiles, the framework backends
+    only look for their files."""
+    repo = tmp_path / "repo"
+    tensors = """
+        input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        """
+    write_model(repo, "py_syntax", 'backend: "python"' + tensors,
+                {"1/model.py": "import numpy\n\ndef broken(:\n    pass\n"})
+    write_model(repo, "py_indent", 'backend: "python"' + tensors, {"1/model.py": "def f():\nreturn 1\n"})
+    write_model(repo, "py_missing", 'backend: "python"' + tensors)
+    write_model(repo, "py_fine", 'backend: "python"' + tensors, {"1/model.py": "class TritonPythonModel:\n    pass\n"})
+    checked = ["py_syntax", "py_indent", "py_missing"]
+    if pyserve("backends", "--json").stdout.count('"pyserve-backend-onnxruntime"'):
+        write_model(repo, "onnx_missing", 'platform: "onnxruntime_onnx"\n')  # a config to complete: no tensors
+        write_model(repo, "onnx_here", 'platform: "onnxruntime_onnx"\n', {"1/model.onnx": "not checked here"})
+        checked.append("onnx_missing")
+    if pyserve("backends", "--json").stdout.count('"pyserve-backend-pytorch"'):
+        write_model(repo, "torch_missing", 'platform: "pytorch_libtorch"' + tensors)
+        checked.append("torch_missing")
+    result = pyserve("validate", str(repo))
+    assert result.returncode == 1, result.stdout + result.stderr
+    by_model: dict[str, list[str]] = {}
+    for line in result.stdout.splitlines():
+        by_model.setdefault(line.split(":", 1)[0], []).append(line)
+    assert sorted(by_model) == sorted(checked), result.stdout
+    model_py = repo / "py_syntax" / "1" / "model.py"
+    assert by_model["py_syntax"] == [f"py_syntax: version 1: {model_py}:3: SyntaxError: invalid syntax"]
+    assert by_model["py_indent"] == [
+        f"py_indent: version 1: {repo / 'py_indent' / '1' / 'model.py'}:2: IndentationError: "
+        "expected an indented block after function definition on line 1"]
+    assert by_model["py_missing"] == [
+        f"py_missing: version 1: model file '{repo / 'py_missing' / '1' / 'model.py'}' not found"]
+    if "onnx_missing" in by_model:
+        assert by_model["onnx_missing"] == [
+            f"onnx_missing: version 1: model file '{repo / 'onnx_missing' / '1' / 'model.onnx'}' not found "
+            "for ONNX model 'onnx_missing' version 1"]
+    if "torch_missing" in by_model:
+        assert "torch_missing: version 1: model file '" in by_model["torch_missing"][0]
+        assert "model.pt' not found for PyTorch model 'torch_missing' version 1" in by_model["torch_missing"][0]
+    assert f"{len(result.stdout.splitlines())} problem(s) found" in result.stderr
+
+
 def test_validate_missing_repository(tmp_path: Path) -> None:
     result = pyserve("validate", str(tmp_path / "nothing"))
     assert result.returncode == 1
@@ -269,6 +316,24 @@ def test_backends_table_and_json() -> None:
     for info in infos.values():
         assert re.fullmatch(r"\d+(\.\d+)+.*", info["version"])
         assert isinstance(info["platforms"], list)
+    assert infos["identity"]["kind"] == "backend"
+
+
+def test_backends_lists_the_native_backend_plugin() -> None:
+    """pyserve-backend-native is a server plugin (it supplies the backend of models whose
+    libtriton_<name>.so it finds), not a named backend: it is listed, marked as such."""
+    pytest.importorskip("pyserve_backend_native", reason="pyserve-backend-native is not installed")
+    table = pyserve("backends")
+    assert table.returncode == 0, table.stderr
+    assert re.search(r"\|\s*native \*\s*\|\s*pyserve-backend-native\s*\|\s*\d+\.\d+", table.stdout), table.stdout
+    assert re.search(r"^\* native: .*libtriton_<name>\.so.*asked first", table.stdout, re.M), table.stdout
+    native = [i for i in json.loads(pyserve("backends", "--json").stdout) if i["name"] == "native"]
+    assert native == [{
+        "kind": "server_plugin", "name": "native", "distribution": "pyserve-backend-native",
+        "version": native[0]["version"], "platforms": [], "entry_point": "pyserve_backend_native:resolver",
+        "resolves_backends": True, "summary": native[0]["summary"],
+    }]
+    assert "libtriton_<name>.so" in native[0]["summary"]
 
 
 def test_run_with_port_in_use() -> None:

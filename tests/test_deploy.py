@@ -140,6 +140,19 @@ def test_serving_runtime_matches_pyserve() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
     assert _probe_port(container["readinessProbe"], ports) == _probe_port(container["livenessProbe"], ports) == 8000
+    _check_startup_probe(container, ports)
+
+
+def _check_startup_probe(container: dict[str, Any], ports: dict[str, int]) -> None:
+    """HTTP answers only once every model loaded: a startup probe holds the liveness probe off
+    for minutes (Kubernetes runs liveness only after startup succeeded), so that a repository
+    that loads slowly does not restart its pod in a loop."""
+    startup = container["startupProbe"]
+    assert startup["httpGet"]["path"] == "/v2/health/ready" and _probe_port(startup, ports) == 8000
+    allowed = startup.get("initialDelaySeconds", 0) + startup.get("periodSeconds", 10) * startup["failureThreshold"]
+    liveness = container["livenessProbe"]
+    assert allowed >= 300, startup  # minutes, not the liveness probe's seconds
+    assert allowed > liveness.get("initialDelaySeconds", 0) + liveness.get("periodSeconds", 10) * liveness["failureThreshold"]
 
 
 def test_serving_runtime_formats_have_backends() -> None:
@@ -180,6 +193,7 @@ def test_deployment_service_and_hpa_agree() -> None:
     for probe, path in (("readinessProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live")):
         assert container[probe]["httpGet"]["path"] == path
         assert _probe_port(container[probe], ports) == 8000
+    _check_startup_probe(container, ports)
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == "8002"
     target = hpa["spec"]["scaleTargetRef"]
@@ -406,11 +420,12 @@ def test_image_command_line_serves(image_command_server: tuple[int, int, int]) -
     assert success and float(success.group(1)) == 2
 
 
-def test_image_installs_grpcio() -> None:
-    """pyserve.grpc imports grpc, which the core's dependencies do not name: the image adds it."""
+def test_image_gets_grpcio_from_the_core() -> None:
+    """pyserve.grpc imports grpc: the core's dependencies name grpcio, so the image needs no
+    extra requirement for it (and its comments do not say otherwise)."""
     tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
 
     dependencies = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    if not any(re.match(r"grpcio\b", dep) for dep in dependencies):
-        assert _arg_defaults()["GRPCIO"].startswith("grpcio")
-        assert "${GRPCIO}" in DOCKERFILE.read_text()
+    assert any(re.match(r"grpcio\b", dep) for dep in dependencies), dependencies
+    recipe = DOCKERFILE.read_text()
+    assert "GRPCIO" not in recipe and "do not name grpcio" not in recipe

@@ -422,7 +422,7 @@ def test_a_broken_named_config_is_reported_under_its_own_file(start_server: Star
     server = start_server(repo, model_config_name="small")
     reason = entry(server, "custom")["reason"]
     assert entry(server, "custom")["state"] == "UNAVAILABLE"
-    assert str(repo / "custom" / "configs" / "small.pbtxt") in reason and "max_batch_size" in reason
+    assert reason.startswith("custom/configs/small.pbtxt:") and "max_batch_size" in reason  # relative to the repository
     problems = validate_repositories([repo], config_name="renamed")
     assert len(problems) == 1 and str(repo / "custom" / "configs" / "renamed.pbtxt") in problems[0]
     assert "'someone_else' does not match the model directory name 'custom'" in problems[0]

@@ -2,10 +2,14 @@
 tritonclient over Serve's HTTP and gRPC proxies.
 
 The cluster is two ``ray start`` nodes on this machine with one logical CPU each; the ``echo``
-model asks for two replicas of one CPU, so Serve places one on each node. One replica is
-killed while requests flow (clients retry, as against any replicated service), and a
-sequence-batched model with two replicas keeps each sequence's state across requests sent
-on fresh connections, over both protocols.
+model asks for two replicas of one CPU, so Serve places one on each node, and so takes every
+CPU: the ``pipeline`` ensemble over it deploys only because an ensemble reserves none (the
+ingress runs it). One replica is killed while requests flow (clients retry, as against any
+replicated service), and a sequence-batched model with two replicas keeps each sequence's state
+across requests sent on fresh connections, over both protocols. The deployment is made from a
+folder holding a ``pyserve/`` folder that is not the package (as the folder above a checkout
+does): the workers import the installed package all the same. A repository that needs more
+CPUs than the cluster has is refused before anything is deployed, with the numbers.
 """
 
 from __future__ import annotations
@@ -47,6 +51,18 @@ parameters { key: "ray_num_replicas" value { string_value: "2" } }
 parameters { key: "ray_num_cpus" value { string_value: "0" } }
 """)
 
+PIPELINE = """
+name: "pipeline"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "echo" model_version: -1 input_map { key: "INPUT0" value: "IN" } output_map { key: "OUTPUT0" value: "MID" } },
+  { model_name: "echo" model_version: -1 input_map { key: "INPUT0" value: "MID" } output_map { key: "OUTPUT0" value: "OUT" } }
+] }
+"""
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -73,6 +89,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     repo = tmp_path_factory.mktemp("ray") / "repo"
     write_model(repo, "echo", ECHO)
     write_model(repo, "accumulate", ACCUMULATE, {"1/model.py": ACCUMULATE_PY})
+    write_model(repo, "pipeline", PIPELINE)
+    elsewhere = tmp_path_factory.mktemp("above_a_checkout")  # like the folder holding a clone
+    (elsewhere / "pyserve" / "plugins").mkdir(parents=True)  # a namespace package "pyserve" here
     port = _free_port()
     address = f"127.0.0.1:{port}"
     common = ["--include-dashboard", "false", "--object-store-memory", str(100 * 1024 * 1024), "--disable-usage-stats"]
@@ -84,7 +103,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         deploy = subprocess.run(
             [str(BIN / "pyserve"), "ray-deploy", "--model-repository", str(repo), "--address", address,
              "--http-host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc), "--timeout", "240"],
-            env=env, capture_output=True, text=True, timeout=300,
+            env=env, capture_output=True, text=True, timeout=300, cwd=elsewhere,
         )
         assert deploy.returncode == 0, deploy.stdout + deploy.stderr
         assert "RUNNING" in deploy.stdout
@@ -143,6 +162,55 @@ def test_tritonclient_over_serve_http_and_grpc(cluster: Cluster) -> None:
         assert "Request for unknown model: 'nope' is not found" in str(missing.value)
     finally:
         grpc.close()
+
+
+def test_an_ensemble_runs_in_the_ingress_and_reserves_no_cpu(cluster: Cluster) -> None:
+    """Its steps go to the echo deployment; it has no deployment of its own (the cluster's two
+    CPUs are echo's)."""
+    assert not _replica_actors("pyserve-pipeline")
+    values = np.arange(4, dtype=np.float32).reshape(1, 4)
+    with httpclient.InferenceServerClient(cluster.http) as http:
+        assert http.is_model_ready("pipeline")
+        assert http.get_model_metadata("pipeline")["platform"] == "ensemble"
+        tensor = httpclient.InferInput("IN", [1, 4], "FP32")
+        tensor.set_data_from_numpy(values)
+        assert np.array_equal(http.infer("pipeline", [tensor]).as_numpy("OUT"), values)
+        wrong = httpclient.InferInput("IN", [1, 4], "INT32")
+        wrong.set_data_from_numpy(values.astype(np.int32))
+        with pytest.raises(InferenceServerException, match="INT32"):
+            http.infer("pipeline", [wrong])
+    grpc = grpcclient.InferenceServerClient(cluster.grpc)
+    try:
+        tensor = grpcclient.InferInput("IN", [1, 4], "FP32")
+        tensor.set_data_from_numpy(values)
+        assert np.array_equal(grpc.infer("pipeline", [tensor]).as_numpy("OUT"), values)
+        assert grpc.get_model_config("pipeline").config.platform == "ensemble"
+    finally:
+        grpc.close()
+
+
+def test_a_repository_too_big_for_the_cluster_is_refused_with_the_numbers(cluster: Cluster, tmp_path: Path) -> None:
+    """Three models of one CPU and one of three, on two nodes of one CPU: nothing is deployed,
+    the command says what is needed, what there is, and how to make it fit."""
+    repo = tmp_path / "repo"
+    for name in ("a", "b", "c"):
+        write_model(repo, name, echo_config().replace('name: "echo"', f'name: "{name}"'))
+    write_model(repo, "big", echo_config("instance_group [ { count: 3 kind: KIND_CPU } ]").replace(
+        'name: "echo"', 'name: "big"'))
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    deploy = subprocess.run(
+        [str(BIN / "pyserve"), "ray-deploy", "--model-repository", str(repo), "--address", cluster.address,
+         "--name", "too_big", "--http-host", "127.0.0.1", "--timeout", "240"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert deploy.returncode == 1, deploy.stdout + deploy.stderr
+    error = deploy.stderr
+    assert "the application reserves 6 CPUs (pyserve-a 1, pyserve-b 1, pyserve-big 3, pyserve-c 1) " \
+           "but the Ray cluster has 2" in error, error
+    assert "a replica of pyserve-big reserves 3 CPUs but the largest Ray node has 1" in error, error
+    assert "--per-repository" in error and "--num-cpus 0.5 " in error and "--skip-resource-check" in error, error
+    assert "RUNNING" not in deploy.stdout
+    assert not _replica_actors("pyserve-big") and not _replica_actors("pyserve-a")  # nothing was deployed
 
 
 def test_replicas_run_on_both_nodes(cluster: Cluster) -> None:
@@ -274,6 +342,37 @@ def test_deployment_options_follow_instance_groups_and_parameters() -> None:
         deployment_options(_config(
             'parameters { key: "ray_min_replicas" value { string_value: "3" } } '
             'parameters { key: "ray_max_replicas" value { string_value: "2" } }'))
+
+
+def test_plans_and_shortfalls_without_ray(tmp_path: Path) -> None:
+    """``plan_app`` and ``shortfall`` on their own: ensembles get no deployment, ``--num-cpus``
+    sets the default CPUs (not a ``ray_num_cpus`` parameter), ``--per-repository`` reserves one
+    CPU per replica, and a cluster short of CPUs or GPUs is told with the numbers."""
+    from pyserve.ray_serve import plan_app
+    from pyserve.ray_serve.resources import shortfall
+
+    repo = tmp_path / "repo"
+    write_model(repo, "echo", echo_config())
+    write_model(repo, "accumulate", ACCUMULATE, {"1/model.py": ACCUMULATE_PY})
+    write_model(repo, "pipeline", PIPELINE)
+    write_model(repo, "gpu", echo_config("instance_group [ { kind: KIND_GPU } ]").replace('name: "echo"', 'name: "gpu"'))
+    plan = plan_app([repo], num_cpus=0.25)
+    by_name = {d.name: d for d in plan.deployments}
+    assert sorted(by_name) == ["pyserve-accumulate", "pyserve-echo", "pyserve-gpu"]
+    assert [e.name for e in plan.ensembles] == ["pipeline"] and plan.ensembles[0].versions == (1,)
+    assert by_name["pyserve-echo"].cpus == 0.25 and by_name["pyserve-gpu"].gpus == 1.0
+    assert by_name["pyserve-accumulate"].cpus == 0.0 and by_name["pyserve-accumulate"].replicas == 2
+    assert not by_name["pyserve-accumulate"].cpus_from_default
+    assert shortfall(plan, {"CPU": 1.0, "GPU": 1.0}, [{"CPU": 1.0, "GPU": 1.0}], False) == []
+    problems = shortfall(plan, {"CPU": 1.0}, [{"CPU": 1.0}], False)
+    assert problems[0] == "the application reserves 1 GPUs (pyserve-gpu 1) but the Ray cluster has 0"
+    assert problems[1] == "a replica of pyserve-gpu reserves 1 GPUs but the largest Ray node has 0"
+    one = plan_app([repo], per_repository=True, num_replicas=3)
+    assert [(d.name, d.cpus, d.replicas) for d in one.deployments] == [("pyserve-repository", 1.0, 3)]
+    assert one.ensembles == []
+    short = shortfall(one, {"CPU": 2.0}, [{"CPU": 1.0}, {"CPU": 1.0}], True)
+    assert short[0] == "the application reserves 3 CPUs (pyserve-repository 3 x 1) but the Ray cluster has 2"
+    assert "--per-repository" not in short[-1] and "--num-cpus 0.66 " in short[-1]
 
 
 def test_ray_deploy_refuses_a_bad_repository(tmp_path: Path) -> None:

@@ -207,18 +207,40 @@ def write_json(path: Path, results: list[LevelResult], options: BenchOptions, no
         handle.write("\n")
 
 
-def write_plot(path: Path, results: list[LevelResult], options: BenchOptions) -> None:
-    """Latency (p50 and the ``--percentile`` or p99) against throughput, as a PNG.
+def check_plot(path: Path) -> None:
+    """What ``--plot`` needs, checked before the run so that it does not fail after it:
+    the file's folder exists, and matplotlib imports.
 
-    :raises BenchError: matplotlib is not installed, or the file cannot be written.
+    :raises BenchError: no such folder, or matplotlib is not installed (or fails to import).
+    """
+    folder = path.parent
+    if not folder.is_dir():
+        raise BenchError(f"cannot write --plot file '{path}': folder '{folder}' does not exist")
+    _pyplot()
+
+
+def _pyplot() -> Any:
+    """``matplotlib.pyplot`` with the file-only Agg backend.
+
+    :raises BenchError: matplotlib is not installed or fails to import.
     """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        raise BenchError("--plot needs matplotlib: pip install matplotlib") from None
+    except ImportError as exc:
+        detail = "" if isinstance(exc, ModuleNotFoundError) and exc.name == "matplotlib" else f" ({exc})"
+        raise BenchError(f"--plot needs matplotlib: pip install matplotlib{detail}") from None
+    return plt
+
+
+def write_plot(path: Path, results: list[LevelResult], options: BenchOptions) -> None:
+    """Latency (p50 and the ``--percentile`` or p99) against throughput, as a PNG.
+
+    :raises BenchError: matplotlib is not installed, or the file cannot be written.
+    """
+    plt = _pyplot()
     upper = options.percentile if options.percentile is not None else 99
     throughput = [r.throughput for r in results]
     figure, axes = plt.subplots(figsize=(7, 4.5))

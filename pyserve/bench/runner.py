@@ -32,6 +32,7 @@ from pyserve.bench.report import (
     summary_table,
     write_csv,
     write_json,
+    check_plot,
     write_plot,
 )
 from pyserve.bench.worker import LoadSpec, WorkerConfig, worker_main
@@ -324,6 +325,8 @@ def run(options: BenchOptions, out: Any = None, err: Any = None) -> int:
     progress = Progress(err if err is not None else sys.stderr, enabled=not options.quiet)
     host, port = options.host_port
     notes: list[str] = []
+    if options.plot is not None:
+        check_plot(options.plot)  # before the run, not after it
     control = connect(options.protocol, host, port)
     shared: _SharedMemory | None = None
     pool: WorkerPool | None = None

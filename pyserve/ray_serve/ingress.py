@@ -4,7 +4,8 @@ HTTP requests reach ``__call__`` (Serve hands over a Starlette ``Request``); gRP
 ``inference.GRPCInferenceService`` reach the method of the RPC's name (Serve's gRPC proxy,
 with ``add_inference_servicer`` registered). Both decode with pyserve's own codecs against the
 models' configs (fetched from the model deployments at start), send the decoded tensors to
-the model's deployment, and encode the answer, so tritonclient works unchanged.
+the model's deployment, and encode the answer, so tritonclient works unchanged. Ensembles run
+here, their steps sent to the steps' deployments (``pyserve.ray_serve.ensembles``).
 
 Requests of a sequence-batched model carry ``<model>/<correlation id>`` as the multiplexed
 model id: Serve routes every request of the sequence to the replica that holds its state.
@@ -33,6 +34,8 @@ from pyserve.http.fast_infer import DECOUPLED_MESSAGE as HTTP_DECOUPLED_MESSAGE
 from pyserve.inference import InferRequest, InferResponse
 from pyserve.models import ModelState
 from pyserve.protocol.config_json import model_config_to_dict
+from pyserve.ray_serve import EnsembleSpec
+from pyserve.ray_serve.ensembles import RemoteEnsemble, build_ensembles
 
 EXTENSIONS = ["classification", "binary_tensor_data", "parameters", "model_configuration"]
 """What this ingress serves of the protocol extensions."""
@@ -47,14 +50,19 @@ def _error(error: InferError) -> Response:
 
 
 class PyserveIngress:
-    """The application's ingress: routes to one handle per model deployment.
+    """The application's ingress: routes to one handle per model deployment, and runs the
+    ensembles of the repository itself (``pyserve.ray_serve.ensembles``).
 
     :param handles: model name → the handle of the deployment serving it.
+    :param ensembles: the ensembles the ingress runs (none with ``per_repository``: the
+        repository's deployment serves them).
     """
 
-    def __init__(self, handles: dict[str, Any]) -> None:
+    def __init__(self, handles: dict[str, Any], ensembles: list[EnsembleSpec] | None = None) -> None:
         self.handles = handles
+        self.ensembles = list(ensembles or [])
         self.models: dict[tuple[str, str | None], RemoteModel] = {}
+        self.unavailable: dict[str, str] = {}  # ensemble → why the ingress does not serve it
         self._described = False
 
     async def _describe(self) -> None:
@@ -69,18 +77,24 @@ class PyserveIngress:
                 model = RemoteModel(name=name, version=version, state=ModelState.READY,
                                     config=pb.ModelConfig.FromString(config), io=wire.io_from_json(io))
                 self.models[(name, key)] = model
+        self.unavailable = build_ensembles(self.ensembles, self.models, self._run)
         self._described = True
 
     async def _model(self, name: str, version: str | None) -> RemoteModel:
         await self._describe()
         model = self.models.get((name, version or None))
         if model is None:
+            if name in self.unavailable:
+                raise InferError.unavailable(f"Request for unknown model: '{name}' has no available versions "
+                                             f"({self.unavailable[name]})")
             if not any(n == name for n, _ in self.models):
                 raise InferError.not_found(f"Request for unknown model: '{name}' is not found")
             raise InferError.not_found(f"Request for unknown model: '{name}' version {version} is not found")
         return model
 
     async def _run(self, model: RemoteModel, request: InferRequest) -> InferResponse | InferError:
+        if isinstance(model, RemoteEnsemble):
+            return await model.run(request)
         handle = self.handles[model.name]
         sequence = model.config.HasField("sequence_batching") and request.correlation_id not in (0, "")
         if sequence:

@@ -355,6 +355,8 @@ class _Run:
         """Start the steps the request's inputs feed (a loop callback)."""
         try:
             self.start_ns = time.monotonic_ns()
+            if self.request.trace is not None:  # the steps are the ensemble's compute
+                self.request.trace.mark("COMPUTE_START")
             self._advance(self.root)
             if not self.closed:
                 self._settle(None, ())
@@ -452,6 +454,9 @@ class _Run:
             future.add_done_callback(call.resolved)
             call.future = future
             child.attach_sender(FutureSender(self.loop, future))
+        trace = self.request.trace
+        if trace is not None and trace.manager is not None:  # each step is a child of the ensemble's trace
+            trace.manager.trace_step(trace, child)
         self.calls.add(call)
         try:
             model.enqueue(child)

@@ -121,7 +121,10 @@ def pyserve_model_auto_complete(model: ModelContext) -> bool | None:
 
     :param model: the model's context (see ``pyserve_model_create``).
     :returns: ``True`` if the config was changed, otherwise ``None`` or ``False``.
-    :raises Exception: the model version becomes UNAVAILABLE with the exception text.
+    :raises Exception: the model version becomes UNAVAILABLE with the exception text, labelled
+        as a failure of auto-complete unless the exception says what it is (a model file that
+        is missing or broken: ``FileNotFoundError``, ``SyntaxError``, pyserve's
+        ``ModelFileError``). Clients see the text without tracebacks or server paths.
     """
 
 
@@ -170,9 +173,10 @@ def pyserve_model_create(model: ModelContext) -> Any:
         True, and the implementation may set it to False for a model that cannot be
         inherited by a forked process (its instances are then not created before the fork).
     :returns: any object; it is stored as ``model.state``. ``None`` is fine.
-    :raises Exception: the version becomes UNAVAILABLE with the exception text as its reason;
-        no instance is created and ``pyserve_model_finalize`` is not called. Other models
-        keep loading.
+    :raises Exception: the version becomes UNAVAILABLE with the exception text as its reason
+        (labelled as a failure to create the model unless it says what it is, as for
+        ``pyserve_model_auto_complete``); no instance is created and ``pyserve_model_finalize``
+        is not called. Other models keep loading.
     """
 
 

@@ -90,7 +90,7 @@ def test_backend_directory_library_wins_and_a_broken_one_is_not_skipped(
         assert _served_by_library(_infer(client, "from_dir"))
         assert not client.is_model_ready("broken")
         reason = {e["name"]: e for e in client.get_model_repository_index()}["broken"]["reason"]
-    assert str((broken / "libtriton_identity.so").resolve()) in reason and "TRITONSERVER_NoSuchFunction" in reason
+    assert "broken/libtriton_identity.so" in reason and "TRITONSERVER_NoSuchFunction" in reason  # relative to the repository
     rows = _table_rows(caplog)
     assert str((backends / "identity" / "libtriton_identity.so").resolve()) in rows["from_dir"][3]
     assert rows["broken"][2].startswith("UNAVAILABLE")

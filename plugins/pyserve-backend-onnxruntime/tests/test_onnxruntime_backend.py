@@ -364,8 +364,8 @@ def test_auto_complete_fixed_batch_dimension_is_not_batching(server: ServerThrea
         ("bad_dims", ["output 'y'", "[-1, 5]", "[-1, 3]"]),
         ("bad_output", ["output 'z'", "model outputs: y"]),
         ("corrupt", ["cannot load ONNX model", "model.onnx"]),
-        ("corrupt_auto", ["auto-complete", "cannot load ONNX model"]),
-        ("missing", ["model file", "not found"]),
+        ("corrupt_auto", ["cannot load ONNX model 'corrupt_auto/1/model.onnx'"]),  # says what it is: no step label
+        ("missing", ["model file 'missing/1/model.onnx' not found"]),
         ("bad_param", ["intra_op_thread_count", "'many'"]),
         ("bad_mode", ["execution_mode", "0 (sequential) or 1 (parallel)", "got 2"]),
         ("bad_accelerator", ["unknown cpu_execution_accelerator 'magic'"]),

@@ -116,3 +116,27 @@ def test_get_context_is_none_without_opentelemetry_tracing(tmp_path: Path) -> No
         assert _ask(server, "outer", 1) == ("none", "none")  # Triton mode: traced, but no OpenTelemetry context
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_bls_calls_with_the_request_trace_are_its_children_in_triton_trace_files(tmp_path: Path, mode: str) -> None:
+    """In Triton mode too (no OpenTelemetry context), a BLS call given ``trace=request.trace()``
+    is traced as the request's child: its entry names the request's trace id as ``parent_id``,
+    whatever the sampling (rate 1000: only the first request is sampled). A call without it is
+    a request of its own, sampled as any other."""
+    extra = PROCESS if mode == "process" else ""
+    repo = tmp_path / "repo"
+    write_python_model(repo, "outer", CONFIG + extra, SOURCE)
+    write_python_model(repo, "inner", CONFIG + extra, SOURCE)
+    path = tmp_path / "trace.json"
+    server = start(repo, trace_config=parse_trace_config(["level=TIMESTAMPS", "rate=1000", f"triton,file={path}"]))
+    try:
+        assert _ask(server, "outer", 1) == ("none", "none")  # sampled, with its BLS call
+        _ask(server, "outer", 1)  # not sampled: neither is its call
+    finally:
+        server.stop()
+    entries = json.loads(path.read_text())
+    assert [e["model_name"] for e in entries] == ["inner", "outer"], entries
+    inner, outer = entries
+    assert inner["parent_id"] == outer["id"] and "parent_id" not in outer
+    assert "COMPUTE_START" in [t["name"] for t in inner["timestamps"]]

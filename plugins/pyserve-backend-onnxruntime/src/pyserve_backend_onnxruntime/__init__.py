@@ -22,10 +22,10 @@ What callers may rely on:
 
 from __future__ import annotations
 
-from pyserve import BackendContext, ModelContext, hookimpl
+from pyserve import BackendContext, ModelContext, ModelFileNotFound, hookimpl
 from pyserve.backend_support import pyserve_execute, pyserve_instance_create, pyserve_instance_finalize
 
-from pyserve_backend_onnxruntime.runtime import OnnxInstance, OnnxModel, auto_complete, initialize_runtime
+from pyserve_backend_onnxruntime.runtime import OnnxInstance, OnnxModel, auto_complete, initialize_runtime, model_file
 
 __all__ = [
     "OnnxInstance",
@@ -37,6 +37,7 @@ __all__ = [
     "pyserve_instance_finalize",
     "pyserve_model_auto_complete",
     "pyserve_model_create",
+    "pyserve_model_validate",
 ]
 
 
@@ -66,6 +67,16 @@ def pyserve_model_auto_complete(model: ModelContext) -> bool:
     :raises ValueError: the model file is missing or is not a loadable ONNX model.
     """
     return auto_complete(model)
+
+
+@hookimpl
+def pyserve_model_validate(model: ModelContext) -> list[str]:
+    """``pyserve validate``: the ONNX file (``default_model_filename`` or model.onnx) is missing (the framework is not imported)."""
+    try:
+        model_file(model)
+    except ModelFileNotFound as exc:
+        return [str(exc)]
+    return []
 
 
 @hookimpl

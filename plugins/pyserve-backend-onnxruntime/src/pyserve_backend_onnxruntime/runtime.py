@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pyserve import ErrorCode, InferError, InstanceContext, ModelContext
+from pyserve import ErrorCode, InferError, InstanceContext, ModelContext, ModelFileError, ModelFileNotFound
 from pyserve.backend_support import (
     NUMPY_NAME_TO_CONFIG,
     FrameworkInstance,
@@ -158,14 +158,14 @@ def initialize_runtime() -> RuntimeInfo:
 def model_file(model: ModelContext) -> Path:
     """The ONNX file of a model version: ``default_model_filename`` (file or directory) or model.onnx.
 
-    :raises ValueError: the file does not exist.
+    :raises ModelFileNotFound: the file does not exist.
     """
     name = model.default_model_filename or DEFAULT_FILENAME
     path = model.version_path / name
     if path.is_dir():
         path = path / DEFAULT_FILENAME
     if not path.is_file():
-        raise ValueError(f"model file '{path}' not found for ONNX model '{model.name}' version {model.version}")
+        raise ModelFileNotFound(f"model file '{path}' not found for ONNX model '{model.name}' version {model.version}")
     return path
 
 
@@ -188,7 +188,7 @@ def open_session(path: Path, options: Any = None, providers: Sequence[Any] = ("C
     try:
         return ort.InferenceSession(str(path), sess_options=options, providers=list(providers))
     except Exception as exc:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail, ...)
-        raise ValueError(f"cannot load ONNX model '{path}': {type(exc).__name__}: {exc}") from None
+        raise ModelFileError(f"cannot load ONNX model '{path}': {type(exc).__name__}: {exc}") from None
 
 
 def _metadata_session(path: Path) -> Any:

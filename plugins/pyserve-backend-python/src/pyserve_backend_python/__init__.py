@@ -194,16 +194,22 @@ def _auto_complete_in(own: ExecutionEnvironment, model: ModelContext) -> bool:
 
 @hookimpl
 def pyserve_model_validate(model: ModelContext) -> list[str]:
-    """``pyserve validate``: an ``EXECUTION_ENV_PATH`` that does not exist, a ``requirements``
-    parameter naming no file, or a requirements set that does not resolve (a dry run of the
-    installer against the configured index: no environment is made; a set whose environment is
-    already cached passes without asking the index)."""
+    """``pyserve validate``: a model file that is missing or does not compile (a
+    ``SyntaxError``, reported with its file and line; the file is compiled, not run), an
+    ``EXECUTION_ENV_PATH`` that does not exist, a ``requirements`` parameter naming no file,
+    or a requirements set that does not resolve (a dry run of the installer against the
+    configured index: no environment is made; a set whose environment is already cached passes
+    without asking the index). A model with an ``EXECUTION_ENV_PATH`` is not compiled: its
+    environment's Python may be another version than the server's."""
     try:
         value = environment.configured_path(model.parameters, Path(model.path))
+        problems = loader.check_source(model, compile_it=value is None)
         if value is not None:
             if not Path(value).exists():
-                return [f"{environment.PARAMETER} '{value}' does not exist"]
-            return []
+                problems.append(f"{environment.PARAMETER} '{value}' does not exist")
+            return problems
+        if problems:
+            return problems
         wanted = requirements.find(model.name, model.parameters, Path(model.path), Path(model.version_path))
         if wanted is None or (model.parameters.get("execution_mode", "") == "thread"
                               and not (model.parameters.get(requirements.PARAMETER) or "").strip()):

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
-from pyserve import ModelContext
+from pyserve import ModelContext, ModelFileError, ModelFileNotFound
 
 from pyserve_backend_python import alias
 
@@ -43,9 +43,38 @@ class PythonModelError(Exception):
     the Python traceback."""
 
 
+class ModelFileProblem(PythonModelError, ModelFileError):
+    """The model file itself does not import (a ``SyntaxError``, an import that fails, an
+    exception at module level) or defines no ``TritonPythonModel``: the server reports the
+    message as it is (``pyserve.ModelFileError``)."""
+
+
+class ModelFileMissing(ModelFileProblem, ModelFileNotFound):
+    """The version has no model file."""
+
+
 def model_file(model: ModelContext) -> Path:
     """The Python file of a model version (``default_model_filename``, else model.py)."""
     return model.version_path / (model.config.default_model_filename or DEFAULT_MODEL_FILENAME)
+
+
+def check_source(model: ModelContext, compile_it: bool = True) -> list[str]:
+    """What keeps the model file of a version from importing, found without running it: the
+    file is missing, or (``compile_it``) it does not compile. One line per problem, naming the
+    file (and the line of a ``SyntaxError``)."""
+    path = model_file(model)
+    if not path.is_file():
+        return [f"model file '{path}' not found"]
+    if not compile_it:
+        return []
+    try:
+        compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+    except SyntaxError as exc:  # IndentationError and TabError too
+        where = f"{exc.filename or path}:{exc.lineno}" if exc.lineno else str(exc.filename or path)
+        return [f"{where}: {type(exc).__name__}: {exc.msg}"]
+    except (OSError, ValueError) as exc:  # unreadable, or NUL bytes in the source
+        return [f"model file '{path}' cannot be compiled: {exc}"]
+    return []
 
 
 @contextlib.contextmanager
@@ -86,7 +115,7 @@ def load_module(model: ModelContext) -> ModuleType:
     """
     path = model_file(model)
     if not path.is_file():
-        raise PythonModelError(f"model '{model.name}' version {model.version}: file '{path}' not found")
+        raise ModelFileMissing(f"model '{model.name}' version {model.version}: file '{path}' not found")
     safe = re.sub(r"\W", "_", model.name)
     package_name = f"{_PREFIX}{next(_counter)}_{safe}_{model.version}"
     package = ModuleType(package_name)
@@ -95,7 +124,7 @@ def load_module(model: ModelContext) -> ModuleType:
     module_name = package_name + "." + re.sub(r"\W", "_", path.stem)
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise PythonModelError(f"model '{model.name}': cannot import '{path}'")
+        raise ModelFileProblem(f"model '{model.name}': cannot import '{path}'")
     module = importlib.util.module_from_spec(spec)
     sys.modules[package_name] = package
     sys.modules[module_name] = module  # dataclasses, pickle and typing look modules up by name
@@ -106,12 +135,12 @@ def load_module(model: ModelContext) -> ModuleType:
         unload_module(module)
         if not isinstance(exc, Exception):
             raise
-        raise PythonModelError(
+        raise ModelFileProblem(
             format_failure(f"failed to load '{path.name}' of model '{model.name}' version {model.version}", exc)
         ) from None
     if not isinstance(getattr(module, MODEL_CLASS, None), type):
         unload_module(module)
-        raise PythonModelError(f"'{path.name}' of model '{model.name}' defines no class '{MODEL_CLASS}'")
+        raise ModelFileProblem(f"'{path.name}' of model '{model.name}' defines no class '{MODEL_CLASS}'")
     alias.register(model, module)
     return module
 

@@ -59,6 +59,7 @@ import numpy as np
 
 from pyserve import ErrorCode, InferError, InferRequest, InferResponse, InstanceContext, ModelContext
 from pyserve.shared_memory import forget_server_segment, note_server_segment
+from pyserve.tracing import child_trace
 
 from pyserve_backend_python import metrics, model_control, results
 from pyserve_backend_python.errors import TritonModelException
@@ -577,6 +578,10 @@ class ProcessRunner:
                 flags=fields["flags"], correlation_id=fields["correlation_id"], timeout_us=fields["timeout_us"],
             )
             request.trace_parent = fields.get("trace_parent")
+            with self._open_lock:
+                parent = self._batch.get(int(fields.get("trace_of") or -1))  # trace=request.trace() of a traced request
+            if parent is not None and parent.trace is not None:
+                request.trace = child_trace(parent.trace, request)
             timeout = request.timeout_us / 1e6 if request.timeout_us > 0 else None
             answers = list(self._instance.model.server.stream(request, timeout))
         except InferError as exc:
@@ -694,6 +699,7 @@ class ProcessRunner:
                 "parameters": dict(request.parameters),
                 "requested_outputs": list(request.requested_outputs),
                 "trace_context": request.trace.context if request.trace is not None else None,
+                "traced": request.trace is not None,
                 "inputs": _pack(inputs, self._arena, offset),
             })
             offset += _fixed_size(inputs)

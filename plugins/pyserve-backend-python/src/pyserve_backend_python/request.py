@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pyserve import InferError, InferRequest
-from pyserve.tracing import traceparent_of
+from pyserve.tracing import RequestTrace, child_trace, traceparent_of
 
 from pyserve_backend_python import arguments
 from pyserve_backend_python.constants import (
@@ -45,13 +45,18 @@ class InferenceTrace:
     """The trace a request belongs to: ``get_context()`` is the request's OpenTelemetry context
     while the server traces it in OpenTelemetry mode (``--trace-config mode=opentelemetry``), as a
     JSON object string ``{"traceparent": "00-<trace id>-<span id>-01"}``, and None otherwise.
-    Passed to a BLS request (``InferenceRequest(..., trace=request.trace())``), it makes the BLS
-    request's span a child of this request's span."""
+    Passed to a BLS request (``InferenceRequest(..., trace=request.trace())``) while the request
+    is traced, it makes the BLS request a traced child of this request, as Triton does: its trace
+    names this one's id as ``parent_id`` and, in OpenTelemetry mode, its span is a child of this
+    request's span."""
 
-    __slots__ = ("_context",)
+    __slots__ = ("_context", "_origin")
 
-    def __init__(self, context: str | None = None) -> None:
+    def __init__(self, context: str | None = None, _origin: Any = None) -> None:
         self._context = context
+        self._origin = _origin
+        """The traced request's server-side trace (thread mode) or its key in the batch its
+        worker runs (process mode); None when not traced."""
 
     def get_context(self) -> str | None:
         """The OpenTelemetry context as a JSON string, or None when not traced."""
@@ -171,7 +176,7 @@ class InferenceRequest:
         """The request's trace (its OpenTelemetry context while the server traces it)."""
         if self._trace is None:
             server_trace = getattr(self._server_request, "trace", None)
-            self._trace = InferenceTrace(getattr(server_trace, "context", None))
+            self._trace = InferenceTrace(getattr(server_trace, "context", None), server_trace)
         return self._trace
 
     def model_name(self) -> str:
@@ -269,8 +274,11 @@ class InferenceRequest:
             correlation_id=self._correlation_id,
             timeout_us=self._timeout,
         )
-        if self._trace is not None:  # trace=request.trace(): the call's span is a child of that request's
+        if self._trace is not None:  # trace=request.trace(): the call is traced as that request's child
             call.trace_parent = traceparent_of(self._trace.get_context())
+            origin = self._trace._origin
+            if isinstance(origin, RequestTrace):
+                call.trace = child_trace(origin, call)
         return call
 
     def __repr__(self) -> str:

@@ -169,6 +169,7 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
             "requested_outputs": list(call.requested_outputs), "id": call.id, "parameters": call.parameters,
             "flags": call.flags, "correlation_id": call.correlation_id, "timeout_us": call.timeout_us,
             "trace_parent": call.trace_parent,
+            "trace_of": request._trace._origin if request._trace is not None else None,
         }
         with bls_lock:  # one call on the pipe at a time, whichever thread of execute() makes it
             send(("bls", fields, bool(decoupled)))
@@ -257,7 +258,7 @@ def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
         request._flags = meta["flags"]
         request._timeout = meta["timeout"]
         request._preferred_memory = None
-        request._trace = InferenceTrace(meta.get("trace_context"))
+        request._trace = InferenceTrace(meta.get("trace_context"), meta["key"] if meta.get("traced") else None)
         request._parameters = meta["parameters"]
         request._server_request = WorkerRequest(meta["key"])  # type: ignore[assignment]  # duck-typed server request
         request._decoupled = True  # only decoupled models have response senders in a worker

@@ -29,10 +29,10 @@ What callers may rely on:
 
 from __future__ import annotations
 
-from pyserve import BackendContext, ModelContext, hookimpl
+from pyserve import BackendContext, ModelContext, ModelFileNotFound, hookimpl
 from pyserve.backend_support import pyserve_execute, pyserve_instance_create, pyserve_instance_finalize
 
-from pyserve_backend_pytorch.runtime import TorchInstance, TorchModel, apply_thread_counts, initialize_runtime
+from pyserve_backend_pytorch.runtime import TorchInstance, TorchModel, apply_thread_counts, initialize_runtime, model_file
 
 __all__ = [
     "TorchInstance",
@@ -43,6 +43,7 @@ __all__ = [
     "pyserve_instance_create",
     "pyserve_instance_finalize",
     "pyserve_model_create",
+    "pyserve_model_validate",
 ]
 
 
@@ -62,6 +63,16 @@ def pyserve_backend_initialize(backend: BackendContext) -> None:
     :raises ImportError: torch is not installed.
     """
     backend.state = initialize_runtime(backend.cpu_threads)
+
+
+@hookimpl
+def pyserve_model_validate(model: ModelContext) -> list[str]:
+    """``pyserve validate``: the model file (``default_model_filename`` or model.pt) is missing (the framework is not imported)."""
+    try:
+        model_file(model)
+    except ModelFileNotFound as exc:
+        return [str(exc)]
+    return []
 
 
 @hookimpl

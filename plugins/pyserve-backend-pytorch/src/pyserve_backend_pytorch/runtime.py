@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
-from pyserve import ErrorCode, InferError, InstanceContext, ModelContext
+from pyserve import ErrorCode, InferError, InstanceContext, ModelContext, ModelFileError, ModelFileNotFound
 from pyserve.backend_support import (
     MAX_THREAD_COUNT,
     NUMPY_NAME_TO_CONFIG,
@@ -211,11 +211,11 @@ def _indexed(names: Sequence[str]) -> dict[str, int] | None:
 def model_file(model: ModelContext) -> Path:
     """The model file of a version: ``default_model_filename`` or model.pt.
 
-    :raises ValueError: the file does not exist.
+    :raises ModelFileNotFound: the file does not exist.
     """
     path = model.version_path / (model.default_model_filename or DEFAULT_FILENAME)
     if not path.is_file():
-        raise ValueError(f"model file '{path}' not found for PyTorch model '{model.name}' version {model.version}")
+        raise ModelFileNotFound(f"model file '{path}' not found for PyTorch model '{model.name}' version {model.version}")
     return path
 
 
@@ -256,7 +256,7 @@ def load_module(path: Path, device: Any) -> LoadedModule:
             warnings.filterwarnings("ignore", message=r".*torch\.jit\.load.*deprecated", category=DeprecationWarning)
             module = torch.jit.load(str(path), map_location=device)
     except Exception as exc:
-        raise ValueError(f"cannot load PyTorch model '{path}': {type(exc).__name__}: {exc}") from None
+        raise ModelFileError(f"cannot load PyTorch model '{path}': {type(exc).__name__}: {exc}") from None
     module.eval()
     arguments = list(module.forward.schema.arguments)[1:]
     required = sum(1 for a in arguments if a.default_value is None and not a.kwarg_only)

@@ -27,10 +27,10 @@ What callers may rely on:
 
 from __future__ import annotations
 
-from pyserve import BackendContext, ModelContext, hookimpl
+from pyserve import BackendContext, ModelContext, ModelFileNotFound, hookimpl
 from pyserve.backend_support import pyserve_execute, pyserve_instance_create, pyserve_instance_finalize
 
-from pyserve_backend_tensorflow.runtime import TensorFlowInstance, TensorFlowModel, auto_complete, initialize_runtime
+from pyserve_backend_tensorflow.runtime import TensorFlowInstance, TensorFlowModel, auto_complete, initialize_runtime, model_path
 
 __all__ = [
     "TensorFlowInstance",
@@ -41,6 +41,7 @@ __all__ = [
     "pyserve_instance_finalize",
     "pyserve_model_auto_complete",
     "pyserve_model_create",
+    "pyserve_model_validate",
 ]
 
 
@@ -61,6 +62,16 @@ def pyserve_model_auto_complete(model: ModelContext) -> bool:
     :raises ValueError: unloadable SavedModel, missing signature, GraphDef without declared I/O.
     """
     return auto_complete(model)
+
+
+@hookimpl
+def pyserve_model_validate(model: ModelContext) -> list[str]:
+    """``pyserve validate``: the SavedModel directory (with saved_model.pb) or GraphDef file is missing (the framework is not imported)."""
+    try:
+        model_path(model)
+    except ModelFileNotFound as exc:
+        return [str(exc)]
+    return []
 
 
 @hookimpl

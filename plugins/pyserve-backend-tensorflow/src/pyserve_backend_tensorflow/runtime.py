@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pyserve import ErrorCode, InferError, InstanceContext, ModelContext
+from pyserve import ErrorCode, InferError, InstanceContext, ModelContext, ModelFileError, ModelFileNotFound
 from pyserve.backend_support import (
     MAX_THREAD_COUNT,
     NUMPY_NAME_TO_CONFIG,
@@ -168,15 +168,15 @@ def config_type_of(dtype: Any) -> str:
 def model_path(model: ModelContext) -> Path:
     """The SavedModel directory or GraphDef file of a model version.
 
-    :raises ValueError: it does not exist (or a SavedModel directory lacks saved_model.pb).
+    :raises ModelFileNotFound: it does not exist (or a SavedModel directory lacks saved_model.pb).
     """
     platform = model.config.platform or SAVEDMODEL_PLATFORM
     path = model.version_path / (model.default_model_filename or DEFAULT_FILENAMES[platform])
     if platform == GRAPHDEF_PLATFORM:
         if not path.is_file():
-            raise ValueError(f"GraphDef file '{path}' not found for model '{model.name}' version {model.version}")
+            raise ModelFileNotFound(f"GraphDef file '{path}' not found for model '{model.name}' version {model.version}")
     elif not (path / "saved_model.pb").is_file():
-        raise ValueError(
+        raise ModelFileNotFound(
             f"SavedModel directory '{path}' (with saved_model.pb) not found for model '{model.name}' "
             f"version {model.version}"
         )
@@ -199,7 +199,7 @@ def load_savedmodel(path: Path, device: str = "/CPU:0", tags: list[str] | None =
             return tf.saved_model.load(str(path), tags=tags)
     except Exception as exc:
         tagged = f" with tags {tags}" if tags else ""
-        raise ValueError(
+        raise ModelFileError(
             f"cannot load TensorFlow SavedModel '{path}'{tagged}: {type(exc).__name__}: {exc}"
         ) from None
 
@@ -342,7 +342,7 @@ class TensorFlowModel(FrameworkModel):
         try:
             graph_def.ParseFromString(self.path.read_bytes())
         except Exception as exc:
-            raise ValueError(f"cannot load TensorFlow GraphDef '{self.path}': {type(exc).__name__}: {exc}") from None
+            raise ModelFileError(f"cannot load TensorFlow GraphDef '{self.path}': {type(exc).__name__}: {exc}") from None
 
         def import_graph() -> None:
             tf.compat.v1.import_graph_def(graph_def, name="")
@@ -351,7 +351,7 @@ class TensorFlowModel(FrameworkModel):
             with tf.device(device):
                 wrapped = tf.compat.v1.wrap_function(import_graph, [])
         except Exception as exc:
-            raise ValueError(f"cannot import TensorFlow GraphDef '{self.path}': {type(exc).__name__}: {exc}") from None
+            raise ModelFileError(f"cannot import TensorFlow GraphDef '{self.path}': {type(exc).__name__}: {exc}") from None
         graph = wrapped.graph
         found: dict[str, Any] = {}
         for kind, tensors in (("input", self.inputs), ("output", self.outputs)):
