@@ -17,7 +17,7 @@ is the number of its CPU instances, ``num_gpus`` 1 when it has GPU instances; co
 ``ray_max_replicas`` / ``ray_target_ongoing_requests`` (autoscaling) and
 ``ray_max_ongoing_requests``.
 
-Ray is imported only here (``pip install 'pyserve[ray]'``).
+Ray is imported only here (``pip install 'pyserve-server[ray]'``).
 """
 
 from __future__ import annotations
