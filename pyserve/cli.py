@@ -173,7 +173,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     grpc_flags.add_argument("--grpc-server-key", default="", metavar="PEM")
     grpc_flags.add_argument("--grpc-root-cert", default="", metavar="PEM")
     grpc_flags.add_argument("--grpc-header-forward-pattern", default="", metavar="REGEX",
-                            help="forward gRPC metadata whose key matches REGEX as request parameters")
+                            help="forward gRPC metadata whose key matches REGEX as request parameters "
+                                 "(case-insensitive unless REGEX starts with (?-i))")
     grpc_flags.add_argument("--reuse-grpc-port", type=_bool, default=False, metavar="BOOL",
                             help="let other servers listen on the same gRPC port (SO_REUSEPORT)")
     grpc_flags.add_argument("--grpc-max-connections", type=_non_negative_int, default=0, metavar="N",
@@ -231,7 +232,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--strict-readiness", type=_bool, default=True, metavar="BOOL",
                      help="ready only while every model is ready (default true, as Triton); false: while serving")
     run.add_argument("--http-header-forward-pattern", default="", metavar="REGEX",
-                     help="forward HTTP headers whose name matches REGEX as request parameters")
+                     help="forward HTTP headers whose name matches REGEX as request parameters "
+                          "(case-insensitive unless REGEX starts with (?-i))")
     run.add_argument("--reuse-http-port", type=_bool, default=False, metavar="BOOL",
                      help="let other servers listen on the same HTTP port (SO_REUSEPORT)")
     run.add_argument("--rate-limit", choices=["off", "execution_count"], default="off",
