@@ -2,18 +2,27 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+DIST   ?= dist
 # Framework plugins pull in torch / onnxruntime / tensorflow (GBs): only `make test` installs
 # them. `make run` (install) gets the light plugins: every other plugins/pyserve-backend-*.
 FRAMEWORK_PLUGINS := plugins/pyserve-backend-onnxruntime plugins/pyserve-backend-pytorch plugins/pyserve-backend-tensorflow
 LIGHT_PLUGINS := $(filter-out $(FRAMEWORK_PLUGINS),$(wildcard plugins/pyserve-backend-*))
-PACKAGES := -e hookspecs -e . $(addprefix -e ,$(LIGHT_PLUGINS)) -e examples/pyserve-backend-string-processor
+EXAMPLE_PLUGINS := $(wildcard examples/pyserve-backend-*)
+# The core distribution (pyserve-server) holds the server, the hookspecs contract and the bundled
+# example repository (setup.py); every plugin is a distribution of its own. tritonclient[http]:
+# the README's client call runs in .venv as pasted.
+PACKAGES := -e . $(addprefix -e ,$(LIGHT_PLUGINS)) $(addprefix -e ,$(EXAMPLE_PLUGINS)) 'tritonclient[http]'
+# The checkout's packages are built with the venv's own setuptools: no fresh build environment
+# (a setuptools install) for each of them.
+PIP_LOCAL := $(BIN)/python -m pip install --quiet --no-build-isolation
+BUILD_DEPS := 'setuptools>=77'
 # torch is pinned and installed first, on its own: an unpinned resolve would fetch a CUDA build.
 TORCH_VERSION ?= 2.13.0
 FRAMEWORK_PACKAGES := -e 'plugins/pyserve-backend-onnxruntime[cpu]' -e plugins/pyserve-backend-pytorch \
 	-e 'plugins/pyserve-backend-tensorflow[cpu]' 'onnx>=1.15'
-PYPROJECTS := pyproject.toml hookspecs/pyproject.toml $(wildcard plugins/*/pyproject.toml) $(wildcard examples/*/pyproject.toml)
+PYPROJECTS := pyproject.toml setup.py $(wildcard plugins/*/pyproject.toml) $(wildcard examples/*/pyproject.toml)
 
-.PHONY: run test install install-test proto clean
+.PHONY: run test install install-test dist proto clean
 
 run: $(VENV)/.installed  ## install, then serve the bundled example repository on :8000
 	$(BIN)/pyserve run $(ARGS)
@@ -33,23 +42,34 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: $(BIN)/python $(PYPROJECTS)
-	$(BIN)/python -m pip install --quiet $(PACKAGES)
+	$(BIN)/python -m pip install --quiet $(BUILD_DEPS)
+	$(PIP_LOCAL) $(PACKAGES)
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed
+# One resolve of everything the tests need (make install's packages included), so nothing is
+# installed twice.
+$(VENV)/.installed-test: $(BIN)/python $(PYPROJECTS)
 	# The status page's browser test drives Debian's Chromium; without apt (or root) it is skipped.
 	command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 		chromium fonts-dejavu-core >/dev/null; } || echo "chromium not installed: the browser test will be skipped"
-	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install --quiet $(PACKAGES) $(FRAMEWORK_PACKAGES) -e '.[test,ray]'
+	$(BIN)/python -m pip install --quiet $(BUILD_DEPS) torch==$(TORCH_VERSION)
+	$(PIP_LOCAL) $(PACKAGES) $(FRAMEWORK_PACKAGES) -e '.[test,ray]'
 	# Triton's own compiled Python backend, hosted by pyserve-backend-native's tests. --no-deps:
 	# its requirements would replace the server's numpy.
 	$(BIN)/python -m pip install --quiet --no-deps nvidia-pytriton==0.7.0
-	touch $@
+	touch $(VENV)/.installed $@
+
+# Wheels of the core and of every plugin (docs/packaging.md): `pip install dist/pyserve_server-*.whl`
+# serves the bundled example repository once its backends are installed too.
+dist: $(BIN)/python  ## build the wheels of the core and of every plugin into dist/
+	$(BIN)/python -m pip install --quiet $(BUILD_DEPS)
+	rm -rf build $(addsuffix /build,$(wildcard plugins/* examples/pyserve-backend-*))
+	$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir $(DIST) \
+		. $(wildcard plugins/pyserve-backend-*) $(EXAMPLE_PLUGINS)
 
 proto:  ## regenerate pyserve/protocol/descriptors.binpb from the .proto files
 	$(BIN)/python scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info */*.egg-info */*/src/*.egg-info hookspecs/src/*.egg-info
+	rm -rf $(VENV) build dist *.egg-info */*/build */*/src/*.egg-info hookspecs/src/*.egg-info

@@ -16,14 +16,13 @@ from typing import Any
 
 from pyserve import __version__, logs, triton_flags
 from pyserve.argtypes import boolean as _bool
+from pyserve.bundled import EXAMPLE_REPOSITORY, missing_backends
 from pyserve.busy_poll import MAX_WINDOW_US
 from pyserve.handoff.balancer import FRONTEND_BALANCE
 from pyserve.handoff.layout import AUTO, Layout
 from pyserve.handoff.layout import choose as choose_layout
 from pyserve.repository import check_config_name
 
-EXAMPLE_REPOSITORY = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
-"""The bundled example repository, served when no ``--model-repository`` is given."""
 
 
 def _port(value: str) -> int:
@@ -130,7 +129,7 @@ def _backend_config(items: Sequence[tuple[str, str, str]]) -> dict[str, dict[str
 def _add_run(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="serve a Triton model repository over KServe v2 (HTTP and gRPC)")
     run.add_argument("--model-repository", "--model-store", action="append", default=[], metavar="PATH",
-                     help="a model repository (repeatable); default: the bundled examples/model_repository")
+                     help="a model repository (repeatable); default: the bundled example repository")
     run.add_argument("--host", "--http-address", dest="host", default="0.0.0.0",
                      help="address to listen on (default 0.0.0.0, as Triton)")
     run.add_argument("--http-port", type=_port, default=8000, help="HTTP port (default 8000; 0 = any free port)")
@@ -177,7 +176,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     grpc_flags.add_argument("--grpc-server-key", default="", metavar="PEM")
     grpc_flags.add_argument("--grpc-root-cert", default="", metavar="PEM")
     grpc_flags.add_argument("--grpc-header-forward-pattern", default="", metavar="REGEX",
-                            help="forward gRPC metadata whose key matches REGEX as request parameters")
+                            help="forward gRPC metadata whose key matches REGEX as request parameters "
+                                 "(case-insensitive unless REGEX starts with (?-i))")
     grpc_flags.add_argument("--reuse-grpc-port", type=_bool, default=False, metavar="BOOL",
                             help="let other servers listen on the same gRPC port (SO_REUSEPORT)")
     grpc_flags.add_argument("--grpc-max-connections", type=_non_negative_int, default=0, metavar="N",
@@ -235,7 +235,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--strict-readiness", type=_bool, default=True, metavar="BOOL",
                      help="ready only while every model is ready (default true, as Triton); false: while serving")
     run.add_argument("--http-header-forward-pattern", default="", metavar="REGEX",
-                     help="forward HTTP headers whose name matches REGEX as request parameters")
+                     help="forward HTTP headers whose name matches REGEX as request parameters "
+                          "(case-insensitive unless REGEX starts with (?-i))")
     run.add_argument("--reuse-http-port", type=_bool, default=False, metavar="BOOL",
                      help="let other servers listen on the same HTTP port (SO_REUSEPORT)")
     run.add_argument("--rate-limit", choices=["off", "execution_count"], default="off",
@@ -336,13 +337,23 @@ def _operations_options(args: argparse.Namespace) -> tuple[dict[str, Any], dict[
     return server, grpc
 
 
-def _repositories(paths: Sequence[str]) -> list[Path]:
+def _repositories(paths: Sequence[str], exit_on_error: bool) -> list[Path]:
+    """The repositories to serve: ``paths``, or without any the bundled example repository (whose
+    backends, missing, would each fail a model; with ``exit_on_error`` that is said at once)."""
     if paths:
         return [Path(p) for p in paths]
     if not EXAMPLE_REPOSITORY.is_dir():
         raise SystemExit(
             "pyserve: no --model-repository given, and the bundled example repository is not "
             "available in this installation"
+        )
+    missing = missing_backends() if exit_on_error else []
+    if missing:
+        raise SystemExit(
+            "pyserve: no --model-repository given, and the bundled example repository needs backends "
+            f"that are not installed ({', '.join(missing)}): pip install 'pyserve-server[examples]' "
+            "(from the wheels of `make dist`: pip install --find-links dist 'pyserve-server[examples]'), "
+            "or serve a repository of your own with --model-repository"
         )
     return [EXAMPLE_REPOSITORY]
 
@@ -369,7 +380,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     layout = _layout(args)
     logging.getLogger("pyserve").info("%s", layout.describe())
-    repositories = _repositories(args.model_repository)
+    repositories = _repositories(args.model_repository, args.exit_on_error)
     for repo in repositories:
         if not repo.is_dir():
             print(f"pyserve: --model-repository '{repo}' does not exist or is not a directory", file=sys.stderr)
@@ -601,7 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pyserve.bench import add_bench_parser  # standard library only: keeps --help fast
 
     add_bench_parser(sub)
-    ray = sub.add_parser("ray-deploy", help="deploy a model repository as a Ray Serve application (pyserve[ray])")
+    ray = sub.add_parser("ray-deploy", help="deploy a model repository as a Ray Serve application (pyserve-server[ray])")
     ray.add_argument("--model-repository", action="append", required=True, metavar="PATH",
                      help="model repository (repeatable); every Ray node must reach it at the same path")
     ray.add_argument("--address", default="auto", help="the Ray cluster to join (default auto: the running one)")
@@ -632,7 +643,7 @@ def cmd_ray_deploy(args: argparse.Namespace) -> int:
         import ray
         from ray import serve
     except ImportError:
-        print("pyserve: error: Ray Serve is not installed: pip install 'pyserve[ray]'", file=sys.stderr)
+        print("pyserve: error: Ray Serve is not installed: pip install 'pyserve-server[ray]'", file=sys.stderr)
         return 1
     from pyserve.ray_serve import GRPC_SERVICER_FUNCTION, RayConfigError, build_app, plan_app
     from pyserve.ray_serve.resources import shortfall

@@ -412,7 +412,7 @@ class PluginHost:
         if not eps:
             raise BackendUnavailable(
                 f"backend '{name}' is not installed; install the package that provides it "
-                f"(for a first-party backend: pip install pyserve-backend-{name})"
+                f"(for a first-party backend: pip install pyserve-backend-{name.replace('_', '-')})"
             )
         if len(eps) > 1:
             sources = ", ".join(_dist_label(ep) for ep in eps)

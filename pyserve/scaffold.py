@@ -153,7 +153,7 @@ description = "pyserve backend '{name}': multiplies its input by the model param
 readme = "README.md"
 requires-python = ">=3.10"
 dependencies = [
-    "pyserve>=0.1,<0.2",
+    "pyserve-server>=0.1,<0.2",
     "numpy>=1.26",
 ]
 

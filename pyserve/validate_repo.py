@@ -109,7 +109,7 @@ def validate_repositories(
         elif not host.is_installed(config.backend):
             problems.append(
                 f"{name}: {path}: backend '{config.backend}' is not installed "
-                f"(pip install pyserve-backend-{config.backend})"
+                f"(pip install pyserve-backend-{config.backend.replace('_', '-')})"
             )
         if len(problems) == before:
             checked[name] = _CheckedModel(config, source.path, selected, tensors_known)

@@ -28,7 +28,7 @@ PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 man
 # What the checks install beside the repository's own packages (pyproject.toml [project] deps).
 TEST_REQUIREMENTS=("tritonclient[http,grpc]>=2.51" "pytest>=8" "pytest-timeout>=2.3" "httpx>=0.27" "setuptools>=77")
 # Packages of the repository the checks serve with (editable installs).
-PACKAGES=(hookspecs . plugins/pyserve-backend-identity plugins/pyserve-backend-python
+PACKAGES=(. plugins/pyserve-backend-identity plugins/pyserve-backend-python
           plugins/pyserve-backend-onnxruntime plugins/pyserve-backend-pytorch)
 CARRY_LIMIT_MB=58  # 64 MiB travel with the working tree: leave room for the repository
 
@@ -71,11 +71,10 @@ import sys, tomllib
 from pathlib import Path
 root = Path(sys.argv[1])
 seen = []
-for pyproject in [root / "pyproject.toml", root / "hookspecs" / "pyproject.toml"]:
-    for requirement in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
-        name = requirement.split(";")[0].strip()
-        if not name.startswith(("numpy", "pyserve")) and name not in seen:
-            seen.append(name)
+for requirement in tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]:
+    name = requirement.split(";")[0].strip()
+    if not name.startswith(("numpy", "pyserve")) and name not in seen:
+        seen.append(name)
 print("\n".join(seen))
 EOF
 }

@@ -1,4 +1,4 @@
-"""Write the README's picture of the status page: ``python scripts/status_screenshot.py [PNG]``.
+"""Write docs/status-page.md's picture of the status page: ``python scripts/status_screenshot.py [PNG]``.
 
 Serves the bundled example repository plus one model that fails to load, sends a few seconds
 of requests to two models, and takes a screenshot of ``/status`` in headless Chromium

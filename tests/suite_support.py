@@ -278,18 +278,20 @@ def wait_for(condition: Callable[[], bool], timeout: float = 15.0, what: str = "
 
 
 class RunningServer:
-    """A ``pyserve run`` subprocess whose stderr is collected on a thread.
+    """A ``pyserve run`` subprocess whose stderr is collected on a thread (``command`` is how
+    ``pyserve`` is started: this interpreter's by default, or another environment's script).
 
     ``process`` is the process ``pyserve run`` started as: on Linux the keeper
     (``pyserve.handoff.keeper``), whose child serves; ``server_pid`` is the serving process that
     logged ``Started HTTPService`` last (log lines carry the writer's pid).
     """
 
-    def __init__(self, args: Sequence[str]) -> None:
+    def __init__(self, args: Sequence[str], *, command: Sequence[str] = (sys.executable, "-m", "pyserve"),
+                 cwd: Path = REPO_ROOT, env: dict[str, str] | None = None) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pyserve", "run", "--http-port", "0", "--grpc-port", "0",
+            [*command, "run", "--http-port", "0", "--grpc-port", "0",
              "--metrics-port", "0", "--http-address", "127.0.0.1", *args],
-            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
         self.lines: list[str] = []
         self.port: int | None = None

@@ -55,7 +55,7 @@ def test_scaffolded_project_installs_and_passes_its_tests(tmp_path: Path, style:
     assert (project / "model_repository" / f"{name}_model" / "config.pbtxt").is_file()
     assert (project / "model_repository" / f"{name}_model" / "1").is_dir()
     pyproject = (project / "pyproject.toml").read_text()
-    assert '[project.entry-points."pyserve.backends"]' in pyproject and '"pyserve>=' in pyproject
+    assert '[project.entry-points."pyserve.backends"]' in pyproject and '"pyserve-server>=' in pyproject
     source = (project / "src" / f"pyserve_backend_{name}" / "__init__.py").read_text()
     assert ("class ScaleBackend(Backend)" in source) == (style == "class")
     assert ("@hookimpl" in source) == (style == "hooks")

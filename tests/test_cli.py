@@ -122,6 +122,12 @@ def test_run_without_repository_serves_the_bundled_examples(run_server: Any) -> 
     with contextlib.redirect_stdout(printed):
         exec(snippet.replace("localhost:8000", url), {})  # the README's three lines, as written
     assert printed.getvalue().endswith("\n")
+    # the README's tritonclient call, as written: identity_fp32 echoes 0..3
+    snippet = README.split("## Use it with tritonclient", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(snippet.replace("localhost:8000", url), {})
+    assert printed.getvalue() == "[[0. 1. 2. 3.]]\n"
     assert server.stop(timeout=20) == 0, server.stderr
     assert not [line for line in server.lines if line.startswith(("E", "W"))], server.stderr  # a clean start
 

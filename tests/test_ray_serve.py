@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install 'pyserve[ray]')")
+ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install 'pyserve-server[ray]')")
 import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.http as httpclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402

@@ -20,7 +20,7 @@ allowed), ``num_gpus`` 1 when it has GPU instances; config
 ``ray_max_replicas`` / ``ray_target_ongoing_requests`` (autoscaling) and
 ``ray_max_ongoing_requests``.
 
-Ray is imported only here (``pip install 'pyserve[ray]'``).
+Ray is imported only here (``pip install 'pyserve-server[ray]'``).
 """
 
 from __future__ import annotations

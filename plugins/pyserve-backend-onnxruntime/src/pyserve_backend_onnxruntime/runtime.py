@@ -135,8 +135,8 @@ def _import_ort() -> Any:
         import onnxruntime
     except ImportError as exc:
         raise ImportError(
-            "the onnxruntime backend needs ONNX Runtime: pip install 'pyserve-backend-onnxruntime[cpu]' "
-            f"(or [gpu] for onnxruntime-gpu) ({exc})"
+            "the onnxruntime backend needs ONNX Runtime: pip install onnxruntime "
+            f"(or onnxruntime-gpu; the plugin's extras [cpu] / [gpu] name them) ({exc})"
         ) from exc
     return onnxruntime
 

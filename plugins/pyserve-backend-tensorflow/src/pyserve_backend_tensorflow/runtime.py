@@ -115,8 +115,8 @@ def _import_tf() -> Any:
         import tensorflow
     except ImportError as exc:
         raise ImportError(
-            "the tensorflow backend needs TensorFlow: pip install 'pyserve-backend-tensorflow[cpu]' "
-            f"(or [gpu]) ({exc})"
+            "the tensorflow backend needs TensorFlow: pip install tensorflow-cpu "
+            f"(or 'tensorflow[and-cuda]'; the plugin's extras [cpu] / [gpu] name them) ({exc})"
         ) from exc
     return tensorflow
 

@@ -1,0 +1,62 @@
+"""``docs/flags.md`` is generated from ``pyserve``'s argparse options and must be up to date."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+from pyserve import triton_flags
+from pyserve.cli import build_parser
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = REPO_ROOT / "scripts" / "gen_flags_doc.py"
+PAGE = REPO_ROOT / "docs" / "flags.md"
+
+
+def _load_script() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("gen_flags_doc", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gen_flags_doc", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = _load_script()
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_committed_page_is_the_generated_one() -> None:
+    assert PAGE.is_file(), "docs/flags.md is missing: run python scripts/gen_flags_doc.py"
+    assert PAGE.read_text(encoding="utf-8") == gen.render(), (
+        "docs/flags.md is stale: run python scripts/gen_flags_doc.py and commit the result"
+    )
+
+
+def test_every_flag_of_every_command_is_on_the_page() -> None:
+    page = gen.render()
+    for name, parser in _subcommands().items():
+        assert f"## `pyserve {name}`" in page, name
+        section = page.split(f"## `pyserve {name}`", 1)[1].split("\n## ", 1)[0]
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction) or not action.option_strings:
+                continue
+            flag = action.option_strings[-1] if action.help == argparse.SUPPRESS else action.option_strings[0]
+            assert f"`{flag}`" in section, f"pyserve {name} {flag}"
+    for flag in (*triton_flags.TUNING_FLAGS, *triton_flags.FEATURE_FLAGS):
+        assert f"| `{flag}` |" in page, flag
+
+
+def test_check_mode_reports_a_stale_page(tmp_path: Path) -> None:
+    stale = tmp_path / "flags.md"
+    stale.write_text(gen.render().replace("--http-port", "--http-prt", 1), encoding="utf-8")
+    assert gen.main(["--check", "--output", str(stale)]) == 1
+    assert gen.main(["--output", str(stale)]) == 0
+    assert gen.main(["--check", "--output", str(stale)]) == 0
