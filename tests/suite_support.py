@@ -268,7 +268,7 @@ class QueuedStream:
         self.client.close()
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
+def wait_for(condition: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
     """Poll ``condition`` every 10 ms until it holds; AssertionError naming ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while not condition():
