@@ -78,7 +78,8 @@ def framed(message: bytes, compressed: bool = False) -> bytes:
 
 
 class RawClient:
-    """A minimal HTTP/2 client: frames in and out, nothing hidden."""
+    """A minimal HTTP/2 client: frames in and out, nothing hidden. A context manager (closed on
+    leaving); its socket is closed even when the handshake fails."""
 
     def __init__(self, port: int, settings: dict[int, int] | None = None) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
@@ -86,10 +87,20 @@ class RawClient:
         self.decoder = hpack.Decoder()
         self.buffer = b""
         self.pending: list[tuple[int, int, int, bytes]] = []
-        self.sock.sendall(h2.PREFACE + h2.settings(settings or {}))
+        try:
+            self.sock.sendall(h2.PREFACE + h2.settings(settings or {}))
+        except BaseException:
+            self.sock.close()
+            raise
 
     def close(self) -> None:
         self.sock.close()
+
+    def __enter__(self) -> RawClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
@@ -123,7 +134,10 @@ class RawClient:
             self.pending.extend(frames)
         kind, flags, stream_id, payload = self.pending.pop(0)
         if kind == h2.SETTINGS and not flags & h2.ACK:
-            self.send(h2.frame(h2.SETTINGS, h2.ACK, 0))
+            # the server may have closed already (a refused connection: SETTINGS, then GOAWAY):
+            # the frames it sent are still read
+            with contextlib.suppress(OSError):
+                self.send(h2.frame(h2.SETTINGS, h2.ACK, 0))
         return kind, flags, stream_id, payload
 
     def reply(self, stream_id: int) -> tuple[list[tuple[str, str]], bytes, list[tuple[str, str]]]:
