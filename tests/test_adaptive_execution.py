@@ -352,7 +352,7 @@ class _Worker:
         self.log.append(f"{where} start")
         if where == "loop":
             self.started.set()
-            assert self.release.wait(10)
+            assert self.release.wait(60)
         self.log.append(f"{where} end")
         self.last_execute_ns = time.monotonic_ns() - start
 
@@ -389,7 +389,7 @@ def test_an_instance_thread_waits_while_the_loop_executes(monkeypatch: pytest.Mo
     loop_thread.start()
     try:
         loop.call_soon_threadsafe(scheduler.enqueue, _request())
-        assert worker.started.wait(10)
+        assert worker.started.wait(60)
         scheduler.enqueue(_request())  # from another thread: queued
         time.sleep(0.1)
         assert worker.log == ["loop start"]  # the instance thread waits for the loop's execute
@@ -409,9 +409,9 @@ def test_an_instance_thread_waits_while_the_loop_executes(monkeypatch: pytest.Mo
     finally:
         worker.release.set()
         scheduler.stop(1)
-        thread.join(10)
+        thread.join(60)
         loop.call_soon_threadsafe(loop.stop)
-        loop_thread.join(10)
+        loop_thread.join(60)
         loop.close()
     assert not thread.is_alive()
 

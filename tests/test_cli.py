@@ -530,7 +530,7 @@ def test_a_model_that_fails_to_load_stops_the_server_by_default(tmp_path: Path, 
                 'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]\n')
     stopped = run_server("--model-repository", str(repo))
     assert stopped.process.wait(120) == 1
-    stopped._reader.join(10)
+    stopped._reader.join(60)
     assert "failed to load all models" in stopped.stderr
     assert "'broken' version 1" in stopped.stderr and "weights file is corrupt" in stopped.stderr
     assert stopped.port is None  # it never listened

@@ -528,7 +528,7 @@ def test_a_client_that_goes_away_cancels_the_handed_off_request(tmp_path: Path) 
         sock.sendall(b"POST /v2/models/slow/infer HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
         time.sleep(0.15)
         sock.close()  # gone before its turn: the frontend tells the owner, which drops it
-        busy.join(10)
+        busy.join(60)
         time.sleep(0.3)
         with _http(thread) as client:
             stats = client.get_inference_statistics("slow")["model_stats"][0]

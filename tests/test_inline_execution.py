@@ -190,7 +190,7 @@ def test_unloading_executes_what_the_inline_batcher_holds(start_server, make_rep
     assert backend.sizes == []  # queued, waiting for its 20 s delay
     with httpclient.InferenceServerClient(server.url) as client:
         client.unload_model("held")
-    waiting.join(10)
+    waiting.join(60)
     assert backend.sizes == [1] and len(answers) == 1 and float(answers[0][0, 0]) == 0.0
 
 
@@ -209,5 +209,5 @@ def test_inline_batcher_keeps_the_queue_policy(start_server, make_repo) -> None:
     with httpclient.InferenceServerClient(server.url) as client:
         with pytest.raises(InferenceServerException, match="Exceeds maximum queue size"):
             client.infer("bounded", [_input(values)])
-    waiting.join(10)
+    waiting.join(60)
     assert len(answers) == 1 and backend.sizes == [1]

@@ -366,7 +366,7 @@ def test_extra_sequence_waits_in_the_backlog(start_server: StartServer, make_rep
         assert first.send(1, 2) == 3  # the slot holder keeps going meanwhile
         ended_at = time.monotonic()
         assert first.send(1, 3, end=True) == 6
-        thread.join(10)
+        thread.join(60)
     finally:
         first.close()
     assert "error" not in waited, waited.get("error")

@@ -86,7 +86,7 @@ def test_decoupled_async_execute_raising_ends_the_request_with_an_error(stream: 
     client, results = stream
     client.async_stream_infer("countdown_async", [_input("N", np.array([-1], dtype=np.int32), "INT32")],
                               request_id="neg")
-    item = results.get(timeout=10)
+    item = results.get(timeout=60)
     assert isinstance(item, InferenceServerException)
     assert "N must not be negative" in str(item)
     assert "countdown_async" in str(item)
