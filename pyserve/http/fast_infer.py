@@ -7,9 +7,10 @@ and the answer goes out in two ``send`` calls. Every other route falls through t
 Starlette application. Behaviour (status codes, error texts, compression) is the same as on
 any route; only the per-request overhead differs.
 
-The steps (``infer_model``, ``check_declared_length``, ``decode_request`` / ``decode_soon``, ``submit_request``,
-``encode_reply``, ``error_reply``) are module functions shared with the native HTTP/1.1
-server (``pyserve.http.server``), which runs the same sequence without ASGI.
+The steps (``infer_model``, ``check_declared_length``, ``decode_request`` or its coroutine form
+``decode_soon``, ``submit_request``, ``encode_reply``, ``error_reply``) are module functions
+shared with the native HTTP/1.1 server (``pyserve.http.server``), which runs the same sequence
+without ASGI. A large body is decoded on a decode thread (``pyserve.http.offload``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ the protocol (the ``--http-max-input-size`` cap is enforced from ``Content-Lengt
 anything is buffered, and while a chunked body streams in), then the same steps as the ASGI
 fast path (``pyserve.http.fast_infer``) run without a task: decode → ``dataplane.submit`` →
 a done-callback on the response future → encode, and the whole answer (status line, headers
-and body) goes out in one ``transport.write``. While more than one connection is open, answers
+and body) goes out in one ``transport.write``. A body with over a megabyte of JSON is decoded on
+a decode thread (``pyserve.http.offload``) and goes on from a done-callback; while it decodes,
+the loop serves the other connections. While more than one connection is open, answers
 of small size are queued and written together one loop turn later (``HttpServer.flush_replies``):
 replies then leave in bursts, so the clients (and, in turn, their next requests) wake up once
 per burst instead of once per reply; on this machine that cut the server's CPU per request by
