@@ -225,19 +225,19 @@ def grpc_handler_server(handler: Any) -> Iterator[int]:
 
     thread = threading.Thread(target=serve_forever, daemon=True)
     thread.start()
-    assert ready.wait(10)
+    assert ready.wait(60)
     try:
         yield port[0]
     finally:
         stop.set()
-        thread.join(10)
+        thread.join(60)
 
 
 class QueuedStream:
     """A ``tritonclient.grpc`` stream whose callback results land in a queue, for tests to take
     one at a time (each ``(result, error)``; ``timeout`` seconds at most)."""
 
-    def __init__(self, url: str, headers: dict[str, str] | None = None, timeout: float = 10.0) -> None:
+    def __init__(self, url: str, headers: dict[str, str] | None = None, timeout: float = 60.0) -> None:
         import tritonclient.grpc as grpcclient
 
         self.timeout = timeout
@@ -268,7 +268,7 @@ class QueuedStream:
         self.client.close()
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
+def wait_for(condition: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
     """Poll ``condition`` every 10 ms until it holds; AssertionError naming ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while not condition():
@@ -326,7 +326,7 @@ class RunningServer:
     def stop(self, timeout: float) -> int:
         self.process.send_signal(signal.SIGTERM)
         code = self.process.wait(timeout)
-        self._reader.join(5)
+        self._reader.join(60)
         return code
 
     def close(self) -> None:
@@ -334,7 +334,7 @@ class RunningServer:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(10)
-        self._reader.join(5)
+        self._reader.join(60)
         if self.process.stderr is not None:
             self.process.stderr.close()
 

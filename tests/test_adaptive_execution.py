@@ -7,7 +7,9 @@ requests come over two connections, after a slow execute (until short ones bring
 down again), during warm-up, and before any execute was timed. ``pyserve_inline_execute``
 ``"false"`` keeps the threads, ``"auto"`` asks for the scheduler on any backend; models with a
 batcher, a rate limiter or GPU instances keep their schedulers. Directly on the scheduler: an
-instance thread never starts a batch while the loop executes.
+instance thread never starts a batch while the loop executes. The servers that must execute on
+their loop run in one process (``frontend_processes=0``): a frontend process's link to the owner
+counts as many clients, so a connection it took would never see the loop.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def _until_on_the_loop(backend: Compute, call: Callable[[], None], tries: int = 
 
 def test_one_client_gets_its_executes_on_the_event_loop(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
     backend = Compute()
-    server = start_server(make_repo({"m": config()}), backends={"compute": backend})
+    server = start_server(make_repo({"m": config()}), backends={"compute": backend}, frontend_processes=0)
     assert isinstance(server.server.models.get("m").scheduler, AdaptiveScheduler)
     with httpclient.InferenceServerClient(server.url) as client:
         _reach_the_loop(backend, client)
@@ -131,7 +133,7 @@ def test_one_client_gets_its_executes_on_the_event_loop(start_server, make_repo)
 
 def test_two_clients_keep_the_instance_threads(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
     backend = Compute()
-    server = start_server(make_repo({"m": config()}), backends={"compute": backend})
+    server = start_server(make_repo({"m": config()}), backends={"compute": backend}, frontend_processes=0)
     with httpclient.InferenceServerClient(server.url) as one, httpclient.InferenceServerClient(server.url) as two:
         _reach_the_loop(backend, one)
         before = len(backend.threads)
@@ -145,7 +147,8 @@ def test_two_clients_keep_the_instance_threads(start_server, make_repo) -> None:
 
 def test_a_slow_execute_goes_back_to_the_threads(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
     backend = Compute()
-    server = start_server(make_repo({"m": config(limit_us=20_000)}), backends={"compute": backend})
+    server = start_server(make_repo({"m": config(limit_us=20_000)}), backends={"compute": backend},
+                          frontend_processes=0)
     scheduler = server.server.models.get("m").scheduler
     with httpclient.InferenceServerClient(server.url) as client:
         _reach_the_loop(backend, client)
@@ -162,7 +165,8 @@ def test_a_slow_execute_that_raises_also_sends_the_next_request_to_the_threads( 
     start_server, make_repo
 ) -> None:
     backend = Compute()
-    server = start_server(make_repo({"m": config(limit_us=20_000)}), backends={"compute": backend})
+    server = start_server(make_repo({"m": config(limit_us=20_000)}), backends={"compute": backend},
+                          frontend_processes=0)
     scheduler = server.server.models.get("m").scheduler
     with httpclient.InferenceServerClient(server.url) as client:
         _reach_the_loop(backend, client)
@@ -179,7 +183,7 @@ def test_the_batcher_executes_one_clients_requests_on_the_loop_and_batches_other
 ) -> None:
     backend = Compute()
     server = start_server(make_repo({"m": config("dynamic_batching { preserve_ordering: true }")}),
-                          backends={"compute": backend})
+                          backends={"compute": backend}, frontend_processes=0)
     assert isinstance(server.server.models.get("m").scheduler, AdaptiveBatcher)
     with httpclient.InferenceServerClient(server.url) as client:
         _reach_the_loop(backend, client)
@@ -212,7 +216,8 @@ def test_many_streams_of_one_grpc_connection_keep_the_batcher_gathering(  # type
     start_server, make_repo
 ) -> None:
     backend = Compute()
-    server = start_server(make_repo({"m": config("dynamic_batching { }")}), backends={"compute": backend})
+    server = start_server(make_repo({"m": config("dynamic_batching { }")}), backends={"compute": backend},
+                          frontend_processes=0)
     grpc = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         _reach_the_loop(backend, grpc, grpcclient)
@@ -352,7 +357,7 @@ class _Worker:
         self.log.append(f"{where} start")
         if where == "loop":
             self.started.set()
-            assert self.release.wait(10)
+            assert self.release.wait(60)
         self.log.append(f"{where} end")
         self.last_execute_ns = time.monotonic_ns() - start
 
@@ -389,12 +394,12 @@ def test_an_instance_thread_waits_while_the_loop_executes(monkeypatch: pytest.Mo
     loop_thread.start()
     try:
         loop.call_soon_threadsafe(scheduler.enqueue, _request())
-        assert worker.started.wait(10)
+        assert worker.started.wait(60)
         scheduler.enqueue(_request())  # from another thread: queued
         time.sleep(0.1)
         assert worker.log == ["loop start"]  # the instance thread waits for the loop's execute
         worker.release.set()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while len(worker.log) < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert worker.log == ["loop start", "loop end", "thread start", "thread end"]
@@ -402,16 +407,16 @@ def test_an_instance_thread_waits_while_the_loop_executes(monkeypatch: pytest.Mo
         # to the instance thread
         assert scheduler.estimate_ns >= AUTO_LIMIT_NS
         loop.call_soon_threadsafe(scheduler.enqueue, _request())
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while len(worker.log) < 6 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert worker.log[4:] == ["thread start", "thread end"]
     finally:
         worker.release.set()
         scheduler.stop(1)
-        thread.join(10)
+        thread.join(60)
         loop.call_soon_threadsafe(loop.stop)
-        loop_thread.join(10)
+        loop_thread.join(60)
         loop.close()
     assert not thread.is_alive()
 

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -59,6 +60,36 @@ def _infer_fp32(url: str, model: str, values: Sequence[float]) -> np.ndarray:
         client.close()
 
 
+HELD_MODEL = """
+backend: "python"
+max_batch_size: 4
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+parameters { key: "marks" value: { string_value: "MARKS" } }
+"""
+HELD_MODEL_PY = """
+import json
+import time
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.marks = Path(json.loads(args["model_config"])["parameters"]["marks"]["string_value"])
+
+    def execute(self, requests):
+        (self.marks / "executing").touch()
+        for _ in range(6000):  # until the test creates "release" (60 s at most)
+            if (self.marks / "release").exists():
+                break
+            time.sleep(0.01)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(
+            r, "INPUT0").as_numpy())]) for r in requests]
+"""
+"""Echoes; an execute marks the file ``executing`` in the folder of parameter ``marks``, then
+waits until the file ``release`` is there."""
 SLOW_MODEL = """
 backend: "identity"
 max_batch_size: 4
@@ -66,14 +97,17 @@ input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
 output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
 parameters { key: "execute_delay_ms" value: { string_value: "1500" } }
 """
+DRAIN_EXIT_TIMEOUT = 600
+"""Far beyond the test's waits: a server that exits in time exits because it drained."""
 
 
 def test_run_serves_and_drains_on_sigterm(run_server: Any, tmp_path: Path) -> None:
-    slow_repo = tmp_path / "slow_repo"
-    write_model(slow_repo, "slow", SLOW_MODEL)
+    slow_repo, marks = tmp_path / "slow_repo", tmp_path / "marks"
+    marks.mkdir()
+    write_model(slow_repo, "slow", HELD_MODEL.replace("MARKS", str(marks)), {"1/model.py": HELD_MODEL_PY})
     server = run_server("--model-repository", "examples/model_repository", "--model-repository", str(slow_repo),
-                        "--exit-timeout-secs", str(EXIT_TIMEOUT))
-    url = server.wait_started()
+                        "--exit-timeout-secs", str(DRAIN_EXIT_TIMEOUT))
+    url = server.wait_started(60)
 
     for model in (*EXAMPLE_MODELS, "slow"):
         assert re.search(rf"\|\s*{model}\s*\|\s*1\s*\|\s*READY\s*\|", server.stderr), server.stderr
@@ -89,15 +123,18 @@ def test_run_serves_and_drains_on_sigterm(run_server: Any, tmp_path: Path) -> No
 
     client_thread = threading.Thread(target=slow_request)
     client_thread.start()
-    time.sleep(0.5)  # the request is now inside its 1.5 s execute
-    started = time.monotonic()
-    code = server.stop(timeout=EXIT_TIMEOUT + 5)
-    elapsed = time.monotonic() - started
-    client_thread.join(10)
+    wait_for((marks / "executing").exists, 60, "the request to execute")
+    server.process.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert server.process.poll() is None, "the server exited before its request was answered"
+    assert not outcome
+    (marks / "release").touch()  # the execute returns: the drained server exits
+    code = server.process.wait(120)
+    client_thread.join(60)
+    server.close()  # the log read to its end
     assert code == 0, server.stderr
     assert "error" not in outcome, outcome
     np.testing.assert_array_equal(outcome["result"], [[7.0]])
-    assert elapsed < EXIT_TIMEOUT
     assert "Server stopped" in server.stderr
 
 
@@ -564,7 +601,7 @@ def test_a_model_that_fails_to_load_stops_the_server_by_default(tmp_path: Path, 
                 'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]\n')
     stopped = run_server("--model-repository", str(repo))
     assert stopped.process.wait(120) == 1
-    stopped._reader.join(10)
+    stopped._reader.join(60)
     assert "failed to load all models" in stopped.stderr
     assert "'broken' version 1" in stopped.stderr and "weights file is corrupt" in stopped.stderr
     assert stopped.port is None  # it never listened

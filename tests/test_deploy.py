@@ -363,7 +363,7 @@ def image_command_server(tmp_path: Path) -> Iterator[tuple[int, int, int]]:
     with log.open("w") as stream:
         process = subprocess.Popen(argv, stdout=stream, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while True:
             assert process.poll() is None, "server exited:\n" + log.read_text()
             try:
@@ -371,7 +371,7 @@ def image_command_server(tmp_path: Path) -> Iterator[tuple[int, int, int]]:
                     break
             except OSError:
                 pass
-            assert time.monotonic() < deadline, "not ready after 20 s:\n" + log.read_text()
+            assert time.monotonic() < deadline, "not ready after 60 s:\n" + log.read_text()
             time.sleep(0.1)
         yield http, grpc, metrics
     finally:

@@ -2,8 +2,12 @@
 
 A small recording backend (``Recorder``) notes every execute: which instance ran it, which
 requests (by request id) it held, their batch sizes and input shapes. Requests ask it to
-sleep with the request parameter ``delay_ms`` (the longest in a batch wins), which is how
-the tests keep an instance busy while others queue. Timing assertions use wide margins.
+sleep with the request parameter ``delay_ms`` (the longest in a batch wins), or, with the
+request parameter ``hold``, to wait until the test lets go (``Recorder.release``): that is how
+the tests keep an instance busy while others queue. No assertion depends on how fast the
+machine is: a batch "sent at once" is sent while the queue delay is longer than the test's
+generous wait (``RUN_TIMEOUT``), a reply "answered while another runs" comes back while that
+other is held, and a wait that must happen is checked from below only.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ from pyserve.server import ServerThread
 StartServer = Callable[..., ServerThread]
 MakeRepo = Callable[..., Path]
 
+RUN_TIMEOUT = 60.0
+"""Seconds the calls of one ``run`` may take together (generous: a loaded machine is slow)."""
+NEVER_US = 600_000_000
+"""A queue delay (µs) far beyond ``RUN_TIMEOUT``: a batch sent before it ends was sent early."""
+
 
 @dataclass(frozen=True)
 class Execute:
@@ -54,6 +63,9 @@ class Recorder(Backend):
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.executes: list[Execute] = []
+        self.running = 0  # executes under way
+        self.most_running = 0  # the most that were under way at once
+        self.release = threading.Event()  # lets executes holding a ``hold`` request return
 
     def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
         record = Execute(
@@ -66,9 +78,17 @@ class Recorder(Backend):
         )
         with self.lock:
             self.executes.append(record)
-        delay = max(float(r.parameters.get("delay_ms", 0)) for r in requests)
-        if delay:
-            time.sleep(delay / 1000)
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+        try:
+            delay = max(float(r.parameters.get("delay_ms", 0)) for r in requests)
+            if delay:
+                time.sleep(delay / 1000)
+            if any(r.parameters.get("hold") for r in requests):
+                self.release.wait(RUN_TIMEOUT)
+        finally:
+            with self.lock:
+                self.running -= 1
         params = {"batch_size": record.total, "instance": instance.name}
         return [InferResponse({"OUTPUT0": r.inputs["INPUT0"]}, params) for r in requests]
 
@@ -78,6 +98,10 @@ class Recorder(Backend):
 
     def order(self, model: str) -> list[str]:
         return [i for e in self.of(model) for i in e.ids]
+
+    def executed(self, model: str, rid: str) -> Callable[[], bool]:
+        """A condition: request ``rid`` of ``model`` has reached execute."""
+        return lambda: rid in self.order(model)
 
 
 def config(max_batch_size: int, batching: str, instances: int = 1, dims: str = "[ -1 ]", extra_input: str = "") -> str:
@@ -128,34 +152,78 @@ async def call(
     rid: str,
     *,
     after: float = 0.0,
+    until: Callable[[], bool] | None = None,
     rows: int = 1,
     cols: int = 2,
     delay_ms: int = 0,
+    hold: bool = False,
     value: float = 0.0,
     **kwargs: Any,
 ) -> Outcome:
-    """Send one request ``after`` seconds from now; record when its answer came back."""
+    """Send one request once ``until`` holds (polled), then ``after`` seconds more; record when
+    its answer came back. ``hold``: its execute waits for ``Recorder.release``."""
+    if until is not None:
+        await wait_until(until)
     if after:
         await asyncio.sleep(after)
-    params = {"delay_ms": delay_ms} if delay_ms else None
+    params: dict[str, Any] = {"delay_ms": delay_ms} if delay_ms else {}
+    if hold:
+        params["hold"] = True
     try:
-        result = await client.infer(model, tensor(rows, cols, value), request_id=rid, parameters=params, **kwargs)
+        result = await client.infer(model, tensor(rows, cols, value), request_id=rid, parameters=params or None,
+                                    **kwargs)
         return Outcome(rid, time.monotonic(), result=result)
     except InferenceServerException as exc:
         return Outcome(rid, time.monotonic(), error=exc)
 
 
+async def wait_until(condition: Callable[[], bool], timeout: float = RUN_TIMEOUT) -> None:
+    """Poll ``condition`` every 10 ms; AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for a condition"
+        await asyncio.sleep(0.01)
+
+
 def run(server: ServerThread, *calls: Callable[[aioclient.InferenceServerClient], Any]) -> list[Outcome]:
-    """Run coroutine factories concurrently on one aio client."""
+    """Run coroutine factories concurrently on one aio client (``RUN_TIMEOUT`` for them all)."""
 
     async def main() -> list[Outcome]:
         client = aioclient.InferenceServerClient(server.url)
         try:
-            return list(await asyncio.gather(*(c(client) for c in calls)))
+            return list(await asyncio.wait_for(asyncio.gather(*(c(client) for c in calls)), RUN_TIMEOUT))
         finally:
             await client.close()
 
     return asyncio.run(main())
+
+
+def releasing(recorder: Recorder, condition: Callable[[], bool], then_wait: float = 0.0) -> Callable[[Any], Any]:
+    """A call for ``run`` that lets held executes go once ``condition`` holds (and ``then_wait``
+    seconds more: a wait the queued requests must at least have spent)."""
+
+    async def release(_client: Any) -> None:
+        await wait_until(condition)
+        if then_wait:
+            await asyncio.sleep(then_wait)
+        recorder.release.set()
+
+    return release
+
+
+def in_flight(server: ServerThread, count: int) -> Callable[[], bool]:
+    """A condition: ``count`` requests are in the server (executing or queued)."""
+    return lambda: server.server.dataplane.in_flight == count
+
+
+def cancelled(server: ServerThread, rid: str) -> Callable[[], bool]:
+    """A condition: the server has marked request ``rid`` cancelled (its client went away)."""
+    return lambda: any(r.id == rid and r.is_cancelled() for r in list(server.server.dataplane._open))
+
+
+def answered(outcomes: list[str], *ids: str) -> Callable[[], bool]:
+    """A condition: every one of ``ids`` is in ``outcomes`` (ids appended as answers come)."""
+    return lambda: set(ids) <= set(outcomes)
 
 
 def req(model: str, rid: str, **kwargs: Any) -> Callable[[aioclient.InferenceServerClient], Any]:
@@ -185,28 +253,23 @@ def test_identity_reports_the_batch_it_was_in(start_server: StartServer, make_re
     max_batch_size: 8
     input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
     output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-    dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 5000000 }
+    dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: NEVER }
     parameters { key: "report_batch_size" value: { string_value: "true" } }
-    """
+    """.replace("NEVER", str(NEVER_US))
     server = start_server(make_repo({"ident": identity}))
-    start = time.monotonic()
-    outcomes = run(server, *(req("ident", f"r{i}") for i in range(4)))
+    outcomes = run(server, *(req("ident", f"r{i}") for i in range(4)))  # within RUN_TIMEOUT: not the delay
     ok(outcomes)
-    assert time.monotonic() - start < 3.0
     assert [o.result.get_response()["parameters"]["batch_size"] for o in outcomes] == [4, 4, 4, 4]
 
 
 def test_preferred_batch_size_is_sent_without_waiting_the_delay(
     start_server: StartServer, make_repo: MakeRepo
 ) -> None:
-    batching = "preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 5000000"
+    batching = f"preferred_batch_size: [ 4 ] max_queue_delay_microseconds: {NEVER_US}"
     server, recorder = serve(start_server, make_repo, {"m": config(8, batching)})
-    start = time.monotonic()
-    outcomes = run(server, *(req("m", f"r{i}") for i in range(8)))
-    elapsed = time.monotonic() - start
+    outcomes = run(server, *(req("m", f"r{i}") for i in range(8)))  # within RUN_TIMEOUT: not the delay
     ok(outcomes)
     assert [e.total for e in recorder.of("m")] == [4, 4]
-    assert elapsed < 3.0, elapsed  # far below the 5 s delay
 
 
 def test_run_that_would_pass_the_largest_preferred_size_is_sent_early(
@@ -214,22 +277,24 @@ def test_run_that_would_pass_the_largest_preferred_size_is_sent_early(
 ) -> None:
     # Triton: with preferred [4], requests of batch 3 + 3 would pass 4, so the first 3 go at
     # once; the second 3 then waits until a request of 1 makes it 4.
-    batching = "preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 5000000"
+    batching = f"preferred_batch_size: [ 4 ] max_queue_delay_microseconds: {NEVER_US}"
     server, recorder = serve(start_server, make_repo, {"m": config(8, batching)})
-    start = time.monotonic()
-    ok(run(server, req("m", "a", rows=3), req("m", "b", rows=3, after=0.1), req("m", "c", after=0.3)))
-    assert time.monotonic() - start < 3.0
+    # b goes once a waits in the queue (a is not sent alone), c once a has gone (b waits then)
+    def a_queued() -> bool:
+        return server.server.dataplane.in_flight >= 1
+
+    ok(run(server, req("m", "a", rows=3), req("m", "b", rows=3, until=a_queued),
+           req("m", "c", until=recorder.executed("m", "a"))))
     assert [e.ids for e in recorder.of("m")] == [("a",), ("b", "c")]
 
 
 def test_max_queue_delay_bounds_the_wait(start_server: StartServer, make_repo: MakeRepo) -> None:
     server, recorder = serve(start_server, make_repo, {"m": config(8, "max_queue_delay_microseconds: 200000")})
-    run(server, req("m", "warmup"))  # connection set up, code paths warm
     start = time.monotonic()
-    (outcome,) = run(server, req("m", "lone"))
+    (outcome,) = run(server, req("m", "lone"))  # answered within RUN_TIMEOUT: the delay ended the wait
     elapsed = time.monotonic() - start
     ok([outcome])
-    assert 0.18 <= elapsed < 0.8, elapsed
+    assert elapsed >= 0.2, elapsed  # it did wait the delay for more requests
     assert recorder.of("m")[-1].ids == ("lone",)
 
 
@@ -271,11 +336,13 @@ def test_ragged_inputs_share_a_batch(start_server: StartServer, make_repo: MakeR
 def test_higher_priority_requests_run_first(start_server: StartServer, make_repo: MakeRepo) -> None:
     batching = "priority_levels: 2 default_priority_level: 2"
     server, recorder = serve(start_server, make_repo, {"m": config(1, batching)})
-    calls = [req("m", "busy", delay_ms=600)]
-    calls += [req("m", f"low{i}", priority=2, after=0.15 + 0.02 * i) for i in range(3)]
-    calls += [req("m", f"high{i}", priority=1, after=0.3 + 0.02 * i) for i in range(3)]
-    calls += [req("m", "default", after=0.25)]  # default level 2, queued before the high ones
-    ok(run(server, *calls))
+    busy = recorder.executed("m", "busy")
+    calls = [req("m", "busy", hold=True)]
+    calls += [req("m", f"low{i}", priority=2, until=lambda i=i: busy() and in_flight(server, 1 + i)()) for i in range(3)]
+    calls += [req("m", "default", until=in_flight(server, 4))]  # default level 2, queued before the high ones
+    calls += [req("m", f"high{i}", priority=1, until=in_flight(server, 5 + i)) for i in range(3)]
+    calls.append(releasing(recorder, lambda: busy() and in_flight(server, 8)()))  # all queued behind busy
+    ok([o for o in run(server, *calls) if o is not None])
     order = recorder.order("m")
     assert order[0] == "busy"
     assert sorted(order[1:4]) == ["high0", "high1", "high2"], order
@@ -285,23 +352,38 @@ def test_higher_priority_requests_run_first(start_server: StartServer, make_repo
 def test_full_queue_rejects_at_once(start_server: StartServer, make_repo: MakeRepo) -> None:
     batching = "default_queue_policy { max_queue_size: 2 }"
     server, recorder = serve(start_server, make_repo, {"m": config(1, batching)})
-    calls = [req("m", "busy", delay_ms=800)]
-    calls += [req("m", f"q{i}", after=0.2 + 0.05 * i) for i in range(5)]
-    start = time.monotonic()
-    outcomes = run(server, *calls)
+    answered: list[str] = []
+
+    async def queued(client: Any, i: int) -> Outcome:
+        # one at a time, in order, once busy executes: q0, q1 and q2 each once the one before
+        # is queued, q3 and q4 each once the one before is answered (refused)
+        dataplane = server.server.dataplane
+        await wait_until(lambda: recorder.executed("m", "busy")() and (
+            dataplane.in_flight == 1 + i if i <= 2 else len(answered) == i - 2))
+        outcome = await call(client, "m", f"q{i}")
+        answered.append(outcome.id)
+        return outcome
+
+    calls = [req("m", "busy", hold=True)]
+    calls += [lambda client, i=i: queued(client, i) for i in range(5)]
+    calls.append(releasing(recorder, lambda: len(answered) == 3))  # busy runs until the refusals are back
+    outcomes = [o for o in run(server, *calls) if o is not None]
     rejected = [o for o in outcomes if o.error is not None]
     assert [o.id for o in rejected] == ["q2", "q3", "q4"]
     for o in rejected:
         assert o.status == "503"
         assert "Exceeds maximum queue size" in o.message
-        assert o.done - start < 0.7  # answered at once, while "busy" still runs
+    assert answered[:3] == ["q2", "q3", "q4"]  # answered at once, while "busy" still ran
     assert recorder.order("m") == ["busy", "q0", "q1"]
 
 
 def test_queue_timeout_rejects(start_server: StartServer, make_repo: MakeRepo) -> None:
     batching = "default_queue_policy { default_timeout_microseconds: 100000 }"
     server, recorder = serve(start_server, make_repo, {"m": config(1, batching)})
-    outcomes = run(server, req("m", "busy", delay_ms=500), req("m", "late0", after=0.1), req("m", "late1", after=0.1))
+    busy = recorder.executed("m", "busy")
+    outcomes = run(server, req("m", "busy", hold=True), req("m", "late0", until=busy), req("m", "late1", until=busy),
+                   releasing(recorder, in_flight(server, 3), then_wait=0.3))  # queued past their 100 ms
+    outcomes = outcomes[:3]
     assert outcomes[0].error is None
     for o in outcomes[1:]:
         assert o.error is not None and "timeout" in o.message.lower(), o
@@ -311,14 +393,16 @@ def test_queue_timeout_rejects(start_server: StartServer, make_repo: MakeRepo) -
 def test_request_timeout_overrides_downwards(start_server: StartServer, make_repo: MakeRepo) -> None:
     batching = "default_queue_policy { default_timeout_microseconds: 10000000 allow_timeout_override: true }"
     server, recorder = serve(start_server, make_repo, {"m": config(1, batching)})
+    busy = recorder.executed("m", "busy")
     outcomes = run(
         server,
-        req("m", "busy", delay_ms=500),
-        req("m", "short", after=0.1, timeout=100_000),
-        req("m", "default", after=0.1),
-        req("m", "longer", after=0.1, timeout=60_000_000),  # may only lower: stays 10 s
+        req("m", "busy", hold=True),
+        req("m", "short", until=busy, timeout=100_000),
+        req("m", "default", until=busy),
+        req("m", "longer", until=busy, timeout=60_000_000),  # may only lower: stays 10 s
+        releasing(recorder, in_flight(server, 4), then_wait=0.3),  # queued past the 100 ms of "short"
     )
-    by_id = {o.id: o for o in outcomes}
+    by_id = {o.id: o for o in outcomes if o is not None}
     assert by_id["short"].error is not None and "timeout" in by_id["short"].message.lower()
     ok([by_id["busy"], by_id["default"], by_id["longer"]])
     assert "short" not in recorder.order("m")
@@ -326,22 +410,27 @@ def test_request_timeout_overrides_downwards(start_server: StartServer, make_rep
 
 def test_request_timeout_is_ignored_without_override(start_server: StartServer, make_repo: MakeRepo) -> None:
     batching = "default_queue_policy { default_timeout_microseconds: 10000000 }"
-    server, _ = serve(start_server, make_repo, {"m": config(1, batching)})
-    ok(run(server, req("m", "busy", delay_ms=400), req("m", "short", after=0.1, timeout=50_000)))
+    server, recorder = serve(start_server, make_repo, {"m": config(1, batching)})
+    outcomes = run(server, req("m", "busy", hold=True),
+                   req("m", "short", until=recorder.executed("m", "busy"), timeout=50_000),
+                   releasing(recorder, in_flight(server, 2), then_wait=0.2))  # queued past its 50 ms
+    ok(outcomes[:2])
 
 
 def test_timeout_action_delay_runs_timed_out_requests_last(start_server: StartServer, make_repo: MakeRepo) -> None:
     batching = "default_queue_policy { timeout_action: DELAY allow_timeout_override: true }"
     server, recorder = serve(start_server, make_repo, {"m": config(1, batching)})
+    busy = recorder.executed("m", "busy")
     outcomes = run(
         server,
-        req("m", "busy", delay_ms=600),
-        req("m", "d0", after=0.1, timeout=50_000),
-        req("m", "d1", after=0.12, timeout=50_000),
-        req("m", "n0", after=0.2),
-        req("m", "n1", after=0.22),
+        req("m", "busy", hold=True),
+        req("m", "d0", until=busy, timeout=50_000),
+        req("m", "d1", until=busy, timeout=50_000),
+        req("m", "n0", until=in_flight(server, 3)),  # after the d's are queued
+        req("m", "n1", until=in_flight(server, 3)),
+        releasing(recorder, in_flight(server, 5), then_wait=0.2),  # the d's have waited past their 50 ms
     )
-    ok(outcomes)
+    ok(outcomes[:5])
     order = recorder.order("m")
     assert order[0] == "busy"
     assert set(order[1:3]) == {"n0", "n1"}, order
@@ -353,16 +442,25 @@ def test_priority_queue_policy_applies_per_level(start_server: StartServer, make
     priority_levels: 2 default_priority_level: 1
     priority_queue_policy { key: 2 value: { max_queue_size: 1 } }
     """
-    server, _ = serve(start_server, make_repo, {"m": config(1, batching)})
+    server, recorder = serve(start_server, make_repo, {"m": config(1, batching)})
+    busy = recorder.executed("m", "busy")
+    done: list[str] = []
+
+    async def low1(client: Any) -> Outcome:
+        outcome = await call(client, "m", "low1", priority=2, until=in_flight(server, 2))  # once low0 is queued
+        done.append("low1")
+        return outcome
+
     outcomes = run(
         server,
-        req("m", "busy", delay_ms=500),
-        req("m", "low0", priority=2, after=0.1),
-        req("m", "low1", priority=2, after=0.15),
-        req("m", "high0", priority=1, after=0.15),
-        req("m", "high1", priority=1, after=0.15),
+        req("m", "busy", hold=True),
+        req("m", "low0", priority=2, until=busy),
+        low1,
+        req("m", "high0", priority=1, until=answered(done, "low1")),
+        req("m", "high1", priority=1, until=answered(done, "low1")),
+        releasing(recorder, lambda: answered(done, "low1")() and in_flight(server, 4)()),
     )
-    by_id = {o.id: o for o in outcomes}
+    by_id = {o.id: o for o in outcomes if o is not None}
     assert by_id["low1"].status == "503" and "Exceeds maximum queue size" in by_id["low1"].message
     ok([by_id[k] for k in ("busy", "low0", "high0", "high1")])
 
@@ -375,29 +473,36 @@ def test_preserve_ordering(start_server: StartServer, make_repo: MakeRepo) -> No
     }
     server, recorder = serve(start_server, make_repo, models)
     for model, expect_in_order in (("ordered", True), ("unordered", False)):
-        outcomes = run(
-            server,
-            req(model, "slow", delay_ms=600),
-            req(model, "fast", after=0.15),
-        )
-        ok(outcomes)
-        slow, fast = outcomes
+        recorder.release.clear()
+        done: list[str] = []
+
+        async def fast(client: Any, model: str = model, done: list[str] = done) -> Outcome:
+            outcome = await call(client, model, "fast", until=recorder.executed(model, "slow"))
+            done.append("fast")
+            return outcome
+
+        # slow runs until fast has executed on the other instance (ordered: fast's answer then
+        # waits for slow's) or until fast's answer is back (unordered)
+        fast_through = recorder.executed(model, "fast") if expect_in_order else answered(done, "fast")
+        outcomes = run(server, req(model, "slow", hold=True), fast, releasing(recorder, fast_through))
+        slow, fast_outcome = outcomes[:2]
+        ok([slow, fast_outcome])
         assert len({e.instance for e in recorder.of(model)}) == 2
         if expect_in_order:
-            assert fast.done >= slow.done, (fast.done - slow.done)
+            assert fast_outcome.done >= slow.done, (fast_outcome.done - slow.done)
         else:
-            assert fast.done < slow.done - 0.2, (fast.done - slow.done)
+            assert fast_outcome.done < slow.done, (fast_outcome.done - slow.done)
 
 
 def test_batches_go_to_whichever_instance_is_free(start_server: StartServer, make_repo: MakeRepo) -> None:
     server, recorder = serve(start_server, make_repo, {"m": config(1, "", instances=3)})
-    start = time.monotonic()
-    outcomes = run(server, *(req("m", f"r{i}", delay_ms=400) for i in range(6)))
-    elapsed = time.monotonic() - start
+    calls = [req("m", f"r{i}", hold=True) for i in range(6)]
+    calls.append(releasing(recorder, lambda: recorder.running == 3))  # three at once, one per instance
+    outcomes = [o for o in run(server, *calls) if o is not None]
     ok(outcomes)
     used = {e.instance for e in recorder.of("m")}
     assert len(used) == 3, used
-    assert elapsed < 1.6, elapsed  # 6 x 400 ms on 3 instances, not 2.4 s
+    assert recorder.most_running == 3
     per_reply = {o.result.get_response()["parameters"]["instance"] for o in outcomes}
     assert per_reply == used
 
@@ -409,12 +514,14 @@ def test_client_that_goes_away_is_never_executed(start_server: StartServer, make
     async def main() -> None:
         clients = [aioclient.InferenceServerClient(server.url) for _ in range(3)]
         try:
-            busy = asyncio.create_task(call(clients[0], "m", "busy", delay_ms=800))
-            victim = asyncio.create_task(call(clients[1], "m", "victim", after=0.15))
-            control = asyncio.create_task(call(clients[2], "m", "control", after=0.3))
-            await asyncio.sleep(0.45)
+            busy = asyncio.create_task(call(clients[0], "m", "busy", hold=True))
+            victim = asyncio.create_task(call(clients[1], "m", "victim", until=recorder.executed("m", "busy")))
+            control = asyncio.create_task(call(clients[2], "m", "control", until=in_flight(server, 2)))
+            await wait_until(in_flight(server, 3))
             victim.cancel()  # the client gives up while the request waits in the queue
             await clients[1].close()
+            await wait_until(cancelled(server, "victim"))  # the server saw it go
+            recorder.release.set()
             ok([await busy, await control])
         finally:
             for client in clients:
@@ -470,10 +577,8 @@ def test_cancelled_head_is_skipped_while_waiting_for_the_delay() -> None:
     first.cancel()
     second, _ = make_request("second")
     scheduler.enqueue(second)
-    start = time.monotonic()
-    batch = scheduler.next_batch()
+    batch = scheduler.next_batch()  # returns once the delay of "second" ends: the cancelled head holds nothing
     assert batch is not None and [r.id for r in batch] == ["second"]
-    assert time.monotonic() - start < 1.0
     assert sender.sent and sender.sent[0][0].code is ErrorCode.CANCELLED
 
 
@@ -497,8 +602,11 @@ def test_stop_sends_what_is_queued_then_stops() -> None:
     ],
 )
 def test_preferred_batch_selection(preferred: str, rows: list[int], expected: list[str]) -> None:
-    batching = f"preferred_batch_size: {preferred} max_queue_delay_microseconds: 300000"
+    # a preferred batch must go at once: then the delay is one the test would never see end
+    delay_us = NEVER_US if expected else 300_000
+    batching = f"preferred_batch_size: {preferred} max_queue_delay_microseconds: {delay_us}"
     scheduler = batcher(config(8, batching))
+    start = time.monotonic()  # before the first request: its delay starts after this
     for i, n in enumerate(rows):
         scheduler.enqueue(make_request(f"r{i}", n)[0])
     got: list[str] = []
@@ -508,11 +616,17 @@ def test_preferred_batch_selection(preferred: str, rows: list[int], expected: li
         assert batch is not None
         got.append(str(sum(r.batch_size for r in batch)))
 
-    start = time.monotonic()
-    take()
+    taker = threading.Thread(target=take, daemon=True)
+    taker.start()
+    taker.join(RUN_TIMEOUT)
+    sent = not taker.is_alive()
+    if not sent:  # let the thread go
+        scheduler.stop(1)
+        taker.join(RUN_TIMEOUT)
+    assert sent, "no batch was sent"
     waited = time.monotonic() - start
     if expected:
-        assert got == expected and waited < 0.25, (got, waited)
+        assert got == expected, got
     else:
         assert waited >= 0.25, waited  # nothing preferred: sent only when the delay ran out
         assert got == [str(sum(rows))]

@@ -352,7 +352,7 @@ def test_generate_stream_client_disconnect_cancels(server: ServerThread, http: h
         assert first.startswith("data: ")
     assert steps.done["gone"].wait(10)
     assert steps.sent["gone"] < 30
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while server.server.dataplane.in_flight and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.server.dataplane.in_flight == 0

@@ -680,9 +680,7 @@ def test_clean_shutdown_closes_both_ports(tmp_path: Path) -> None:
     with grpcclient.InferenceServerClient(thread.grpc_url) as c:
         assert c.is_server_ready()
     assert httpx.get(f"http://{thread.url}/v2/health/ready").status_code == 200
-    start = time.monotonic()
-    thread.stop()
-    assert time.monotonic() - start < 10
+    thread.stop()  # joins the server's thread for up to 60 s
     assert thread._thread is not None and not thread._thread.is_alive()
     assert not _port_open(http_port)
     assert not _port_open(grpc_port)

@@ -295,15 +295,10 @@ def test_an_idle_connection_is_closed_with_goaway_but_not_one_with_a_call(repo: 
     slow = FP32_ECHO_CONFIG + 'parameters { key: "execute_delay_ms" value { string_value: "1500" } }'
     write_model(repo, "slow_idle", slow)
     with serve(repo, grpc=GrpcOptions(idle_timeout_secs=0.3)) as thread:
-        idle = RawClient(thread.server.grpc_port)
-        busy = RawClient(thread.server.grpc_port)
-        try:
+        with RawClient(thread.server.grpc_port) as idle, RawClient(thread.server.grpc_port) as busy:
             busy.call(1, infer_message("slow_idle", np.ones(2, np.float32)))
             assert idle.goaway() == (h2.NO_ERROR, b"")
             assert status(busy.reply(1)[2]) == (0, "")  # a call through several idle periods
-        finally:
-            idle.close()
-            busy.close()
 
 
 def test_a_half_sent_message_ends_its_call_and_frees_its_bytes(repo: Path) -> None:
@@ -338,27 +333,20 @@ def test_connections_past_the_limit_get_a_goaway_naming_it_and_a_warning(
     repo: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, "pyserve.grpc")
-    with serve(repo, grpc=GrpcOptions(max_connections=2)) as thread:
-        first, second = RawClient(thread.server.grpc_port), RawClient(thread.server.grpc_port)
+    with serve(repo, grpc=GrpcOptions(max_connections=2)) as thread, \
+            RawClient(thread.server.grpc_port) as first, RawClient(thread.server.grpc_port) as second:
         first.call(1, infer_message("echo", np.ones(2, np.float32)))
         second.call(1, infer_message("echo", np.ones(2, np.float32)))
         assert status(first.reply(1)[2]) == status(second.reply(1)[2]) == (0, "")
-        third = RawClient(thread.server.grpc_port)
-        try:
+        with RawClient(thread.server.grpc_port) as third:
             code, debug = third.goaway()
             assert code == h2.ENHANCE_YOUR_CALM and b"limit of 2 connections" in debug
-        finally:
-            third.close()
         assert "--grpc-max-connections" in caplog.text
         first.close()
         wait_for(lambda: len(thread.server._grpc.connections) == 1, what="the first connection to close")
-        fourth = RawClient(thread.server.grpc_port)
-        try:
+        with RawClient(thread.server.grpc_port) as fourth:
             fourth.call(1, infer_message("echo", np.ones(2, np.float32)))
             assert status(fourth.reply(1)[2]) == (0, "")
-        finally:
-            fourth.close()
-            second.close()
 
 
 # -- 10. malformed HTTP/2 ------------------------------------------------------------------------------

@@ -2,9 +2,13 @@
 examples (Appendix C) and, by property-based fuzzing, against the ``hpack`` package decoding the
 same blocks with no cache in front: the same headers for every block, in every order, whatever
 the table has become (the remembered-blocks cache must never answer for a table that changed).
+The fuzz targets run 300 examples each, or ``PYSERVE_FUZZ_EXAMPLES`` for a longer run
+(docs/security.md).
 """
 
 from __future__ import annotations
+
+import os
 
 import hpack
 import pytest
@@ -127,7 +131,8 @@ STEP = st.one_of(
     st.tuples(st.just("repeat"), st.integers(0, 50)),
     st.tuples(st.just("resize"), st.sampled_from([0, 64, 128, 256, 4096])),
 )
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+FUZZ = settings(max_examples=int(os.environ.get("PYSERVE_FUZZ_EXAMPLES", "300")), deadline=None,
+                suppress_health_check=[HealthCheck.too_slow], database=None)
 
 
 @FUZZ

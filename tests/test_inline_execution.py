@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 from pyserve import InferRequest, InferResponse, InstanceContext
 from pyserve.backend import Backend
-from suite_support import pair_config
+from suite_support import pair_config, wait_for
 
 INLINE = 'parameters { key: "pyserve_inline_execute" value { string_value: "true" } }'
 
@@ -158,26 +158,24 @@ def test_dynamic_batching_on_the_event_loop(start_server, make_repo) -> None:  #
 def test_inline_queue_delay_waits_on_a_timer(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
     backend = Recorder()
     delayed = config(INLINE + " dynamic_batching { max_queue_delay_microseconds: 400000 }")
-    server = start_server(make_repo({"delayed": delayed}), backends={"recorder": backend})
-    values = np.array([[1, 2]], dtype=np.float32)
-    with httpclient.InferenceServerClient(server.url) as client:
-        client.infer("delayed", [_input(values)])  # warm the connection path; waits out the delay
+    # a delay far beyond the test's waits: a batch of "held" goes only when it is full
+    held = config(INLINE + " dynamic_batching { max_queue_delay_microseconds: 600000000 }")
+    server = start_server(make_repo({"delayed": delayed, "held": held}), backends={"recorder": backend})
+    (_, waited) = _concurrent(server.url, "delayed", 1)
+    assert backend.sizes == [1] and waited >= 0.4  # alone: sent when the delay's timer fired
     backend.sizes.clear()
 
-    answers: list[float] = []
-    waiting = threading.Thread(target=lambda: answers.append(_concurrent(server.url, "delayed", 2)[1]))
+    answers: list[np.ndarray] = []
+    waiting = threading.Thread(target=lambda: answers.extend(_concurrent(server.url, "held", 2)[0]))
     waiting.start()
-    time.sleep(0.1)
+    dataplane = server.server.dataplane
+    wait_for(lambda: dataplane.in_flight == 2, timeout=60, what="two requests waiting in the batcher")
     with httpclient.InferenceServerClient(server.url) as client:
-        begun = time.perf_counter()
         assert client.is_server_live()  # the loop answers while the batch waits for its delay
-        assert time.perf_counter() - begun < 0.2
-    waiting.join(10)
-    assert backend.sizes == [2] and answers and answers[0] >= 0.3  # one batch, after the delay
-
-    backend.sizes.clear()
-    _, elapsed = _concurrent(server.url, "delayed", 4)  # max_batch_size reached: sent at once
-    assert backend.sizes == [4] and elapsed < 0.3
+    assert not answers and backend.sizes == []
+    outputs, _ = _concurrent(server.url, "held", 2)  # max_batch_size reached: sent at once
+    waiting.join(60)
+    assert backend.sizes == [4] and len(answers) == 2 and len(outputs) == 2
 
 
 def test_unloading_executes_what_the_inline_batcher_holds(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
@@ -192,7 +190,7 @@ def test_unloading_executes_what_the_inline_batcher_holds(start_server, make_rep
     assert backend.sizes == []  # queued, waiting for its 20 s delay
     with httpclient.InferenceServerClient(server.url) as client:
         client.unload_model("held")
-    waiting.join(10)
+    waiting.join(60)
     assert backend.sizes == [1] and len(answers) == 1 and float(answers[0][0, 0]) == 0.0
 
 
@@ -211,5 +209,5 @@ def test_inline_batcher_keeps_the_queue_policy(start_server, make_repo) -> None:
     with httpclient.InferenceServerClient(server.url) as client:
         with pytest.raises(InferenceServerException, match="Exceeds maximum queue size"):
             client.infer("bounded", [_input(values)])
-    waiting.join(10)
+    waiting.join(60)
     assert len(answers) == 1 and backend.sizes == [1]

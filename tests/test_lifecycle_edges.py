@@ -32,12 +32,15 @@ StartServer = Callable[..., ServerThread]
 
 class Echo(pyserve.Backend):
     """OUT = IN; counts created and finalized instances; an execute sleeps for the model
-    parameter ``sleep_s`` (seconds) when it is set."""
+    parameter ``sleep_s`` (seconds) when it is set, and with the model parameter ``hold`` waits
+    (60 s at most) for ``release``; ``executing`` is set once such an execute began."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.created = 0
         self.finalized = 0
+        self.executing = threading.Event()
+        self.release = threading.Event()
 
     def create_instance(self, instance: InstanceContext) -> object:
         with self.lock:
@@ -52,6 +55,9 @@ class Echo(pyserve.Backend):
         delay = float(instance.model.parameters.get("sleep_s") or 0)
         if delay:
             time.sleep(delay)
+        if instance.model.parameters.get("hold"):
+            self.executing.set()
+            self.release.wait(60)
         return [InferResponse({"OUT": request.inputs["IN"]}) for request in requests]
 
 
@@ -155,26 +161,28 @@ def test_a_warmup_sample_too_large_is_refused_before_allocating(start_server: St
 def test_live_answers_exiting_while_the_server_shuts_down(start_server: StartServer, tmp_path: Path) -> None:
     """As Triton: live is 503 (HTTP) / UNAVAILABLE (gRPC) once shutdown began."""
     repo = tmp_path / "repo"
-    write_model(repo, "slow", config('parameters { key: "sleep_s" value: { string_value: "1.5" } }'))
-    server = start_server(repo, backends={"echo": Echo()}, exit_timeout_secs=10)
+    write_model(repo, "slow", config('parameters { key: "hold" value: { string_value: "1" } }'))
+    echo = Echo()
+    server = start_server(repo, backends={"echo": echo}, exit_timeout_secs=60)
     url = server.url
     assert httpx.get(f"http://{url}/v2/health/live").status_code == 200
     slow = threading.Thread(target=infer, args=(server, "slow", np.ones((1, 2), np.float32)))
     slow.start()
-    time.sleep(0.3)  # the request is executing
+    assert echo.executing.wait(60)  # the request is executing (held until released)
     stopper = threading.Thread(target=server.stop)
     stopper.start()
     try:
-        deadline = time.monotonic() + 5
-        response = httpx.get(f"http://{url}/v2/health/live", timeout=1)
+        deadline = time.monotonic() + 60
+        response = httpx.get(f"http://{url}/v2/health/live", timeout=30)
         while response.status_code == 200 and time.monotonic() < deadline:  # until shutdown begins
             time.sleep(0.05)
-            response = httpx.get(f"http://{url}/v2/health/live", timeout=1)
+            response = httpx.get(f"http://{url}/v2/health/live", timeout=30)
         # the listeners stay open while the in-flight request drains
         assert response.status_code == 503 and response.json() == {"error": "Server exiting"}
     finally:
-        slow.join(10)
-        stopper.join(15)
+        echo.release.set()
+        slow.join(60)
+        stopper.join(60)
     assert not slow.is_alive() and not stopper.is_alive()
 
 

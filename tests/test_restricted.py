@@ -156,7 +156,7 @@ def test_grpc_stream_restricted(server: ServerThread) -> None:
                 client.async_stream_infer("ident", [tensor])
             except InferenceServerException:  # the denial may already have closed the stream
                 assert denied
-            result, error = results.get(timeout=10)
+            result, error = results.get(timeout=60)
             client.stop_stream()
         if denied:
             assert error is not None and "This protocol is restricted" in str(error)

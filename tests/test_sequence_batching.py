@@ -24,6 +24,7 @@ from tritonclient.utils import InferenceServerException
 from pyserve import InferRequest, InferResponse, InstanceContext
 from pyserve.backend import Backend
 from pyserve.server import ServerThread
+from suite_support import wait_for
 
 StartServer = Callable[..., ServerThread]
 MakeRepo = Callable[..., Path]
@@ -40,9 +41,12 @@ class Seen:
 
 
 class Accumulator(Backend):
+    """Request parameters: ``delay_ms`` sleeps that long first, ``hold`` waits for ``release``."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.seen: list[Seen] = []
+        self.release = threading.Event()
 
     def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
         responses = []
@@ -50,6 +54,8 @@ class Accumulator(Backend):
             delay = float(r.parameters.get("delay_ms", 0))
             if delay:
                 time.sleep(delay / 1000)
+            if r.parameters.get("hold"):
+                self.release.wait(60)
             total = r.inputs["STATE_IN"] + r.inputs["INPUT"]
             controls = {k: np.array(r.inputs[k]) for k in ("START", "READY", "END", "CORRID") if k in r.inputs}
             with self.lock:
@@ -360,7 +366,7 @@ def test_extra_sequence_waits_in_the_backlog(start_server: StartServer, make_rep
         assert first.send(1, 2) == 3  # the slot holder keeps going meanwhile
         ended_at = time.monotonic()
         assert first.send(1, 3, end=True) == 6
-        thread.join(10)
+        thread.join(60)
     finally:
         first.close()
     assert "error" not in waited, waited.get("error")
@@ -376,28 +382,36 @@ def test_oldest_preserve_ordering(start_server: StartServer, make_repo: MakeRepo
     slow, earlier request of another sequence on another instance; without it, at once."""
     strategy = f"oldest {{ max_candidate_sequences: 1 max_queue_delay_microseconds: 0 preserve_ordering: {str(preserve).lower()} }}"
     server, backend = serve(start_server, make_repo, {"m": config(strategy, instances=2)})
-    done: dict[str, float] = {}
+    done: list[str] = []
 
-    def send(name: str, sequence_id: int, delay_ms: int, after: float) -> None:
-        time.sleep(after)
+    def send(name: str, sequence_id: int, parameters: dict[str, Any]) -> None:
         client = Client(server, "m", batching=False)
         try:
-            client.send(sequence_id, 1, start=True, parameters={"delay_ms": delay_ms})
+            client.send(sequence_id, 1, start=True, parameters=parameters)
         finally:
             client.close()
-        done[name] = time.monotonic()
+        done.append(name)
 
-    threads = [threading.Thread(target=send, args=("slow", 11, 600, 0.0)),
-               threading.Thread(target=send, args=("fast", 12, 0, 0.15))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
+    def executed(sequence_id: int) -> bool:
+        return any(s.correlation_id == sequence_id for s in backend.of("m"))
+
+    slow = threading.Thread(target=send, args=("slow", 11, {"hold": True}))  # runs until released
+    slow.start()
+    wait_for(lambda: server.server.dataplane.in_flight == 1, timeout=60, what="the slow request to arrive")
+    fast = threading.Thread(target=send, args=("fast", 12, {}))
+    fast.start()
+    wait_for(lambda: executed(12), timeout=60, what="the fast request to execute")
+    if preserve:  # the fast answer waits for the slow one (given time to come back, it does not)
+        time.sleep(0.3)
+        assert not done, done
+    else:  # the fast answer comes back while the slow request is held
+        wait_for(lambda: "fast" in done, timeout=60, what="the fast answer")
+        assert done == ["fast"]
+    backend.release.set()
+    for thread in (slow, fast):
+        thread.join(60)
+    assert sorted(done) == ["fast", "slow"]
     assert len({s.instance for s in backend.of("m")}) == 2  # the two sequences ran on different instances
-    if preserve:
-        assert done["fast"] > done["slow"] - 0.1, done["fast"] - done["slow"]  # released together
-    else:
-        assert done["fast"] < done["slow"] - 0.2, done["fast"] - done["slow"]
 
 
 # --------------------------------------------------------------------------- iterative sequences

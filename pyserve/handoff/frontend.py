@@ -45,7 +45,8 @@ from pyserve.handoff import balancer as balancing
 from pyserve.handoff import wire
 from pyserve.handoff.http_proxy import OwnerHttpProxy
 from pyserve.handoff.wire import Kind
-from pyserve.http.fast_infer import check_declared_length, decode_request, error_reply, submit_request
+from pyserve.http.codec import DecodedRequest
+from pyserve.http.fast_infer import Headers, check_declared_length, error_reply, submit_request
 from pyserve.handoff.replicas import ReplicaSet
 from pyserve.http.server import HttpProtocol, HttpServer, _Request
 from pyserve.inference import InferRequest, InferResponse
@@ -218,11 +219,11 @@ class OwnerLink(asyncio.Protocol):
             raise InferError.invalid(f"the request cannot be handed to the model owner: {exc}") from None
         return request_id, self._await(request_id, parts)
 
-    def raw_http(self, target: tuple[str, str | None], headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[int, asyncio.Future[Any]]:
+    def raw_http(self, target: tuple[str, str | None], headers: list[tuple[bytes, bytes]], body: bytes | bytearray) -> tuple[int, asyncio.Future[Any]]:
         """Hand an HTTP infer request to the owner undecoded; resolves to ``(status, body, headers)``."""
         request_id = next(self.ids)
         names = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers]
-        parts = wire.frame(Kind.RAW_HTTP, request_id, {"n": target[0], "v": target[1], "h": names}, [body])
+        parts = wire.frame(Kind.RAW_HTTP, request_id, {"n": target[0], "v": target[1], "h": names}, [memoryview(body)])
         return request_id, self._await(request_id, parts)
 
     def raw_grpc(self, message: bytes | memoryview, trace_parent: str | None,
@@ -336,27 +337,31 @@ class FrontendHttpProtocol(HttpProtocol):
                 self.ignore_input = True
 
     def _start_infer(self, request: _Request) -> None:
+        if request.model is _RAW:
+            body = request.chunks[0] if len(request.chunks) == 1 else b"".join(request.chunks)
+            request.chunks = []
+            self._start_raw(request, body)
+            return
+        super()._start_infer(request)  # decoded here (a large body on a decode thread), then _decoded
+
+    def _decode_failed(self, request: _Request, body: bytes | bytearray, exc: BaseException) -> None:
+        if isinstance(exc, NeedsOwner):  # e.g. a shared-memory input: the owner decodes it
+            self._start_raw(request, body)
+            return
+        super()._decode_failed(request, body, exc)
+
+    def _decoded(self, request: _Request, headers: Headers, decoded: DecodedRequest, decode_ns: int) -> None:
+        """Submit to a local replica, or hand the decoded request to the owner."""
         server = self.server
-        link: OwnerLink = server.dataplane.link  # type: ignore[attr-defined]
         model = request.model
-        body = request.chunks[0] if len(request.chunks) == 1 else b"".join(request.chunks)
-        request.chunks = []
-        headers = dict(request.headers)
-        local = not (model is _RAW or isinstance(model, RemoteModel))
         try:
-            if model is _RAW:
-                raise NeedsOwner
-            decoded, decode_ns = decode_request(server.dataplane, model, body, headers,  # type: ignore[arg-type]
-                                                server.max_input_size)
-            if local:
+            if isinstance(model, RemoteModel):
+                link: OwnerLink = server.dataplane.link  # type: ignore[attr-defined]
+                request_id, future = link.submit(model, decoded.request)
+            else:
                 future = submit_request(server.dataplane, model, decoded.request, self.loop)  # type: ignore[arg-type]
                 request_id = 0
                 request.infer_request = decoded.request
-            else:
-                request_id, future = link.submit(model, decoded.request)  # type: ignore[arg-type]
-        except NeedsOwner:
-            self._start_raw(request, link, body)
-            return
         except Exception as exc:  # noqa: BLE001 - InferError, or a bug: answered, the server goes on
             self._answer_failure(request, exc)
             return
@@ -374,8 +379,9 @@ class FrontendHttpProtocol(HttpProtocol):
         self.handoff_ids.pop(id(request), None)
         self._infer_done(request, model, decoded, decode_ns, headers, future)
 
-    def _start_raw(self, request: _Request, link: OwnerLink, body: bytes) -> None:
+    def _start_raw(self, request: _Request, body: bytes | bytearray) -> None:
         assert request.target is not None
+        link: OwnerLink = self.server.dataplane.link  # type: ignore[attr-defined]
         try:
             request_id, future = link.raw_http(request.target, request.headers, body)
         except InferError as exc:

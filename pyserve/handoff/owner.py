@@ -38,7 +38,7 @@ from pyserve.handoff import wire
 from pyserve.handoff.wire import Kind
 from pyserve.http.fast_infer import (
     check_declared_length,
-    decode_request,
+    decode_soon,
     encode_reply,
     error_reply,
     infer_model,
@@ -392,7 +392,7 @@ class _FrontendConnection(asyncio.Protocol):
         try:
             model = infer_model(dataplane, header["n"], header["v"])
             check_declared_length(headers.get(b"content-length"), self.server.max_input_size)
-            decoded, decode_ns = decode_request(dataplane, model, bytes(body), headers, self.server.max_input_size)
+            decoded, decode_ns = await decode_soon(dataplane, model, bytes(body), headers, self.server.max_input_size)
             request = decoded.request
             future = submit_request(dataplane, model, request, self.loop)
             try:

@@ -7,9 +7,10 @@ and the answer goes out in two ``send`` calls. Every other route falls through t
 Starlette application. Behaviour (status codes, error texts, compression) is the same as on
 any route; only the per-request overhead differs.
 
-The steps (``infer_model``, ``check_declared_length``, ``decode_request``, ``submit_request``,
-``encode_reply``, ``error_reply``) are module functions shared with the native HTTP/1.1
-server (``pyserve.http.server``), which runs the same sequence without ASGI.
+The steps (``infer_model``, ``check_declared_length``, ``decode_request`` or its coroutine form
+``decode_soon``, ``submit_request``, ``encode_reply``, ``error_reply``) are module functions
+shared with the native HTTP/1.1 server (``pyserve.http.server``), which runs the same sequence
+without ASGI. A large body is decoded on a decode thread (``pyserve.http.offload``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from pyserve.dataplane import DataPlane
 from pyserve.errors import InferError
+from pyserve.http import offload
 from pyserve.http.body import compress, decode_content, too_large
 from pyserve.http.codec import JSON_TYPE, DecodedRequest, decode_infer, encode_infer, parse_header_length
 from pyserve.http.errors import HTTP_STATUS, error_body
@@ -119,6 +121,17 @@ def decode_request(
     return decoded, decode_ns
 
 
+async def decode_soon(
+    dataplane: DataPlane, model: ModelVersion, body: bytes | bytearray, headers: Headers, limit: int
+) -> tuple[DecodedRequest, int]:
+    """``decode_request`` for a coroutine: inline for the usual body, on a decode thread for a
+    large one (``pyserve.http.offload``) so that the event loop goes on serving meanwhile."""
+    if len(body) > offload.OFFLOAD_COMPRESSED_BYTES and offload.off_loop(len(body), headers):
+        return await offload.run(
+            asyncio.get_running_loop(), lambda: decode_request(dataplane, model, body, headers, limit))
+    return decode_request(dataplane, model, body, headers, limit)
+
+
 def submit_request(
     dataplane: DataPlane, model: ModelVersion, request: InferRequest, loop: asyncio.AbstractEventLoop
 ) -> asyncio.Future[Any]:
@@ -203,7 +216,7 @@ class InferFastPath:
             body = await self._read(receive, headers)
             if body is None:
                 return  # the client went away
-            decoded, decode_ns = decode_request(self.dataplane, model, body, headers, self.max_input_size)
+            decoded, decode_ns = await decode_soon(self.dataplane, model, body, headers, self.max_input_size)
             result = await self._run(model, decoded.request, receive)
             if result is None:
                 return

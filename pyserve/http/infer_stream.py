@@ -36,7 +36,7 @@ from pyserve.errors import InferError
 from pyserve.http.body import read_body
 from pyserve.http.codec import DecodedRequest, encode_infer
 from pyserve.http.errors import error_response
-from pyserve.http.fast_infer import Headers, decode_request, encode_reply, submit_request
+from pyserve.http.fast_infer import Headers, decode_soon, encode_reply, submit_request
 from pyserve.http.generate import GenerateSender
 from pyserve.http.streaming import DISCONNECTED, NDJSON_TYPE, SSE_TYPE, EventStream, until_disconnected
 from pyserve.inference import InferResponse
@@ -55,9 +55,9 @@ def stream_format(accept: str | None) -> tuple[str, Callable[[bytes], bytes]]:
 
 async def _decode(request: Request, dataplane: DataPlane, model: ModelVersion, limit: int) -> tuple[DecodedRequest, int]:
     headers: Headers = dict(request.scope["headers"])
-    body = await read_body(request, limit)  # decompressed here: decode_request must not again
+    body = await read_body(request, limit)  # decompressed here: decode_soon must not again
     headers.pop(b"content-encoding", None)
-    return decode_request(dataplane, model, body, headers, limit)
+    return await decode_soon(dataplane, model, body, headers, limit)
 
 
 async def infer_stream(request: Request, dataplane: DataPlane, model: ModelVersion, limit: int) -> Response:

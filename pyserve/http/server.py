@@ -6,7 +6,9 @@ the protocol (the ``--http-max-input-size`` cap is enforced from ``Content-Lengt
 anything is buffered, and while a chunked body streams in), then the same steps as the ASGI
 fast path (``pyserve.http.fast_infer``) run without a task: decode → ``dataplane.submit`` →
 a done-callback on the response future → encode, and the whole answer (status line, headers
-and body) goes out in one ``transport.write``. While more than one connection is open, answers
+and body) goes out in one ``transport.write``. A body with over a megabyte of JSON is decoded on
+a decode thread (``pyserve.http.offload``) and goes on from a done-callback; while it decodes,
+the loop serves the other connections. While more than one connection is open, answers
 of small size are queued and written together one loop turn later (``HttpServer.flush_replies``):
 replies then leave in bursts, so the clients (and, in turn, their next requests) wake up once
 per burst instead of once per reply; on this machine that cut the server's CPU per request by
@@ -55,6 +57,7 @@ from pyserve.errors import InferError
 from pyserve.handoff import balancer as balancing
 from pyserve.handoff.balancer import ConnectionBalancer
 from pyserve.http.body import too_large
+from pyserve.http import offload
 from pyserve.http.codec import DecodedRequest
 from pyserve.http.errors import error_body
 from pyserve.http.fast_infer import (
@@ -500,16 +503,50 @@ class HttpProtocol(asyncio.Protocol):
         self._start_infer(request)
 
     def _start_infer(self, request: _Request) -> None:
-        server = self.server
-        model = request.model
-        assert model is not None
+        """Decode the body of ``request`` (on a decode thread when it is large,
+        ``pyserve.http.offload``), then go on with ``_decoded`` (or ``_decode_failed``)."""
         # a body of several chunks is joined into a bytearray (the same one copy): the tensors
         # decoded from it are writeable views, which a model may change in place without a copy
         body = request.chunks[0] if len(request.chunks) == 1 else bytearray().join(request.chunks)
         request.chunks = []
         headers: Headers = dict(request.headers)
+        server = self.server
+        model = request.model
+        assert model is not None
+        if len(body) > offload.OFFLOAD_COMPRESSED_BYTES and offload.off_loop(len(body), headers):
+            offload.run(self.loop, lambda: decode_request(
+                server.dataplane, model, body, headers, server.max_input_size,
+            )).add_done_callback(lambda done: self._decoded_off_loop(request, body, headers, done))
+            return
         try:
             decoded, decode_ns = decode_request(server.dataplane, model, body, headers, server.max_input_size)
+        except Exception as exc:  # noqa: BLE001 - InferError, or a bug: answered, the server goes on
+            self._decode_failed(request, body, exc)
+            return
+        self._decoded(request, headers, decoded, decode_ns)
+
+    def _decoded_off_loop(
+        self, request: _Request, body: bytes | bytearray, headers: Headers,
+        done: asyncio.Future[tuple[DecodedRequest, int]],
+    ) -> None:
+        if self.closed or done.cancelled():  # the client left while its body was decoded
+            return
+        error = done.exception()
+        if error is not None:
+            self._decode_failed(request, body, error)
+            return
+        self._decoded(request, headers, *done.result())
+
+    def _decode_failed(self, request: _Request, body: bytes | bytearray, exc: BaseException) -> None:
+        """The body of ``request`` could not be decoded: answer why."""
+        self._answer_failure(request, exc)
+
+    def _decoded(self, request: _Request, headers: Headers, decoded: DecodedRequest, decode_ns: int) -> None:
+        """Submit a decoded request to its model; its answer is written when it is done."""
+        server = self.server
+        model = request.model
+        assert model is not None
+        try:
             future = submit_request(server.dataplane, model, decoded.request, self.loop)
         except Exception as exc:  # noqa: BLE001 - InferError, or a bug: answered, the server goes on
             self._answer_failure(request, exc)
@@ -523,7 +560,7 @@ class HttpProtocol(asyncio.Protocol):
             lambda done: self._infer_done(request, model, decoded, decode_ns, headers, done)
         )
 
-    def _answer_failure(self, request: _Request, exc: Exception) -> None:
+    def _answer_failure(self, request: _Request, exc: BaseException) -> None:
         """Answer a request that failed before reaching a model: its error, or 500 for a bug."""
         if isinstance(exc, InferError):
             self._write_reply(request, *error_reply(exc))
@@ -1117,6 +1154,6 @@ def _has_header(headers: list[tuple[bytes, bytes]], rule: Restriction) -> bool:
     return any(k == key and v == value for k, v in headers)
 
 
-def _internal_error(request: _Request, exc: Exception) -> Reply:
+def _internal_error(request: _Request, exc: BaseException) -> Reply:
     log.exception("unhandled error on %s %s", request.method, request.url.decode("latin-1"), exc_info=exc)
     return 500, error_body(f"internal server error: {type(exc).__name__}: {exc}"), JSON_HEADERS

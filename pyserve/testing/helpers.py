@@ -138,7 +138,7 @@ class BatchRecorder:
         self.threads.setdefault(name, []).append(threading.current_thread().name)
         return (yield)
 
-    def until_on_the_loop(self, model: str, call: Callable[[], object], timeout: float = 10.0) -> int:
+    def until_on_the_loop(self, model: str, call: Callable[[], object], timeout: float = 60.0) -> int:
         """Call ``call`` (one request to ``model``, from one client) until an execute of
         ``model`` runs on a ``ServerThread``'s event loop thread, as a compute-only model's do
         once one client alone sends requests (``pyserve.scheduling.adaptive``).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -245,17 +246,29 @@ def test_variable_dims_on_either_side_are_compatible(host: PluginHost, tmp_path:
     assert state.pairs == (("IN", "OUT"),)
 
 
-def test_execute_delay_sleeps_once_per_batch(host: PluginHost, tmp_path: Path) -> None:
+def test_execute_delay_sleeps_once_per_batch(
+    host: PluginHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = one_to_one(max_batch_size=16, extra=param("execute_delay_ms", "50"))
     instance = create(host, make_model(tmp_path, config))
     requests = [request({"INPUT0": np.ones((1, 2), np.float32)}, ("OUTPUT0",)) for _ in range(10)]
+    slept: list[float] = []
+    real_sleep = time.sleep
+    this_thread = threading.get_ident()
 
+    def sleep(seconds: float) -> None:  # the real sleep, counted on this thread (execute runs here)
+        if threading.get_ident() == this_thread:
+            slept.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(pyserve_backend_identity.time, "sleep", sleep)
     start = time.monotonic()
     responses = execute(host, instance, requests)
     elapsed = time.monotonic() - start
 
     assert all(isinstance(r, InferResponse) for r in responses)
-    assert 0.045 <= elapsed < 0.25
+    assert slept == [0.05]  # once for the batch of ten
+    assert elapsed >= 0.045
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf", ""])

@@ -67,28 +67,26 @@ def test_decoupled_model_with_zero_responses(stream: Any) -> None:
 
 def test_decoupled_async_execute_overlaps_requests(stream: Any) -> None:
     client, results = stream
-    started = time.monotonic()
-    for i in range(3):
+    for i in range(3):  # each counts down only once all three are under way at once ("meet")
         client.async_stream_infer("countdown_async", [_input("N", np.array([5], dtype=np.int32), "INT32")],
-                                  request_id=f"c{i}", enable_empty_final_response=True)
+                                  request_id=f"c{i}", enable_empty_final_response=True, parameters={"meet": 3})
     by_id: dict[str, list[int]] = {}
     finals = 0
     while finals < 3:
-        item = results.get(timeout=10)
+        item = results.get(timeout=120)
         assert not isinstance(item, Exception), item
         response = item.get_response()
         if response.outputs:
             by_id.setdefault(response.id, []).append(int(item.as_numpy("LEFT")[0]))
         finals += response.parameters["triton_final_response"].bool_param
     assert by_id == {f"c{i}": [5, 4, 3, 2, 1] for i in range(3)}
-    assert time.monotonic() - started < 0.3 * 3  # 3 x 100 ms sequentially; overlapping is ~100 ms
 
 
 def test_decoupled_async_execute_raising_ends_the_request_with_an_error(stream: Any) -> None:
     client, results = stream
     client.async_stream_infer("countdown_async", [_input("N", np.array([-1], dtype=np.int32), "INT32")],
                               request_id="neg")
-    item = results.get(timeout=10)
+    item = results.get(timeout=60)
     assert isinstance(item, InferenceServerException)
     assert "N must not be negative" in str(item)
     assert "countdown_async" in str(item)

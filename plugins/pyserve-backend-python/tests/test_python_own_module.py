@@ -139,7 +139,7 @@ def cli_server(tmp_path: Path) -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(60)
-        reader.join(10)
+        reader.join(60)
         process.stderr.close()
 
 

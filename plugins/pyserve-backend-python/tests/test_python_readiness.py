@@ -159,11 +159,9 @@ def test_a_slow_check_times_out_and_is_shared_by_concurrent_questions(serve: Ser
     assert _infer(server, "slow", 1) == 1  # one check answered all eight questions
 
     server.server.dataplane.readiness.timeout_s = 0.2
-    started = time.monotonic()
-    assert _http_ready(server, "slow") == 400  # gave up waiting after 0.2 s
-    assert time.monotonic() - started < 0.9
-    time.sleep(1.2)  # that check finishes on its own
-    assert _infer(server, "slow", 1) == 2
+    # the check would answer ready: 400 means the server gave up waiting for it
+    assert _http_ready(server, "slow") == 400
+    assert _infer(server, "slow", 1) == 2  # that check ran (and finishes on its own)
 
 
 def test_server_readiness_without_strict_readiness_ignores_the_checks(tmp_path: Path) -> None:

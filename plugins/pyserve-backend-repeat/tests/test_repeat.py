@@ -68,7 +68,7 @@ class Stream:
         """Responses up to and including the next final one (errors fail the test)."""
         out = []
         while True:
-            result, error = self.results.get(timeout=10)
+            result, error = self.results.get(timeout=60)
             assert error is None, error
             out.append(result.get_response())
             if out[-1].parameters["triton_final_response"].bool_param:
@@ -108,7 +108,7 @@ def test_delays_are_waited(stream: Stream) -> None:
 def test_wait_delays_the_final_flag(stream: Stream) -> None:
     start = time.monotonic()
     stream.send([tensor("IN", [1]), tensor("WAIT", [150], "UINT32")], "w")
-    first, error = stream.results.get(timeout=10)
+    first, error = stream.results.get(timeout=60)
     assert error is None and values(first.get_response(), "OUT") == [1]
     responses = stream.until_final()
     assert len(responses) == 1 and time.monotonic() - start >= 0.15
@@ -122,7 +122,7 @@ def test_empty_input_sends_only_the_final_flag(stream: Stream) -> None:
 
 def test_delay_count_mismatch_is_an_error(stream: Stream) -> None:
     stream.send([tensor("IN", [1, 2, 3]), tensor("DELAY", [1], "UINT32")], "bad")
-    result, error = stream.results.get(timeout=10)
+    result, error = stream.results.get(timeout=60)
     assert result is None
     assert error.message() == "DELAY has 1 element(s) but IN has 3; give one delay per element"
     stream.send([tensor("IN", [5])], "after")
@@ -133,7 +133,7 @@ def test_cancelling_stops_the_responses(server: ServerThread) -> None:
     s = Stream(server)
     s.send([tensor("IN", list(range(200))), tensor("DELAY", [10] * 200, "UINT32")], "long")
     for _ in range(3):
-        result, error = s.results.get(timeout=10)
+        result, error = s.results.get(timeout=60)
         assert error is None
     s.close(cancel=True)
     # the sender thread (in this process) sees the cancellation and ends long before 2 s
