@@ -64,6 +64,19 @@ ensemble_scheduling { step [
 """
 
 
+# Starting two Ray nodes and deploying takes minutes on a loaded machine: the module-scoped
+# cluster is set up within the first test's time.
+pytestmark = pytest.mark.timeout(900)
+
+# Serve kills a proxy that is not ready within 5 s (its default), which a loaded
+# machine exceeds while a worker process starts: the cluster's waits are made generous.
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,7 +98,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, **RAY_ENV)
     repo = tmp_path_factory.mktemp("ray") / "repo"
     write_model(repo, "echo", ECHO)
     write_model(repo, "accumulate", ACCUMULATE, {"1/model.py": ACCUMULATE_PY})
@@ -197,7 +210,7 @@ def test_a_repository_too_big_for_the_cluster_is_refused_with_the_numbers(cluste
         write_model(repo, name, echo_config().replace('name: "echo"', f'name: "{name}"'))
     write_model(repo, "big", echo_config("instance_group [ { count: 3 kind: KIND_CPU } ]").replace(
         'name: "echo"', 'name: "big"'))
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, **RAY_ENV)
     deploy = subprocess.run(
         [str(BIN / "pyserve"), "ray-deploy", "--model-repository", str(repo), "--address", cluster.address,
          "--name", "too_big", "--http-host", "127.0.0.1", "--timeout", "240"],
@@ -292,7 +305,7 @@ def test_requests_keep_succeeding_when_a_replica_is_killed(cluster: Cluster) -> 
 def test_one_deployment_for_the_whole_repository(cluster: Cluster) -> None:
     """``--per-repository`` (run last: it replaces the application) serves every model from
     one deployment."""
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, **RAY_ENV)
     http_port, grpc_port = (int(a.rsplit(":", 1)[1]) for a in (cluster.http, cluster.grpc))
     deploy = subprocess.run(
         [str(BIN / "pyserve"), "ray-deploy", "--model-repository", str(cluster.repo), "--address", cluster.address,
