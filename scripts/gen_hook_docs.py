@@ -21,6 +21,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _doc_page import write_or_check  # noqa: E402  sibling module
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PAGE = REPO_ROOT / "docs" / "hooks.md"
 """The committed page."""
@@ -194,17 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     except UndocumentedHook as exc:
         print(f"gen_hook_docs: {exc}", file=sys.stderr)
         return 1
-    if args.check:
-        current = args.output.read_text(encoding="utf-8") if args.output.is_file() else None
-        if current != page:
-            print(f"{args.output} is stale: run python scripts/gen_hook_docs.py", file=sys.stderr)
-            return 1
-        print(f"{args.output} is up to date")
-        return 0
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(page, encoding="utf-8")
-    print(f"wrote {args.output}")
-    return 0
+    return write_or_check(page, args.output, "gen_hook_docs.py", args.check)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ resolves to this file whatever order pytest collects the plugin test folders in.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import queue
 import re
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import ModuleType
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -410,3 +412,15 @@ def wait_for_file(path: Path, timeout: float = 30.0) -> bool:
     """True once ``path`` exists (``wait_for``: AssertionError after ``timeout`` seconds)."""
     wait_for(path.exists, timeout, f"the file '{path.name}'")
     return True
+
+
+def load_script(name: str) -> ModuleType:
+    """Import ``scripts/<name>.py`` (a page generator) as module ``name``, once per session."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

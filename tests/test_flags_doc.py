@@ -3,29 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-import types
 from pathlib import Path
 
 from pyserve import triton_flags
 from pyserve.cli import build_parser
+from suite_support import load_script
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = REPO_ROOT / "scripts" / "gen_flags_doc.py"
 PAGE = REPO_ROOT / "docs" / "flags.md"
 
-
-def _load_script() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("gen_flags_doc", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gen_flags_doc", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_script()
+gen = load_script("gen_flags_doc")
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:

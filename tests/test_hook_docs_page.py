@@ -2,31 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import sys
 import types
 from pathlib import Path
 
 import pyserve_hookspecs
 import pytest
 from pyserve_hookspecs import PROJECT_NAME, SPEC_MODULES, hookspec
+from suite_support import load_script
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = REPO_ROOT / "scripts" / "gen_hook_docs.py"
 PAGE = REPO_ROOT / "docs" / "hooks.md"
 
-
-def _load_script() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("gen_hook_docs", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gen_hook_docs", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_script()
+gen = load_script("gen_hook_docs")
 
 ALL_SPECS = sorted(
     name
