@@ -7,7 +7,7 @@ committed: the binary comes from the wheel and, where the host's C library is to
 runtime libraries come from Debian 13 ("trixie") packages, unpacked into a private folder and
 used through trixie's own dynamic loader::
 
-    <cache>/root/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2 --library-path <that folder> \\
+    <cache>/sysroot/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2 --library-path <that folder> \\
         <cache>/perf_analyzer/bin/perf_analyzer ...
 
 The packages (``libc6 libstdc++6 libgcc-s1 libssl3t64 zlib1g``) are fetched with ``apt-get
@@ -85,7 +85,7 @@ def _starts(command: list[str]) -> bool:
 
 def _candidates(cache: Path) -> list[tuple[list[str], str]]:
     binary = _binary(cache)
-    libs = cache / "root" / _LIBDIR
+    libs = cache / "sysroot" / _LIBDIR
     loader = libs / "ld-linux-x86-64.so.2"
     found = [([str(binary)], "the wheel's binary on the host's C library")]
     if loader.is_file():
@@ -181,7 +181,7 @@ def _install_runtime(cache: Path, log: Path) -> None:
     _run(["apt-get", *options, "-qq", "update"], log)
     debs = apt / "debs"
     _run(["apt-get", *options, "-qq", "download", *RUNTIME_PACKAGES], log, cwd=debs)
-    root = cache / "root"
+    root = cache / "sysroot"
     for deb in sorted(debs.glob("*.deb")):
         _run(["dpkg-deb", "-x", str(deb), str(root)], log)
 
