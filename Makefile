@@ -31,6 +31,7 @@ run: $(VENV)/.installed  ## install, then serve the bundled example repository o
 # chooses on this machine (frontend processes, replicas), as users get it
 test: $(VENV)/.installed-test  ## install what the tests need, lint, then run them all
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/mypy
 	PYSERVE_TEST_LAYOUT=default $(BIN)/python -m pytest $(PYTEST_ARGS)
 

@@ -22,7 +22,7 @@ setup(
     packages=[*find_namespace_packages(include=["pyserve", "pyserve.*"]), "pyserve_hookspecs", EXAMPLES, *MODELS],
     package_dir={"pyserve_hookspecs": "hookspecs/src/pyserve_hookspecs", EXAMPLES: EXAMPLES_DIR},
     package_data={
-        "pyserve": ["py.typed", "protocol/*.proto", "protocol/*.binpb", "status/assets/*"],
+        "pyserve": ["py.typed", "protocol/*.proto", "protocol/*.binpb", "frontends/status/assets/*"],
         "pyserve_hookspecs": ["py.typed"],
         EXAMPLES: EVERY_FILE,
         **{model: EVERY_FILE for model in MODELS},

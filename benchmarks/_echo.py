@@ -104,7 +104,7 @@ def serve_h2_floor(port: int) -> None:
     loopback round trip and the client."""
     import uvloop
 
-    from pyserve.grpc import http2 as h2
+    from pyserve.frontends.grpc import http2 as h2
     from pyserve.protocol import ModelInferRequest, ModelInferResponse
 
     headers = h2.STATUS_200 + h2.literal(b"content-type", b"application/grpc")

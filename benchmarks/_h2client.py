@@ -25,7 +25,7 @@ import hpack
 import numpy as np
 
 from pyserve import protocol as pb
-from pyserve.grpc import http2 as h2
+from pyserve.frontends.grpc import http2 as h2
 
 PATH = "/inference.GRPCInferenceService/ModelInfer"
 

@@ -30,8 +30,8 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 PYTRITON_REQUIREMENT = "nvidia-pytriton==0.7.0"
 NUMPY_REQUIREMENT = "numpy<2"

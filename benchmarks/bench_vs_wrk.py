@@ -123,8 +123,8 @@ def wait_port(port: int, timeout: float = 60.0) -> None:
 def request_bytes(host: str) -> bytes:
     """The raw request ``pyserve bench`` sends for identity_fp32 with INPUT0:16."""
     sys.path.insert(0, str(REPO_ROOT))
-    from pyserve.bench import inputs
-    from pyserve.bench.options import BenchOptions
+    from pyserve.tools.bench import inputs
+    from pyserve.tools.bench.options import BenchOptions
 
     info = inputs.ModelInfo(
         "identity_fp32", "", [inputs.TensorSpec("INPUT0", "FP32", [-1, -1])],

@@ -31,7 +31,7 @@ spell of this shared machine falls on every backend alike; the table shows the m
 rounds' medians, and each verdict line lists the overhead of every round.
 
 The batch-1 models carry no scheduling setting: a framework model then executes on the server's
-event loop while one client alone sends requests (``pyserve.scheduling.adaptive``), which the
+event loop while one client alone sends requests (``pyserve.runtime.scheduling.adaptive``), which the
 lean clients are, and on its instance thread otherwise. ``--inline`` sets
 ``pyserve_inline_execute: "true"`` on them (every execute on the loop); ``--threads-only`` sets
 ``"false"`` (every execute on an instance thread, the hand-off the adaptive choice avoids).
@@ -68,7 +68,6 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-
 from _h2client import LeanGrpcClient, median_us  # sibling benchmark modules
 from batching import free_port, stop_process
 

@@ -26,7 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from batching import free_port  # noqa: E402  sibling helper modules
 from serving import (  # noqa: E402
-    MODEL, SMALL, Measurement, Server, cell, check, measure, prepare_requests, spawn, write_repository,
+    MODEL,
+    SMALL,
+    Measurement,
+    Server,
+    cell,
+    check,
+    measure,
+    prepare_requests,
+    spawn,
+    write_repository,
 )
 
 

@@ -1,7 +1,7 @@
 """pyserve: a Python-native inference server, wire-compatible with Triton Inference Server.
 
-The public API for backend authors is what this module exports; everything else is the
-server's own and may change.
+The public API for backend authors is what this module exports (the names of ``pyserve.api``);
+everything else is the server's own and may change.
 """
 
 from __future__ import annotations
@@ -14,12 +14,23 @@ import os
 # is imported; an explicit setting in the environment wins.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from pyserve_hookspecs import hookimpl  # noqa: E402
-
-from pyserve.batching import gather_inputs, split_outputs  # noqa: E402
-from pyserve.backend import Backend, BackendContext, InstanceContext, ModelContext  # noqa: E402
-from pyserve.errors import ErrorCode, InferError, ModelFileError, ModelFileNotFound  # noqa: E402
-from pyserve.inference import SEQUENCE_END, SEQUENCE_START, InferRequest, InferResponse  # noqa: E402
+from pyserve.api import (  # noqa: E402  (after the environment setting above)
+    SEQUENCE_END,
+    SEQUENCE_START,
+    Backend,
+    BackendContext,
+    ErrorCode,
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+    ModelFileError,
+    ModelFileNotFound,
+    gather_inputs,
+    hookimpl,
+    split_outputs,
+)
 
 __version__ = "0.1.0"
 

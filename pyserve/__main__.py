@@ -1,5 +1,5 @@
 """``python -m pyserve`` runs the command line."""
 
-from pyserve.cli import main
+from pyserve.cli.main import main
 
 raise SystemExit(main())

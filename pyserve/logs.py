@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from pyserve.errors import InferError
+from pyserve.api.errors import InferError
 
 _LEVEL_LETTER = {logging.DEBUG: "V", logging.INFO: "I", logging.WARNING: "W", logging.ERROR: "E", logging.CRITICAL: "E"}
 

@@ -46,8 +46,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyserve.errors import InferError
-from pyserve.inference import InferRequest, InferResponse
+from pyserve.api.errors import InferError
+from pyserve.api.inference import InferRequest, InferResponse
 
 log = logging.getLogger("pyserve.trace")
 

@@ -12,8 +12,9 @@ import pytest
 from gpu_support import gpu_reason
 from suite_support import EXAMPLE_REPOSITORY
 
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
 from pyserve.testing import ServerFactory, serve, write_model
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` skip, saying why, where no NVIDIA GPU is listed by ``nvidia-smi``."""

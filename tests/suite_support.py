@@ -15,10 +15,10 @@ import subprocess
 import sys
 import threading
 import time
-from types import ModuleType
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import ml_dtypes
@@ -206,8 +206,8 @@ def echo_config(extra: str = "") -> str:
 def grpc_handler_server(handler: Any) -> Iterator[int]:
     """pyserve's own ``GrpcServer`` serving one generic handler (no model server around it) on a
     loopback port, on a thread of its own; yields the port and stops the server on exit."""
-    from pyserve.grpc.listener import GrpcServer
-    from pyserve.grpc.server import GrpcOptions
+    from pyserve.frontends.grpc.listener import GrpcServer
+    from pyserve.frontends.grpc.server import GrpcOptions
 
     ready, stop = threading.Event(), threading.Event()
     port: list[int] = []

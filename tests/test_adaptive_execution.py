@@ -27,14 +27,25 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
+from suite_support import pair_config
 from tritonclient.utils import InferenceServerException
 
-from pyserve import InferRequest, InferResponse, InstanceContext, ModelContext, client_activity
-from pyserve.backend import Backend
-from pyserve.scheduling import AdaptiveBatcher, AdaptiveScheduler, DefaultScheduler, DynamicBatcher
-from pyserve.model_config import model_io, parse_config
-from pyserve.scheduling.adaptive import AUTO_LIMIT_NS
-from suite_support import pair_config
+from pyserve import (
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+)
+from pyserve.api.backend import Backend
+from pyserve.repository.model_config import model_io, parse_config
+from pyserve.runtime.scheduling import (
+    AdaptiveBatcher,
+    AdaptiveScheduler,
+    DefaultScheduler,
+    DynamicBatcher,
+    client_activity,
+)
+from pyserve.runtime.scheduling.adaptive import AUTO_LIMIT_NS
 
 LOOP_THREAD = "pyserve-server"  # ServerThread's event loop thread
 

@@ -16,12 +16,18 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from suite_support import write_model
 
-from pyserve import Backend, InferError, InferRequest, InferResponse, InstanceContext
-from pyserve.cli import main
-from pyserve.plugin_check import check_installed, check_plugin
-from pyserve.plugins import PluginHost
-from pyserve.scaffold import ScaffoldError, create_backend_project, validate_name
-from pyserve.server import ServerThread
+from pyserve import (
+    Backend,
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+)
+from pyserve.cli.main import main
+from pyserve.cli.scaffold import ScaffoldError, create_backend_project, validate_name
+from pyserve.host.check import check_installed, check_plugin
+from pyserve.host.plugins import PluginHost
+from pyserve.server.core import ServerThread
 from pyserve.testing import BackendConformance, ServerFactory
 
 SUBPROCESS_TIMEOUT = 180
@@ -170,7 +176,7 @@ def test_factory_stops_every_server_at_teardown(
 
 
 def test_plugin_imports_nothing_heavy() -> None:
-    heavy = ("tritonclient", "pyserve.server", "grpc", "uvicorn", "starlette", "pyserve.plugins")
+    heavy = ("tritonclient", "pyserve.server.core", "grpc", "uvicorn", "starlette", "pyserve.host.plugins")
     probe = _run(["-c", f"import sys, pyserve.testing; print([m for m in {heavy!r} if m in sys.modules])"])
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.strip() == "[]"

@@ -1,4 +1,4 @@
-"""``pyserve.batching``: ``gather_inputs`` / ``split_outputs``, alone and under the dynamic batcher.
+"""``pyserve.api.batching``: ``gather_inputs`` / ``split_outputs``, alone and under the dynamic batcher.
 
 The unit tests build ``InferRequest`` objects directly; the last test serves a backend that
 uses both helpers behind a real server and checks, with concurrent clients, that every client
@@ -17,10 +17,15 @@ import pytest
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
 
-from pyserve import InferError, InferRequest, InferResponse, InstanceContext
-from pyserve.backend import Backend
-from pyserve.batching import gather_inputs, split_outputs
-from pyserve.server import ServerThread
+from pyserve import (
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+)
+from pyserve.api.backend import Backend
+from pyserve.api.batching import gather_inputs, split_outputs
+from pyserve.server.core import ServerThread
 
 StartServer = Callable[..., ServerThread]
 MakeRepo = Callable[..., Path]

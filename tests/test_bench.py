@@ -19,11 +19,16 @@ from typing import Any
 import pytest
 from suite_support import REPO_ROOT, StartServer, write_model
 
-from pyserve.bench import BenchError, BenchOptions, inputs
-from pyserve.bench.options import range_values
-from pyserve.bench.report import LevelResult, Progress, check_plot, write_plot
-from pyserve.bench.worker import _HttpConnection, Recorder
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
+from pyserve.tools.bench import BenchError, BenchOptions, inputs
+from pyserve.tools.bench.options import range_values
+from pyserve.tools.bench.report import (
+    LevelResult,
+    Progress,
+    check_plot,
+    write_plot,
+)
+from pyserve.tools.bench.worker import Recorder, _HttpConnection
 
 FAST = ["-p", "200", "-r", "3", "--workers", "1"]
 """Three 200 ms windows per level (all reported), one worker process."""
@@ -181,8 +186,8 @@ def test_shared_memory_needs_server_support(example_server: ServerThread) -> Non
 
 
 def test_option_parsing() -> None:
-    from pyserve.cli import build_parser
-    from pyserve.bench import options_from_args
+    from pyserve.cli.main import build_parser
+    from pyserve.tools.bench import options_from_args
 
     args = build_parser().parse_args(["bench", "-m", "m", "--concurrency-range", "2:8:3", "--shape", "A:3,4",
                                       "-i", "GRPC"])

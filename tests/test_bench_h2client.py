@@ -13,10 +13,10 @@ import pytest
 from suite_support import FP32_ECHO_CONFIG, write_model
 
 from pyserve import protocol as pb
-from pyserve.bench.h2client import CallFailed, LeanChannel
-from pyserve.grpc.server import GRPC_SERVERS, GrpcOptions
-from pyserve.server import ServerThread
+from pyserve.frontends.grpc.server import GRPC_SERVERS, GrpcOptions
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve
+from pyserve.tools.bench.h2client import CallFailed, LeanChannel
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 ECHO = FP32_ECHO_CONFIG

@@ -7,7 +7,7 @@ instance threads, a server without the option, or requests from several clients 
 no window. The setting reaches frontend processes (their replicas
 execute on their own loops), is restored when the server stops, and bad values are refused by
 name. A client's first request on a new connection counts as another client's
-(``pyserve.client_activity``), so each check sends one request first and waits out that window.
+(``pyserve.runtime.scheduling.client_activity``), so each check sends one request first and waits out that window.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-
-from pyserve import busy_poll, client_activity
-from pyserve.server import StartupError
-from pyserve.testing import serve, write_model
 from suite_support import ECHO_MODEL_PY, python_echo_config, wait_for
+
+from pyserve.runtime.scheduling import busy_poll, client_activity
+from pyserve.server.core import StartupError
+from pyserve.testing import serve, write_model
 
 INLINE = 'parameters { key: "pyserve_inline_execute" value { string_value: "true" } }'
 

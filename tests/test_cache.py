@@ -15,8 +15,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from pyserve import InferRequest, InferResponse, InstanceContext
-from pyserve.backend import Backend
-from pyserve.cache import (
+from pyserve.api.backend import Backend
+from pyserve.dataplane.cache import (
     CacheConfigError,
     LocalCache,
     ResponseCache,
@@ -26,7 +26,7 @@ from pyserve.cache import (
     request_key,
     serialize_response,
 )
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
 
 CONFIG = """
 name: "{name}"
@@ -251,8 +251,8 @@ def test_redis_without_the_package_is_a_clear_error() -> None:
 
 
 def test_bad_cache_config_stops_the_server(make_repo: Callable[..., Path], backend: Any) -> None:
-    from pyserve.plugins import PluginHost
-    from pyserve.server import Server, ServerOptions, StartupError
+    from pyserve.host.plugins import PluginHost
+    from pyserve.server.core import Server, ServerOptions, StartupError
 
     options = ServerOptions(model_repositories=[make_repo({})], cache_config=("local", {"size": "-1"}))
     with pytest.raises(StartupError, match="--cache-config"):

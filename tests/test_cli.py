@@ -189,7 +189,7 @@ def test_backend_config_errors_are_clear(value: str, message: str) -> None:
 
 
 def test_backend_config_is_parsed() -> None:
-    from pyserve.cli import _backend_config, build_parser
+    from pyserve.cli.main import _backend_config, build_parser
 
     args = build_parser().parse_args(
         ["run", "--backend-config", "identity,k=v", "--backend-config", "shared=1,2",

@@ -24,14 +24,19 @@ import numpy as np
 import pluggy
 import pytest
 import tritonclient.http as httpclient
+from suite_support import write_model
 from tritonclient.utils import InferenceServerException
 
 import pyserve
-from pyserve import InferError, InferRequest, InferResponse, InstanceContext, ModelContext
-from pyserve.plugins import PluginHost
-from pyserve.server import ServerThread
-
-from suite_support import write_model
+from pyserve import (
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+)
+from pyserve.host.plugins import PluginHost
+from pyserve.server.core import ServerThread
 
 Event = tuple[Any, ...]
 

@@ -1,6 +1,6 @@
 """CUDA shared memory on a machine without a GPU: argument checks against the real server, and
 the region logic (offsets, copies, errors, closing handles) over HTTP and gRPC with a host-memory
-stand-in for the four cupy runtime calls ``pyserve.shared_memory.CudaRegion`` makes.
+stand-in for the four cupy runtime calls ``pyserve.dataplane.shared_memory.CudaRegion`` makes.
 
 The stand-in replaces only what cannot run here (CUDA); ``tests/test_gpu.py`` runs the same
 paths with tritonclient's ``cuda_shared_memory`` utilities on a real GPU.
@@ -25,8 +25,8 @@ from gpu_support import IDENTITY_CONFIG, carries_no_data
 from suite_support import StartServer, wait_for
 from tritonclient.utils import InferenceServerException
 
-from pyserve.server import ServerThread
-from pyserve.shared_memory import CUDA_IPC_HANDLE_SIZE, cuda_available
+from pyserve.dataplane.shared_memory import CUDA_IPC_HANDLE_SIZE, cuda_available
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve, write_model
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pyserve.cli import build_parser
+from pyserve.cli.main import build_parser
 from pyserve.testing import write_model
 
 # PyYAML comes with kubernetes-validate (the `test` extra).
@@ -421,7 +421,7 @@ def test_image_command_line_serves(image_command_server: tuple[int, int, int]) -
 
 
 def test_image_gets_grpcio_from_the_core() -> None:
-    """pyserve.grpc imports grpc: the core's dependencies name grpcio, so the image needs no
+    """pyserve.frontends.grpc imports grpc: the core's dependencies name grpcio, so the image needs no
     extra requirement for it (and its comments do not say otherwise)."""
     tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
 

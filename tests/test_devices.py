@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from pyserve.devices import gpu_count, visible_entries, visible_indices
 from pyserve.metrics.system import NvmlReader, SystemMonitor
+from pyserve.repository.devices import gpu_count, visible_entries, visible_indices
 
 UUIDS = ["GPU-aaaa1111-0000", "GPU-bbbb2222-0000", "GPU-abcd3333-0000"]
 

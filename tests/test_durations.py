@@ -21,11 +21,15 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-
-from pyserve import Backend, InferRequest, InferResponse, InstanceContext
-from pyserve.server import ServerThread
-
 from suite_support import QueuedStream, StartServer, wait_for
+
+from pyserve import (
+    Backend,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+)
+from pyserve.server.core import ServerThread
 
 BIG = 200_000  # FP32 elements: decoding and encoding them as JSON takes far longer than the rest
 PARTS = ("queue", "compute_input", "compute_infer", "compute_output")

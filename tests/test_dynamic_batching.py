@@ -27,12 +27,17 @@ import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
-from pyserve import InferError, InferRequest, InferResponse, InstanceContext
-from pyserve.backend import Backend
-from pyserve.errors import ErrorCode
-from pyserve.model_config import model_io, parse_config
-from pyserve.scheduling import DynamicBatcher
-from pyserve.server import ServerThread
+from pyserve import (
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+)
+from pyserve.api.backend import Backend
+from pyserve.api.errors import ErrorCode
+from pyserve.repository.model_config import model_io, parse_config
+from pyserve.runtime.scheduling import DynamicBatcher
+from pyserve.server.core import ServerThread
 
 StartServer = Callable[..., ServerThread]
 MakeRepo = Callable[..., Path]

@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from pyserve import InferRequest, InferResponse, InstanceContext
-from pyserve.backend import Backend
-from pyserve.server import ServerThread
+from pyserve.api.backend import Backend
+from pyserve.server.core import ServerThread
 
 StartServer = Callable[..., ServerThread]
 MakeRepo = Callable[..., Path]

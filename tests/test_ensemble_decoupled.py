@@ -21,11 +21,17 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
 from suite_support import QueuedStream
+from tritonclient.utils import InferenceServerException
 
-from pyserve import Backend, InferError, InferRequest, InferResponse, InstanceContext
-from pyserve.server import ServerThread
+from pyserve import (
+    Backend,
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+)
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve, write_model
 
 TIMEOUT = 10.0

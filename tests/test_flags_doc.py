@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pyserve import triton_flags
-from pyserve.cli import build_parser
 from suite_support import load_script
+
+from pyserve.cli import triton_flags
+from pyserve.cli.main import build_parser
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PAGE = REPO_ROOT / "docs" / "flags.md"

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-
-from pyserve.handoff.balancer import ConnectionBalancer
-from pyserve.server import ServerThread, StartupError
-from pyserve.testing import serve, write_model
 from suite_support import echo_config, wait_for
+
+from pyserve.frontends.balancer import ConnectionBalancer
+from pyserve.server.core import ServerThread, StartupError
+from pyserve.testing import serve, write_model
 
 ECHO = echo_config()
 
@@ -184,7 +184,7 @@ def test_an_unknown_balance_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_flag_takes_the_two_choices(capsys: pytest.CaptureFixture[str]) -> None:
-    from pyserve.cli import build_parser
+    from pyserve.cli.main import build_parser
 
     parser = build_parser()
     base = ["run", "--model-repository", "repo"]

@@ -26,11 +26,11 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
+from suite_support import ACCUMULATE_PY, ECHO_MODEL_PY, accumulate_config, echo_config, python_echo_config
 from tritonclient.utils import InferenceServerException
 
-from pyserve.server import Server, ServerThread, StartupError
+from pyserve.server.core import Server, ServerThread, StartupError
 from pyserve.testing import serve, write_model
-from suite_support import ACCUMULATE_PY, ECHO_MODEL_PY, accumulate_config, echo_config, python_echo_config
 
 CONNECTIONS = 16
 """Fresh connections per check: all landing on one of two processes has odds 2**-15."""
@@ -550,7 +550,7 @@ def test_generate_stream_is_relayed_as_it_streams(server: ServerThread) -> None:
 
 
 def test_restricted_apis_hold_on_every_process(tmp_path: Path) -> None:
-    from pyserve.restricted import parse_restrictions
+    from pyserve.frontends.restricted import parse_restrictions
 
     write_model(tmp_path / "repo", "echo", ECHO)
     rules = parse_restrictions(["inference,metadata:api-key=s3cret"])

@@ -27,11 +27,11 @@ from suite_support import write_model
 from test_grpc_http2 import INFER_PATH, infer_message
 
 from pyserve import protocol as pb
-from pyserve.errors import InferError
-from pyserve.grpc import codec as grpc_codec
-from pyserve.grpc import http2 as h2
-from pyserve.http import codec as http_codec
-from pyserve.server import ServerThread
+from pyserve.api.errors import InferError
+from pyserve.frontends.grpc import codec as grpc_codec
+from pyserve.frontends.grpc import http2 as h2
+from pyserve.frontends.http import codec as http_codec
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve
 
 FUZZ_EXAMPLES = int(os.environ.get("PYSERVE_FUZZ_EXAMPLES", "200"))

@@ -15,9 +15,15 @@ import orjson
 import pytest
 from suite_support import SQUARE_CONFIG, write_model
 
-from pyserve import Backend, InferError, InferRequest, InferResponse, InstanceContext
-from pyserve.plugins import PluginHost
-from pyserve.server import Server, ServerOptions, ServerThread
+from pyserve import (
+    Backend,
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+)
+from pyserve.host.plugins import PluginHost
+from pyserve.server.core import Server, ServerOptions, ServerThread
 
 ONE_RESPONSE = (
     "generate expects model to produce exactly 1 response, use generate stream for model that "

@@ -26,6 +26,7 @@ from gpu_support import (
     SKIP_ENV,
     Repository,
     Server,
+    carries_no_data,
     cuda_shm_reason,
     cupy_reason,
     expected,
@@ -35,7 +36,6 @@ from gpu_support import (
     ort_cuda_reason,
     reports,
     sample,
-    carries_no_data,
     torch_cuda_reason,
     write_repository,
 )

@@ -26,17 +26,22 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 import tritonclient.http as httpclient
+from google.protobuf import json_format
 from suite_support import DATATYPES, SQUARE_CONFIG, StartServer, identity_config, write_model
 from suite_support import sample as _sample
-from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from pyserve import Backend, InferRequest, InferResponse, InstanceContext
+from pyserve import (
+    Backend,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+)
 from pyserve import protocol as pb
-from pyserve.plugins import PluginHost
-from pyserve.grpc.server import GRPC_SERVERS, GrpcOptions
-from pyserve.server import Server, ServerOptions, ServerThread
+from pyserve.frontends.grpc.server import GRPC_SERVERS, GrpcOptions
+from pyserve.host.plugins import PluginHost
+from pyserve.server.core import Server, ServerOptions, ServerThread
 
 # -- datatypes -------------------------------------------------------------------------------
 

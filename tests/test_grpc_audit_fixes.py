@@ -22,8 +22,8 @@ from suite_support import SQUARE_CONFIG, wait_for, write_model
 from test_grpc_http2 import RawClient, framed, status
 
 from pyserve import protocol as pb
-from pyserve.grpc import http2 as h2
-from pyserve.server import ServerThread
+from pyserve.frontends.grpc import http2 as h2
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve
 
 SERVICE = "/inference.GRPCInferenceService/"

@@ -1,4 +1,4 @@
-"""Calls that start at once: ``pyserve.grpc.eager`` and the gRPC server's lone-connection rule.
+"""Calls that start at once: ``pyserve.frontends.grpc.eager`` and the gRPC server's lone-connection rule.
 
 The first half drives ``start_eagerly`` on a plain event loop: a coroutine that never waits
 finishes inside the call, one that waits goes on as a task exactly as if the task had started
@@ -24,9 +24,9 @@ import grpc
 import pytest
 from suite_support import grpc_handler_server
 
-from pyserve import client_activity
-from pyserve.grpc import http2 as h2
-from pyserve.grpc.eager import start_eagerly
+from pyserve.frontends.grpc import http2 as h2
+from pyserve.frontends.grpc.eager import start_eagerly
+from pyserve.runtime.scheduling import client_activity
 
 # -- start_eagerly on its own --------------------------------------------------------------------
 

@@ -24,11 +24,11 @@ from suite_support import FP32_ECHO_CONFIG, wait_for, write_model
 from test_grpc_http2 import INFER_PATH, RawClient, framed, infer_message, response_tensor, status
 
 from pyserve import protocol as pb
-from pyserve.grpc import guard
-from pyserve.grpc import http2 as h2
-from pyserve.grpc.server import GrpcOptions
-from pyserve.restricted import parse_restrictions
-from pyserve.server import ServerThread
+from pyserve.frontends.grpc import guard
+from pyserve.frontends.grpc import http2 as h2
+from pyserve.frontends.grpc.server import GrpcOptions
+from pyserve.frontends.restricted import parse_restrictions
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve
 
 PARAMS_PY = '''
@@ -332,7 +332,7 @@ def test_a_header_block_that_never_ends_closes_the_connection(repo: Path) -> Non
 def test_connections_past_the_limit_get_a_goaway_naming_it_and_a_warning(
     repo: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, "pyserve.grpc")
+    caplog.set_level(logging.WARNING, "pyserve.frontends.grpc")
     with serve(repo, grpc=GrpcOptions(max_connections=2)) as thread, \
             RawClient(thread.server.grpc_port) as first, RawClient(thread.server.grpc_port) as second:
         first.call(1, infer_message("echo", np.ones(2, np.float32)))

@@ -25,9 +25,9 @@ from suite_support import FP32_ECHO_CONFIG, grpc_handler_server, write_model
 from tritonclient.utils import InferenceServerException
 
 from pyserve import protocol as pb
-from pyserve.grpc import http2 as h2
-from pyserve.grpc.server import GrpcOptions
-from pyserve.server import ServerThread
+from pyserve.frontends.grpc import http2 as h2
+from pyserve.frontends.grpc.server import GrpcOptions
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve
 
 INFER_PATH = "/inference.GRPCInferenceService/ModelInfer"
@@ -578,7 +578,7 @@ def test_metadata_reaches_the_servicer_and_trailers_come_back(repo: Path) -> Non
 
 
 def test_large_request_parse_keeps_tensors_as_views_and_matches_protobuf() -> None:
-    from pyserve.grpc.codec import SPLIT_ABOVE, SplitInferRequest, parse_infer_request
+    from pyserve.frontends.grpc.codec import SPLIT_ABOVE, SplitInferRequest, parse_infer_request
 
     request = pb.ModelInferRequest(model_name="m", model_version="2", id="x")
     request.parameters["priority"].int64_param = 3
@@ -616,7 +616,7 @@ def test_large_tensors_both_ways_through_tritonclient(repo: Path) -> None:
 
 
 def test_reuse_grpc_port_lets_two_servers_share_it(repo: Path) -> None:
-    from pyserve.server import StartupError
+    from pyserve.server.core import StartupError
 
     with serve(repo, grpc=GrpcOptions(reuse_port=True), reuse_http_port=True) as first:
         port = first.server.grpc_port

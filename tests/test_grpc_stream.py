@@ -22,10 +22,16 @@ import tritonclient.grpc.aio as aioclient
 from suite_support import SQUARE_CONFIG, QueuedStream, write_model
 from tritonclient.utils import InferenceServerException
 
-from pyserve import Backend, InferError, InferRequest, InferResponse, InstanceContext
-from pyserve.plugins import PluginHost
-from pyserve.grpc.server import GRPC_SERVERS, GrpcOptions
-from pyserve.server import Server, ServerOptions, ServerThread
+from pyserve import (
+    Backend,
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+)
+from pyserve.frontends.grpc.server import GRPC_SERVERS, GrpcOptions
+from pyserve.host.plugins import PluginHost
+from pyserve.server.core import Server, ServerOptions, ServerThread
 
 TIMEOUT = 10.0
 

@@ -14,8 +14,8 @@ import tritonclient.grpc as grpcclient
 from suite_support import FP32_ECHO_CONFIG, write_model
 from tritonclient.utils import InferenceServerException
 
-from pyserve.grpc.server import GRPC_SERVERS, GrpcOptions
-from pyserve.server import StartupError
+from pyserve.frontends.grpc.server import GRPC_SERVERS, GrpcOptions
+from pyserve.server.core import StartupError
 from pyserve.testing import serve
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")

@@ -11,13 +11,13 @@ import pytest
 from google.protobuf import text_format
 
 from pyserve import protocol as pb
-from pyserve.errors import ErrorCode, InferError
+from pyserve.api.errors import ErrorCode, InferError
+from pyserve.api.inference import InferRequest, InferResponse
 from pyserve.handoff import wire
 from pyserve.handoff.replicas import ReplicationMode, replicable
 from pyserve.handoff.wire import Kind
-from pyserve.inference import InferRequest, InferResponse
 from pyserve.metrics.stats import ModelStats, counters_delta
-from pyserve.models import ModelVersion
+from pyserve.runtime.versions import ModelVersion
 
 
 def _frames(parts_list: list[list[Any]], chunk: int) -> list[tuple[int, int, bytes]]:
@@ -148,7 +148,7 @@ def test_replication_rules(config: str, mode: str, expected: bool, reason: str) 
 def test_a_backend_can_keep_a_model_in_the_owner(tmp_path: Path) -> None:
     """``ModelContext.single_process_reason`` (a model that calls the server or keeps custom
     metrics, as its backend knows): never replicated by ``auto``, and the reason is the backend's."""
-    from pyserve.backend import BackendContext, ModelContext
+    from pyserve.api.backend import BackendContext, ModelContext
 
     version = _version('name: "a" backend: "python"')
     version.context = ModelContext(name="a", version=1, config=version.config, path=tmp_path,

@@ -17,9 +17,9 @@ import tritonclient.http as httpclient
 from suite_support import write_model
 from tritonclient.utils import InferenceServerException
 
-from pyserve.grpc.server import GRPC_SERVERS, GrpcOptions
-from pyserve.header_forwarding import HeaderForwarding
-from pyserve.server import ServerThread, StartupError
+from pyserve.dataplane.header_forwarding import HeaderForwarding
+from pyserve.frontends.grpc.server import GRPC_SERVERS, GrpcOptions
+from pyserve.server.core import ServerThread, StartupError
 from pyserve.testing import serve
 
 PATTERN = "my_header.*|priority"  # priority: a reserved name, to see it refused

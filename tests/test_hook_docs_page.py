@@ -6,10 +6,11 @@ import inspect
 import types
 from pathlib import Path
 
-import pyserve_hookspecs
 import pytest
-from pyserve_hookspecs import PROJECT_NAME, SPEC_MODULES, hookspec
 from suite_support import load_script
+
+import pyserve_hookspecs
+from pyserve_hookspecs import PROJECT_NAME, SPEC_MODULES, hookspec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PAGE = REPO_ROOT / "docs" / "hooks.md"

@@ -8,10 +8,10 @@ from typing import Any
 
 import pluggy
 import pytest
-from pyserve_hookspecs import PROJECT_NAME, SPEC_MODULES, lifecycle
 
 import pyserve
-from pyserve.plugins import LIFECYCLE_HOOKS
+from pyserve.host.plugins import LIFECYCLE_HOOKS
+from pyserve_hookspecs import PROJECT_NAME, SPEC_MODULES, lifecycle
 
 SPEC_ATTR = f"{PROJECT_NAME}_spec"
 IMPL_ATTR = f"{PROJECT_NAME}_impl"

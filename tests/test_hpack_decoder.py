@@ -1,4 +1,4 @@
-"""The gRPC server's header decoder (``pyserve.grpc.http2.HeaderDecoder``) against RFC 7541's own
+"""The gRPC server's header decoder (``pyserve.frontends.grpc.http2.HeaderDecoder``) against RFC 7541's own
 examples (Appendix C) and, by property-based fuzzing, against the ``hpack`` package decoding the
 same blocks with no cache in front: the same headers for every block, in every order, whatever
 the table has become (the remembered-blocks cache must never answer for a table that changed).
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyserve.grpc import http2 as h2
+from pyserve.frontends.grpc import http2 as h2
 
 REQUESTS = [
     [(":method", "GET"), (":scheme", "http"), (":path", "/"), (":authority", "www.example.com")],

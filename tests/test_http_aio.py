@@ -18,9 +18,14 @@ import tritonclient.http.aio as aioclient
 from suite_support import write_model
 from tritonclient.utils import InferenceServerException
 
-from pyserve import Backend, InferRequest, InferResponse, InstanceContext
-from pyserve.plugins import PluginHost
-from pyserve.server import Server, ServerOptions, ServerThread
+from pyserve import (
+    Backend,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+)
+from pyserve.host.plugins import PluginHost
+from pyserve.server.core import Server, ServerOptions, ServerThread
 
 
 class ParamsBackend(Backend):

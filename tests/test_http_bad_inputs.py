@@ -29,7 +29,7 @@ import orjson
 import pytest
 from suite_support import write_model
 
-from pyserve.server import Server, ServerOptions, ServerThread
+from pyserve.server.core import Server, ServerOptions, ServerThread
 
 SMALL_LIMIT = 1024
 HUGE = 10**12

@@ -1,4 +1,4 @@
-"""A large JSON infer body is decoded on a decode thread (``pyserve.http.offload``): meanwhile
+"""A large JSON infer body is decoded on a decode thread (``pyserve.frontends.http.offload``): meanwhile
 the event loop goes on serving other clients. A small body is decoded inline, on the loop.
 
 Order is what the tests check, never time: the server's JSON decoder is wrapped so that, for
@@ -23,8 +23,8 @@ import pytest
 import tritonclient.http as httpclient
 from suite_support import identity_config, wait_for, write_model
 
-from pyserve.http import fast_infer, offload
-from pyserve.server import ServerThread
+from pyserve.frontends.http import fast_infer, offload
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve
 
 LARGE_ELEMENTS = 2_000_000

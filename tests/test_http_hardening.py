@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from suite_support import wait_for, write_model
 
-from pyserve import limits
-from pyserve.http import server as http_server
-from pyserve.server import ServerThread
+from pyserve.frontends import limits
+from pyserve.frontends.http import server as http_server
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve
 
 ECHO = ('backend: "identity" max_batch_size: 0 input [ { name: "I" data_type: TYPE_FP32 dims: [ 2 ] } ] '
@@ -92,7 +92,7 @@ def capped(repo: Path) -> Iterator[ServerThread]:
 
 
 def test_connections_past_the_cap_get_503_and_a_warning(capped: ServerThread, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, "pyserve.http")
+    caplog.set_level(logging.WARNING, "pyserve.frontends.http")
     port = capped.server.http_port
     first = socket.create_connection(("127.0.0.1", port), timeout=30)
     second = socket.create_connection(("127.0.0.1", port), timeout=30)

@@ -19,9 +19,14 @@ import orjson
 import pytest
 from suite_support import write_model
 
-from pyserve import Backend, InferRequest, InferResponse, InstanceContext
-from pyserve.http.server import MAX_HEAD_SIZE, HttpProtocol
-from pyserve.server import ServerThread
+from pyserve import (
+    Backend,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+)
+from pyserve.frontends.http.server import MAX_HEAD_SIZE, HttpProtocol
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve
 
 IDENT = """

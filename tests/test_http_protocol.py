@@ -27,9 +27,15 @@ import tritonclient.http as httpclient
 from suite_support import DATATYPES, StartServer, identity_config, sample, write_model
 from tritonclient.utils import InferenceServerException
 
-from pyserve import Backend, InferError, InferRequest, InferResponse, InstanceContext
-from pyserve.plugins import PluginHost
-from pyserve.server import Server, ServerOptions, ServerThread
+from pyserve import (
+    Backend,
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+)
+from pyserve.host.plugins import PluginHost
+from pyserve.server.core import Server, ServerOptions, ServerThread
 
 # -- datatypes -------------------------------------------------------------------------------
 

@@ -13,9 +13,16 @@ from typing import Any
 
 import httpx
 import pytest
-from suite_support import SQUARE_CONFIG, WORDS_MODEL_PY, identity_config, wait_for_file, words_config, write_model
+from suite_support import (
+    SQUARE_CONFIG,
+    WORDS_MODEL_PY,
+    identity_config,
+    wait_for_file,
+    words_config,
+    write_model,
+)
 
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve
 
 FINAL = "triton_final_response"
@@ -143,7 +150,7 @@ def test_streams_run_concurrently_and_non_decoupled_models_are_unchanged(server:
 
 
 def test_restricted_inference_covers_the_stream(root: Path) -> None:
-    from pyserve.restricted import Restriction
+    from pyserve.frontends.restricted import Restriction
 
     with serve(root / "models", http_restricted_api={"inference": Restriction("infer-key", "yes")}) as thread:
         url = f"http://{thread.url}/v2/models/square/infer"

@@ -21,11 +21,11 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
+from suite_support import pair_config, wait_for
 from tritonclient.utils import InferenceServerException
 
 from pyserve import InferRequest, InferResponse, InstanceContext
-from pyserve.backend import Backend
-from suite_support import pair_config, wait_for
+from pyserve.api.backend import Backend
 
 INLINE = 'parameters { key: "pyserve_inline_execute" value { string_value: "true" } }'
 

@@ -14,9 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from pyserve.handoff.layout import AUTO_BUSY_POLL_US, MAX_AUTO_PROCESSES, CpuBudget, choose, usable_cpus
 from suite_support import REPO_ROOT, write_model
+
+from pyserve.handoff.layout import (
+    AUTO_BUSY_POLL_US,
+    MAX_AUTO_PROCESSES,
+    CpuBudget,
+    choose,
+    usable_cpus,
+)
 
 AFFINITY = len(os.sched_getaffinity(0))
 

@@ -17,15 +17,14 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from google.protobuf import json_format, text_format
 from suite_support import write_model
 from tritonclient.utils import InferenceServerException
-
-from google.protobuf import json_format, text_format
 
 import pyserve
 from pyserve import InferRequest, InferResponse, InstanceContext
 from pyserve.protocol import ModelConfig
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
 
 StartServer = Callable[..., ServerThread]
 

@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from suite_support import RunningServer, write_model
 
-from pyserve.load_reasons import describe, first_line, public
+from pyserve.runtime.load_reasons import describe, first_line, public
 
 TENSORS = """
     input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]

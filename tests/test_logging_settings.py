@@ -14,8 +14,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from pyserve import logs
-from pyserve.cli import build_parser, cmd_run
-from pyserve.server import ServerThread
+from pyserve.cli.main import build_parser, cmd_run
+from pyserve.server.core import ServerThread
 
 
 @pytest.fixture(autouse=True)

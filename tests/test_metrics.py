@@ -20,13 +20,23 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
-
-from pyserve import Backend, InferRequest, InferResponse, InstanceContext, ModelContext
-from pyserve.cli import build_parser
-from pyserve.metrics import CustomMetrics, MetricsSettings
-from pyserve.server import Server, ServerOptions, ServerThread, StartupError
-
 from suite_support import StartServer, wait_for, write_model
+
+from pyserve import (
+    Backend,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+)
+from pyserve.cli.main import build_parser
+from pyserve.metrics import CustomMetrics, MetricsSettings
+from pyserve.server.core import (
+    Server,
+    ServerOptions,
+    ServerThread,
+    StartupError,
+)
 
 IDENT = """
     backend: "gate"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))

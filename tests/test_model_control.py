@@ -25,8 +25,13 @@ from suite_support import wait_for, write_model
 from tritonclient.utils import InferenceServerException
 
 import pyserve
-from pyserve import InferRequest, InferResponse, InstanceContext, ModelContext
-from pyserve.server import ServerThread
+from pyserve import (
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+)
+from pyserve.server.core import ServerThread
 
 StartServer = Callable[..., ServerThread]
 
@@ -208,7 +213,7 @@ def test_a_missing_startup_model_is_logged_not_listed(
 ) -> None:
     """``--load-model`` of a model the repository lacks: as Triton 2.51 (without exit on error),
     an error in the log, no index entry, and the server ready; with --exit-on-error it stops."""
-    from pyserve.server import StartupError
+    from pyserve.server.core import StartupError
 
     repo = tmp_path / "repo"
     write_model(repo, "base", scale_config())
@@ -560,7 +565,7 @@ def test_poll_loads_added_and_unloads_removed_models(start_server: StartServer, 
     ids=["not-explicit", "star-not-alone"],
 )
 def test_cli_checks_load_model(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str) -> None:
-    from pyserve.cli import build_parser, main
+    from pyserve.cli.main import build_parser, main
 
     repo = tmp_path / "repo"
     write_model(repo, "base", scale_config())

@@ -21,11 +21,16 @@ import tritonclient.http as httpclient
 from suite_support import write_model
 
 import pyserve
-from pyserve import InferRequest, InferResponse, InstanceContext, ModelContext
-from pyserve.model_config import gpu_count
+from pyserve import (
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+)
 from pyserve.protocol import data_type_value
-from pyserve.server import ServerThread
-from pyserve.validate_repo import validate_repositories
+from pyserve.repository.model_config import gpu_count
+from pyserve.repository.validate import validate_repositories
+from pyserve.server.core import ServerThread
 
 StartServer = Callable[..., ServerThread]
 MakeRepo = Callable[..., Path]
@@ -433,7 +438,7 @@ def test_a_broken_named_config_is_reported_under_its_own_file(start_server: Star
 def test_model_config_name_must_be_a_file_name(start_server: StartServer, tmp_path: Path, name: str) -> None:
     repo = tmp_path / "repo"
     write_model(repo, "plain", identity())
-    with pytest.raises(pyserve.server.StartupError, match="--model-config-name must be a file name"):
+    with pytest.raises(pyserve.server.core.StartupError, match="--model-config-name must be a file name"):
         start_server(repo, model_config_name=name)
 
 
@@ -457,7 +462,7 @@ def test_an_ensembles_config_shows_its_transaction_policy(start_server: StartSer
 def test_validate_asks_each_backend_about_its_model_versions(tmp_path: Path) -> None:
     """``pyserve_model_validate``: a backend's own checks, run per selected version, with the
     ``--backend-config`` settings; a backend whose check raises is reported, not fatal."""
-    from pyserve.plugins import PluginHost
+    from pyserve.host.plugins import PluginHost
 
     seen: list[tuple[str, int, dict[str, str]]] = []
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 from suite_support import EXAMPLE_REPOSITORY, WORDS_MODEL_PY, wait_for_file, words_config, write_model
 
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve
 
 ECHO_PY = """
@@ -434,7 +434,7 @@ def test_model_requests_are_traced_under_the_clients_traceparent(tmp_path: Path)
 
 
 def test_restricted_apis_cover_the_routes(tmp_path: Path) -> None:
-    from pyserve.restricted import Restriction
+    from pyserve.frontends.restricted import Restriction
 
     repo = tmp_path / "models"
     shutil.copytree(EXAMPLE_REPOSITORY / "tiny_lm", repo / "tiny_lm")

@@ -13,9 +13,16 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from suite_support import EXAMPLE_REPOSITORY, SQUARE_CONFIG, WORDS_MODEL_PY, wait_for_file, words_config, write_model
+from suite_support import (
+    EXAMPLE_REPOSITORY,
+    SQUARE_CONFIG,
+    WORDS_MODEL_PY,
+    wait_for_file,
+    words_config,
+    write_model,
+)
 
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve
 
 CONNECTIONS = 4

@@ -10,14 +10,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyserve.http.openai.binding import Binding, describe
-from pyserve.http.openai.chat_template import DEFAULT_TEMPLATE, ChatTemplate, TemplateError, load_chat_template
-from pyserve.http.openai.errors import OpenAIError
-from pyserve.http.openai.run import _StopFinder
-from pyserve.http.openai.schema import Sampling, parse_chat, parse_completion
-from pyserve.http.openai.tokens import TokenCounter
-from pyserve.model_config import model_io, normalize, parse_config
-from pyserve.models import ModelState, ModelVersion
+from pyserve.frontends.http.openai.binding import Binding, describe
+from pyserve.frontends.http.openai.chat_template import (
+    DEFAULT_TEMPLATE,
+    ChatTemplate,
+    TemplateError,
+    load_chat_template,
+)
+from pyserve.frontends.http.openai.errors import OpenAIError
+from pyserve.frontends.http.openai.run import _StopFinder
+from pyserve.frontends.http.openai.schema import Sampling, parse_chat, parse_completion
+from pyserve.frontends.http.openai.tokens import TokenCounter
+from pyserve.repository.model_config import model_io, normalize, parse_config
+from pyserve.runtime.versions import ModelState, ModelVersion
 
 
 def feed(stops: list[str], pieces: list[str]) -> tuple[str, bool]:

@@ -15,7 +15,12 @@ import tritonclient.http as httpclient
 from suite_support import StartServer, write_model
 from tritonclient.utils import InferenceServerException
 
-from pyserve import Backend, InferRequest, InferResponse, InstanceContext
+from pyserve import (
+    Backend,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+)
 
 CONFIG = """
     backend: "sloppy"

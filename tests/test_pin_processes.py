@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-
-from pyserve import affinity
-from pyserve.testing import serve, write_model
 from suite_support import echo_config
+
+from pyserve.handoff import affinity
+from pyserve.testing import serve, write_model
 
 pytestmark = pytest.mark.skipif(not affinity.supported(), reason="needs sched_setaffinity (Linux)")
 
@@ -62,7 +62,7 @@ def test_off_by_default(tmp_path: Path) -> None:
 
 
 def test_the_flag() -> None:
-    from pyserve.cli import build_parser
+    from pyserve.cli.main import build_parser
 
     parser = build_parser()
     base = ["run", "--model-repository", "repo"]

@@ -20,11 +20,7 @@ from google.protobuf.descriptor import (
 )
 
 import pyserve.protocol as proto
-from pyserve.protocol.config_json import (
-    model_config_from_dict,
-    model_config_from_json,
-    model_config_to_dict,
-)
+from pyserve.protocol.config_json import model_config_from_dict, model_config_from_json, model_config_to_dict
 
 try:
     from tritonclient.grpc import model_config_pb2 as triton_config

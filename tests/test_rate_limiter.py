@@ -14,8 +14,8 @@ import pytest
 import tritonclient.http as httpclient
 
 from pyserve import InferRequest, InferResponse, InstanceContext
-from pyserve.backend import Backend
-from pyserve.scheduling.rate_limiter import (
+from pyserve.api.backend import Backend
+from pyserve.runtime.scheduling.rate_limiter import (
     GLOBAL,
     HOST,
     RateLimiter,
@@ -238,7 +238,7 @@ def test_too_few_units_leave_the_model_unavailable(tmp_path: Path) -> None:
     ({"rate_limit": "execution_count", "rate_limit_resources": ["R"]}, "expected NAME:COUNT or NAME:COUNT:DEVICE"),
 ])
 def test_bad_settings_stop_the_server(tmp_path: Path, options: dict[str, object], message: str) -> None:
-    from pyserve.server import StartupError
+    from pyserve.server.core import StartupError
 
     with pytest.raises(StartupError, match=message):
         with serve(tmp_path, **options):

@@ -32,12 +32,12 @@ from google.protobuf import text_format
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install 'pyserve-server[ray]')")
 import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.http as httpclient  # noqa: E402
+from suite_support import ACCUMULATE_PY, accumulate_config, echo_config  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from pyserve import protocol as pb  # noqa: E402
-from pyserve.ray_serve import RayConfigError, deployment_options  # noqa: E402
 from pyserve.testing import write_model  # noqa: E402
-from suite_support import ACCUMULATE_PY, accumulate_config, echo_config  # noqa: E402
+from pyserve.tools.ray_serve import RayConfigError, deployment_options  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
@@ -361,8 +361,8 @@ def test_plans_and_shortfalls_without_ray(tmp_path: Path) -> None:
     """``plan_app`` and ``shortfall`` on their own: ensembles get no deployment, ``--num-cpus``
     sets the default CPUs (not a ``ray_num_cpus`` parameter), ``--per-repository`` reserves one
     CPU per replica, and a cluster short of CPUs or GPUs is told with the numbers."""
-    from pyserve.ray_serve import plan_app
-    from pyserve.ray_serve.resources import shortfall
+    from pyserve.tools.ray_serve import plan_app
+    from pyserve.tools.ray_serve.resources import shortfall
 
     repo = tmp_path / "repo"
     write_model(repo, "echo", echo_config())

@@ -17,7 +17,7 @@ import tritonclient.http as httpclient
 from suite_support import write_model
 from tritonclient.utils import InferenceServerException
 
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve
 
 LABELLED = {

@@ -19,10 +19,15 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from pyserve import InferRequest, InferResponse, InstanceContext
-from pyserve.backend import Backend
-from pyserve.grpc.server import GrpcOptions
-from pyserve.restricted import CATEGORIES, RestrictionError, http_category, parse_restrictions
-from pyserve.server import ServerThread
+from pyserve.api.backend import Backend
+from pyserve.frontends.grpc.server import GrpcOptions
+from pyserve.frontends.restricted import (
+    CATEGORIES,
+    RestrictionError,
+    http_category,
+    parse_restrictions,
+)
+from pyserve.server.core import ServerThread
 
 IDENTITY = """
 name: "ident"
@@ -269,7 +274,7 @@ def test_oversize_body_rejected_without_memory_growth(
 
 
 def test_tensor_element_limit(start_server: Callable[..., ServerThread], make_repo: Callable[..., Path]) -> None:
-    from pyserve import validation
+    from pyserve.repository import tensor_checks
 
     server = start_server(make_repo({"ident": IDENTITY}), backends={"ident": Identity()}, max_tensor_elements=1000)
     big = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 10**12],
@@ -286,4 +291,4 @@ def test_tensor_element_limit(start_server: Callable[..., ServerThread], make_re
         with pytest.raises(InferenceServerException, match="limit of 1000 elements"):
             client.infer("ident", [tensor])
     server.stop()
-    assert validation.LIMITS.max_tensor_elements == 0
+    assert tensor_checks.LIMITS.max_tensor_elements == 0

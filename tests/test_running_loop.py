@@ -1,11 +1,11 @@
-"""``pyserve.inference.RunningLoop``: the running loop of the calling thread, remembered safely."""
+"""``pyserve.api.inference.RunningLoop``: the running loop of the calling thread, remembered safely."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 
-from pyserve.inference import RunningLoop
+from pyserve.api.inference import RunningLoop
 
 
 def test_running_loop_follows_the_thread_and_the_loop() -> None:

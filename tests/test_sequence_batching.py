@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from suite_support import wait_for
 from tritonclient.utils import InferenceServerException
 
 from pyserve import InferRequest, InferResponse, InstanceContext
-from pyserve.backend import Backend
-from pyserve.server import ServerThread
-from suite_support import wait_for
+from pyserve.api.backend import Backend
+from pyserve.server.core import ServerThread
 
 StartServer = Callable[..., ServerThread]
 MakeRepo = Callable[..., Path]

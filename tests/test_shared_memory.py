@@ -20,9 +20,9 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 from pyserve import InferRequest, InferResponse, InstanceContext
-from pyserve.backend import Backend
-from pyserve.server import ServerThread
-from pyserve.shared_memory import cuda_available
+from pyserve.api.backend import Backend
+from pyserve.dataplane.shared_memory import cuda_available
+from pyserve.server.core import ServerThread
 
 ADDSUB = """
 name: "addsub"

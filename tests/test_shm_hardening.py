@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.http as httpclient
-from suite_support import python_echo_config, write_model, ECHO_MODEL_PY
+from suite_support import ECHO_MODEL_PY, python_echo_config, write_model
 
-from pyserve import shared_memory
-from pyserve.server import ServerThread
+from pyserve.dataplane import shared_memory
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve
 
 SHM = Path("/dev/shm")

@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     from tritonclient.utils import InferenceServerException
 
     from pyserve import InferResponse
-    from pyserve.backend import Backend
+    from pyserve.api.backend import Backend
     from pyserve.testing import serve, write_model
 
     CONFIG = """

@@ -18,12 +18,16 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from suite_support import StartServer
 from tritonclient.utils import InferenceServerException
 
-from pyserve import Backend, InferRequest, InferResponse, InstanceContext
-from pyserve.server import ServerThread
-
-from suite_support import StartServer
+from pyserve import (
+    Backend,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+)
+from pyserve.server.core import ServerThread
 
 CONFIG = """
     backend: "hold"

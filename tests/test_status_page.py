@@ -18,10 +18,15 @@ import pytest
 import tritonclient.http as httpclient
 from suite_support import ECHO_MODEL_PY, python_echo_config, write_model
 
-from pyserve.metrics.latency import LATENCY_BUCKETS, bucket_bounds_ns, latency_bucket, quantile_ns
-from pyserve.restricted import Restriction
-from pyserve.server import ServerThread
-from pyserve.status.data import StatsHistory
+from pyserve.frontends.restricted import Restriction
+from pyserve.frontends.status.data import StatsHistory
+from pyserve.metrics.latency import (
+    LATENCY_BUCKETS,
+    bucket_bounds_ns,
+    latency_bucket,
+    quantile_ns,
+)
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve
 
 pytestmark = pytest.mark.timeout(180)

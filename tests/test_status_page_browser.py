@@ -19,8 +19,8 @@ import pytest
 import tritonclient.http as httpclient
 from suite_support import EXAMPLE_REPOSITORY, identity_config, write_model
 
-from pyserve.restricted import Restriction
-from pyserve.server import ServerThread
+from pyserve.frontends.restricted import Restriction
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve
 
 pytestmark = pytest.mark.timeout(240)

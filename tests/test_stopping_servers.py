@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from pyserve.grpc.connection import GrpcConnection
-from pyserve.grpc.listener import GrpcServer
-from pyserve.grpc.server import GrpcOptions
-from pyserve.http.server import HttpProtocol, HttpServer
+from pyserve.frontends.grpc.connection import GrpcConnection
+from pyserve.frontends.grpc.listener import GrpcServer
+from pyserve.frontends.grpc.server import GrpcOptions
+from pyserve.frontends.http.server import HttpProtocol, HttpServer
 
 
 def _grpc() -> tuple[Any, Callable[[], asyncio.Protocol]]:

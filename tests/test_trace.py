@@ -16,9 +16,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from tritonclient.utils import InferenceServerException
 
 from pyserve import InferRequest, InferResponse, InstanceContext
-from pyserve.backend import Backend
-from pyserve.server import ServerThread
-from pyserve.tracing import TRACING, TraceConfig, TraceConfigError, parse_trace_config
+from pyserve.api.backend import Backend
+from pyserve.server.core import ServerThread
+from pyserve.tracing import (
+    TRACING,
+    TraceConfig,
+    TraceConfigError,
+    parse_trace_config,
+)
 
 IDENTITY = """
 name: "{name}"

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from pyserve import InferRequest, InferResponse, InstanceContext
-from pyserve.backend import Backend
-from pyserve.server import ServerThread
+from pyserve.api.backend import Backend
+from pyserve.server.core import ServerThread
 from pyserve.tracing import parse_trace_config
 
 trace_service = pytest.importorskip(

@@ -16,8 +16,13 @@ import tritonclient.http as httpclient
 from suite_support import write_model
 
 import pyserve
-from pyserve import InferError, InferRequest, InferResponse, InstanceContext
-from pyserve.server import ServerThread
+from pyserve import (
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+)
+from pyserve.server.core import ServerThread
 
 StartServer = Callable[..., ServerThread]
 

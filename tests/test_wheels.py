@@ -90,7 +90,7 @@ class FreshEnvironment:
         return set(_run([str(self.python), "-c", script], env=_clean_env(), cwd=self.root).stdout.split())
 
     def where(self, expression: str) -> Path:
-        script = f"import pyserve, pyserve_hookspecs, pyserve.bundled; print({expression})"
+        script = f"import pyserve, pyserve_hookspecs, pyserve.repository.bundled; print({expression})"
         return Path(_run([str(self.python), "-c", script], env=_clean_env(), cwd=self.root).stdout.strip())
 
 
@@ -134,7 +134,7 @@ def test_core_wheel_alone_installs_and_serves_the_bundled_repository(wheels: Whe
     installed = environment.distributions()
     assert "pyserve-server" in installed and not {d for d in installed if d.startswith("pyserve-backend-")}
     site = environment.root / "lib"
-    for expression in ("pyserve.__file__", "pyserve_hookspecs.__file__", "pyserve.bundled.EXAMPLE_REPOSITORY"):
+    for expression in ("pyserve.__file__", "pyserve_hookspecs.__file__", "pyserve.repository.bundled.EXAMPLE_REPOSITORY"):
         assert site in environment.where(expression).parents, expression  # from the wheel, not the checkout
 
     # the core alone has no backend: with no flags it names what the bundled repository needs

@@ -5,9 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from pyserve import BackendContext, ModelContext
-from pyserve.model_config import model_io, normalize, parameters, parse_config, validate
-from pyserve.plugins import PluginHost
+from pyserve.host.plugins import PluginHost
+from pyserve.repository.model_config import (
+    model_io,
+    normalize,
+    parameters,
+    parse_config,
+    validate,
+)
 
 REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
 MODELS = sorted(p.name for p in REPOSITORY.iterdir() if (p / "config.pbtxt").is_file())

@@ -19,8 +19,9 @@ for _module in ("onnx", "onnxruntime", "torch", "tensorflow"):
 
 import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.http as httpclient  # noqa: E402
-from pyserve.plugins import PluginHost  # noqa: E402
-from pyserve.server import Server, ServerOptions, ServerThread  # noqa: E402
+
+from pyserve.host.plugins import PluginHost  # noqa: E402
+from pyserve.server.core import Server, ServerOptions, ServerThread  # noqa: E402
 
 REPOSITORY = Path(__file__).resolve().parent.parent / "mixed_repository"
 BACKENDS = ("onnxruntime", "pytorch", "tensorflow", "python")
@@ -100,7 +101,7 @@ def test_the_built_repository_validates(server: ServerThread) -> None:
     """``pyserve validate`` agrees with the server, which loaded every model: the SavedModel's
     config leaves its tensors to auto-complete, and the ensemble's plan is checked against the
     configs of its steps."""
-    from pyserve.validate_repo import validate_repositories
+    from pyserve.repository.validate import validate_repositories
 
     repositories = [Path(p) for p in server.server.options.model_repositories]
     assert validate_repositories(repositories) == []

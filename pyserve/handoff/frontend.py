@@ -2,7 +2,7 @@
 
 ``pyserve run --frontend-processes N`` starts N of these (``python -m pyserve.handoff.frontend``).
 Each serves the same HTTP and gRPC ports as the owner: the owner accepts the connections and
-passes each to the process holding the fewest (``pyserve.handoff.balancer``), or, with
+passes each to the process holding the fewest (``pyserve.frontends.balancer``), or, with
 ``--frontend-balance kernel``, each process binds the ports itself (``SO_REUSEPORT``: the kernel
 spreads new connections over the processes). It parses and decodes requests with the same codecs as the
 owner, and hands the decoded request to the owner over one Unix-socket connection
@@ -34,27 +34,38 @@ from typing import Any
 
 import grpc
 
-from pyserve import busy_poll, logs, validation
-from pyserve.scheduling import execution_board
-from pyserve.errors import ErrorCode, InferError
-from pyserve.grpc.codec import SplitInferRequest
-from pyserve.grpc.codec import decode_infer as grpc_decode
-from pyserve.grpc.server import GrpcOptions
-from pyserve.grpc.servicer import InferenceServicer, _abort, _trace_parent, infer_model
-from pyserve.handoff import balancer as balancing
+from pyserve import logs
+from pyserve import protocol as pb
+from pyserve.api.errors import ErrorCode, InferError
+from pyserve.api.inference import InferRequest, InferResponse
+from pyserve.dataplane.header_forwarding import HeaderForwarding, compile_forwarding
+from pyserve.frontends import balancer as balancing
+from pyserve.frontends.grpc.codec import SplitInferRequest
+from pyserve.frontends.grpc.codec import decode_infer as grpc_decode
+from pyserve.frontends.grpc.server import GrpcOptions
+from pyserve.frontends.grpc.servicer import (
+    InferenceServicer,
+    _abort,
+    _trace_parent,
+    infer_model,
+)
+from pyserve.frontends.http.codec import DecodedRequest
+from pyserve.frontends.http.fast_infer import (
+    Headers,
+    check_declared_length,
+    error_reply,
+    submit_request,
+)
+from pyserve.frontends.http.server import HttpProtocol, HttpServer, _Request
+from pyserve.frontends.restricted import Restriction
+from pyserve.frontends.tcp import bind_tcp
 from pyserve.handoff import wire
 from pyserve.handoff.http_proxy import OwnerHttpProxy
-from pyserve.handoff.wire import Kind
-from pyserve.http.codec import DecodedRequest
-from pyserve.http.fast_infer import Headers, check_declared_length, error_reply, submit_request
 from pyserve.handoff.replicas import ReplicaSet
-from pyserve.http.server import HttpProtocol, HttpServer, _Request
-from pyserve.inference import InferRequest, InferResponse
-from pyserve.models import ModelState, ModelVersion
-from pyserve import protocol as pb
-from pyserve.header_forwarding import HeaderForwarding, compile_forwarding
-from pyserve.restricted import Restriction
-from pyserve.tcp import bind_tcp
+from pyserve.handoff.wire import Kind
+from pyserve.repository import tensor_checks
+from pyserve.runtime.scheduling import busy_poll, execution_board
+from pyserve.runtime.versions import ModelState, ModelVersion
 
 log = logging.getLogger("pyserve.frontend")
 
@@ -517,7 +528,13 @@ def create_grpc(dataplane: FrontendDataPlane, options: GrpcOptions, owner_addres
     :param listen: bind the gRPC port (``SO_REUSEPORT``); False: the server only takes the
         connections the owner's balancer passes (``GrpcServer.adopt``), with the port's TLS.
     """
-    from pyserve.grpc.server import _handlers, bind, new_server, ssl_context, tls_files
+    from pyserve.frontends.grpc.server import (
+        _handlers,
+        bind,
+        new_server,
+        ssl_context,
+        tls_files,
+    )
 
     server = new_server(options, reuse_port=True)
     channel = grpc.aio.insecure_channel(owner_address, options=[
@@ -561,7 +578,7 @@ async def serve(settings: dict[str, Any], prepared: Any = None) -> int:
     if link.lost.is_set():
         return 1
     if settings.get("max_tensor_elements"):
-        validation.LIMITS.max_tensor_elements = settings["max_tensor_elements"]
+        tensor_checks.LIMITS.max_tensor_elements = settings["max_tensor_elements"]
     if settings.get("busy_poll_us"):  # replicas executed on this loop poll as the owner's do
         busy_poll.configure(settings["busy_poll_us"])
     dataplane = FrontendDataPlane(link)

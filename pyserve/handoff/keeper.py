@@ -6,11 +6,11 @@ kernel's OOM killer — would take every model and both ports down with it. ``py
 therefore forks the server from a small parent, the *keeper*, which
 
 * binds the listening sockets first and keeps them open: the server uses them
-  (``pyserve.tcp.inherited``), and while a new server starts, clients that connect wait in the
+  (``pyserve.frontends.tcp.inherited``), and while a new server starts, clients that connect wait in the
   listen backlog instead of being refused;
 * waits for the server; when it dies after it had started serving, logs how (the exit
   status or signal) and which model instances were executing at that moment (read from the
-  ``pyserve.scheduling.execution_board`` page they share), then starts a new server from its
+  ``pyserve.runtime.scheduling.execution_board`` page they share), then starts a new server from its
   own state — it loads every model again and forks its frontends — 1 s later, doubling up to
   30 s while the new one keeps dying within a minute;
 * passes SIGTERM and SIGINT on and exits with the server's status; a server that stops by
@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 
 from pyserve.handoff.prefork import exit_forked
-from pyserve.scheduling import execution_board
+from pyserve.runtime.scheduling import execution_board
 
 log = logging.getLogger("pyserve.keeper")
 

@@ -9,9 +9,9 @@ ports, with connections balanced over all of them and stateless CPU models repli
 
 The choices that only help in some settings decide themselves:
 
-* busy polling (``pyserve.busy_poll``) is on with a 300 µs window when there are at least two
+* busy polling (``pyserve.runtime.scheduling.busy_poll``) is on with a 300 µs window when there are at least two
   CPUs, and polls only after an answer to a lone client that sends its requests back to back;
-* pinning each process to a CPU (``pyserve.affinity``) is on only when the CPU set is the
+* pinning each process to a CPU (``pyserve.handoff.affinity``) is on only when the CPU set is the
   server's alone (an exclusive cgroup cpuset), where no other work needs to move onto it.
 
 Every flag still overrides its choice. ``describe`` is the one line the server logs at start.

@@ -28,15 +28,13 @@ import os
 import weakref
 from typing import Any
 
-from pyserve import client_activity
-from pyserve.dataplane import DataPlane
-from pyserve.errors import ErrorCode, InferError
-from pyserve.grpc.codec import WireParts, encode_infer_wire, parse_infer_request
-from pyserve.grpc.codec import decode_infer as grpc_decode
-from pyserve.grpc.servicer import infer_model as grpc_infer_model
-from pyserve.handoff import wire
-from pyserve.handoff.wire import Kind
-from pyserve.http.fast_infer import (
+from pyserve.api.errors import ErrorCode, InferError
+from pyserve.api.inference import FutureSender, InferRequest
+from pyserve.dataplane.plane import DataPlane
+from pyserve.frontends.grpc.codec import WireParts, encode_infer_wire, parse_infer_request
+from pyserve.frontends.grpc.codec import decode_infer as grpc_decode
+from pyserve.frontends.grpc.servicer import infer_model as grpc_infer_model
+from pyserve.frontends.http.fast_infer import (
     check_declared_length,
     decode_soon,
     encode_reply,
@@ -44,9 +42,11 @@ from pyserve.http.fast_infer import (
     infer_model,
     submit_request,
 )
-from pyserve.inference import FutureSender, InferRequest
+from pyserve.handoff import wire
 from pyserve.handoff.replicas import ReplicationMode, describe, replicable
-from pyserve.models import ModelVersion
+from pyserve.handoff.wire import Kind
+from pyserve.runtime.scheduling import client_activity
+from pyserve.runtime.versions import ModelVersion
 
 log = logging.getLogger("pyserve.handoff")
 

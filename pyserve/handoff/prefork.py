@@ -38,14 +38,14 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from pyserve import tcp
+from pyserve.frontends import tcp
 from pyserve.handoff.replicas import ReplicationMode, replicable
-from pyserve.model_loading import Preparing
-from pyserve.scheduling import execution_board
+from pyserve.runtime.loader import Preparing
+from pyserve.runtime.scheduling import execution_board
 
 if TYPE_CHECKING:
-    from pyserve.model_manager import ModelManager
-    from pyserve.models import ModelVersion
+    from pyserve.runtime.manager import ModelManager
+    from pyserve.runtime.versions import ModelVersion
 
 log = logging.getLogger("pyserve.handoff")
 
@@ -77,7 +77,7 @@ class ForkedProcess:
 
     Thread-safe: ``wait`` may block on a watcher thread while the loop calls ``poll``.
 
-    :ivar board: the execution board it writes (``pyserve.scheduling.execution_board``).
+    :ivar board: the execution board it writes (``pyserve.runtime.scheduling.execution_board``).
     """
 
     def __init__(self, pid: int, board: Any = None) -> None:
@@ -163,7 +163,7 @@ class Preforked:
 
 def _config_refusal(mode: ReplicationMode) -> Any:
     def refuse(name: str, config: Any) -> str | None:
-        from pyserve.models import ModelVersion
+        from pyserve.runtime.versions import ModelVersion
 
         chosen, _ = replicable(ModelVersion(name, 0, config=config), mode)
         return None if chosen else ""  # "": not replicated (the owner alone loads it), quietly

@@ -37,7 +37,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from pyserve.models import ModelVersion
+from pyserve.runtime.versions import ModelVersion
 
 log = logging.getLogger("pyserve.handoff")
 
@@ -140,10 +140,10 @@ class ReplicaSet:
         import asyncio
 
         from pyserve import __version__
-        from pyserve.dataplane import DataPlane
-        from pyserve.inprocess import ServerHandle
-        from pyserve.model_manager import ControlMode, ModelManager
-        from pyserve.plugins import PluginHost
+        from pyserve.dataplane.bls import ServerHandle
+        from pyserve.dataplane.plane import DataPlane
+        from pyserve.host.plugins import PluginHost
+        from pyserve.runtime.manager import ControlMode, ModelManager
 
         self.loop = asyncio.get_running_loop()
         if prepared is not None:
@@ -207,11 +207,11 @@ class ReplicaSet:
             self.on_change(sorted(self.by_generation))
 
     async def _apply(self, wanted: dict[str, tuple[bytes, Any, dict[int, tuple[int, Any]]]]) -> None:
-        from pyserve import protocol as pb
-        from pyserve.errors import InferError
-        from pyserve.protocol.config_json import model_config_to_dict
-
         import orjson
+
+        from pyserve import protocol as pb
+        from pyserve.api.errors import InferError
+        from pyserve.protocol.config_json import model_config_to_dict
 
         loop = self.loop
         for name in [n for n in self._loaded_config if n not in wanted]:

@@ -19,10 +19,10 @@ import threading
 import time
 from typing import Any
 
-from pyserve import affinity
+from pyserve.handoff import affinity
 from pyserve.handoff.owner import HandoffServer
 from pyserve.handoff.prefork import ForkedProcess, Preforked
-from pyserve.scheduling import execution_board
+from pyserve.runtime.scheduling import execution_board
 from pyserve_hookspecs import hookimpl
 
 log = logging.getLogger("pyserve.handoff")

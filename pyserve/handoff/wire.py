@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from pyserve.validation import decode_bytes_elements, encode_bytes_elements
+from pyserve.repository.tensor_checks import decode_bytes_elements, encode_bytes_elements
 
 _HEAD = struct.Struct("<IBI")
 _U32 = struct.Struct("<I")
@@ -283,8 +283,8 @@ def io_to_json(io: Any) -> list[Any]:
 
 def io_from_json(value: Sequence[Any]) -> Any:
     """The ``ModelIO`` ``io_to_json`` described."""
-    from pyserve import datatypes
-    from pyserve.model_config import ModelIO, TensorSpec
+    from pyserve.api import datatypes
+    from pyserve.repository.model_config import ModelIO, TensorSpec
 
     def specs(rows: Sequence[Sequence[Any]]) -> dict[str, TensorSpec]:
         table = {}

@@ -10,29 +10,28 @@ process never share counts):
 * ``CustomMetrics``: what backends and models use to add their own metric families
   (``backend.metrics`` / ``model.metrics`` on the contexts), and to add whole collectors or
   registries of their own (``include``), all shown on the same ``/metrics`` page.
-* ``ServerMetrics`` / ``MetricsService``: the server's ``CollectorRegistry`` and the small
-  ASGI app serving ``GET /metrics`` on its own port (``--metrics-port``, default 8002), with
+* ``ServerMetrics``: the server's ``CollectorRegistry``, served as ``GET /metrics`` on its own
+  port (``--metrics-port``, default 8002) by ``pyserve.server.metrics_port``, with
   CPU and memory gauges (and GPU gauges through NVML when ``pynvml`` and a GPU are present)
   refreshed every ``--metrics-interval-ms``.
 
 The modules: ``stats`` (``ModelStats``, ``StatsSnapshot``, the statistics extension's JSON and
 the choice of versions a statistics request names), ``prometheus`` (the per-model collector,
-``CustomMetrics``, ``MetricsSettings``, ``ServerMetrics`` and the text rendering), ``system``
-(CPU, memory and NVML GPU readings) and ``service`` (the ``/metrics`` HTTP service). Every name
-other code uses is importable from ``pyserve.metrics`` itself.
+``MetricsSettings``, ``ServerMetrics`` and the text rendering) and ``system`` (CPU, memory and
+NVML GPU readings); ``CustomMetrics`` lives in ``pyserve.api.custom_metrics``, the layer backends
+import. Every name other code uses is importable from ``pyserve.metrics`` itself. Nothing here
+serves a port: the transport is the server's (``pyserve.server.metrics_port``).
 """
 
 from __future__ import annotations
 
+from pyserve.api.custom_metrics import BUILTIN_FAMILIES, CustomMetrics
 from pyserve.metrics.prometheus import (
-    BUILTIN_FAMILIES,
     CONTENT_TYPE,
-    CustomMetrics,
     MetricsSettings,
     ServerMetrics,
     render,
 )
-from pyserve.metrics.service import MetricsService, MetricsStartError
 from pyserve.metrics.stats import (
     FAILURE_REASONS,
     FIRST_RESPONSE_BUCKETS_MS,
@@ -51,9 +50,7 @@ __all__ = [
     "FIRST_RESPONSE_BUCKETS_MS",
     "CustomMetrics",
     "GpuSample",
-    "MetricsService",
     "MetricsSettings",
-    "MetricsStartError",
     "ModelStats",
     "NvmlReader",
     "ServerMetrics",

@@ -39,14 +39,21 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pyserve.errors import ErrorCode, InferError
+from pyserve.api.errors import ErrorCode, InferError
 from pyserve.metrics.latency import LATENCY_BUCKETS, latency_bucket
-from pyserve.metrics.summaries import COMPUTE_INFER, COMPUTE_INPUT, COMPUTE_OUTPUT, QUEUE, REQUEST, LatencySummaries
-from pyserve.repository import is_version_number
+from pyserve.metrics.summaries import (
+    COMPUTE_INFER,
+    COMPUTE_INPUT,
+    COMPUTE_OUTPUT,
+    QUEUE,
+    REQUEST,
+    LatencySummaries,
+)
+from pyserve.repository.scan import is_version_number
 
 if TYPE_CHECKING:
-    from pyserve.inference import InferRequest, InferResponse
-    from pyserve.models import ModelVersion
+    from pyserve.api.inference import InferRequest, InferResponse
+    from pyserve.runtime.versions import ModelVersion
 
 
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")

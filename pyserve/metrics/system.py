@@ -10,8 +10,8 @@ from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
-from pyserve.devices import visible_indices
 from pyserve.metrics.prometheus import _family
+from pyserve.repository.devices import visible_indices
 
 log = logging.getLogger("pyserve.metrics")
 
@@ -62,7 +62,7 @@ class GpuSample:
 
 class NvmlReader:
     """GPU readings through NVML (``pynvml``, from the ``nvidia-ml-py`` package), for the GPUs
-    this process may use: those ``CUDA_VISIBLE_DEVICES`` leaves visible (``pyserve.devices``),
+    this process may use: those ``CUDA_VISIBLE_DEVICES`` leaves visible (``pyserve.repository.devices``),
     as Triton reports only the GPUs CUDA shows it.
 
     :raises RuntimeError: ``pynvml`` is missing, NVML cannot start, or there is no visible GPU.

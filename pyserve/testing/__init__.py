@@ -133,7 +133,7 @@ from pyserve.testing.helpers import (
 from pyserve.testing.inputs import generate_inputs
 
 if TYPE_CHECKING:
-    from pyserve.server import ServerThread
+    from pyserve.server.core import ServerThread
 
 __all__ = [
     "BackendConformance",

@@ -28,7 +28,7 @@ from pyserve.testing.inputs import _assert_equal, _normalize, generate_inputs
 if TYPE_CHECKING:
     import numpy as np
 
-    from pyserve.server import ServerThread
+    from pyserve.server.core import ServerThread
 
 
 class BackendConformance:

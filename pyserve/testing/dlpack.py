@@ -8,7 +8,6 @@ from typing import Any
 
 from pyserve_hookspecs import hookimpl
 
-
 _DLPACK_KINDS = frozenset("biuf")
 """numpy dtype kinds that ``numpy.from_dlpack`` can export (bfloat16 and objects cannot)."""
 

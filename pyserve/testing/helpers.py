@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pyserve_hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from pyserve.server import ServerThread
+    from pyserve.server.core import ServerThread
 
 
 ServerFactory = Callable[..., "ServerThread"]
@@ -66,13 +66,13 @@ def serve(
     :param backends: backend name → plugin object, registered as if installed.
     :param server_plugins: server-wide plugins (e.g. ``pyserve_execute`` wrappers).
     :param use_entry_points: also find installed backends and plugins by entry point.
-    :param options: any other ``pyserve.server.ServerOptions`` field. ``exit_on_error`` is
+    :param options: any other ``pyserve.server.core.ServerOptions`` field. ``exit_on_error`` is
         False unless given: tests look at models that fail to load (UNAVAILABLE with their
         reason), where ``pyserve run``, as Triton, stops.
-    :raises pyserve.server.StartupError: the server could not start.
+    :raises pyserve.server.core.StartupError: the server could not start.
     """
-    from pyserve.plugins import PluginHost
-    from pyserve.server import Server, ServerOptions, ServerThread
+    from pyserve.host.plugins import PluginHost
+    from pyserve.server.core import Server, ServerOptions, ServerThread
 
     host = PluginHost(
         extra_backends=backends, server_plugins=server_plugins, use_entry_points=use_entry_points
@@ -141,7 +141,7 @@ class BatchRecorder:
     def until_on_the_loop(self, model: str, call: Callable[[], object], timeout: float = 60.0) -> int:
         """Call ``call`` (one request to ``model``, from one client) until an execute of
         ``model`` runs on a ``ServerThread``'s event loop thread, as a compute-only model's do
-        once one client alone sends requests (``pyserve.scheduling.adaptive``).
+        once one client alone sends requests (``pyserve.runtime.scheduling.adaptive``).
 
         :returns: the number of calls it took.
         :raises AssertionError: it did not happen within ``timeout`` seconds.

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pyserve_string_processor import KeywordClassifier, StringProcessorBackend, tokenize
+
 from pyserve import (
     BackendContext,
     ErrorCode,
@@ -15,9 +17,13 @@ from pyserve import (
     InstanceContext,
     ModelContext,
 )
-from pyserve.model_config import normalize, parameters, parse_config, validate
-from pyserve.plugins import PluginHost
-from pyserve_string_processor import KeywordClassifier, StringProcessorBackend, tokenize
+from pyserve.host.plugins import PluginHost
+from pyserve.repository.model_config import (
+    normalize,
+    parameters,
+    parse_config,
+    validate,
+)
 
 TEXT_IO = """
 input [ { name: "TEXT", data_type: TYPE_STRING, dims: [ 1 ] } ]

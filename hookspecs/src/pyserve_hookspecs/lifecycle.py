@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from pyserve_hookspecs._markers import hookspec
 
 if TYPE_CHECKING:  # the contract never imports the server at run time
-    from pyserve import (
+    from pyserve.api import (
         BackendContext,
         InferError,
         InferRequest,

@@ -1,4 +1,4 @@
-"""Hooks for server-wide plugins (entry-point group ``pyserve.plugins``).
+"""Hooks for server-wide plugins (entry-point group ``pyserve.host.plugins``).
 
 Besides observing models, a server plugin may supply backends that are not Python entry
 points (``pyserve_resolve_backend``), e.g. native Triton backend libraries.
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from pyserve_hookspecs._markers import hookspec
 
 if TYPE_CHECKING:
-    from pyserve import ModelContext
+    from pyserve.api import ModelContext
 
 
 @hookspec

@@ -9,8 +9,9 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-import pytest
 import pyserve_backend_identity
+import pytest
+
 from pyserve import (
     BackendContext,
     InferRequest,
@@ -18,8 +19,13 @@ from pyserve import (
     InstanceContext,
     ModelContext,
 )
-from pyserve.model_config import normalize, parameters, parse_config, validate
-from pyserve.plugins import PluginHost
+from pyserve.host.plugins import PluginHost
+from pyserve.repository.model_config import (
+    normalize,
+    parameters,
+    parse_config,
+    validate,
+)
 
 DATATYPES = {
     "TYPE_BOOL": np.array([True, False, True]),

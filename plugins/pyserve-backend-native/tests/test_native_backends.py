@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from pyserve.testing import ServerFactory, write_model
 from pyserve_backend_native import metrics_text
+
+from pyserve.testing import ServerFactory, write_model
 
 IDENTITY = """
     name: "{name}"

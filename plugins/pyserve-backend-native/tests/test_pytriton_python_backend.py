@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+
 from pyserve.testing import ServerFactory, shared_python_environment, write_model
 
 MODELS = Path(__file__).resolve().parent / "python_models"

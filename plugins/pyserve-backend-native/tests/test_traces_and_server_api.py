@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+
 from pyserve.testing import ServerFactory, write_model
 from pyserve.tracing import TraceConfig, parse_trace_config
 

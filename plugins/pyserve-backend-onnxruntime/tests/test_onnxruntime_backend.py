@@ -12,17 +12,22 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-import pytest
+import ort_models
 import pyserve_backend_onnxruntime
+import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
-from pyserve.model_config import gpu_count
-from pyserve.scheduling import AdaptiveBatcher, AdaptiveScheduler, DynamicBatcher
-from pyserve.server import ServerThread
 
-import ort_models
-from pyserve.testing import BatchRecorder, ServerFactory, serve, write_model
+from pyserve.repository.model_config import gpu_count
+from pyserve.runtime.scheduling import AdaptiveBatcher, AdaptiveScheduler, DynamicBatcher
+from pyserve.server.core import ServerThread
+from pyserve.testing import (
+    BatchRecorder,
+    ServerFactory,
+    serve,
+    write_model,
+)
 
 BACKENDS = {"onnxruntime": pyserve_backend_onnxruntime}
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from python_backend_helpers import copy_models, start, write_python_model
 
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
 
 
 @pytest.fixture(scope="session")

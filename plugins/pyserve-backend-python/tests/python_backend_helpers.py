@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pyserve_backend_python
 
-from pyserve.plugins import PluginHost
-from pyserve.server import Server, ServerOptions, ServerThread
+from pyserve.host.plugins import PluginHost
+from pyserve.server.core import Server, ServerOptions, ServerThread
 
 MODELS = Path(__file__).resolve().parent / "models"
 

@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 import triton_python_backend_utils as pb_utils
 
-from pyserve import ErrorCode, InferError, InferRequest, InferResponse
+from pyserve import (
+    ErrorCode,
+    InferError,
+    InferRequest,
+    InferResponse,
+)
 
 
 def test_constants_have_tritons_values() -> None:

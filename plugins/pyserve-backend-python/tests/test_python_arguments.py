@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import triton_python_backend_utils as pb_utils
 import tritonclient.http as httpclient
-
 from python_backend_helpers import start, write_python_model
 
 ADD_CONFIG = """

@@ -13,7 +13,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
 
 
 def _input(name: str, array: np.ndarray, datatype: str, module: Any = grpcclient) -> Any:

@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from python_backend_helpers import start, write_python_model
 from tritonclient.utils import InferenceServerException
 
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
 from pyserve.testing import python_environment, shared_python_environment
-from python_backend_helpers import start, write_python_model
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -9,9 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
-
 from python_backend_helpers import start, write_python_model
+from tritonclient.utils import InferenceServerException
 
 IO = """
 backend: "python"

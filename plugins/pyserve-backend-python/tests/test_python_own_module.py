@@ -18,10 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-
-from pyserve.server import ServerThread
-
 from python_backend_helpers import start, write_python_model
+
+from pyserve.server.core import ServerThread
 
 CONFIG = """
     backend: "python"

@@ -12,12 +12,11 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from python_backend_helpers import MODELS
+from python_backend_helpers import PROCESS_MODE as PROCESS
 from tritonclient.utils import InferenceServerException
 
-from pyserve.server import ServerThread
-
-from python_backend_helpers import MODELS, PROCESS_MODE as PROCESS
-
+from pyserve.server.core import ServerThread
 
 ADD_SUB_CONFIG = (MODELS / "add_sub" / "config.pbtxt").read_text()
 ADD_SUB_SOURCE = (MODELS / "add_sub" / "1" / "model.py").read_text()

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from python_backend_helpers import PROCESS_MODE as PROCESS
+from python_backend_helpers import start, write_python_model
 from tritonclient.utils import InferenceServerException
 
-from pyserve.server import ServerThread
-
-from python_backend_helpers import PROCESS_MODE as PROCESS, start, write_python_model
+from pyserve.server.core import ServerThread
 
 Serve = Callable[[dict[str, tuple[str | None, str]]], ServerThread]
 
@@ -139,7 +139,7 @@ def test_a_failing_or_non_bool_is_ready_means_not_ready(serve: Serve, mode: str,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     extra = PROCESS if mode == "process" else ""
     server = serve({name: (CONFIG + extra, _model(source)) for name, source in FAILING.items()})
-    with caplog.at_level(logging.WARNING, logger="pyserve.readiness"):
+    with caplog.at_level(logging.WARNING, logger="pyserve.runtime.readiness"):
         for name in FAILING:
             assert _http_ready(server, name) == 400, name
             assert not _grpc(server).is_model_ready(name)

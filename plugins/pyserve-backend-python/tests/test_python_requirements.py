@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-
-from pyserve.server import ServerThread
 from pyserve_backend_python import requirements
 from python_backend_helpers import start, write_python_model
+
+from pyserve.server.core import ServerThread
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from python_backend_helpers import PROCESS_MODE
 from tritonclient.utils import InferenceServerException
 
-from pyserve.server import ServerThread
-
-from python_backend_helpers import PROCESS_MODE
+from pyserve.server.core import ServerThread
 
 Serve = Callable[[dict[str, tuple[str | None, str]]], ServerThread]
 

@@ -26,11 +26,10 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from python_backend_helpers import start, write_python_model
 from tritonclient.utils import InferenceServerException
 
-from pyserve.server import ServerThread
-
-from python_backend_helpers import start, write_python_model
+from pyserve.server.core import ServerThread
 
 CONFIG = """
     backend: "python"

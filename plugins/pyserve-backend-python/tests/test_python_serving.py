@@ -8,11 +8,11 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import triton_python_backend_utils as pb_utils
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-import triton_python_backend_utils as pb_utils
 
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
 
 
 def http_inputs(arrays: dict[str, np.ndarray], datatypes: dict[str, str]) -> list[httpclient.InferInput]:

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from python_backend_helpers import PROCESS_MODE as PROCESS
+from python_backend_helpers import start, write_python_model
 
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
 from pyserve.tracing import parse_trace_config
-
-from python_backend_helpers import PROCESS_MODE as PROCESS, start, write_python_model
 
 TRACE_ID = "0af7651916cd43dd8448eb211c126601"
 PARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"

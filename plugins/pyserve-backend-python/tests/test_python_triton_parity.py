@@ -14,14 +14,14 @@ from collections.abc import Callable, Mapping
 import httpx
 import numpy as np
 import pytest
+import triton_python_backend_utils as pb_utils
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-import triton_python_backend_utils as pb_utils
 from python_backend_helpers import PROCESS_MODE
 from tritonclient.utils import InferenceServerException
 
 from pyserve import InferRequest
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
 
 Serve = Callable[[Mapping[str, tuple[str | None, str]]], ServerThread]
 

@@ -9,12 +9,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import pytest
 import pyserve_backend_repeat
+import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve, write_model
 
 CONFIG = """

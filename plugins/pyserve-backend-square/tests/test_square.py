@@ -8,11 +8,11 @@ from typing import Any
 
 import httpx
 import numpy as np
-import pytest
 import pyserve_backend_square
+import pytest
 import tritonclient.grpc as grpcclient
 
-from pyserve.server import ServerThread
+from pyserve.server.core import ServerThread
 from pyserve.testing import serve, write_model
 
 CONFIG = """

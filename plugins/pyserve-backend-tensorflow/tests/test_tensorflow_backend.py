@@ -18,13 +18,18 @@ import numpy as np
 import pyserve_backend_tensorflow
 import pytest
 import tensorflow as tf
+import tf_models
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from pyserve.scheduling import AdaptiveBatcher, DynamicBatcher
-from pyserve.server import ServerThread
 
-import tf_models
-from pyserve.testing import BatchRecorder, ServerFactory, serve, write_model
+from pyserve.runtime.scheduling import AdaptiveBatcher, DynamicBatcher
+from pyserve.server.core import ServerThread
+from pyserve.testing import (
+    BatchRecorder,
+    ServerFactory,
+    serve,
+    write_model,
+)
 
 BACKENDS = {"tensorflow": pyserve_backend_tensorflow}
 

@@ -6,9 +6,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from pyserve import Backend, InferError, InferRequest, InferResponse, InstanceContext, ModelContext
-from pyserve.protocol import data_type_name
 
+from pyserve import (
+    Backend,
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+)
+from pyserve.protocol import data_type_name
 from pyserve_string_processor.sentiment import KeywordClassifier, tokenize
 
 TEXT = "TEXT"

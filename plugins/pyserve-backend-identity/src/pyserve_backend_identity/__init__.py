@@ -13,8 +13,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pyserve import BackendContext, InferError, InferRequest, InferResponse, InstanceContext, ModelContext, hookimpl
-
+from pyserve import (
+    BackendContext,
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+    hookimpl,
+)
 from pyserve_backend_identity.model import ExecuteSnapshot, ExecuteStats, IdentityModel
 
 __all__ = [

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyserve import datatypes
+from pyserve.api import datatypes
 from pyserve.protocol import data_type_name
 
 EXECUTE_DELAY_PARAMETER = "execute_delay_ms"

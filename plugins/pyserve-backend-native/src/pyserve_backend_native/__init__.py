@@ -1,6 +1,6 @@
 """pyserve-backend-native: host Triton's native backends (``libtriton_<name>.so``) in pyserve.
 
-A server plugin (entry-point group ``pyserve.plugins``) implementing
+A server plugin (entry-point group ``pyserve.host.plugins``) implementing
 ``pyserve_resolve_backend``: for every model with a ``backend`` it looks for the library where
 Triton does (version folder, model folder, ``--backend-directory``; the config's ``runtime``
 when it names a ``.so``) and, when one is there, serves the model with it through pyserve's
@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pyserve_hookspecs import hookimpl
-
 from pyserve_backend_native import loader
 from pyserve_backend_native._build import include_dir
 from pyserve_backend_native.loader import BACKEND_API_VERSION, SERVER_API_VERSION, BackendLoadError
+from pyserve_hookspecs import hookimpl
 
 __all__ = [
     "BACKEND_API_VERSION",
@@ -59,7 +58,7 @@ class NativeBackendResolver:
 
 
 resolver = NativeBackendResolver()
-"""The instance registered through the ``pyserve.plugins`` entry point."""
+"""The instance registered through the ``pyserve.host.plugins`` entry point."""
 
 
 def metrics_text() -> str:

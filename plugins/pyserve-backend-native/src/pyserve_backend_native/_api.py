@@ -38,11 +38,11 @@ from typing import Any
 import numpy as np
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-from pyserve import datatypes
-from pyserve.errors import ErrorCode, InferError
-from pyserve.inference import InferRequest, InferResponse
-from pyserve.tracing import next_trace_id
 
+from pyserve.api import datatypes
+from pyserve.api.errors import ErrorCode, InferError
+from pyserve.api.inference import InferRequest, InferResponse
+from pyserve.tracing import next_trace_id
 from pyserve_backend_native import loader
 
 log = logging.getLogger("pyserve.native")

@@ -19,11 +19,11 @@ from ctypes import POINTER, c_char_p, c_int32, c_int64, c_uint32, c_uint64, c_vo
 from typing import Any
 
 import numpy as np
-from pyserve import datatypes
-from pyserve.errors import ErrorCode, InferError
-from pyserve.inference import InferRequest, InferResponse
-from pyserve.tracing import TRACING, RequestTrace, traceparent_of
 
+from pyserve.api import datatypes
+from pyserve.api.errors import ErrorCode, InferError
+from pyserve.api.inference import InferRequest, InferResponse
+from pyserve.tracing import TRACING, RequestTrace, traceparent_of
 from pyserve_backend_native._api import (
     CODE_TYPES,
     PARAM_BOOL,
@@ -59,7 +59,7 @@ from pyserve_backend_native._api import (
 log = logging.getLogger("pyserve.native")
 
 SERVERS: dict[int, Any] = {}
-"""Server key (TRITONSERVER_Server of a model) → ``pyserve.inprocess.ServerHandle``."""
+"""Server key (TRITONSERVER_Server of a model) → ``pyserve.dataplane.bls.ServerHandle``."""
 _server_lock = threading.Lock()
 _server_pointers: dict[int, tuple[Any, int]] = {}
 

@@ -34,15 +34,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from pyserve import datatypes
-from pyserve.backend import BackendContext, InstanceContext, ModelContext
-from pyserve.errors import ErrorCode, InferError
-from pyserve.inference import InferRequest
-from pyserve.protocol.config_json import model_config_from_dict, model_config_to_dict
-from pyserve_hookspecs import hookimpl
 
+from pyserve.api import datatypes
+from pyserve.api.backend import BackendContext, InstanceContext, ModelContext
+from pyserve.api.errors import ErrorCode, InferError
+from pyserve.api.inference import InferRequest
+from pyserve.protocol.config_json import model_config_from_dict, model_config_to_dict
 from pyserve_backend_native import _api, _bls
 from pyserve_backend_native.loader import NativeLibrary
+from pyserve_hookspecs import hookimpl
 
 log = logging.getLogger("pyserve.native")
 

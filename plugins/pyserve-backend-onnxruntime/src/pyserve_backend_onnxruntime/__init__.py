@@ -1,7 +1,7 @@
 """pyserve's ``onnxruntime`` backend: ONNX models (platform ``onnxruntime_onnx``) on ONNX Runtime.
 
 A module-style plugin: the entry point names this module and the hook functions below carry
-``pyserve.hookimpl`` (the instance and execute hooks are ``pyserve.backend_support``'s). Importing this module does not import ``onnxruntime``; the framework is
+``pyserve.hookimpl`` (the instance and execute hooks are ``pyserve.api.backend_support``'s). Importing this module does not import ``onnxruntime``; the framework is
 imported when the first ONNX model loads (``pyserve_backend_initialize``).
 
 What callers may rely on:
@@ -22,10 +22,20 @@ What callers may rely on:
 
 from __future__ import annotations
 
-from pyserve import BackendContext, ModelContext, ModelFileNotFound, hookimpl
-from pyserve.backend_support import pyserve_execute, pyserve_instance_create, pyserve_instance_finalize
-
-from pyserve_backend_onnxruntime.runtime import OnnxInstance, OnnxModel, auto_complete, initialize_runtime, model_file
+from pyserve import (
+    BackendContext,
+    ModelContext,
+    ModelFileNotFound,
+    hookimpl,
+)
+from pyserve.api.backend_support import pyserve_execute, pyserve_instance_create, pyserve_instance_finalize
+from pyserve_backend_onnxruntime.runtime import (
+    OnnxInstance,
+    OnnxModel,
+    auto_complete,
+    initialize_runtime,
+    model_file,
+)
 
 __all__ = [
     "OnnxInstance",

@@ -13,11 +13,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pyserve import ErrorCode, InferError, InstanceContext, ModelContext, ModelFileError, ModelFileNotFound
-from pyserve.backend_support import (
+
+from pyserve import (
+    ErrorCode,
+    InferError,
+    InstanceContext,
+    ModelContext,
+    ModelFileError,
+    ModelFileNotFound,
+)
+from pyserve.api.backend_support import (
+    MAX_THREAD_COUNT,
     NUMPY_NAME_TO_CONFIG,
     FrameworkInstance,
-    MAX_THREAD_COUNT,
     FrameworkModel,
     ModelTensor,
     bool_parameter,
@@ -31,7 +39,7 @@ from pyserve.backend_support import (
 if TYPE_CHECKING:
     import onnxruntime
 
-log = logging.getLogger("pyserve.backend.onnxruntime")
+log = logging.getLogger("pyserve.api.backend.onnxruntime")
 
 DEFAULT_FILENAME = "model.onnx"
 """The model file inside the version directory (or inside ``default_model_filename``)."""
@@ -203,7 +211,7 @@ def _metadata_session(path: Path) -> Any:
 
 def auto_complete(model: ModelContext) -> bool:
     """Complete ``model.config`` from the ONNX file, as Triton's onnxruntime backend does
-    (``pyserve.backend_support.complete_config``).
+    (``pyserve.api.backend_support.complete_config``).
 
     :returns: True when the config was changed.
     :raises ValueError: the model file is missing or not a loadable ONNX model.

@@ -38,7 +38,6 @@ from pyserve import (
     hookimpl,
 )
 from pyserve.protocol.config_json import model_config_to_dict
-
 from pyserve_backend_python import compute, context, environment, loader, metrics, requirements
 from pyserve_backend_python.config import ModelConfig
 from pyserve_backend_python.environment import ExecutionEnvironment

@@ -20,7 +20,6 @@ from types import ModuleType
 from typing import Any
 
 from pyserve import ModelContext
-
 from pyserve_backend_python import context
 
 _lock = threading.Lock()

@@ -13,7 +13,6 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from pyserve import ErrorCode, InferError, InferResponse
-
 from pyserve_backend_python import context
 from pyserve_backend_python.errors import TritonModelException
 from pyserve_backend_python.response import InferenceResponse, ResponseIterator

@@ -1,7 +1,7 @@
 """Whether a Python model may be declared compute-only (``ModelContext.compute_only``).
 
 A compute-only model's short executes may run on the server's event loop while one client
-alone sends requests (``pyserve.scheduling.adaptive``): that saves the two thread hand-offs
+alone sends requests (``pyserve.runtime.scheduling.adaptive``): that saves the two thread hand-offs
 that cost more than a small ``execute`` does. The server times the executes and keeps slow
 ones on the instance threads, so what must be ruled out here is what cannot run on the loop
 at all, or waits for something else than its own computation:
@@ -25,7 +25,6 @@ from pathlib import Path
 from types import ModuleType
 
 from pyserve import ModelContext
-
 from pyserve_backend_python.loader import MODEL_CLASS
 
 CALLS_THE_SERVER = ("exec(", "async_exec", "InferenceRequest(", "load_model(", "unload_model(")

@@ -69,7 +69,7 @@ def current_model() -> ModelContext | None:
 
 
 def current_server() -> Any:
-    """The ``pyserve.inprocess.ServerHandle`` to send BLS requests to.
+    """The ``pyserve.dataplane.bls.ServerHandle`` to send BLS requests to.
 
     :raises RuntimeError: no server is known (code running outside a served model).
     """

@@ -27,7 +27,6 @@ from pathlib import Path
 from types import ModuleType
 
 from pyserve import ModelContext, ModelFileError, ModelFileNotFound
-
 from pyserve_backend_python import alias
 
 DEFAULT_MODEL_FILENAME = "model.py"

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from pyserve import InferError
-
 from pyserve_backend_python import context
 from pyserve_backend_python.errors import TritonModelException
 

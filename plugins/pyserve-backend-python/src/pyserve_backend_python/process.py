@@ -34,10 +34,12 @@ server shows them on its metrics page (values of several workers add up).
 
 from __future__ import annotations
 
+import _posixshmem  # CPython's POSIX shared-memory primitives (as multiprocessing.shared_memory)
 import contextlib
 import itertools
 import logging
 import mmap
+import multiprocessing
 import os
 import queue
 import secrets
@@ -47,23 +49,27 @@ import subprocess
 import sys
 import sysconfig
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
 from types import SimpleNamespace
 from typing import Any
 
-import _posixshmem  # CPython's POSIX shared-memory primitives (as multiprocessing.shared_memory)
-import multiprocessing
-from multiprocessing.connection import Connection
 import numpy as np
 
-from pyserve import ErrorCode, InferError, InferRequest, InferResponse, InstanceContext, ModelContext
-from pyserve.shared_memory import forget_server_segment, note_server_segment
+from pyserve import (
+    ErrorCode,
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+)
+from pyserve.dataplane.shared_memory import forget_server_segment, note_server_segment
 from pyserve.tracing import child_trace
-
 from pyserve_backend_python import metrics, model_control, results
-from pyserve_backend_python.errors import TritonModelException
 from pyserve_backend_python.environment import ExecutionEnvironment
+from pyserve_backend_python.errors import TritonModelException
 from pyserve_backend_python.loader import PythonModelError
 from pyserve_backend_python.runner import initialize_args
 

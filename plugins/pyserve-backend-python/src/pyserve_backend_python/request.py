@@ -10,7 +10,6 @@ from typing import Any
 
 from pyserve import InferError, InferRequest
 from pyserve.tracing import RequestTrace, child_trace, traceparent_of
-
 from pyserve_backend_python import arguments
 from pyserve_backend_python.constants import (
     TRITONSERVER_MEMORY_CPU,

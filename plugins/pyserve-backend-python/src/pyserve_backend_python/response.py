@@ -9,8 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pyserve import InferError, InferRequest, InferResponse
-from pyserve.inference import BackendResponseSender
-
+from pyserve.api.inference import BackendResponseSender
 from pyserve_backend_python import arguments
 from pyserve_backend_python.constants import TRITONSERVER_RESPONSE_COMPLETE_FINAL
 from pyserve_backend_python.errors import TritonError, TritonModelException, as_triton_error

@@ -15,8 +15,12 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from pyserve import ErrorCode, InferError, InferRequest, InferResponse
-
+from pyserve import (
+    ErrorCode,
+    InferError,
+    InferRequest,
+    InferResponse,
+)
 from pyserve_backend_python.errors import TritonModelException
 from pyserve_backend_python.response import InferenceResponse, check_one_response
 

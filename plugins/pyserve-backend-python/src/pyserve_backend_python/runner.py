@@ -23,7 +23,6 @@ from typing import Any, Protocol
 
 from pyserve import InferError, InferRequest, InstanceContext
 from pyserve.protocol.config_json import model_config_to_dict
-
 from pyserve_backend_python import context, results
 from pyserve_backend_python.loader import MODEL_CLASS, PythonModelError, format_failure, model_path_scope
 from pyserve_backend_python.request import InferenceRequest

@@ -19,9 +19,9 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from pyserve import datatypes
-from pyserve.inference import read_only
 
+from pyserve.api import datatypes
+from pyserve.api.inference import read_only
 from pyserve_backend_python.errors import TritonModelException
 
 _DLPACK_CPU = 1  # kDLCPU
@@ -148,7 +148,7 @@ def output_array(array: np.ndarray) -> np.ndarray:
 
 def server_array(array: np.ndarray) -> np.ndarray:
     """``array`` as the backend hands it to another model (a BLS input, a BLS answer): a
-    read-only view of it (``pyserve.inference.read_only``, no copy), so that the receiver copies
+    read-only view of it (``pyserve.api.inference.read_only``, no copy), so that the receiver copies
     before writing instead of changing the sender's array; an object (BYTES) array whose
     elements are not all ``bytes`` is first converted into a new array of ``bytes`` (see
     ``bytes_element``)."""

@@ -19,8 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
-from pyserve import ErrorCode, InferError, InstanceContext, ModelContext, ModelFileError, ModelFileNotFound
-from pyserve.backend_support import (
+
+from pyserve import (
+    ErrorCode,
+    InferError,
+    InstanceContext,
+    ModelContext,
+    ModelFileError,
+    ModelFileNotFound,
+)
+from pyserve.api.backend_support import (
     MAX_THREAD_COUNT,
     NUMPY_NAME_TO_CONFIG,
     ConfigTensor,
@@ -28,15 +36,15 @@ from pyserve.backend_support import (
     FrameworkModel,
     ProcessWideSettings,
     bool_parameter,
-    int_parameter,
     config_tensors,
+    int_parameter,
 )
-from pyserve.datatypes import from_config_name
+from pyserve.api.datatypes import from_config_name
 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("pyserve.backend.pytorch")
+log = logging.getLogger("pyserve.api.backend.pytorch")
 
 DEFAULT_FILENAME = "model.pt"
 """TorchScript file inside the version directory, unless ``default_model_filename`` says otherwise."""

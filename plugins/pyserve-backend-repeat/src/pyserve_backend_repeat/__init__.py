@@ -15,8 +15,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pyserve import InferError, InferRequest, InferResponse, InstanceContext, ModelContext, hookimpl
-from pyserve.inference import BackendResponseSender
+from pyserve import (
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+    hookimpl,
+)
+from pyserve.api.inference import BackendResponseSender
 
 REQUIRED_INPUTS = ("IN",)
 OUTPUTS = ("OUT", "IDX")

@@ -11,7 +11,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pyserve import InferError, InferRequest, InferResponse, InstanceContext, ModelContext, hookimpl
+from pyserve import (
+    InferError,
+    InferRequest,
+    InferResponse,
+    InstanceContext,
+    ModelContext,
+    hookimpl,
+)
 
 
 @hookimpl

@@ -1,7 +1,7 @@
 """pyserve's ``tensorflow`` backend: SavedModels and frozen GraphDefs on TensorFlow 2.
 
 A module-style plugin: the entry point names this module and the hook functions below carry
-``pyserve.hookimpl`` (the instance and execute hooks are ``pyserve.backend_support``'s). Importing this module does not import ``tensorflow``; the framework is
+``pyserve.hookimpl`` (the instance and execute hooks are ``pyserve.api.backend_support``'s). Importing this module does not import ``tensorflow``; the framework is
 imported when the first TensorFlow model loads (``pyserve_backend_initialize``), which also
 turns on GPU memory growth so that TensorFlow does not reserve whole GPUs.
 
@@ -27,10 +27,20 @@ What callers may rely on:
 
 from __future__ import annotations
 
-from pyserve import BackendContext, ModelContext, ModelFileNotFound, hookimpl
-from pyserve.backend_support import pyserve_execute, pyserve_instance_create, pyserve_instance_finalize
-
-from pyserve_backend_tensorflow.runtime import TensorFlowInstance, TensorFlowModel, auto_complete, initialize_runtime, model_path
+from pyserve import (
+    BackendContext,
+    ModelContext,
+    ModelFileNotFound,
+    hookimpl,
+)
+from pyserve.api.backend_support import pyserve_execute, pyserve_instance_create, pyserve_instance_finalize
+from pyserve_backend_tensorflow.runtime import (
+    TensorFlowInstance,
+    TensorFlowModel,
+    auto_complete,
+    initialize_runtime,
+    model_path,
+)
 
 __all__ = [
     "TensorFlowInstance",

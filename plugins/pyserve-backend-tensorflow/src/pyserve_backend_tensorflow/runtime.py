@@ -13,8 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pyserve import ErrorCode, InferError, InstanceContext, ModelContext, ModelFileError, ModelFileNotFound
-from pyserve.backend_support import (
+
+from pyserve import (
+    ErrorCode,
+    InferError,
+    InstanceContext,
+    ModelContext,
+    ModelFileError,
+    ModelFileNotFound,
+)
+from pyserve.api.backend_support import (
     MAX_THREAD_COUNT,
     NUMPY_NAME_TO_CONFIG,
     FrameworkInstance,
@@ -27,7 +35,7 @@ from pyserve.backend_support import (
     needs_auto_complete,
 )
 
-log = logging.getLogger("pyserve.backend.tensorflow")
+log = logging.getLogger("pyserve.api.backend.tensorflow")
 
 SAVEDMODEL_PLATFORM = "tensorflow_savedmodel"
 GRAPHDEF_PLATFORM = "tensorflow_graphdef"
@@ -238,7 +246,7 @@ def auto_complete(model: ModelContext) -> bool:
     tensor's missing datatype or dims and, when ``max_batch_size`` is 0 and every signature
     tensor has an unknown first dimension (and no declared tensor spells it out), sets
     ``max_batch_size`` to ``default-max-batch-size`` and enables ``dynamic_batching`` when that is
-    above 1 and no scheduler is configured (``pyserve.backend_support.complete_config``).
+    above 1 and no scheduler is configured (``pyserve.api.backend_support.complete_config``).
     GraphDefs cannot be completed.
 
     :returns: True when the config was changed.

@@ -1,0 +1,2 @@
+"""The one API every frontend calls: inference hand-off, response cache, shared memory, BLS,
+classification, forwarded headers."""

@@ -1,0 +1,334 @@
+"""The response cache (``--cache-config``, model config ``response_cache { enable: true }``).
+
+A request to a model with the cache enabled is looked up by a key made of the model name and
+version, each input's name, datatype, shape and bytes, and the requested output names. A hit
+is answered at once, without reaching the scheduler; a miss runs normally and its successful
+response is stored.
+
+Two stores: ``local`` (in-process LRU bounded by bytes) and ``redis`` (needs the ``redis``
+package). Decoupled and sequence-batched models cannot use the cache; their configs are
+refused at load (see ``pyserve.repository.model_config.validate``).
+
+Counts for metrics and statistics: ``ResponseCache.add_listener(fn)`` registers
+``fn(model_name, model_version, hit, duration_ns)``, called once per lookup of a cached
+model: on a hit with the lookup time, on a miss (when the response is stored, or failed)
+with lookup + insert time. ``ResponseCache.counts(model, version)`` returns running totals.
+Listeners run on the event loop (hits) or on instance threads (misses) and must be quick.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import orjson
+
+from pyserve.api.errors import InferError
+from pyserve.api.inference import InferRequest, InferResponse
+from pyserve.repository.tensor_checks import decode_bytes_elements, encode_bytes_elements
+
+CacheListener = Callable[[str, int, bool, int], None]
+"""``(model_name, model_version, hit, duration_ns)``, called per lookup."""
+
+
+class CacheConfigError(ValueError):
+    """``--cache-config`` names an unknown cache, a bad setting, or a store that cannot be used."""
+
+
+@dataclass
+class CacheCounts:
+    """Running totals for one model version."""
+
+    hits: int = 0
+    misses: int = 0
+    hit_ns: int = 0
+    miss_ns: int = 0
+
+
+class CacheStore(Protocol):
+    """Where entries live: bytes keys → ``InferResponse`` values."""
+
+    def get(self, key: bytes) -> InferResponse | None: ...
+
+    def put(self, key: bytes, response: InferResponse) -> None: ...
+
+
+def _frozen_copy(array: Any) -> np.ndarray:
+    copy = np.array(array, copy=True)
+    copy.flags.writeable = False
+    return copy
+
+
+def _nbytes(array: np.ndarray) -> int:
+    if array.dtype == object:
+        return sum(len(x) if isinstance(x, (bytes, str)) else 8 for x in array.reshape(-1)) + 8 * array.size
+    return int(array.nbytes)
+
+
+class LocalCache:
+    """An in-process LRU of responses bounded by their total bytes. Thread-safe.
+
+    :param size: the byte budget; an entry larger than it is never stored.
+    """
+
+    def __init__(self, size: int) -> None:
+        if size <= 0:
+            raise CacheConfigError("the local cache needs size=<bytes> greater than 0")
+        self.size = size
+        self.used = 0
+        self._entries: OrderedDict[bytes, tuple[InferResponse, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes) -> InferResponse | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+        return InferResponse(entry[0].outputs, entry[0].parameters)
+
+    def put(self, key: bytes, response: InferResponse) -> None:
+        outputs = {name: _frozen_copy(array) for name, array in response.outputs.items()}
+        cost = len(key) + sum(_nbytes(a) for a in outputs.values()) + 64
+        if cost > self.size:
+            return
+        stored = InferResponse(outputs, response.parameters)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.used -= old[1]
+            while self._entries and self.used + cost > self.size:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self.used -= evicted
+            self._entries[key] = (stored, cost)
+            self.used += cost
+
+
+_LEN = struct.Struct("<Q")
+
+
+def serialize_response(response: InferResponse) -> bytes:
+    """A self-describing byte form of a response (no pickle): JSON header + tensor bytes."""
+    header: list[Any] = []
+    blobs: list[bytes] = []
+    for name, value in response.outputs.items():
+        array = np.asarray(value)
+        if array.dtype == object:
+            blob = encode_bytes_elements(array)
+            dtype = "object"
+        else:
+            blob = np.ascontiguousarray(array).tobytes()
+            dtype = array.dtype.str
+        header.append([name, dtype, list(array.shape), len(blob)])
+        blobs.append(blob)
+    head = orjson.dumps({"outputs": header, "parameters": response.parameters})
+    return b"".join([_LEN.pack(len(head)), head, *blobs])
+
+
+def deserialize_response(data: bytes) -> InferResponse:
+    """The inverse of ``serialize_response``."""
+    (length,) = _LEN.unpack_from(data, 0)
+    head = orjson.loads(data[8 : 8 + length])
+    offset = 8 + length
+    outputs: dict[str, np.ndarray] = {}
+    for name, dtype, shape, size in head["outputs"]:
+        blob = data[offset : offset + size]
+        offset += size
+        count = int(np.prod(shape)) if shape else 1
+        if dtype == "object":
+            array = decode_bytes_elements(blob, count, name)
+        else:
+            array = np.frombuffer(blob, dtype=np.dtype(dtype), count=count)
+        outputs[name] = array.reshape(shape)
+    return InferResponse(outputs, head["parameters"])
+
+
+class RedisCache:
+    """Responses in Redis (``--cache-config redis,host=...,port=...``).
+
+    Settings: ``host`` (default localhost), ``port`` (6379), ``db`` (0), ``password``,
+    ``username``, ``ttl`` (seconds, 0 = none), ``prefix`` (``pyserve:``).
+    """
+
+    def __init__(self, settings: Mapping[str, str]) -> None:
+        try:
+            import redis
+        except ImportError:
+            raise CacheConfigError(
+                "the redis response cache needs the 'redis' package: pip install redis"
+            ) from None
+        try:
+            self._client = redis.Redis(
+                host=settings.get("host", "localhost"),
+                port=int(settings.get("port", "6379")),
+                db=int(settings.get("db", "0")),
+                username=settings.get("username") or None,
+                password=settings.get("password") or None,
+            )
+            self._ttl = int(settings.get("ttl", "0"))
+        except ValueError as exc:
+            raise CacheConfigError(f"bad redis cache setting: {exc}") from None
+        self._prefix = settings.get("prefix", "pyserve:").encode()
+
+    def get(self, key: bytes) -> InferResponse | None:
+        try:
+            data = self._client.get(self._prefix + key.hex().encode())
+        except Exception:  # a cache outage must not fail inference
+            return None
+        return None if data is None else deserialize_response(data)
+
+    def put(self, key: bytes, response: InferResponse) -> None:
+        try:
+            self._client.set(self._prefix + key.hex().encode(), serialize_response(response), ex=self._ttl or None)
+        except Exception:
+            pass
+
+
+def request_key(request: InferRequest) -> bytes:
+    """The cache key: model, version, inputs (name, dtype, shape, bytes), requested outputs."""
+    digest = hashlib.blake2b(digest_size=32)
+    update = digest.update
+    update(request.model_name.encode())
+    update(b"\0%d\0" % request.model_version)
+    for name in sorted(request.inputs):
+        array = request.inputs[name]
+        update(name.encode())
+        update(b"\0")
+        update(array.dtype.str.encode())
+        update(repr(array.shape).encode())
+        if array.dtype == object:
+            update(encode_bytes_elements(array))
+        else:
+            update(memoryview(np.ascontiguousarray(array)).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer (numpy's stubs say so from Python 3.12)
+    update(b"\1")
+    for name in request.requested_outputs:
+        update(name.encode())
+        update(b"\0")
+    return digest.digest()
+
+
+class _StoringSender:
+    """Wraps a request's sender: stores its successful final response, reports the miss."""
+
+    __slots__ = ("_cache", "_inner", "_key", "_request", "_start")
+
+    def __init__(self, cache: ResponseCache, request: InferRequest, key: bytes, start: int) -> None:
+        self._cache = cache
+        self._inner = request.attached_sender()
+        self._request = request
+        self._key = key
+        self._start = start
+
+    def send(self, response: InferResponse | InferError | None, final: bool) -> None:
+        if final and isinstance(response, InferResponse):
+            self._cache.store.put(self._key, response)
+        if final:
+            request = self._request
+            self._cache._report(request.model_name, request.model_version, False, time.perf_counter_ns() - self._start)
+        self._inner.send(response, final)
+
+    def is_cancelled(self) -> bool:
+        return self._inner.is_cancelled()
+
+
+class ResponseCache:
+    """The server's response cache: a store plus hit/miss accounting.
+
+    :param store: where entries are kept (``LocalCache`` or ``RedisCache``).
+    """
+
+    def __init__(self, store: CacheStore) -> None:
+        self.store = store
+        self._listeners: list[CacheListener] = []
+        self._counts: dict[tuple[str, int], CacheCounts] = {}
+        self._lock = threading.Lock()
+
+    def add_listener(self, listener: CacheListener) -> None:
+        """Call ``listener(model, version, hit, duration_ns)`` after every lookup."""
+        self._listeners.append(listener)
+
+    def counts(self, model: str, version: int) -> CacheCounts:
+        """Totals for one model version (zeros if it never used the cache)."""
+        with self._lock:
+            counts = self._counts.get((model, version))
+            return CacheCounts(**vars(counts)) if counts is not None else CacheCounts()
+
+    def serve(self, request: InferRequest) -> bool:
+        """Answer ``request`` from the cache if possible (its sender must be attached).
+
+        :returns: True on a hit (the response was sent); on a miss the request's sender is
+            wrapped so that its response is stored, and the caller schedules it as usual.
+        """
+        start = time.perf_counter_ns()
+        key = request_key(request)
+        response = self.store.get(key)
+        if response is not None:
+            self._report(request.model_name, request.model_version, True, time.perf_counter_ns() - start)
+            request.reply(response)
+            return True
+        request.attach_sender(_StoringSender(self, request, key, start))
+        return False
+
+    def _report(self, model: str, version: int, hit: bool, duration_ns: int) -> None:
+        with self._lock:
+            counts = self._counts.get((model, version))
+            if counts is None:
+                counts = self._counts[(model, version)] = CacheCounts()
+            if hit:
+                counts.hits += 1
+                counts.hit_ns += duration_ns
+            else:
+                counts.misses += 1
+                counts.miss_ns += duration_ns
+        for listener in self._listeners:
+            listener(model, version, hit, duration_ns)
+
+
+def parse_cache_config(items: list[tuple[str, str, str]]) -> tuple[str, dict[str, str]] | None:
+    """``--cache-config`` values (``(cache, key, value)`` triples) → ``(cache, settings)``.
+
+    :raises CacheConfigError: more than one cache named, or a setting without a cache name.
+    """
+    if not items:
+        return None
+    names = {cache for cache, _, _ in items}
+    if "" in names:
+        raise CacheConfigError("--cache-config must be <cache>,<key>=<value>, e.g. local,size=1048576")
+    if len(names) > 1:
+        raise CacheConfigError(f"only one response cache can be configured, got {sorted(names)}")
+    return names.pop(), {key: value for _, key, value in items}
+
+
+def create_cache(name: str, settings: Mapping[str, str]) -> ResponseCache:
+    """The cache ``--cache-config`` asks for.
+
+    :raises CacheConfigError: unknown cache, bad size, or a missing ``redis`` package.
+    """
+    if name == "local":
+        unknown = set(settings) - {"size"}
+        if unknown:
+            raise CacheConfigError(f"unknown local cache setting(s): {sorted(unknown)}")
+        try:
+            size = int(settings.get("size", "0"))
+        except ValueError:
+            raise CacheConfigError(f"local cache size must be an integer, got '{settings.get('size')}'") from None
+        return ResponseCache(LocalCache(size))
+    if name == "redis":
+        return ResponseCache(RedisCache(settings))
+    raise CacheConfigError(f"unknown response cache '{name}' (expected 'local' or 'redis')")
+
+
+def cache_enabled(model: Any) -> bool:
+    """Whether a loaded model version's config turns the response cache on."""
+    config = getattr(model, "config", None)
+    return bool(config is not None and config.response_cache.enable)

@@ -1,0 +1,1 @@
+"""The plugin host: backends found through entry points, called through typed hooks."""

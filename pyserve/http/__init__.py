@@ -1,2 +1,0 @@
-"""The HTTP/REST frontend (KServe v2 + Triton's extensions): Starlette routes, served by pyserve's
-own HTTP/1.1 server (``pyserve.http.server``) or uvicorn."""
