@@ -16,9 +16,9 @@ import numpy as np
 from pyserve.api.errors import InferError
 from pyserve.api.inference import InferRequest, InferResponse, ParameterValue
 from pyserve.dataplane.classification import classify
+from pyserve.dataplane.interface import SharedMemoryAccess
 from pyserve.dataplane.shared_memory import (
     Region,
-    SharedMemoryManager,
     ShmTarget,
     write_output,
 )
@@ -133,7 +133,7 @@ ignoring it there: perf_analyzer sets it on every gRPC request) on ``ModelInfer`
 
 
 def decode_infer(
-    message: Any, model: ModelVersion, *, stream: bool = False, shm: SharedMemoryManager | None = None
+    message: Any, model: ModelVersion, *, stream: bool = False, shm: SharedMemoryAccess | None = None
 ) -> DecodedGrpcRequest:
     """Decode and validate a ``ModelInferRequest`` for ``model``.
 

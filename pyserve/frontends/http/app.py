@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from pyserve.api.errors import InferError
 from pyserve.api.inference import InferRequest, InferResponse
-from pyserve.dataplane.plane import DataPlane
+from pyserve.dataplane.interface import ServingPlane
 from pyserve.frontends.http.body import read_body
 from pyserve.frontends.http.errors import error_response, status_error
 from pyserve.frontends.http.extensions import extension_routes
@@ -85,7 +85,7 @@ async def _collect(sender: GenerateSender) -> list[InferResponse | InferError]:
 
 
 def create_app(
-    dataplane: DataPlane, *, max_input_size: int, restrictions: Restrictions | None = None,
+    dataplane: ServingPlane, *, max_input_size: int, restrictions: Restrictions | None = None,
     status_page: bool = False,
     openai: bool = True, openai_metrics: OpenAIMetrics | None = None,
 ) -> InferFastPath | RestrictedHttp:
@@ -172,7 +172,7 @@ def create_app(
         return await infer_once(request, dataplane, model, max_input_size)
 
     async def start_generate(request: Request) -> tuple[Any, InferRequest, GenerateSender]:
-        """Decode a generate body and schedule it; the caller must call ``dataplane.finished``.
+        """Decode a generate body and schedule it; the caller must release the request.
 
         :raises InferError: unknown model, bad body, or the request was refused.
         """
@@ -181,18 +181,14 @@ def create_app(
         infer_request = decode_generate(body, model)
         sender = GenerateSender()
         infer_request.attach_sender(sender)
-        error = dataplane.submit(model, infer_request)
-        if error is not None:
-            raise error
+        dataplane.submit(model, infer_request)
         return model, infer_request, sender
 
     async def generate(request: Request) -> Response:
         try:
             model, infer_request, sender = await start_generate(request)
-            try:
+            with infer_request:
                 responses = await _unless_disconnected(request, _collect(sender))
-            finally:
-                dataplane.finished(infer_request)
             if responses is None:
                 infer_request.cancel()
                 return status_error(400, "client disconnected")
@@ -230,7 +226,7 @@ def create_app(
         def close() -> None:
             sender.close()
             infer_request.cancel()
-            dataplane.finished(infer_request)
+            infer_request.release()
 
         try:
             first = await _unless_disconnected(request, anext(responses, None))

@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from pyserve import logs
 from pyserve.api.errors import InferError
-from pyserve.dataplane.plane import DataPlane
+from pyserve.dataplane.interface import ServingPlane
 from pyserve.frontends.http.body import read_body
 from pyserve.frontends.http.errors import error_response
 
@@ -44,7 +44,7 @@ async def _json_body(request: Request, limit: int, *, required: bool = True) -> 
     return payload
 
 
-def extension_routes(dataplane: DataPlane, max_input_size: int) -> list[Route]:
+def extension_routes(dataplane: ServingPlane, max_input_size: int) -> list[Route]:
     """The extension routes for ``dataplane``'s server."""
     shm = dataplane.shared_memory
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from pyserve.api.errors import InferError
 from pyserve.api.inference import FutureSender, InferRequest, InferResponse
-from pyserve.dataplane.plane import DataPlane
+from pyserve.dataplane.interface import InferencePlane
 from pyserve.frontends.http import offload
 from pyserve.frontends.http.body import compress, decode_content, too_large
 from pyserve.frontends.http.codec import (
@@ -71,7 +71,7 @@ def route(path: str) -> tuple[str, str | None] | None:
 _route = route  # the former private name
 
 
-def infer_model(dataplane: DataPlane, name: str, version: str | None) -> ModelVersion:
+def infer_model(dataplane: InferencePlane, name: str, version: str | None) -> ModelVersion:
     """The model an infer request targets.
 
     :raises InferError: unknown model or version, or a decoupled model (501).
@@ -96,7 +96,7 @@ def check_declared_length(declared: bytes | None, limit: int) -> None:
 
 
 def decode_request(
-    dataplane: DataPlane, model: ModelVersion, body: bytes | bytearray, headers: Headers, limit: int
+    dataplane: InferencePlane, model: ModelVersion, body: bytes | bytearray, headers: Headers, limit: int
 ) -> tuple[DecodedRequest, int]:
     """Decompress and decode an infer body; ``(decoded, decode nanoseconds)``.
 
@@ -128,7 +128,7 @@ def decode_request(
 
 
 async def decode_soon(
-    dataplane: DataPlane, model: ModelVersion, body: bytes | bytearray, headers: Headers, limit: int
+    dataplane: InferencePlane, model: ModelVersion, body: bytes | bytearray, headers: Headers, limit: int
 ) -> tuple[DecodedRequest, int]:
     """``decode_request`` for a coroutine: inline for the usual body, on a decode thread for a
     large one (``pyserve.frontends.http.offload``) so that the event loop goes on serving meanwhile."""
@@ -139,19 +139,17 @@ async def decode_soon(
 
 
 def submit_request(
-    dataplane: DataPlane, model: ModelVersion, request: InferRequest, loop: asyncio.AbstractEventLoop
+    dataplane: InferencePlane, model: ModelVersion, request: InferRequest, loop: asyncio.AbstractEventLoop
 ) -> asyncio.Future[Any]:
     """Schedule ``request``; the future resolves to its ``InferResponse`` or ``InferError``.
 
-    ``dataplane.finished(request)`` must follow once the future is done (or abandoned).
+    ``request.release()`` must follow once the future is done (or abandoned).
 
-    :raises InferError: the data plane refused the request (nothing to finish then).
+    :raises InferError: the data plane refused the request (nothing to release then).
     """
     future: asyncio.Future[Any] = loop.create_future()
     request.attach_sender(FutureSender(loop, future))
-    error = dataplane.submit(model, request)
-    if error is not None:
-        raise error
+    dataplane.submit(model, request)
     return future
 
 
@@ -195,7 +193,7 @@ class InferFastPath:
     :param max_input_size: the request body cap (``--http-max-input-size``).
     """
 
-    def __init__(self, app: ASGIApp, dataplane: DataPlane, max_input_size: int) -> None:
+    def __init__(self, app: ASGIApp, dataplane: InferencePlane, max_input_size: int) -> None:
         self.app = app
         self.dataplane = dataplane
         self.max_input_size = max_input_size
@@ -283,7 +281,7 @@ class InferFastPath:
         finally:
             watcher.remove_done_callback(on_disconnect)
             watcher.cancel()
-            self.dataplane.finished(request)
+            request.release()
 
 
 async def _send(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:

@@ -52,7 +52,7 @@ from urllib.parse import unquote
 import httptools
 
 from pyserve.api.errors import InferError
-from pyserve.dataplane.plane import DataPlane
+from pyserve.dataplane.interface import InferencePlane
 from pyserve.frontends import balancer as balancing
 from pyserve.frontends import limits
 from pyserve.frontends.balancer import ConnectionBalancer
@@ -572,7 +572,7 @@ class HttpProtocol(asyncio.Protocol):
         self, request: _Request, model: ModelVersion, decoded: DecodedRequest, decode_ns: int,
         headers: Headers, future: asyncio.Future[Any],
     ) -> None:
-        self.server.dataplane.finished(decoded.request)
+        decoded.request.release()
         if self.closed or future.cancelled():
             return
         result = future.result()
@@ -994,7 +994,7 @@ class HttpServer:
     def __init__(
         self,
         app: ASGIApp,
-        dataplane: DataPlane,
+        dataplane: InferencePlane,
         *,
         max_input_size: int,
         restrictions: Restrictions | None = None,
@@ -1131,7 +1131,7 @@ class AppServer(HttpServer):
     plane (the metrics port). Same threading and shutdown as ``HttpServer``."""
 
     def __init__(self, app: ASGIApp, *, max_input_size: int) -> None:
-        super().__init__(app, cast(DataPlane, None), max_input_size=max_input_size)
+        super().__init__(app, cast(InferencePlane, None), max_input_size=max_input_size)
 
     def infer_target(self, url: bytes) -> tuple[str, str | None] | None:
         """Never native infer: every request goes to the application."""
