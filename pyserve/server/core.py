@@ -59,7 +59,7 @@ from pyserve.runtime.scheduling.rate_limiter import RateLimiter, RateLimitError
 from pyserve.server.metrics_port import MetricsService, MetricsStartError
 from pyserve.tracing import TraceConfig, TraceManager
 
-log = logging.getLogger("pyserve.server.core")
+log = logging.getLogger("pyserve.server")
 
 
 @dataclass
