@@ -60,7 +60,8 @@ twice this before it is refused."""
 
 
 class HttpProtocol(asyncio.Protocol):
-    """One HTTP/1.1 connection.
+    """One HTTP/1.1 connection; every request goes to the server's ASGI application unless a
+    subclass answers it natively (the ``_check_infer`` / ``_start_infer`` hooks).
 
     :param server: the server this connection belongs to.
     """

@@ -9,7 +9,7 @@ any route; only the per-request overhead differs.
 
 The steps (``infer_model``, ``check_declared_length``, ``decode_request`` or its coroutine form
 ``decode_soon``, ``submit_request``, ``encode_reply``, ``error_reply``) are module functions
-shared with the native HTTP/1.1 server (``pyserve.frontends.http.server``), which runs the same sequence
+shared with the native HTTP/1.1 server (``pyserve.frontends.http.native_infer``), which runs the same sequence
 without ASGI. A large body is decoded on a decode thread (``pyserve.frontends.http.offload``).
 """
 

@@ -80,7 +80,8 @@ class HttpServer:
         """Answers waiting for ``flush_replies`` (in the order they were made)."""
 
     protocol_class: type[HttpProtocol] = HttpProtocol
-    """The connection class (a frontend process answers infer requests its own way)."""
+    """The connection class (``InferHttpServer``'s answers infer natively; a frontend process's
+    hands infer requests off)."""
 
     def queue_reply(self, connection: HttpProtocol, data: bytes) -> None:
         """Queue a whole answer; the first one queued in a loop turn schedules the flush."""
