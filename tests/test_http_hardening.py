@@ -16,7 +16,7 @@ import pytest
 from suite_support import wait_for, write_model
 
 from pyserve.frontends import limits
-from pyserve.frontends.http import server as http_server
+from pyserve.frontends.http import connection as http_server
 from pyserve.server.core import ServerThread
 from pyserve.testing import serve
 

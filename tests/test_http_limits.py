@@ -25,7 +25,7 @@ from pyserve import (
     InferResponse,
     InstanceContext,
 )
-from pyserve.frontends.http.server import MAX_HEAD_SIZE, HttpProtocol
+from pyserve.frontends.http.connection import MAX_HEAD_SIZE, HttpProtocol
 from pyserve.server.core import ServerThread
 from pyserve.testing import serve
 

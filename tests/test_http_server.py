@@ -1,4 +1,4 @@
-"""pyserve's own HTTP/1.1 server (``pyserve.frontends.http.server``) at the protocol level, over raw sockets.
+"""pyserve's own HTTP/1.1 server (``pyserve.frontends.http.server``, ``.connection``, ``.native_infer``) at the protocol level, over raw sockets.
 
 Keep-alive reuse, pipelining (answers in order), HTTP/1.0, ``Connection: close``,
 ``Expect: 100-continue``, chunked request bodies, malformed requests, a declared body over
@@ -418,7 +418,7 @@ def test_a_request_that_stops_arriving_gets_408(monkeypatch: pytest.MonkeyPatch,
     that sends slowly but steadily is not."""
     import socket as socket_module
 
-    from pyserve.frontends.http import server as http_server
+    from pyserve.frontends.http import connection as http_server
     from pyserve.testing import serve, write_model
 
     monkeypatch.setattr(http_server, "READ_TIMEOUT", 0.4)
@@ -454,7 +454,7 @@ def test_keep_alive_timeout_closes_only_idle_connections(monkeypatch: pytest.Mon
     closed about 0.4 s later."""
     import socket as socket_module
 
-    from pyserve.frontends.http import server as http_server
+    from pyserve.frontends.http import connection as http_server
     from pyserve.testing import serve, write_model
 
     monkeypatch.setattr(http_server, "KEEP_ALIVE_TIMEOUT", 0.4)
@@ -480,7 +480,7 @@ def test_keep_alive_timeout_closes_only_idle_connections(monkeypatch: pytest.Mon
 def test_infer_urls_are_remembered_within_bounds(server: ServerThread) -> None:
     """The per-URL infer routing memo answers like the uncached rule (percent-encoded paths and
     non-infer URLs take the ASGI route) and never grows past its bound or keeps long URLs."""
-    from pyserve.frontends.http import server as http_server
+    from pyserve.frontends.http import native_infer as http_server
 
     native = server.server._http
     assert native.infer_target(b"/v2/models/echo/infer") == ("echo", None)

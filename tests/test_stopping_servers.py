@@ -16,7 +16,8 @@ import pytest
 from pyserve.frontends.grpc.connection import GrpcConnection
 from pyserve.frontends.grpc.listener import GrpcServer
 from pyserve.frontends.grpc.server import GrpcOptions
-from pyserve.frontends.http.server import HttpProtocol, HttpServer
+from pyserve.frontends.http.connection import HttpProtocol
+from pyserve.frontends.http.server import HttpServer
 
 
 def _grpc() -> tuple[Any, Callable[[], asyncio.Protocol]]:
@@ -26,7 +27,7 @@ def _grpc() -> tuple[Any, Callable[[], asyncio.Protocol]]:
 
 
 def _http() -> tuple[Any, Callable[[], asyncio.Protocol]]:
-    server = HttpServer(None, None, max_input_size=1024)  # type: ignore[arg-type]
+    server = HttpServer(None, max_input_size=1024)
     server.shutting_down = True
     return server, lambda: HttpProtocol(server)
 

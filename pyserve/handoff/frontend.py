@@ -47,7 +47,9 @@ from pyserve.frontends.http.fast_infer import (
     error_reply,
     submit_request,
 )
-from pyserve.frontends.http.server import ASGIApp, HttpProtocol, HttpServer, _Request
+from pyserve.frontends.http.native_infer import InferHttpProtocol, InferHttpServer
+from pyserve.frontends.http.parsed_request import ParsedRequest as _Request
+from pyserve.frontends.http.server import ASGIApp
 from pyserve.frontends.restricted import Restriction
 from pyserve.frontends.tcp import bind_tcp
 from pyserve.handoff.frontend_grpc import create_grpc
@@ -70,7 +72,7 @@ class _Raw:
 _RAW: Any = _Raw()
 
 
-class FrontendHttpProtocol(HttpProtocol):
+class FrontendHttpProtocol(InferHttpProtocol):
     """An HTTP connection of a frontend: infer requests are decoded here and handed off."""
 
     def __init__(self, server: FrontendHttpServer) -> None:
@@ -176,7 +178,7 @@ class FrontendHttpProtocol(HttpProtocol):
             request.asgi.disconnected()
 
 
-class FrontendHttpServer(HttpServer):
+class FrontendHttpServer(InferHttpServer):
     """pyserve's HTTP/1.1 server with hand-off infer and every other route relayed to the owner."""
 
     protocol_class = FrontendHttpProtocol

@@ -37,7 +37,7 @@ from pyserve.repository.scan import (
 from pyserve.runtime.loader import ModelLoader, _Built
 from pyserve.runtime.versions import ModelRecord
 
-log = logging.getLogger("pyserve.runtime.versions")
+log = logging.getLogger("pyserve.runtime")
 
 
 class ControlMode(str, enum.Enum):

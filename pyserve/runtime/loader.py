@@ -57,7 +57,7 @@ from pyserve.runtime.scheduling.rate_limiter import RateLimiter, RateLimitError,
 from pyserve.runtime.versions import ModelRecord, ModelState, ModelVersion
 from pyserve.runtime.warmup import WarmupError, run_warmup
 
-log = logging.getLogger("pyserve.runtime.versions")
+log = logging.getLogger("pyserve.runtime")
 
 STOP_GRACE_S = 0.1
 """Seconds a stopped worker gets to end even when the exit deadline has passed."""

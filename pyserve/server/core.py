@@ -34,6 +34,7 @@ from pyserve.frontends.grpc.server import GrpcOptions
 from pyserve.frontends.grpc.server import create_server as create_grpc_server
 from pyserve.frontends.http.app import create_app
 from pyserve.frontends.http.body import DEFAULT_MAX_INPUT_SIZE
+from pyserve.frontends.http.native_infer import InferHttpServer
 from pyserve.frontends.http.openai import OpenAIMetrics
 from pyserve.frontends.http.server import BODY_TIMEOUT, HEADER_TIMEOUT, HttpServer
 from pyserve.frontends.restricted import Restriction
@@ -59,7 +60,7 @@ from pyserve.runtime.scheduling.rate_limiter import RateLimiter, RateLimitError
 from pyserve.server.metrics_port import MetricsService, MetricsStartError
 from pyserve.tracing import TraceConfig, TraceManager
 
-log = logging.getLogger("pyserve.server.core")
+log = logging.getLogger("pyserve.server")
 
 
 @dataclass
@@ -505,7 +506,7 @@ class Server:
         if self.options.http_server not in ("pyserve", "uvicorn"):
             raise StartupError(f"unknown HTTP server '{self.options.http_server}' (expected pyserve or uvicorn)")
         if self._handoff_dir is not None:  # frontend processes relay other routes here
-            self._owner_http = HttpServer(
+            self._owner_http = InferHttpServer(
                 app, self.dataplane, max_input_size=self.options.http_max_input_size,
                 restrictions=self.options.http_restricted_api,
             )
@@ -516,7 +517,7 @@ class Server:
         if self.options.http_server == "pyserve":
             shared = self._handoff_dir is not None and self._balancer is None  # frontends listen too
             listener = _bind(self.options.host, self.options.http_port, reuse_port=shared or self.options.reuse_http_port)
-            self._http = HttpServer(
+            self._http = InferHttpServer(
                 app,
                 self.dataplane,
                 max_input_size=self.options.http_max_input_size,

@@ -9,7 +9,7 @@ any route; only the per-request overhead differs.
 
 The steps (``infer_model``, ``check_declared_length``, ``decode_request`` or its coroutine form
 ``decode_soon``, ``submit_request``, ``encode_reply``, ``error_reply``) are module functions
-shared with the native HTTP/1.1 server (``pyserve.frontends.http.server``), which runs the same sequence
+shared with the native HTTP/1.1 server (``pyserve.frontends.http.native_infer``), which runs the same sequence
 without ASGI. A large body is decoded on a decode thread (``pyserve.frontends.http.offload``).
 """
 
@@ -31,7 +31,7 @@ from pyserve.frontends.http.codec import (
     encode_infer,
     parse_header_length,
 )
-from pyserve.frontends.http.errors import HTTP_STATUS, error_body
+from pyserve.frontends.http.errors import JSON_HEADERS, Reply, error_reply
 from pyserve.repository.scan import is_version_number
 from pyserve.runtime.versions import ModelVersion
 
@@ -40,15 +40,10 @@ ASGIApp = Any
 
 _PREFIX = "/v2/models/"
 _SUFFIX = "/infer"
-_JSON_HEADERS = [(b"content-type", JSON_TYPE.encode("latin-1"))]
-JSON_HEADERS: list[tuple[bytes, bytes]] = _JSON_HEADERS
-"""The headers of every error answer (plus its content-length)."""
 DECOUPLED_MESSAGE = "HTTP end point doesn't support models with decoupled transaction policy"
 
 Headers = dict[bytes, bytes]
 """Request headers by lower-case name (the last value of a repeated header wins)."""
-Reply = tuple[int, bytes, list[tuple[bytes, bytes]]]
-"""``(status, body, headers)`` of an answer, content-length not included."""
 
 
 def route(path: str) -> tuple[str, str | None] | None:
@@ -167,7 +162,7 @@ def encode_reply(
         raise result
     content, out_headers = encode_infer(result, decoded, model)
     if len(out_headers) == 1 and out_headers.get("content-type") == JSON_TYPE:
-        raw_headers = _JSON_HEADERS  # the usual answer: shared, never mutated
+        raw_headers = JSON_HEADERS  # the usual answer: shared, never mutated
     else:
         raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out_headers.items()]
     if accept_encoding:
@@ -178,11 +173,6 @@ def encode_reply(
     if request.stats is not None:
         request.stats.response_sent(request)
     return 200, content, raw_headers
-
-
-def error_reply(error: InferError) -> Reply:
-    """The ``{"error": ...}`` answer for ``error``."""
-    return HTTP_STATUS[error.code], error_body(error.message), _JSON_HEADERS
 
 
 class InferFastPath:
