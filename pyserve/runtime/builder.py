@@ -60,7 +60,6 @@ class LoadSettings:
     :ivar rate_limiter: ``--rate-limit execution_count``'s limiter; None: not limited.
     :ivar custom_metrics: what backends and models receive as ``backend.metrics`` / ``model.metrics``.
     :ivar server_handle: what models receive as ``model.server`` (BLS); None: no server.
-    :ivar unload_wait_secs: how long a load or unload waits for the versions it retires.
     """
 
     auto_complete: bool = True
@@ -72,7 +71,6 @@ class LoadSettings:
     rate_limiter: RateLimiter | None = None
     custom_metrics: CustomMetrics = field(default_factory=CustomMetrics)
     server_handle: Any = None
-    unload_wait_secs: float = 30.0
 
 
 class NotForkSafe(Exception):

@@ -105,8 +105,7 @@ class ModelManager:
         latency_summaries: bool = False,
         registry: ModelRegistry | None = None,
     ) -> None:
-        self.host = host
-        self.load_settings = LoadSettings(
+        self._settings = LoadSettings(
             auto_complete=auto_complete,
             backend_config={k: dict(v) for k, v in (backend_config or {}).items()},
             backend_directory=backend_directory,
@@ -116,13 +115,12 @@ class ModelManager:
             rate_limiter=rate_limiter,
             custom_metrics=custom_metrics if custom_metrics is not None else CustomMetrics(),
             server_handle=server_handle,
-            unload_wait_secs=unload_wait_secs,
         )
-        self.registry = registry if registry is not None else ModelRegistry()
+        self._registry = registry if registry is not None else ModelRegistry()
         self._loop = LoopRunner()
-        self.builder = VersionBuilder(host, self.load_settings, self.registry.get)
-        self.loader = ModelLoader(self.registry, self.builder, self._loop, repositories, unload_wait_secs)
-        self.control = ModelControl(self.registry, self.loader, ControlSettings(
+        builder = VersionBuilder(host, self._settings, self._registry.get)
+        self._loader = ModelLoader(self._registry, builder, self._loop, repositories, unload_wait_secs)
+        self._control = ModelControl(self._registry, self._loader, ControlSettings(
             repositories=repositories,
             config_name=config_name,
             control_mode=ControlMode(control_mode),
@@ -130,8 +128,24 @@ class ModelManager:
             poll_secs=poll_secs,
             load_threads=load_threads,
         ))
-        self.get: Callable[..., ModelVersion] = self.registry.get
+        self.get: Callable[..., ModelVersion] = self._registry.get
         """``ModelRegistry.get``: the version that serves a request (bound here: the hot path)."""
+
+    # -- the parts ---------------------------------------------------------------------------
+    @property
+    def registry(self) -> ModelRegistry:
+        """The records and lookups."""
+        return self._registry
+
+    @property
+    def loader(self) -> ModelLoader:
+        """Loads and unloads one model at a time into the registry."""
+        return self._loader
+
+    @property
+    def control(self) -> ModelControl:
+        """The control modes, the poller, the load/unload API and shutdown."""
+        return self._control
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """Make model changes visible on ``loop`` (the server's, where requests are enqueued)
@@ -140,55 +154,55 @@ class ModelManager:
 
     def follow_explicitly(self) -> None:
         """``ModelControl.follow_explicitly``: models load and unload only when asked."""
-        self.control.follow_explicitly()
+        self._control.follow_explicitly()
 
     # -- what the server reads -----------------------------------------------------------------
     @property
     def records(self) -> dict[str, ModelRecord]:
         """The live model records by name (``ModelRegistry.records``); read only."""
-        return self.registry.records
+        return self._registry.records
 
     @property
     def repositories(self) -> list[Path]:
-        return self.control.repositories
+        return self._control.repositories
 
     @property
     def control_mode(self) -> ControlMode:
-        return self.control.control_mode
+        return self._control.control_mode
 
     @property
     def cpu_threads(self) -> int | None:
-        return self.load_settings.cpu_threads
+        return self._settings.cpu_threads
 
     @property
     def server_handle(self) -> Any:
-        return self.load_settings.server_handle
+        return self._settings.server_handle
 
     @property
     def missing_startup_models(self) -> list[str]:
         """``--load-model`` names the repositories do not hold (``--exit-on-error`` counts them)."""
-        return self.control.missing_startup_models
+        return self._control.missing_startup_models
 
     @property
     def unfinished(self) -> list[str]:
         """What ``unload_all`` left running at its deadline (empty after a clean shutdown)."""
-        return self.control.unfinished
+        return self._control.unfinished
 
     @property
     def prepared(self) -> dict[str, Built]:
         """Models ``prepare`` built before a fork, waiting to be started (``ModelLoader.prepared``)."""
-        return self.loader.prepared
+        return self._loader.prepared
 
     # -- lookups (event loop) --------------------------------------------------------------
     def all_ready(self) -> bool:
         """``ModelRegistry.all_ready``: Triton's strict readiness."""
-        return self.registry.all_ready()
+        return self._registry.all_ready()
 
     def startup_failures(self) -> list[str]:
         """One line per model (version) that is not READY after the startup load, with its
         reason, and per ``--load-model`` name the repositories lack (what ``all_ready`` and
         ``missing_startup_models`` count)."""
-        return self.registry.startup_failures(self.control.missing_startup_models)
+        return self._registry.startup_failures(self._control.missing_startup_models)
 
     def index(self, ready_only: bool = False) -> list[dict[str, str]]:
         """The repository index: one entry per model version (or per model with no version),
@@ -196,76 +210,76 @@ class ModelManager:
         on_disk: list[str] = []
         if not ready_only:
             try:
-                on_disk = list(self.control.scan())
+                on_disk = list(self._control.scan())
             except (ModelConfigError, OSError):
                 pass  # a repository that vanished: list what is loaded
-        return self.registry.index(ready_only, on_disk)
+        return self._registry.index(ready_only, on_disk)
 
     # -- loading before a fork (``pyserve.handoff.prefork``) -----------------------------------
     def startup_sources(self, report: bool = False) -> dict[str, ModelSource]:
         """``ModelControl.startup_sources``: the models ``load_all`` loads."""
-        return self.control.startup_sources(report)
+        return self._control.startup_sources(report)
 
     def ensemble_steps(self, source: ModelSource) -> set[str] | None:
         """``ModelControl.ensemble_steps``: the models an ensemble's steps name, or None."""
-        return self.control.ensemble_steps(source)
+        return self._control.ensemble_steps(source)
 
     def prepare(self, name: str, source: ModelSource, rules: Preparing) -> str | None:
         """``ModelLoader.prepare``: build a model's versions, not started, before a fork."""
-        return self.loader.prepare(name, source, rules)
+        return self._loader.prepare(name, source, rules)
 
     def discard_prepared(self, built: Built) -> None:
         """``ModelLoader.discard_prepared``: finalize prepared versions never started."""
-        self.loader.discard_prepared(built)
+        self._loader.discard_prepared(built)
 
     def adopt_prepared(self, name: str, config: Any) -> bool:
         """``ModelControl.adopt_prepared``: start what ``prepare`` built of ``name`` with ``config``."""
-        return self.control.adopt_prepared(name, config)
+        return self._control.adopt_prepared(name, config)
 
     # -- control ---------------------------------------------------------------------------
     def load_all(self) -> None:
         """``ModelControl.load_all``: load the startup models (failures recorded, not raised)."""
-        self.control.load_all()
+        self._control.load_all()
 
     def start_polling(self) -> None:
         """``ModelControl.start_polling`` (poll mode only)."""
-        self.control.start_polling()
+        self._control.start_polling()
 
     def stop_polling(self) -> None:
         """``ModelControl.stop_polling``."""
-        self.control.stop_polling()
+        self._control.stop_polling()
 
     def poll(self) -> None:
         """``ModelControl.poll``: apply the repository changes since the last scan."""
-        self.control.poll()
+        self._control.poll()
 
     def check_control_allowed(self) -> None:
         """``ModelControl.check_control_allowed``.
 
         :raises InferError: UNAVAILABLE outside explicit mode.
         """
-        self.control.check_control_allowed()
+        self._control.check_control_allowed()
 
     async def load_model_async(self, name: str, parameters: Mapping[str, Any] | None = None) -> None:
         """``ModelControl.load_model_async``: the load API (explicit mode)."""
-        await self.control.load_model_async(name, parameters)
+        await self._control.load_model_async(name, parameters)
 
     async def unload_model_async(self, name: str, unload_dependents: bool = False) -> None:
         """``ModelControl.unload_model_async``: the unload API (explicit mode)."""
-        await self.control.unload_model_async(name, unload_dependents)
+        await self._control.unload_model_async(name, unload_dependents)
 
     def load_model(self, name: str, config: str | None = None, files: Mapping[str, bytes] | None = None) -> None:
         """``ModelControl.load_model``: load or reload one model (blocking).
 
         :raises InferError: see ``ModelControl.load_model``.
         """
-        self.control.load_model(name, config, files)
+        self._control.load_model(name, config, files)
 
     def unload_model(self, name: str, unload_dependents: bool = False, *, forget: bool = False) -> None:
         """``ModelControl.unload_model``: unload every version of a model (blocking)."""
-        self.control.unload_model(name, unload_dependents, forget=forget)
+        self._control.unload_model(name, unload_dependents, forget=forget)
 
     def unload_all(self, timeout: float | None = None) -> None:
         """``ModelControl.unload_all``: shut every model and backend down (``unfinished``
         lists what was left running at ``timeout``)."""
-        self.control.unload_all(timeout)
+        self._control.unload_all(timeout)
