@@ -60,7 +60,7 @@ class ServerHandle:
         self._metrics = metrics
 
     def bind(
-        self, dataplane: Any, loop: asyncio.AbstractEventLoop, metrics: Callable[[], bytes] | None = None
+        self, dataplane: Any, loop: asyncio.AbstractEventLoop | None, metrics: Callable[[], bytes] | None = None
     ) -> None:
         """Serve through ``dataplane`` on ``loop`` from now on: a handle made before the loop
         ran (models loaded before a fork keep the handle they were given). ``metrics``, when

@@ -55,6 +55,7 @@ from pyserve.repository import tensor_checks
 from pyserve.repository.scan import check_config_name
 from pyserve.runtime import load_reasons
 from pyserve.runtime.manager import ModelManager
+from pyserve.runtime.registry import ModelRegistry
 from pyserve.runtime.scheduling import busy_poll, client_activity, execution_board
 from pyserve.runtime.scheduling.rate_limiter import RateLimiter, RateLimitError
 from pyserve.server.metrics_port import MetricsService, MetricsStartError
@@ -246,6 +247,18 @@ class Server:
     def __init__(self, options: ServerOptions, plugins: PluginHost | None = None) -> None:
         self.options = options
         self.plugins = plugins if plugins is not None else PluginHost()
+        config_name, rate_limiter = _config_name(options.model_config_name), _rate_limiter(options)
+        try:
+            metrics_settings = MetricsSettings.from_config(
+                options.metrics_config, cpu=options.allow_cpu_metrics, gpu=options.allow_gpu_metrics,
+                interval_ms=options.metrics_interval_ms,
+            )
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        registry = ModelRegistry()
+        self.metrics = ServerMetrics(registry.records, metrics_settings)
+        """The server's metrics registry (per server: two servers never share counts)."""
+        server_handle = ServerHandle(None, None)  # bound to the data plane below, to the loop in start
         self.models = ModelManager(
             options.model_repositories,
             self.plugins,
@@ -257,13 +270,17 @@ class Server:
             startup_models=options.load_models,
             poll_secs=options.repository_poll_secs,
             backend_directory=options.backend_directory,
-            config_name=_config_name(options.model_config_name),
-            rate_limiter=_rate_limiter(options),
+            config_name=config_name,
+            rate_limiter=rate_limiter,
             cpu_threads=_cpu_threads(options),
             unload_wait_secs=options.exit_timeout_secs,
+            server_handle=server_handle,
+            custom_metrics=self.metrics.custom,
+            latency_summaries=metrics_settings.summary_latencies,
+            registry=registry,
         )
         self.dataplane = DataPlane(self.models, options.server_id, __version__)
-        self.models.server_handle = ServerHandle(self.dataplane, None)  # bound to the loop in start
+        server_handle.bind(self.dataplane, None)
         self.dataplane.tracing = TraceManager(options.trace_config)
         self.dataplane.strict_readiness = options.strict_readiness
         if options.cache_config is not None:
@@ -279,17 +296,6 @@ class Server:
                 setattr(self.dataplane, attribute, compile_forwarding(pattern))
             except ValueError as exc:
                 raise StartupError(f"{flag}: {exc}") from None
-        try:
-            metrics_settings = MetricsSettings.from_config(
-                options.metrics_config, cpu=options.allow_cpu_metrics, gpu=options.allow_gpu_metrics,
-                interval_ms=options.metrics_interval_ms,
-            )
-        except ValueError as exc:
-            raise StartupError(str(exc)) from None
-        self.metrics = ServerMetrics(self.models.records, metrics_settings)
-        self.models.latency_summaries = metrics_settings.summary_latencies
-        """The server's metrics registry (per server: two servers never share counts)."""
-        self.models.custom_metrics = self.metrics.custom
         if self.dataplane.cache is not None:
             self.dataplane.cache.add_listener(self.metrics.on_cache_lookup)
         self._metrics_service: MetricsService | None = None
@@ -358,7 +364,7 @@ class Server:
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
         self.models.server_handle.bind(self.dataplane, loop, metrics=self.metrics.render)
-        self.models.loop = loop
+        self.models.attach_loop(loop)
         await loop.run_in_executor(None, self.models.load_all)
         self._log_model_table()
         if self.options.exit_on_error and (self.models.missing_startup_models or not self.models.all_ready()):
