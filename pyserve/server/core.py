@@ -19,7 +19,6 @@ import socket
 import tempfile
 import threading
 from collections.abc import Generator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +29,10 @@ from pyserve.dataplane.header_forwarding import compile_forwarding
 from pyserve.dataplane.plane import DataPlane
 from pyserve.frontends import limits, tcp
 from pyserve.frontends.balancer import FRONTEND_BALANCE, ConnectionBalancer
-from pyserve.frontends.grpc.server import GrpcOptions
 from pyserve.frontends.grpc.server import create_server as create_grpc_server
 from pyserve.frontends.http.app import create_app
-from pyserve.frontends.http.body import DEFAULT_MAX_INPUT_SIZE
 from pyserve.frontends.http.openai import OpenAIMetrics
-from pyserve.frontends.http.server import BODY_TIMEOUT, HEADER_TIMEOUT, HttpServer
-from pyserve.frontends.restricted import Restriction
+from pyserve.frontends.http.server import HttpServer
 from pyserve.frontends.tcp import bind_tcp
 from pyserve.handoff import affinity
 from pyserve.handoff.owner import HandoffServer
@@ -57,76 +53,10 @@ from pyserve.runtime.manager import ModelManager
 from pyserve.runtime.scheduling import busy_poll, client_activity, execution_board
 from pyserve.runtime.scheduling.rate_limiter import RateLimiter, RateLimitError
 from pyserve.server.metrics_port import MetricsService, MetricsStartError
-from pyserve.tracing import TraceConfig, TraceManager
+from pyserve.server.options import ServerOptions
+from pyserve.tracing import TraceManager
 
 log = logging.getLogger("pyserve.server.core")
-
-
-@dataclass
-class ServerOptions:
-    """Everything ``pyserve run`` can set; field names follow Triton's flags."""
-
-    model_repositories: list[Path]
-    host: str = "0.0.0.0"
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
-    allow_http: bool = True
-    allow_grpc: bool = True
-    allow_openai: bool = True  # --allow-openai: the OpenAI-compatible /v1 routes on the HTTP port
-    grpc: GrpcOptions = field(default_factory=GrpcOptions)
-    server_id: str = "pyserve"
-    exit_timeout_secs: float = 30.0
-    auto_complete: bool = True
-    exit_on_error: bool = True
-    backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
-    http_max_input_size: int = DEFAULT_MAX_INPUT_SIZE
-    http_max_connections: int = 0  # --http-max-connections; 0: from the descriptor limit (pyserve.frontends.limits)
-    http_header_timeout_secs: float = HEADER_TIMEOUT  # --http-header-timeout-secs; 0: no total limit
-    http_body_timeout_secs: float = BODY_TIMEOUT  # --http-body-timeout-secs; 0: no total limit
-    model_load_thread_count: int = 4
-    model_load_retry_count: int = 0  # --model-load-retry-count: further attempts after a failed load
-    model_control_mode: str = "none"
-    load_models: list[str] = field(default_factory=list)
-    repository_poll_secs: float = 15.0
-    backend_directory: str = "/opt/tritonserver/backends"
-    model_config_name: str = ""  # --model-config-name: read configs/<name>.pbtxt where a model has one
-    cache_config: tuple[str, Mapping[str, str]] | None = None  # --cache-config: (cache, settings)
-    trace_config: TraceConfig | None = None  # --trace-config
-    http_restricted_api: Mapping[str, Restriction] = field(default_factory=dict)  # category → header
-    status_page: bool = True  # --status-page: GET /status (and / for browsers) on the HTTP port (pyserve.frontends.status)
-    max_tensor_elements: int = 0  # elements per input tensor; 0 = no limit
-    # Serve GET /metrics on metrics_port. Off by default for embedded servers, so that they never
-    # take port 8002 unasked; ``pyserve run`` turns it on, as Triton (--allow-metrics, default true).
-    allow_metrics: bool = False
-    allow_cpu_metrics: bool = True
-    allow_gpu_metrics: bool = True  # GPU gauges need pynvml and a GPU
-    metrics_address: str = ""  # --metrics-address; "" = host (Triton: the HTTP address)
-    metrics_interval_ms: int = 2000  # how often CPU/GPU gauges are refreshed
-    metrics_config: Mapping[str, str] = field(default_factory=dict)  # --metrics-config key=value
-    http_server: str = "pyserve"  # --http-server: "pyserve" (native HTTP/1.1) or "uvicorn"
-    reuse_http_port: bool = False  # --reuse-http-port: SO_REUSEPORT, other servers may share the port
-    http_header_forward_pattern: str = ""  # --http-header-forward-pattern (pyserve.dataplane.header_forwarding)
-    strict_readiness: bool = True  # --strict-readiness: ready only while every model version is READY
-    # --frontend-processes: extra processes serving the HTTP/gRPC ports (see frontend_balance)
-    # that decode requests and hand them to this process, which owns the models (pyserve.handoff)
-    frontend_processes: int = 0
-    # --frontend-balance: how new connections are spread over the processes: "connections"
-    # (this process accepts and passes each to the one with the fewest open; pyserve.frontends.balancer)
-    # or "kernel" (every process listens with SO_REUSEPORT and the kernel picks)
-    frontend_balance: str = "connections"
-    # --replicate-models: none | auto | NAME[,NAME...]: models frontend processes load replicas
-    # of and answer themselves (pyserve.handoff.replicas)
-    replicate_models: str = "none"
-    # --busy-poll-us: after a model executed on the event loop answers, the loop keeps polling
-    # for this many microseconds instead of sleeping (pyserve.runtime.scheduling.busy_poll); 0 = off
-    busy_poll_us: int = 0
-    # --pin-processes: this process and each frontend process on a CPU of its own (pyserve.handoff.affinity)
-    pin_processes: bool = False
-    # --rate-limit: "off" or "execution_count" (instances wait for their instance group's
-    # rate_limiter resources; pyserve.runtime.scheduling.rate_limiter)
-    rate_limit: str = "off"
-    rate_limit_resources: list[str] = field(default_factory=list)  # --rate-limit-resource NAME:COUNT[:DEVICE]
 
 
 def _uvicorn_server(config: Any) -> Any:
