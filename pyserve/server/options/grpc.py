@@ -95,5 +95,5 @@ class GrpcServiceOptions:
 
     grpc_port: int = setting(flag("--grpc-port", type=values.port, headline=True, help="gRPC port (default 8001)"),
                              default=8001)
-    allow_grpc: bool = setting(flag("--allow-grpc", type=values.boolean, metavar="BOOL", headline=True), default=True)
+    allow_grpc: bool = setting(flag("--allow-grpc", type=values.boolean, metavar="BOOL"), default=True)
     grpc: GrpcOptions = nested(GRPC_SETTINGS, make_grpc_options, default_factory=default_grpc_options)

@@ -32,7 +32,7 @@ class HttpOptions:
         flag("--http-port", type=values.port, headline=True, help="HTTP port (default 8000; 0 = any free port)"),
         default=8000,
     )
-    allow_http: bool = setting(flag("--allow-http", type=values.boolean, metavar="BOOL", headline=True), default=True)
+    allow_http: bool = setting(flag("--allow-http", type=values.boolean, metavar="BOOL"), default=True)
     allow_openai: bool = setting(  # the OpenAI-compatible /v1 routes on the HTTP port
         flag("--allow-openai", type=values.boolean, metavar="BOOL",
              help="serve the OpenAI-compatible /v1 routes on the HTTP port (default true)"),
