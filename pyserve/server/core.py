@@ -18,7 +18,7 @@ import signal
 import socket
 import tempfile
 import threading
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +48,10 @@ from pyserve.host.plugins import PluginHost
 from pyserve.metrics import MetricsSettings, ServerMetrics, SystemMonitor
 from pyserve.repository import tensor_checks
 from pyserve.repository.scan import check_config_name
-from pyserve.runtime import load_reasons
 from pyserve.runtime.manager import ModelManager
 from pyserve.runtime.scheduling import busy_poll, client_activity, execution_board
 from pyserve.runtime.scheduling.rate_limiter import RateLimiter, RateLimitError
+from pyserve.server import model_table
 from pyserve.server.metrics_port import MetricsService, MetricsStartError
 from pyserve.server.options import ServerOptions
 from pyserve.tracing import TraceManager
@@ -289,7 +289,7 @@ class Server:
         self.models.server_handle.bind(self.dataplane, loop, metrics=self.metrics.render)
         self.models.loop = loop
         await loop.run_in_executor(None, self.models.load_all)
-        self._log_model_table()
+        model_table.log_startup_tables(self.models, self.plugins)
         if self.options.exit_on_error and (self.models.missing_startup_models or not self.models.all_ready()):
             failures = self.models.startup_failures()
             await loop.run_in_executor(None, self.models.unload_all)
@@ -489,49 +489,6 @@ class Server:
         self.http_port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
         client_activity.untracked_server(True)  # its requests are not reported: executes stay on threads
 
-    def _log_model_table(self) -> None:
-        """The startup table: one line per model version, a reason by its first line; the full
-        text of each reason the table cut follows it."""
-        rows = []  # Triton's columns first (scripts match "| <model> | <version> | READY |"), then ours
-        cut: list[str] = []
-        for e in self.models.index():
-            if "state" not in e:  # models on disk that were not loaded (explicit mode) have no state
-                continue
-            reason = e.get("reason", "")
-            shown = load_reasons.first_line(reason)
-            rows.append([e["name"], e.get("version", "-"), e["state"] + (f": {shown}" if reason else ""),
-                         self._served_by(e)])
-            if shown != reason:
-                where = f"model '{e['name']}'" + (f" version {e['version']}" if "version" in e else "")
-                cut.append(f"{where}: {self._detail(e) or reason}")
-        log.info("\n%s", logs.table(["Model", "Version", "Status", "Backend"], rows))
-        for text in cut:
-            log.info("%s", text)
-        backends = [[b.info.name, b.info.distribution, b.info.version] for b in self.plugins.loaded_backends()]
-        if backends:
-            log.info("\n%s", logs.table(["Backend", "Distribution", "Version"], backends))
-
-    def _detail(self, entry: Mapping[str, str]) -> str:
-        """The full text (for the log) of an index entry's reason; "" when it has none."""
-        record = self.models.records.get(entry["name"])
-        if record is None:
-            return ""
-        if "version" not in entry:
-            return record.detail or record.reason
-        version = record.versions.get(int(entry["version"]))
-        return (version.detail or version.reason) if version is not None else ""
-
-    def _served_by(self, entry: Mapping[str, str]) -> str:
-        """The startup table's Backend cell: which backend serves a model version and where it
-        comes from (an installed plugin, or a native library's path); ``-`` when none."""
-        record = self.models.records.get(entry["name"])
-        version = record.versions.get(int(entry["version"])) if record is not None and "version" in entry else None
-        if version is None or version.backend is None:
-            platform = version.config.platform if version is not None and version.config is not None else ""
-            return platform or "-"
-        info = version.backend.info
-        return f"{info.name} ({info.origin()})"
-
     def request_stop(self) -> None:
         """Ask a running ``serve_until_stopped`` to shut down (thread-safe via the loop)."""
         self._stop.set()
@@ -555,6 +512,24 @@ class Server:
             await self.frontends.stop(timeout)
         drained = await self.dataplane.drain(max(deadline - loop.time(), 0.0))
         self.clean_exit = drained
+        await self._stop_listening(deadline, drained)
+        self.dataplane.live = False
+        remaining = max(deadline - loop.time(), 0.0)
+        await loop.run_in_executor(None, self.models.unload_all, remaining)
+        if self.models.unfinished:
+            self.clean_exit = False
+            log.error("still running at the exit timeout: %s", ", ".join(self.models.unfinished))
+        await loop.run_in_executor(None, self.dataplane.tracing.shutdown)  # write pending traces
+        self.dataplane.readiness.close()
+        if self._metrics_service is not None:  # last, as Triton: metrics stay readable while draining
+            await self._metrics_service.stop()
+        await self._restore_process()
+        log.info("Server stopped")
+
+    async def _stop_listening(self, deadline: float, drained: bool) -> None:
+        """Close the HTTP, hand-off and gRPC services; ``drained``: the in-flight requests finished
+        before ``deadline`` (the loop's clock), else the services get 1 s more at most."""
+        loop = asyncio.get_running_loop()
         if self._http is not None:  # the exit timeout spent: give open answers 1 s more at most
             await self._http.shutdown(max(deadline - loop.time(), 0.0) if drained else 1.0)
         if self._owner_http is not None:
@@ -573,16 +548,10 @@ class Server:
             await self._grpc.stop(grace=max(deadline - loop.time(), 0.0) if drained else 0)
         if self._balancer is not None:
             self._balancer.close()
-        self.dataplane.live = False
-        remaining = max(deadline - loop.time(), 0.0)
-        await loop.run_in_executor(None, self.models.unload_all, remaining)
-        if self.models.unfinished:
-            self.clean_exit = False
-            log.error("still running at the exit timeout: %s", ", ".join(self.models.unfinished))
-        await loop.run_in_executor(None, self.dataplane.tracing.shutdown)  # write pending traces
-        self.dataplane.readiness.close()
-        if self._metrics_service is not None:  # last, as Triton: metrics stay readable while draining
-            await self._metrics_service.stop()
+
+    async def _restore_process(self) -> None:
+        """Undo what ``start`` changed process-wide (limits, busy polling, CPU affinity), end the
+        preforked frontends never used and remove the hand-off folder."""
         if self._saved_element_limit is not None:
             tensor_checks.LIMITS.max_tensor_elements = self._saved_element_limit
         if self._saved_busy_poll is not None:
@@ -590,10 +559,9 @@ class Server:
         if self._cpus is not None:
             affinity.restore(self._cpus)
         if self._preforked is not None:  # children never given their settings exit
-            await loop.run_in_executor(None, self._preforked.close)
+            await asyncio.get_running_loop().run_in_executor(None, self._preforked.close)
         if self._handoff_dir is not None:
             shutil.rmtree(self._handoff_dir, ignore_errors=True)
-        log.info("Server stopped")
 
     async def run(self, exit_when_stuck: bool = False) -> None:
         """Start, serve until SIGINT/SIGTERM, then shut down (``pyserve run``).
