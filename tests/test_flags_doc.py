@@ -48,3 +48,25 @@ def test_check_mode_reports_a_stale_page(tmp_path: Path) -> None:
     assert gen.main(["--check", "--output", str(stale)]) == 1
     assert gen.main(["--output", str(stale)]) == 0
     assert gen.main(["--check", "--output", str(stale)]) == 0
+
+
+def test_readme_flag_table_is_the_generated_one() -> None:
+    readme = gen.README.read_text(encoding="utf-8")
+    assert gen.TABLE_START in readme and gen.TABLE_END in readme, "README.md lost its main-flags markers"
+    assert readme == gen.render_readme(readme), (
+        "README.md's table of main flags is stale: run python scripts/gen_flags_doc.py and commit the result"
+    )
+    table = readme.split(gen.TABLE_START, 1)[1].split(gen.TABLE_END, 1)[0]
+    for flag in ("--model-repository", "--http-port", "--grpc-port", "--metrics-port"):
+        assert f"`{flag}`" in table, flag
+
+
+def test_check_mode_reports_a_stale_readme_table(tmp_path: Path) -> None:
+    page, readme = tmp_path / "flags.md", tmp_path / "README.md"
+    page.write_text(gen.render(), encoding="utf-8")
+    readme.write_text(f"# x\n\n{gen.TABLE_START}\n| old |\n{gen.TABLE_END}\n\nafter\n", encoding="utf-8")
+    assert gen.main(["--check", "--output", str(page), "--readme", str(readme)]) == 1
+    assert gen.main(["--output", str(page), "--readme", str(readme)]) == 0
+    assert gen.main(["--check", "--output", str(page), "--readme", str(readme)]) == 0
+    text = readme.read_text(encoding="utf-8")
+    assert "| old |" not in text and "`--http-port`" in text and text.endswith(f"{gen.TABLE_END}\n\nafter\n")

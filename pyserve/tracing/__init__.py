@@ -6,7 +6,7 @@ exported as OpenTelemetry spans.
 left, -1 = unlimited) and ``mode`` (``triton`` or ``opentelemetry``); ``triton`` keys ``file``
 and ``log-frequency``; ``opentelemetry`` keys ``url`` (OTLP/HTTP endpoint), ``resource``
 (``key=value`` resource attributes, repeatable) and ``bsp_max_queue_size``,
-``bsp_schedule_delay``, ``bsp_max_export_batch_size``.
+``bsp_schedule_delay``, ``bsp_max_export_batch_size`` (parsed by ``pyserve.tracing.config``).
 
 Settings can be read and changed at run time, globally or per model
 (``/v2/trace/setting``, ``/v2/models/{m}/trace/setting``, gRPC ``TraceSetting``).
@@ -42,18 +42,27 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pyserve.api.errors import InferError
 from pyserve.api.inference import InferRequest, InferResponse
+from pyserve.tracing.config import (
+    DEFAULT_OTLP_URL,
+    TRACE_LEVELS,
+    TRACE_MODES,
+    TraceConfig,
+    TraceConfigError,
+    normalize_levels,
+    parse_trace_config,
+)
+
+__all__ = [
+    "DEFAULT_OTLP_URL", "TRACE_LEVELS", "TRACE_MODES", "TRACING", "RequestTrace", "TraceConfig", "TraceConfigError",
+    "TraceManager", "child_trace", "mark_batch", "next_trace_id", "parse_trace_config", "traceparent_of",
+]
 
 log = logging.getLogger("pyserve.trace")
-
-TRACE_LEVELS = ("OFF", "TIMESTAMPS", "TENSORS")
-TRACE_MODES = ("triton", "opentelemetry")
-DEFAULT_OTLP_URL = "http://localhost:4318/v1/traces"
 
 
 class _Flag:
@@ -88,97 +97,6 @@ def next_trace_id() -> int:
     """A new trace id, unique in the process (every server's traces and the traces native
     backends create take theirs from here). Thread-safe."""
     return next(_TRACE_IDS)
-
-
-class TraceConfigError(ValueError):
-    """A ``--trace-config`` value Triton would refuse."""
-
-
-@dataclass
-class TraceConfig:
-    """Parsed ``--trace-config`` values."""
-
-    mode: str = "triton"
-    level: list[str] = field(default_factory=lambda: ["OFF"])
-    rate: int = 1000
-    count: int = -1
-    log_frequency: int = 0
-    file: str = ""
-    url: str = DEFAULT_OTLP_URL
-    resource: dict[str, str] = field(default_factory=dict)
-    bsp: dict[str, int] = field(default_factory=dict)
-
-
-def parse_trace_config(items: Iterable[str]) -> TraceConfig:
-    """``--trace-config`` values → ``TraceConfig``.
-
-    :raises TraceConfigError: a malformed item, unknown mode or key, or a bad value.
-    """
-    config = TraceConfig()
-    levels: list[str] = []
-    for item in items:
-        section, setting = "", item
-        head = item.split("=", 1)[0]
-        if "," in head:
-            section, _, setting = item.partition(",")
-            if section not in TRACE_MODES:
-                raise TraceConfigError(f"unknown trace mode '{section}' in '{item}' (expected triton or opentelemetry)")
-        key, sep, value = setting.partition("=")
-        if not sep:
-            raise TraceConfigError(f"--trace-config '{item}' must be [<mode>,]<key>=<value>")
-        try:
-            if not section and key == "mode":
-                if value not in TRACE_MODES:
-                    raise TraceConfigError(f"unknown trace mode '{value}'")
-                config.mode = value
-            elif not section and key == "level":
-                level = value.upper()
-                if level not in TRACE_LEVELS:
-                    raise TraceConfigError(f"unknown trace level '{value}' (expected OFF, TIMESTAMPS or TENSORS)")
-                levels.append(level)
-            elif not section and key == "rate":
-                config.rate = _positive(int(value), "rate")
-            elif not section and key == "count":
-                config.count = int(value)
-                if config.count < -1:
-                    raise TraceConfigError("trace count must be -1 (unlimited) or >= 0")
-            elif section in ("", "triton") and key == "file":
-                config.file = value
-            elif section in ("", "triton") and key == "log-frequency":
-                config.log_frequency = int(value)
-                if config.log_frequency < 0:
-                    raise TraceConfigError("trace log-frequency must be >= 0")
-            elif section == "opentelemetry" and key == "url":
-                config.url = value
-            elif section == "opentelemetry" and key == "resource":
-                name, eq, attr = value.partition("=")
-                if not eq or not name:
-                    raise TraceConfigError(f"opentelemetry resource must be <key>=<value>, got '{value}'")
-                config.resource[name] = attr
-            elif section == "opentelemetry" and key in (
-                "bsp_max_queue_size", "bsp_schedule_delay", "bsp_max_export_batch_size"
-            ):
-                config.bsp[key] = _positive(int(value), key)
-            else:
-                raise TraceConfigError(f"unknown --trace-config key '{key}'" + (f" for mode '{section}'" if section else ""))
-        except ValueError as exc:
-            if isinstance(exc, TraceConfigError):
-                raise
-            raise TraceConfigError(f"--trace-config '{item}': expected an integer value") from None
-    if levels:
-        config.level = _normalize_levels(levels)
-    return config
-
-
-def _positive(value: int, label: str) -> int:
-    if value < 1:
-        raise TraceConfigError(f"trace {label} must be >= 1")
-    return value
-
-
-def _normalize_levels(levels: Sequence[str]) -> list[str]:
-    chosen = [lv for lv in dict.fromkeys(levels) if lv != "OFF"]
-    return chosen or ["OFF"]
 
 
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
@@ -703,7 +621,7 @@ def _check_value(key: str, value: Any) -> Any:
             if not isinstance(item, str) or item.upper() not in TRACE_LEVELS:
                 raise InferError.invalid(f"unknown trace level '{item}' (expected OFF, TIMESTAMPS or TENSORS)")
             levels.append(item.upper())
-        return _normalize_levels(levels) if levels else ["OFF"]
+        return normalize_levels(levels) if levels else ["OFF"]
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise InferError.invalid(f"'{key}' must be a string holding an integer")
     try:
