@@ -80,6 +80,19 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return frame_header(kind, flags, stream_id, len(payload)) + payload
 
 
+def unpad(payload: memoryview) -> memoryview:
+    """The data of a PADDED frame's payload: without its pad length byte and its padding.
+
+    :raises ConnectionError_: PROTOCOL_ERROR when the pad length does not fit the payload.
+    """
+    if not payload:
+        raise ConnectionError_(PROTOCOL_ERROR, "padded frame without a pad length")
+    pad = payload[0]
+    if pad >= len(payload):
+        raise ConnectionError_(PROTOCOL_ERROR, "padding longer than the frame")
+    return payload[1:len(payload) - pad]
+
+
 def split_frames(buffer: bytes) -> tuple[list[tuple[int, int, int, bytes]], bytes]:
     """The whole frames at the start of ``buffer`` as ``(type, flags, stream id, payload)``, and
     the bytes left over (a frame not complete yet). For clients and test peers; the server's
