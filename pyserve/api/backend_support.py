@@ -13,7 +13,9 @@ What a backend that runs a framework's model on batches of requests repeats, in 
   the gather → run → split execute (errors mapped to one ``InferError`` per request);
 * ``pyserve_instance_create``, ``pyserve_instance_finalize``, ``pyserve_execute``: hook
   implementations for a module plugin whose model state is a ``FrameworkModel``; import them
-  into the plugin module to register them.
+  into the plugin module to register them;
+* ``missing_model_file``: what a plugin's ``pyserve_model_validate`` reports, from the
+  function that locates its model file.
 
 Importing this module imports numpy, but no framework.
 """
@@ -23,16 +25,16 @@ from __future__ import annotations
 import abc
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pyserve.api.backend import InstanceContext
+from pyserve.api.backend import InstanceContext, ModelContext
 from pyserve.api.batching import gather_inputs, split_outputs
-from pyserve.api.errors import ErrorCode, InferError
+from pyserve.api.errors import ErrorCode, InferError, ModelFileNotFound
 from pyserve.api.inference import InferRequest, InferResponse
 from pyserve.protocol import data_type_name, data_type_value
 from pyserve_hookspecs import hookimpl
@@ -52,6 +54,7 @@ __all__ = [
     "complete_config",
     "config_tensors",
     "int_parameter",
+    "missing_model_file",
     "needs_auto_complete",
     "pyserve_execute",
     "pyserve_instance_create",
@@ -532,3 +535,17 @@ def pyserve_execute(instance: InstanceContext, requests: Sequence[InferRequest])
     """
     state: FrameworkInstance = instance.state
     return state.execute(requests)
+
+
+def missing_model_file(locate: Callable[[ModelContext], object], model: ModelContext) -> list[str]:
+    """The problems ``pyserve validate`` reports for ``model``: the message of the
+    ``ModelFileNotFound`` that ``locate(model)`` raises, or none when it returns.
+
+    Meant for a plugin's ``pyserve_model_validate``, with ``locate`` its function that finds
+    the model file without importing the framework. Other exceptions propagate.
+    """
+    try:
+        locate(model)
+    except ModelFileNotFound as exc:
+        return [str(exc)]
+    return []

@@ -65,6 +65,17 @@ class ElfInfo:
     weak_undefined: frozenset[str] = field(default_factory=frozenset)
 
 
+_SHT_DYNAMIC = 6
+_SHT_DYNSYM = 11
+_DT_NULL = 0
+_DT_NEEDED = 1
+_STB_GLOBAL = 1
+_STB_WEAK = 2
+_SHN_UNDEF = 0
+
+_Section = tuple[int, int, int, int, int]  # sh_type, sh_offset, sh_size, sh_link, sh_entsize
+
+
 def read_elf(path: Path) -> ElfInfo:
     """Read NEEDED entries and dynamic symbols of a 64-bit little-endian ELF file.
 
@@ -78,6 +89,21 @@ def read_elf(path: Path) -> ElfInfo:
         raise BackendLoadError(f"{path}: not an ELF shared library")
     if data[4] != 2 or data[5] != 1:
         raise BackendLoadError(f"{path}: only 64-bit little-endian ELF libraries are supported")
+    sections = _sections(data)
+    needed: list[str] = []
+    defined: set[str] = set()
+    undefined: set[str] = set()
+    weak: set[str] = set()
+    for section in sections:
+        if section[0] == _SHT_DYNAMIC:
+            needed.extend(_needed(data, sections, section))
+        elif section[0] == _SHT_DYNSYM:
+            _sort_symbols(data, sections, section, defined, undefined, weak)
+    return ElfInfo(tuple(needed), frozenset(defined), frozenset(undefined), frozenset(weak))
+
+
+def _sections(data: bytes) -> list[_Section]:
+    """The section headers' fields ``read_elf`` uses, in file order."""
     (e_shoff,) = struct.unpack_from("<Q", data, 0x28)
     e_shentsize, e_shnum = struct.unpack_from("<HH", data, 0x3A)
     sections = []
@@ -86,39 +112,47 @@ def read_elf(path: Path) -> ElfInfo:
             "<IQQQQIIQQ", data, e_shoff + i * e_shentsize + 4
         )
         sections.append((sh_type, sh_offset, sh_size, sh_link, sh_entsize))
+    return sections
 
-    def string(table: int, offset: int) -> str:
-        start = sections[table][1] + offset
-        end = data.index(b"\0", start)
-        return data[start:end].decode("utf-8", "replace")
 
-    needed: list[str] = []
-    defined: set[str] = set()
-    undefined: set[str] = set()
-    weak: set[str] = set()
-    for sh_type, offset, size, link, entsize in sections:
-        if sh_type == 6:  # SHT_DYNAMIC
-            for pos in range(offset, offset + size, entsize or 16):
-                tag, value = struct.unpack_from("<qQ", data, pos)
-                if tag == 0:
-                    break
-                if tag == 1:  # DT_NEEDED
-                    needed.append(string(link, value))
-        elif sh_type == 11:  # SHT_DYNSYM
-            for pos in range(offset + (entsize or 24), offset + size, entsize or 24):
-                st_name, st_info, _other, st_shndx = struct.unpack_from("<IBBH", data, pos)
-                if not st_name:
-                    continue
-                name = string(link, st_name)
-                binding = st_info >> 4
-                if st_shndx != 0:
-                    if binding in (1, 2):
-                        defined.add(name)
-                elif binding == 2:
-                    weak.add(name)
-                elif binding == 1:
-                    undefined.add(name)
-    return ElfInfo(tuple(needed), frozenset(defined), frozenset(undefined), frozenset(weak))
+def _string(data: bytes, sections: list[_Section], table: int, offset: int) -> str:
+    """The NUL-terminated string at ``offset`` of string table section ``table``."""
+    start = sections[table][1] + offset
+    end = data.index(b"\0", start)
+    return data[start:end].decode("utf-8", "replace")
+
+
+def _needed(data: bytes, sections: list[_Section], dynamic: _Section) -> list[str]:
+    """The DT_NEEDED library names of a SHT_DYNAMIC section, up to its DT_NULL."""
+    _type, offset, size, link, entsize = dynamic
+    needed = []
+    for pos in range(offset, offset + size, entsize or 16):
+        tag, value = struct.unpack_from("<qQ", data, pos)
+        if tag == _DT_NULL:
+            break
+        if tag == _DT_NEEDED:
+            needed.append(_string(data, sections, link, value))
+    return needed
+
+
+def _sort_symbols(data: bytes, sections: list[_Section], dynsym: _Section,
+                  defined: set[str], undefined: set[str], weak: set[str]) -> None:
+    """Add the named symbols of a SHT_DYNSYM section to ``defined`` (global or weak, with a
+    section), ``undefined`` (global, without one) or ``weak`` (weak, without one)."""
+    _type, offset, size, link, entsize = dynsym
+    for pos in range(offset + (entsize or 24), offset + size, entsize or 24):
+        st_name, st_info, _other, st_shndx = struct.unpack_from("<IBBH", data, pos)
+        if not st_name:
+            continue
+        name = _string(data, sections, link, st_name)
+        binding = st_info >> 4
+        if st_shndx != _SHN_UNDEF:
+            if binding in (_STB_GLOBAL, _STB_WEAK):
+                defined.add(name)
+        elif binding == _STB_WEAK:
+            weak.add(name)
+        elif binding == _STB_GLOBAL:
+            undefined.add(name)
 
 
 # -- the shim ------------------------------------------------------------------------------

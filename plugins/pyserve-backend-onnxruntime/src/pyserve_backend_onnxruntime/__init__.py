@@ -25,10 +25,14 @@ from __future__ import annotations
 from pyserve import (
     BackendContext,
     ModelContext,
-    ModelFileNotFound,
     hookimpl,
 )
-from pyserve.api.backend_support import pyserve_execute, pyserve_instance_create, pyserve_instance_finalize
+from pyserve.api.backend_support import (
+    missing_model_file,
+    pyserve_execute,
+    pyserve_instance_create,
+    pyserve_instance_finalize,
+)
 from pyserve_backend_onnxruntime.runtime import (
     OnnxInstance,
     OnnxModel,
@@ -82,11 +86,7 @@ def pyserve_model_auto_complete(model: ModelContext) -> bool:
 @hookimpl
 def pyserve_model_validate(model: ModelContext) -> list[str]:
     """``pyserve validate``: the ONNX file (``default_model_filename`` or model.onnx) is missing (the framework is not imported)."""
-    try:
-        model_file(model)
-    except ModelFileNotFound as exc:
-        return [str(exc)]
-    return []
+    return missing_model_file(model_file, model)
 
 
 @hookimpl

@@ -87,6 +87,23 @@ def convert(
     converted: list[InferResponse | InferError | None] = [_one(model_name, item) for item in result]
     if all(item is not None for item in converted) and not any(r.sender_taken for r in requests):
         return converted  # type: ignore[return-value]
+    _answer_through_senders(model_name, requests, converted, instance_name, wrapped)
+    return None
+
+
+def _answer_through_senders(
+    model_name: str,
+    requests: Sequence[InferRequest],
+    converted: Sequence[InferResponse | InferError | None],
+    instance_name: str,
+    wrapped: Sequence[Any] | None,
+) -> None:
+    """``convert`` when some request is left to (or was answered through) its response
+    sender: the returned responses go through the senders too, the unanswered requests are
+    watched (``watch_unanswered``).
+
+    :raises InferError: a response was returned for a request whose sender already sent one.
+    """
     for request, item in zip(requests, converted):
         if item is not None and request.sender_taken:
             # as Triton's stub: a returned response is one more sent with the final flag, so
@@ -101,7 +118,6 @@ def convert(
                 request.response_sender().send(item, final=True)
         elif not request.final_sent and not request.rescheduled:
             watch_unanswered(model_name, request, wrapped[index] if wrapped is not None else None)
-    return None
 
 
 def watch_unanswered(model_name: str, request: InferRequest, wrapper: Any) -> None:

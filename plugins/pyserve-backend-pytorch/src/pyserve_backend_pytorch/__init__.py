@@ -32,10 +32,14 @@ from __future__ import annotations
 from pyserve import (
     BackendContext,
     ModelContext,
-    ModelFileNotFound,
     hookimpl,
 )
-from pyserve.api.backend_support import pyserve_execute, pyserve_instance_create, pyserve_instance_finalize
+from pyserve.api.backend_support import (
+    missing_model_file,
+    pyserve_execute,
+    pyserve_instance_create,
+    pyserve_instance_finalize,
+)
 from pyserve_backend_pytorch.runtime import (
     TorchInstance,
     TorchModel,
@@ -78,11 +82,7 @@ def pyserve_backend_initialize(backend: BackendContext) -> None:
 @hookimpl
 def pyserve_model_validate(model: ModelContext) -> list[str]:
     """``pyserve validate``: the model file (``default_model_filename`` or model.pt) is missing (the framework is not imported)."""
-    try:
-        model_file(model)
-    except ModelFileNotFound as exc:
-        return [str(exc)]
-    return []
+    return missing_model_file(model_file, model)
 
 
 @hookimpl

@@ -30,10 +30,14 @@ from __future__ import annotations
 from pyserve import (
     BackendContext,
     ModelContext,
-    ModelFileNotFound,
     hookimpl,
 )
-from pyserve.api.backend_support import pyserve_execute, pyserve_instance_create, pyserve_instance_finalize
+from pyserve.api.backend_support import (
+    missing_model_file,
+    pyserve_execute,
+    pyserve_instance_create,
+    pyserve_instance_finalize,
+)
 from pyserve_backend_tensorflow.runtime import (
     TensorFlowInstance,
     TensorFlowModel,
@@ -77,11 +81,7 @@ def pyserve_model_auto_complete(model: ModelContext) -> bool:
 @hookimpl
 def pyserve_model_validate(model: ModelContext) -> list[str]:
     """``pyserve validate``: the SavedModel directory (with saved_model.pb) or GraphDef file is missing (the framework is not imported)."""
-    try:
-        model_path(model)
-    except ModelFileNotFound as exc:
-        return [str(exc)]
-    return []
+    return missing_model_file(model_path, model)
 
 
 @hookimpl
