@@ -178,7 +178,7 @@ def decode_infer(
 
 
 def _decode_inputs(
-    message: Any, name: str, io: ModelIO, shm: SharedMemoryManager | None,
+    message: Any, name: str, io: ModelIO, shm: SharedMemoryAccess | None,
     inputs: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]],
 ) -> list[Region] | None:
     """Fill ``inputs`` (arrays in their request shape) and ``shapes`` from the request's input
@@ -215,7 +215,7 @@ def _decode_inputs(
 
 
 def _shm_input(
-    tensor: Any, spec: TensorSpec, shape: tuple[int, ...], shm: SharedMemoryManager | None,
+    tensor: Any, spec: TensorSpec, shape: tuple[int, ...], shm: SharedMemoryAccess | None,
     regions: list[Region], model: str,
 ) -> np.ndarray:
     """An input read from the shared-memory region its parameters name (added to ``regions``)."""
@@ -255,7 +255,7 @@ def _request_options(request_parameters: Any) -> RequestOptions:
 
 
 def _output_parameters(
-    outputs: list[Any], shm: SharedMemoryManager | None, classification: dict[str, int]
+    outputs: list[Any], shm: SharedMemoryAccess | None, classification: dict[str, int]
 ) -> dict[str, ShmTarget] | None:
     """Read the requested outputs' parameters: their ``classification`` counts into
     ``classification``; the shared-memory targets of those written to a region (None if none)."""
