@@ -8,7 +8,7 @@ The parser in ``pyserve/cli/main.py`` (``build_parser``; ``pyserve run``'s flags
 from ``pyserve/server/options``) and the Triton compatibility tables in
 ``pyserve/cli/triton_flags.py`` are the source of the page; the README's table lists the flags
 declared ``headline`` in ``pyserve/server/options``, between the README's two
-``main-flags`` markers. Neither is edited by hand: ``tests/test_flags_doc.py`` fails when the
+``main-flags`` markers. Neither is edited by hand: ``tests/cli/test_flags_doc.py`` fails when the
 committed text differs from what this script writes. A default is shown only where the flag's
 help does not state it in words, so a default computed from the machine (``bench --workers``)
 never reaches the page.

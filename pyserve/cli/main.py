@@ -36,7 +36,7 @@ def _load_model_problem(mode: str, names: Sequence[str]) -> str | None:
     return None
 
 
-def _add_run(sub: argparse._SubParsersAction) -> None:
+def _add_run(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     run = sub.add_parser("run", help="serve a Triton model repository over KServe v2 (HTTP and gRPC)")
     add_option_flags(run, RUN_GROUPS)
     triton_flags.add_flags(run)

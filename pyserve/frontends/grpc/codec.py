@@ -337,7 +337,7 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-class WireParts(list):
+class WireParts(list[Any]):
     """A serialized message as consecutive pieces (``bytes`` / ``memoryview``), not joined.
 
     pyserve's gRPC server writes the pieces as they are; anything else calls :meth:`join`.

@@ -10,7 +10,7 @@ from suite_support import load_script
 from pyserve.cli import triton_flags
 from pyserve.cli.main import build_parser
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PAGE = REPO_ROOT / "docs" / "flags.md"
 
 gen = load_script("gen_flags_doc")

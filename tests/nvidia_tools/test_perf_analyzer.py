@@ -17,7 +17,7 @@ import pytest
 
 from pyserve.server.core import ServerThread
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import _pa_models  # noqa: E402

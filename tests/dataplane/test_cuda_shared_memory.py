@@ -2,7 +2,7 @@
 the region logic (offsets, copies, errors, closing handles) over HTTP and gRPC with a host-memory
 stand-in for the four cupy runtime calls ``pyserve.dataplane.shared_memory.CudaRegion`` makes.
 
-The stand-in replaces only what cannot run here (CUDA); ``tests/test_gpu.py`` runs the same
+The stand-in replaces only what cannot run here (CUDA); ``tests/gpu/test_gpu.py`` runs the same
 paths with tritonclient's ``cuda_shared_memory`` utilities on a real GPU.
 """
 

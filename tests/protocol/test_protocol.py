@@ -28,7 +28,7 @@ try:
 except ImportError:  # pragma: no cover - tritonclient is a test dependency
     triton_config = triton_service = None
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 requires_triton = pytest.mark.skipif(triton_config is None, reason="needs tritonclient[grpc]")
 
 OUR_FILES = {

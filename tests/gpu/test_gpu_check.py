@@ -23,7 +23,7 @@ def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.timeout(900)
 def test_cpu_only_run_serves_the_checks_models(tmp_path: Path) -> None:
-    """torch is left out (--skip torch) to keep this run short; tests/test_gpu.py's plumbing
+    """torch is left out (--skip torch) to keep this run short; tests/gpu/test_gpu.py's plumbing
     check covers the TorchScript models wherever the script runs without --skip."""
     out = tmp_path / "out"
     result = _run("--cpu-only", "--python", sys.executable, "--skip", "torch", "--out", str(out), timeout=840)
@@ -50,7 +50,7 @@ def test_dry_run_prints_the_offline_install(tmp_path: Path) -> None:
     assert "venv --clear --without-pip" in result.stdout
     assert "-e " + str(REPO_ROOT / "plugins/pyserve-backend-onnxruntime") in installs[1]
     assert "pyserve-backend-pytorch" not in result.stdout  # --skip torch: neither plugin nor its GPU test
-    assert any("-m pytest tests/test_gpu.py" in line for line in lines), lines
+    assert any("-m pytest tests/gpu/test_gpu.py" in line for line in lines), lines
     assert not (tmp_path / "venv").exists() and not (tmp_path / "out").exists()
 
 

@@ -12,7 +12,7 @@ from suite_support import load_script
 import pyserve_hookspecs
 from pyserve_hookspecs import PROJECT_NAME, SPEC_MODULES, hookspec
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PAGE = REPO_ROOT / "docs" / "hooks.md"
 
 gen = load_script("gen_hook_docs")

@@ -31,7 +31,7 @@ from pyserve.testing import write_model
 # PyYAML comes with kubernetes-validate (the `test` extra).
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (pip install -e '.[test]')")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = REPO_ROOT / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
 DOCKERIGNORE = DEPLOY / "Dockerfile.dockerignore"

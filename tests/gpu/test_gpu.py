@@ -6,7 +6,7 @@ its path; figures go into the JUnit report as ``record_property`` entries.
 
 ``test_repository_serves_on_cpu`` checks the checks' own plumbing (the models, the probe
 ``model.py``, the ensembles, the launcher) on any machine; it runs under the script
-(``PYSERVE_GPU_CHECK`` set), which ``tests/test_gpu_check.py`` runs in CI with ``--cpu-only``.
+(``PYSERVE_GPU_CHECK`` set), which ``tests/gpu/test_gpu_check.py`` runs in CI with ``--cpu-only``.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _log_says(server: tuple[Server, dict[str, int]], text: str) -> None:
 # -- the plumbing, on any machine ----------------------------------------------------------------
 
 
-@pytest.mark.skipif(CHECK_ENV not in os.environ, reason="run by scripts/gpu_check.sh (tests/test_gpu_check.py)")
+@pytest.mark.skipif(CHECK_ENV not in os.environ, reason="run by scripts/gpu_check.sh (tests/gpu/test_gpu_check.py)")
 def test_repository_serves_on_cpu(http: httpclient.InferenceServerClient, repository: Repository,
                                   server: tuple[Server, dict[str, int]]) -> None:
     """Every model of the checks loads and answers (the CPU twins on any machine)."""

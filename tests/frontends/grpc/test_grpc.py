@@ -334,7 +334,7 @@ def test_health_check(server: ServerThread) -> None:
 
 def test_unavailable_extensions_say_so(client: grpcclient.InferenceServerClient) -> None:
     calls: list[tuple[Any, tuple[Any, ...]]] = [
-        # statistics, shared memory, trace and log settings: tests/test_statistics.py,
+        # statistics, shared memory, trace and log settings: tests/metrics/test_statistics.py,
         # test_shared_memory.py, test_trace.py, test_logging_settings.py
     ]
     for call, args in calls:

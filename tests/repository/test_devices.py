@@ -1,6 +1,6 @@
 """Which GPUs pyserve counts and reports: ``CUDA_VISIBLE_DEVICES`` as CUDA reads it, and the
 NVML gauges' readings and failures with a stand-in for ``pynvml`` (NVML cannot run here;
-``tests/test_gpu.py`` checks the gauges against ``nvidia-smi`` on a GPU machine)."""
+``tests/gpu/test_gpu.py`` checks the gauges against ``nvidia-smi`` on a GPU machine)."""
 
 from __future__ import annotations
 

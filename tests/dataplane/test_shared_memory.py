@@ -364,7 +364,7 @@ def test_unregister_while_in_use(server: ServerThread, regions: Any, backend: Ad
 
 def test_cuda_shared_memory_without_a_gpu(http: httpx.Client) -> None:
     if cuda_available():
-        pytest.skip("cupy and a GPU are present; tests/test_gpu.py covers CUDA shared memory")
+        pytest.skip("cupy and a GPU are present; tests/gpu/test_gpu.py covers CUDA shared memory")
     body = {"raw_handle": {"b64": base64.b64encode(b"\0" * 64).decode()}, "device_id": 0, "byte_size": 64}
     response = http.post("/v2/cudasharedmemory/region/c/register", json=body)
     assert response.status_code == 501
