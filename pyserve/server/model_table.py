@@ -11,7 +11,7 @@ from pyserve.host.plugins import PluginHost
 from pyserve.runtime import load_reasons
 from pyserve.runtime.manager import ModelManager
 
-log = logging.getLogger("pyserve.server.core")  # the server's own start-up lines, under its name
+log = logging.getLogger("pyserve.server")  # the server's own start-up lines, under its name
 
 
 def log_startup_tables(models: ModelManager, plugins: PluginHost) -> None:
