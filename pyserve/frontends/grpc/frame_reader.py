@@ -94,8 +94,9 @@ class FrameReader(ControlFrames):
         return len(h2.PREFACE)
 
     def _parse_frames(self, data: bytes, view: memoryview, position: int, end: int) -> int:
-        """Dispatch the frames of ``data`` from ``position``: where an incomplete frame begins
-        (``end`` if none), or -1 if a frame closed the connection."""
+        """Dispatch the frames of ``data`` from ``position`` to their handlers (``_FRAME_HANDLERS``,
+        called from here: no call in between): where an incomplete frame begins (``end`` if none),
+        or -1 if a frame closed the connection."""
         while position < end:
             if self._data_left:
                 take = min(self._data_left, end - position)
@@ -119,9 +120,13 @@ class FrameReader(ControlFrames):
                 break
             payload = view[position + 9:position + 9 + length]
             position += 9 + length
-            self._frame(kind, flags, stream_id, payload)
-            if self._closed:
-                return -1
+            if self._continuation is not None and kind != h2.CONTINUATION:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "expected CONTINUATION")
+            handler = _FRAME_HANDLERS.get(kind)
+            if handler is not None:  # unknown frame types are ignored (RFC 9113 §4.1)
+                handler(self, flags, stream_id, payload)
+                if self._closed:
+                    return -1
         return position
 
     def _complete_leftover(self, data: bytes) -> int:
@@ -181,14 +186,6 @@ class FrameReader(ControlFrames):
         self._closed = True
         self.transport.close()
 
-    def _frame(self, kind: int, flags: int, stream_id: int, payload: memoryview) -> None:
-        """One whole frame, to the handler of its type."""
-        if self._continuation is not None and kind != h2.CONTINUATION:
-            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "expected CONTINUATION")
-        handler = _FRAME_HANDLERS.get(kind)
-        if handler is not None:  # unknown frame types are ignored (RFC 9113 §4.1)
-            handler(self, flags, stream_id, payload)
-
 
 _FRAME_HANDLERS: dict[int, Callable[[FrameReader, int, int, memoryview], None]] = {
     h2.DATA: FrameReader._data_frame,
@@ -202,5 +199,5 @@ _FRAME_HANDLERS: dict[int, Callable[[FrameReader, int, int, memoryview], None]] 
     h2.PUSH_PROMISE: FrameReader._push_promise_frame,
     h2.PRIORITY: FrameReader._priority_frame,
 }
-"""The handler of each frame type, ``(connection, flags, stream_id, payload)``: looked up once a
-frame, so the common frames take no chain of comparisons."""
+"""The handler of each frame type, ``(connection, flags, stream_id, payload)`` of a whole frame:
+one look-up a frame, no chain of comparisons."""

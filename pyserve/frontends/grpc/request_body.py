@@ -35,7 +35,7 @@ class RequestBody(CallRunner):
         self._receive_data(payload, len(payload), bool(flags & h2.END_STREAM))
 
     def _begin_data(self, stream_id: int, flags: int, length: int) -> None:
-        if self._continuation is not None:  # also for DATA taken as it arrives, not only in _frame
+        if self._continuation is not None:  # also for DATA taken as it arrives, not only whole frames
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "expected CONTINUATION")
         if stream_id == 0:
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "DATA on stream 0")
