@@ -4,7 +4,7 @@
     python scripts/gen_hook_docs.py --check    # exit 1 if docs/hooks.md is stale
 
 The docstrings in ``hookspecs/src/pyserve_hookspecs/`` are the contract; this page is only
-their rendering, so it is never edited by hand. ``tests/test_hook_docs_page.py`` fails when
+their rendering, so it is never edited by hand. ``tests/api/test_hook_docs_page.py`` fails when
 the committed page differs from what this script writes, or when a hookspec has no docstring.
 The output depends only on the hookspec modules (no dates, no paths), so it is reproducible.
 """

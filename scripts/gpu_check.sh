@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: tests/test_gpu.py against a real `pyserve run`, and its results as markdown.
+# The GPU check: tests/gpu/test_gpu.py against a real `pyserve run`, and its results as markdown.
 # docs/gpu.md says what each check proves and how to run this on a lent GPU machine.
 #
 #   scripts/gpu_check.sh --download DIR   here, with PyPI: the wheels the GPU machine lacks
@@ -186,10 +186,10 @@ if [ -n "$TRITON_WHEELS" ]; then
     fi
 fi
 
-# The checks: tests/test_gpu.py and the framework plugins' own GPU tests (in-process servers).
+# The checks: tests/gpu/test_gpu.py and the framework plugins' own GPU tests (in-process servers).
 # -W default: a library's deprecation warning must not fail a check; -o timeout: a test's first
 # server start imports torch, onnxruntime and cupy.
-TESTS=(tests/test_gpu.py)
+TESTS=(tests/gpu/test_gpu.py)
 case ",$SKIP," in *,onnx,*) ;; *)
     TESTS+=(plugins/pyserve-backend-onnxruntime/tests/test_onnxruntime_backend.py::test_gpu_instance_uses_cuda_provider) ;;
 esac

@@ -1,4 +1,4 @@
-"""Turn the JUnit XML of ``tests/test_gpu.py`` into the markdown block docs/gpu.md keeps.
+"""Turn the JUnit XML of ``tests/gpu/test_gpu.py`` into the markdown block docs/gpu.md keeps.
 
 Usage: ``python scripts/gpu_report.py JUNIT_XML`` (``scripts/gpu_check.sh`` runs it). Prints a
 heading with today's date and the commit, the machine (``nvidia-smi``) and package versions,

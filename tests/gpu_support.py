@@ -1,4 +1,4 @@
-"""What the GPU checks (``tests/test_gpu.py``, run by ``scripts/gpu_check.sh``) need: finding
+"""What the GPU checks (``tests/gpu/test_gpu.py``, run by ``scripts/gpu_check.sh``) need: finding
 out whether a GPU and each GPU library can be used here, the model repository they serve, and a
 ``pyserve run`` subprocess with its three ports.
 

@@ -1,4 +1,4 @@
-"""The optional comparison of ``tests/test_gpu.py``: one GPU model's throughput on pyserve and on
+"""The optional comparison of ``tests/gpu/test_gpu.py``: one GPU model's throughput on pyserve and on
 Triton 2.51 (the ``tritonserver`` of the ``nvidia-pytriton`` wheel, found as
 ``benchmarks/_triton.py`` finds it) on the same GPU, in the same run.
 

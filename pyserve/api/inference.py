@@ -123,7 +123,7 @@ class InferRequest:
     :ivar last_response_ns: when the last of those was sent (0 = none yet).
     :ivar shm_regions: the shared-memory regions (``pyserve.dataplane.shared_memory.Region``) its
         tensors use, or None: they are in use (cannot be unregistered) from when the request is
-        submitted until it is finished (``DataPlane.submit`` / ``DataPlane.finished``).
+        submitted until it is released (``DataPlane.submit`` / ``InferRequest.release``).
     :ivar rescheduled: None unless the model runs iterative sequences (``sequence_batching {
         iterative_sequence: true }``); then False when an execute starts and True once the
         backend called ``reschedule()`` during it.
@@ -133,6 +133,7 @@ class InferRequest:
         "_backend_sender",
         "_cancelled",
         "_final_sent",
+        "_release",
         "_sender",
         "arrival_ns",
         "finish",
@@ -192,6 +193,7 @@ class InferRequest:
         self._backend_sender: BackendResponseSender | None = None
         self._cancelled = False
         self._final_sent = False
+        self._release: Callable[[InferRequest], None] | None = None
         self.finish: Callable[[InferRequest, InferResponse], InferResponse | InferError] | None = None
         self.trace: Any = None  # pyserve.tracing.RequestTrace when this request is traced
         self.trace_parent: str | None = None  # the client's W3C traceparent (set only while tracing)
@@ -267,6 +269,31 @@ class InferRequest:
         if final:
             self._final_sent = True
         self.attached_sender().send(response, final)
+
+    def on_release(self, release: Callable[[InferRequest], None] | None) -> None:
+        """Core side: ``release(self)`` is to run once, when the frontend lets the request go
+        (``DataPlane.submit`` registers what it holds for the request until then; None: nothing
+        to run)."""
+        self._release = release
+
+    def release(self) -> None:
+        """Frontend side: done with this submitted request (its final response was handled, or
+        it was abandoned): the server stops counting it in flight and lets go of its
+        shared-memory regions. Call on the event loop; idempotent, and a no-op for a request
+        that was never submitted. ``with request:`` releases it on leaving the block."""
+        release = self._release
+        if release is not None:
+            self._release = None
+            release(self)
+
+    def __enter__(self) -> InferRequest:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        release = self._release  # release(), inlined: the with-form is on the unary hot path
+        if release is not None:
+            self._release = None
+            release(self)
 
     @property
     def final_sent(self) -> bool:

@@ -16,73 +16,15 @@ from typing import Any
 
 from pyserve import __version__, logs
 from pyserve.cli import triton_flags
-from pyserve.frontends.balancer import FRONTEND_BALANCE
-from pyserve.handoff.layout import AUTO, Layout
+from pyserve.cli.option_flags import add_option_flags, option_values
+from pyserve.handoff.layout import Layout
 from pyserve.handoff.layout import choose as choose_layout
 from pyserve.repository.bundled import EXAMPLE_REPOSITORY, missing_backends
-from pyserve.repository.scan import check_config_name
-from pyserve.runtime.scheduling.busy_poll import MAX_WINDOW_US
 from pyserve.server.argtypes import boolean as _bool
-
-
-def _port(value: str) -> int:
-    port = int(value)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be between 0 and 65535, got {port}")
-    return port
-
-
-def _non_negative_int(value: str) -> int:
-    number = int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return number
-
-
-def _non_negative_float(value: str) -> float:
-    number = float(value)
-    if not number >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return number
-
-
-def _poll_secs(value: str) -> float:
-    secs = float(value)
-    if not secs > 0:
-        raise argparse.ArgumentTypeError(f"--repository-poll-secs must be greater than 0, got {value}")
-    return secs
-
-
-def _config_name(value: str) -> str:
-    try:
-        return check_config_name(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _auto_count(value: str) -> str | int:
-    if value == AUTO:
-        return AUTO
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto or a whole number, got '{value}'") from None
-
-
-def _auto_bool(value: str) -> str | bool:
-    return AUTO if value == AUTO else _bool(value)
-
-
-def _busy_poll_us(value: str) -> str | int:
-    if value == AUTO:
-        return AUTO
-    try:
-        microseconds = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--busy-poll-us must be a whole number of microseconds, got '{value}'") from None
-    if not 0 <= microseconds <= MAX_WINDOW_US:
-        raise argparse.ArgumentTypeError(f"--busy-poll-us must be between 0 and {MAX_WINDOW_US}, got {value}")
-    return microseconds
+from pyserve.server.options import RUN_GROUPS, LogOptions, ServerOptions
+from pyserve.server.options.values import backend_config as _backend_config
+from pyserve.server.options.values import backend_setting as _backend_setting
+from pyserve.server.options.values import config_name as _config_name
 
 
 def _load_model_problem(mode: str, names: Sequence[str]) -> str | None:
@@ -94,254 +36,16 @@ def _load_model_problem(mode: str, names: Sequence[str]) -> str | None:
     return None
 
 
-def _backend_setting(item: str) -> tuple[str, str, str]:
-    """One ``--backend-config`` value, Triton's ``<backend>,<key>=<value>`` or global ``<key>=<value>``.
-
-    :returns: ``(backend, key, value)``; ``backend`` is ``""`` for a global setting.
-    """
-    backend, setting = "", item
-    if "," in item.split("=", 1)[0]:
-        backend, _, setting = item.partition(",")
-        if not backend.strip():
-            raise argparse.ArgumentTypeError(f"'{item}' names no backend before ','")
-    key, sep, value = setting.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"'{item}' must be <backend>,<key>=<value> or <key>=<value>")
-    return backend.strip(), key.strip(), value
-
-
-def _metrics_setting(item: str) -> tuple[str, str]:
-    """One ``--metrics-config`` value, ``<key>=<value>``."""
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"'{item}' must be <key>=<value>")
-    return key.strip(), value.strip()
-
-
-def _backend_config(items: Sequence[tuple[str, str, str]]) -> dict[str, dict[str, str]]:
-    """The parsed ``--backend-config`` values, as settings per backend (``""`` = every backend)."""
-    settings: dict[str, dict[str, str]] = {}
-    for backend, key, value in items:
-        settings.setdefault(backend, {})[key] = value
-    return settings
-
-
-def _add_run(sub: argparse._SubParsersAction) -> None:
+def _add_run(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     run = sub.add_parser("run", help="serve a Triton model repository over KServe v2 (HTTP and gRPC)")
-    run.add_argument("--model-repository", "--model-store", action="append", default=[], metavar="PATH",
-                     help="a model repository (repeatable); default: the bundled example repository")
-    run.add_argument("--host", "--http-address", dest="host", default="0.0.0.0",
-                     help="address to listen on (default 0.0.0.0, as Triton)")
-    run.add_argument("--http-port", type=_port, default=8000, help="HTTP port (default 8000; 0 = any free port)")
-    run.add_argument("--grpc-port", type=_port, default=8001, help="gRPC port (default 8001)")
-    run.add_argument("--metrics-port", type=_port, default=8002, help="metrics port (default 8002)")
-    run.add_argument("--allow-http", type=_bool, default=True, metavar="BOOL")
-    run.add_argument("--allow-grpc", type=_bool, default=True, metavar="BOOL")
-    run.add_argument("--allow-openai", type=_bool, default=True, metavar="BOOL",
-                     help="serve the OpenAI-compatible /v1 routes on the HTTP port (default true)")
-    run.add_argument("--allow-metrics", type=_bool, default=True, metavar="BOOL",
-                     help="serve Prometheus metrics on --metrics-port at /metrics (default true)")
-    metrics_flags = run.add_argument_group("metrics")
-    metrics_flags.add_argument("--metrics-address", default="", metavar="HOST",
-                               help="address the metrics service listens on (default: --http-address)")
-    metrics_flags.add_argument("--metrics-interval-ms", type=int, default=2000, metavar="MS",
-                               help="how often CPU and GPU metrics are refreshed (default 2000)")
-    metrics_flags.add_argument("--metrics-config", action="append", default=[], type=_metrics_setting,
-                               metavar="KEY=VALUE",
-                               help="counter_latencies=BOOL (default true), histogram_latencies=BOOL "
-                                    "(default false); repeatable")
-    metrics_flags.add_argument("--allow-cpu-metrics", type=_bool, default=True, metavar="BOOL")
-    metrics_flags.add_argument("--allow-gpu-metrics", type=_bool, default=True, metavar="BOOL",
-                               help="GPU metrics through NVML (needs pynvml and a GPU; default true)")
-    grpc_flags = run.add_argument_group("gRPC")
-    grpc_flags.add_argument("--grpc-address", default="", metavar="HOST",
-                            help="address the gRPC service listens on (default: --host)")
-    grpc_flags.add_argument("--grpc-infer-response-compression-level", default="none",
-                            choices=["none", "low", "medium", "high"],
-                            help="compress infer responses (gzip) unless 'none'")
-    grpc_flags.add_argument("--grpc-max-message-size", type=int, default=2**31 - 1, metavar="BYTES",
-                            help="largest gRPC message sent or received (default 2 GiB - 1)")
-    grpc_flags.add_argument("--grpc-keepalive-time", type=int, default=7_200_000, metavar="MS")
-    grpc_flags.add_argument("--grpc-keepalive-timeout", type=int, default=20_000, metavar="MS")
-    grpc_flags.add_argument("--grpc-keepalive-permit-without-calls", type=_bool, default=False, metavar="BOOL")
-    grpc_flags.add_argument("--grpc-http2-max-pings-without-data", type=int, default=2, metavar="N")
-    grpc_flags.add_argument("--grpc-http2-min-recv-ping-interval-without-data", type=int, default=300_000,
-                            metavar="MS")
-    grpc_flags.add_argument("--grpc-http2-max-ping-strikes", type=int, default=2, metavar="N")
-    grpc_flags.add_argument("--grpc-use-ssl", type=_bool, default=False, metavar="BOOL",
-                            help="TLS on the gRPC port (needs --grpc-server-cert and --grpc-server-key)")
-    grpc_flags.add_argument("--grpc-use-ssl-mutual", type=_bool, default=False, metavar="BOOL",
-                            help="TLS, and clients must present a certificate signed by --grpc-root-cert")
-    grpc_flags.add_argument("--grpc-server-cert", default="", metavar="PEM")
-    grpc_flags.add_argument("--grpc-server-key", default="", metavar="PEM")
-    grpc_flags.add_argument("--grpc-root-cert", default="", metavar="PEM")
-    grpc_flags.add_argument("--grpc-header-forward-pattern", default="", metavar="REGEX",
-                            help="forward gRPC metadata whose key matches REGEX as request parameters "
-                                 "(case-insensitive unless REGEX starts with (?-i))")
-    grpc_flags.add_argument("--reuse-grpc-port", type=_bool, default=False, metavar="BOOL",
-                            help="let other servers listen on the same gRPC port (SO_REUSEPORT)")
-    grpc_flags.add_argument("--grpc-max-connections", type=_non_negative_int, default=0, metavar="N",
-                            help="open connections past which new ones get GOAWAY (default 0: half the "
-                                 "descriptor limit less a reserve, at most 16384)")
-    grpc_flags.add_argument("--grpc-idle-timeout-secs", type=_non_negative_float, default=300.0, metavar="SECS",
-                            help="close a connection without calls after this long (default 300; 0 = never)")
-    grpc_flags.add_argument("--grpc-message-timeout-secs", type=_non_negative_float, default=300.0, metavar="SECS",
-                            help="a request message must arrive whole within this of its first byte "
-                                 "(default 300; 0 = no limit)")
-    grpc_flags.add_argument("--grpc-max-connection-buffer", type=_non_negative_int, default=0, metavar="BYTES",
-                            help="bytes of incomplete request messages one connection may hold "
-                                 "(default 0: --grpc-max-message-size)")
-    grpc_flags.add_argument("--grpc-max-server-buffer", type=_non_negative_int, default=0, metavar="BYTES",
-                            help="bytes of incomplete request messages all connections may hold "
-                                 "(default 0: a quarter of the machine's memory)")
-    run.add_argument("--id", dest="server_id", default="pyserve", help="server name in server metadata")
-    run.add_argument("--log-verbose", type=int, default=0, metavar="N", help="verbose logging level (0 = off)")
-    run.add_argument("--strict-model-config", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
-                     help="require config.pbtxt and turn off auto-complete (deprecated in Triton)")
-    run.add_argument("--disable-auto-complete-config", action="store_true",
-                     help="backends do not complete model configs")
-    run.add_argument("--exit-timeout-secs", type=float, default=30.0, metavar="SECS",
-                     help="on SIGINT/SIGTERM, wait this long for in-flight requests (default 30)")
-    run.add_argument("--exit-on-error", type=_bool, nargs="?", const=True, default=True, metavar="BOOL",
-                     help="exit if any model fails to load at startup (default true, as Triton; "
-                          "false: serve the others)")
-    run.add_argument("--backend-config", action="append", default=[], type=_backend_setting,
-                     metavar="BACKEND,KEY=VALUE",
-                     help="a setting passed to a backend (repeatable)")
-    run.add_argument("--model-load-thread-count", type=int, default=4, metavar="N")
-    run.add_argument("--model-load-retry-count", type=int, default=0, metavar="N",
-                     help="try a model version that fails to load N more times (default 0)")
-    run.add_argument("--model-control-mode", default="none", choices=["none", "poll", "explicit"],
-                     help="none: load all, no changes; poll: load all, reload on repository changes; "
-                          "explicit: load --load-model names, then only through the load/unload API")
-    run.add_argument("--load-model", action="append", default=[], metavar="NAME",
-                     help="a model to load at startup in explicit mode (repeatable; '*' alone = all)")
-    run.add_argument("--repository-poll-secs", type=_poll_secs, default=15.0, metavar="SECS",
-                     help="seconds between repository scans in poll mode (default 15)")
-    run.add_argument("--model-config-name", default="", type=_config_name, metavar="NAME",
-                     help="read a model's configs/NAME.pbtxt instead of its config.pbtxt where it has one")
-    run.add_argument("--backend-directory", default="/opt/tritonserver/backends", metavar="PATH",
-                     help="where native backends live: <dir>/<backend>/libtriton_<backend>.so "
-                          "(default /opt/tritonserver/backends)")
-    run.add_argument("--http-max-input-size", type=int, default=64 * 1024 * 1024, metavar="BYTES",
-                     help="largest request body accepted (default 64 MiB)")
-    run.add_argument("--http-max-connections", type=_non_negative_int, default=0, metavar="N",
-                     help="open connections past which new ones are answered 503 (default 0: half the "
-                          "descriptor limit less a reserve, at most 16384)")
-    run.add_argument("--http-header-timeout-secs", type=_non_negative_float, default=30.0, metavar="SECS",
-                     help="a request's line and headers must arrive within this (default 30; 0 = no limit)")
-    run.add_argument("--http-body-timeout-secs", type=_non_negative_float, default=300.0, metavar="SECS",
-                     help="a request's body must arrive within this of its headers (default 300; 0 = no limit)")
-    run.add_argument("--strict-readiness", type=_bool, default=True, metavar="BOOL",
-                     help="ready only while every model is ready (default true, as Triton); false: while serving")
-    run.add_argument("--http-header-forward-pattern", default="", metavar="REGEX",
-                     help="forward HTTP headers whose name matches REGEX as request parameters "
-                          "(case-insensitive unless REGEX starts with (?-i))")
-    run.add_argument("--reuse-http-port", type=_bool, default=False, metavar="BOOL",
-                     help="let other servers listen on the same HTTP port (SO_REUSEPORT)")
-    run.add_argument("--rate-limit", choices=["off", "execution_count"], default="off",
-                     help="execution_count: instances execute only while the resources of their "
-                          "instance_group rate_limiter are free (default off, as Triton)")
-    run.add_argument("--rate-limit-resource", action="append", default=[], metavar="NAME:COUNT[:DEVICE]",
-                     help="units of a rate-limiter resource, on one device or (without DEVICE) on every device "
-                          "(repeatable; default: the most any instance asks for)")
-    _add_operations(run)
-    _add_tuning(run)
+    add_option_flags(run, RUN_GROUPS)
     triton_flags.add_flags(run)
 
 
-def _add_tuning(run: argparse.ArgumentParser) -> None:
-    """The process layout and server implementations: chosen by themselves (``auto``)."""
-    tuning = run.add_argument_group(
-        "advanced tuning", "the defaults fit the machine (pyserve.handoff.layout): set these only to override them")
-    tuning.add_argument("--frontend-processes", type=_auto_count, default=AUTO, metavar="auto|N",
-                        help="processes that serve the HTTP and gRPC ports beside this one, which holds the "
-                             "models (default auto: one per usable CPU beyond this one; 0 = this process alone)")
-    tuning.add_argument("--replicate-models", default=AUTO, metavar="auto|none|NAMES",
-                        help="models that frontend processes answer themselves from a replica: auto (default: "
-                             "every model that can be: no sequence batcher, decoupled, ensemble, GPU instances, "
-                             "response cache or BLS / custom metrics in model.py), none (every request is "
-                             "handed to this process), or comma-separated model names")
-    tuning.add_argument("--frontend-balance", choices=FRONTEND_BALANCE, default="connections",
-                        help="how new connections are spread over this process and its frontends: connections "
-                             "(default: this process accepts each and passes it to the process with the fewest "
-                             "open connections) or kernel (every process listens with SO_REUSEPORT and the "
-                             "kernel picks by a hash of the addresses)")
-    tuning.add_argument("--busy-poll-us", type=_busy_poll_us, default=AUTO, metavar="auto|US",
-                        help="after a model executed on the event loop answers a lone client that sends its "
-                             "requests back to back, keep polling the sockets for US microseconds instead of "
-                             "sleeping (0-1000000; default auto: 300 on two or more CPUs, else 0)")
-    tuning.add_argument("--pin-processes", type=_auto_bool, default=AUTO, metavar="auto|BOOL",
-                        help="run this process and each frontend process on a CPU of its own (Linux; default "
-                             "auto: only where the cgroup cpuset is exclusive to the server)")
-    tuning.add_argument("--http-server", choices=["pyserve", "uvicorn"], default="pyserve",
-                        help="the HTTP/1.1 server on --http-port: pyserve's own (default) or uvicorn")
-    tuning.add_argument("--grpc-server", choices=["pyserve", "grpcio"], default="pyserve",
-                        help="gRPC server: pyserve's own HTTP/2 server (default) or grpc.aio")
-
-
-def _add_operations(run: argparse.ArgumentParser) -> None:
-    """Logging, tracing, response cache, endpoint restriction and limits flags."""
-    ops = run.add_argument_group("logging, tracing, cache and security")
-    ops.add_argument("--log-info", type=_bool, default=True, metavar="BOOL", help="log info lines (default true)")
-    ops.add_argument("--log-warning", type=_bool, default=True, metavar="BOOL", help="log warnings (default true)")
-    ops.add_argument("--log-error", type=_bool, default=True, metavar="BOOL", help="log errors (default true)")
-    ops.add_argument("--log-format", default="default", choices=["default", "ISO8601", "json"],
-                     help="log line format (default: Triton's default)")
-    ops.add_argument("--log-file", default=None, metavar="PATH", help="write the log here instead of stderr")
-    ops.add_argument("--trace-config", action="append", default=[], metavar="[MODE,]KEY=VALUE",
-                     help="trace setting (repeatable), e.g. level=TIMESTAMPS, rate=100, triton,file=PATH, "
-                          "mode=opentelemetry, opentelemetry,url=http://host:4318/v1/traces")
-    ops.add_argument("--cache-config", action="append", default=[], type=_backend_setting,
-                     metavar="CACHE,KEY=VALUE",
-                     help="response cache (repeatable): local,size=BYTES or redis,host=H / redis,port=P")
-    ops.add_argument("--http-restricted-api", action="append", default=[], metavar="APIS:KEY=VALUE",
-                     help="require header KEY: VALUE for the listed HTTP API categories (repeatable)")
-    ops.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="APIS:KEY=VALUE",
-                     help="require metadata triton-grpc-protocol-KEY: VALUE for the listed gRPC categories")
-    ops.add_argument("--status-page", type=_bool, default=True, metavar="BOOL",
-                     help="serve the status page on the HTTP port at /status (and / for browsers; default true)")
-    ops.add_argument("--max-tensor-elements", type=int, default=0, metavar="N",
-                     help="refuse input tensors declaring more than N elements (default 0: no limit)")
-
-
-def _operations_options(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Parse the operations flags and configure logging.
-
-    :returns: ``ServerOptions`` and ``GrpcOptions`` keyword arguments.
-    :raises ValueError: a malformed flag value (the message names it).
-    """
-    from pyserve.dataplane.cache import parse_cache_config
-    from pyserve.frontends.restricted import parse_restrictions
-    from pyserve.tracing import parse_trace_config
-
-    if args.log_verbose < 0:
-        raise ValueError("--log-verbose must be >= 0")
-    if args.max_tensor_elements < 0:
-        raise ValueError("--max-tensor-elements must be >= 0")
-    if not 0 <= args.exit_timeout_secs < 1e9:  # also refuses nan and inf
-        raise ValueError(f"--exit-timeout-secs must be a number of seconds >= 0, not {args.exit_timeout_secs}")
-    try:
-        logs.configure(args.log_verbose, info=args.log_info, warning=args.log_warning, error=args.log_error,
-                       log_format=args.log_format, log_file=args.log_file)
-    except OSError as exc:
-        raise ValueError(f"--log-file '{args.log_file}': {exc.strerror or exc}") from None
-    server = {
-        "trace_config": parse_trace_config(args.trace_config),
-        "cache_config": parse_cache_config(args.cache_config),
-        "http_restricted_api": parse_restrictions(args.http_restricted_api),
-        "max_tensor_elements": args.max_tensor_elements,
-        "status_page": args.status_page,
-    }
-    grpc = {"restrictions": parse_restrictions(args.grpc_restricted_protocol, grpc=True)}
-    return server, grpc
-
-
-def _repositories(paths: Sequence[str], exit_on_error: bool) -> list[Path]:
-    """The repositories to serve: ``paths``, or without any the bundled example repository (whose
-    backends, missing, would each fail a model; with ``exit_on_error`` that is said at once)."""
-    if paths:
-        return [Path(p) for p in paths]
+def _bundled_repositories(exit_on_error: bool) -> list[Path]:
+    """The repositories to serve without any ``--model-repository``: the bundled example
+    repository (whose backends, missing, would each fail a model; with ``exit_on_error`` that
+    is said at once)."""
     if not EXAMPLE_REPOSITORY.is_dir():
         raise SystemExit(
             "pyserve: no --model-repository given, and the bundled example repository is not "
@@ -369,110 +73,51 @@ def _layout(args: argparse.Namespace) -> Layout:
                          single_reason=single)
 
 
+def _run_problem(args: argparse.Namespace, options: ServerOptions) -> str | None:
+    """Why ``pyserve run`` cannot serve ``options`` as asked, or None; notices are logged."""
+    for repo in options.model_repositories:
+        if not repo.is_dir():
+            return f"--model-repository '{repo}' does not exist or is not a directory"
+    fixed_ports = [p for p in (options.http_port, options.grpc_port, options.metrics_port) if p]  # 0 = any free port
+    if len(set(fixed_ports)) < len(fixed_ports):
+        return "--http-port, --grpc-port and --metrics-port must differ"
+    notices, flag_problem = triton_flags.check(args)
+    if flag_problem:
+        return flag_problem
+    for notice in notices:
+        logging.getLogger("pyserve").info("%s", notice)
+    return _load_model_problem(options.model_control_mode, options.load_models)
+
+
+def run_options(args: argparse.Namespace) -> ServerOptions:
+    """Configure logging from ``args`` (``pyserve run``'s), then the server's options from them,
+    with the process layout's ``auto`` flags resolved (the choice is logged).
+
+    :raises ValueError: a flag value the options cannot take (the message names the flag).
+    """
+    LogOptions(**option_values(LogOptions, args)).configure()
+    values = option_values(ServerOptions, args)
+    layout = _layout(args)
+    logging.getLogger("pyserve").info("%s", layout.describe())
+    values.update(frontend_processes=layout.frontend_processes, replicate_models=layout.replicate_models,
+                  busy_poll_us=layout.busy_poll_us, pin_processes=layout.pin_processes)
+    if not values["model_repositories"]:
+        values["model_repositories"] = _bundled_repositories(values["exit_on_error"])
+    return ServerOptions(**values)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    from pyserve.frontends.grpc.server import GrpcOptions
-    from pyserve.server.core import (
-        Server,
-        ServerOptions,
-        StartupError,
-        prebind_listeners,
-    )
+    from pyserve.server.core import Server, StartupError, prebind_listeners
 
     try:
-        operations, grpc_operations = _operations_options(args)
+        options = run_options(args)
     except ValueError as exc:
         print(f"pyserve: {exc}", file=sys.stderr)
         return 2
-    layout = _layout(args)
-    logging.getLogger("pyserve").info("%s", layout.describe())
-    repositories = _repositories(args.model_repository, args.exit_on_error)
-    for repo in repositories:
-        if not repo.is_dir():
-            print(f"pyserve: --model-repository '{repo}' does not exist or is not a directory", file=sys.stderr)
-            return 2
-    fixed_ports = [p for p in (args.http_port, args.grpc_port, args.metrics_port) if p]  # 0 = any free port
-    if len(set(fixed_ports)) < len(fixed_ports):
-        print("pyserve: --http-port, --grpc-port and --metrics-port must differ", file=sys.stderr)
+    problem = _run_problem(args, options)
+    if problem:
+        print(f"pyserve: {problem}", file=sys.stderr)
         return 2
-    notices, flag_problem = triton_flags.check(args)
-    if flag_problem:
-        print(f"pyserve: {flag_problem}", file=sys.stderr)
-        return 2
-    for notice in notices:
-        logging.getLogger("pyserve").info("%s", notice)
-    load_problem = _load_model_problem(args.model_control_mode, args.load_model)
-    if load_problem:
-        print(f"pyserve: {load_problem}", file=sys.stderr)
-        return 2
-    options = ServerOptions(
-        model_repositories=repositories,
-        host=args.host,
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port,
-        allow_http=args.allow_http,
-        allow_grpc=args.allow_grpc,
-        allow_openai=args.allow_openai,
-        allow_metrics=args.allow_metrics,
-        allow_cpu_metrics=args.allow_cpu_metrics,
-        allow_gpu_metrics=args.allow_gpu_metrics,
-        metrics_address=args.metrics_address,
-        metrics_interval_ms=args.metrics_interval_ms,
-        metrics_config=dict(args.metrics_config),
-        grpc=GrpcOptions(
-            host=args.grpc_address,
-            max_message_bytes=args.grpc_max_message_size,
-            infer_compression=args.grpc_infer_response_compression_level,
-            keepalive_time_ms=args.grpc_keepalive_time,
-            keepalive_timeout_ms=args.grpc_keepalive_timeout,
-            keepalive_permit_without_calls=args.grpc_keepalive_permit_without_calls,
-            http2_max_pings_without_data=args.grpc_http2_max_pings_without_data,
-            http2_min_recv_ping_interval_without_data_ms=args.grpc_http2_min_recv_ping_interval_without_data,
-            http2_max_ping_strikes=args.grpc_http2_max_ping_strikes,
-            implementation=args.grpc_server,
-            reuse_port=args.reuse_grpc_port,
-            use_ssl=args.grpc_use_ssl,
-            use_ssl_mutual=args.grpc_use_ssl_mutual,
-            server_cert=args.grpc_server_cert,
-            server_key=args.grpc_server_key,
-            root_cert=args.grpc_root_cert,
-            header_forward_pattern=args.grpc_header_forward_pattern,
-            max_connections=args.grpc_max_connections,
-            idle_timeout_secs=args.grpc_idle_timeout_secs,
-            message_timeout_secs=args.grpc_message_timeout_secs,
-            max_connection_buffer=args.grpc_max_connection_buffer,
-            max_server_buffer=args.grpc_max_server_buffer,
-            **grpc_operations,
-        ),
-        server_id=args.server_id,
-        exit_timeout_secs=args.exit_timeout_secs,
-        auto_complete=not (args.strict_model_config or args.disable_auto_complete_config),
-        exit_on_error=args.exit_on_error,
-        backend_config=_backend_config(args.backend_config),
-        http_max_input_size=args.http_max_input_size,
-        http_max_connections=args.http_max_connections,
-        http_header_timeout_secs=args.http_header_timeout_secs,
-        http_body_timeout_secs=args.http_body_timeout_secs,
-        http_server=args.http_server,
-        reuse_http_port=args.reuse_http_port,
-        http_header_forward_pattern=args.http_header_forward_pattern,
-        strict_readiness=args.strict_readiness,
-        frontend_processes=layout.frontend_processes,
-        frontend_balance=args.frontend_balance,
-        replicate_models=layout.replicate_models,
-        busy_poll_us=layout.busy_poll_us,
-        pin_processes=layout.pin_processes,
-        rate_limit=args.rate_limit,
-        rate_limit_resources=args.rate_limit_resource,
-        model_load_thread_count=args.model_load_thread_count,
-        model_load_retry_count=args.model_load_retry_count,
-        model_control_mode=args.model_control_mode,
-        load_models=args.load_model,
-        repository_poll_secs=args.repository_poll_secs,
-        backend_directory=args.backend_directory,
-        model_config_name=args.model_config_name,
-        **operations,
-    )
     runner: Callable[[Coroutine[Any, Any, None]], None]
     try:
         import uvloop

@@ -373,7 +373,7 @@ import tritonclient.http as httpclient
 from pyserve.testing import BackendConformance, ServerFactory
 from tritonclient.utils import InferenceServerException
 
-REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
 MODEL = "{model}"
 SCALE = 2.0  # the "scale" parameter of model_repository/{model}/config.pbtxt
 

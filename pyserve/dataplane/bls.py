@@ -60,7 +60,7 @@ class ServerHandle:
         self._metrics = metrics
 
     def bind(
-        self, dataplane: Any, loop: asyncio.AbstractEventLoop, metrics: Callable[[], bytes] | None = None
+        self, dataplane: Any, loop: asyncio.AbstractEventLoop | None, metrics: Callable[[], bytes] | None = None
     ) -> None:
         """Serve through ``dataplane`` on ``loop`` from now on: a handle made before the loop
         ran (models loaded before a fork keep the handle they were given). ``metrics``, when
@@ -169,12 +169,10 @@ class ServerHandle:
                 model = self._dataplane.model(request.model_name, version)
                 _validate(request, model)
                 request.model_version = model.version
-                request.attach_sender(_Finishing(sender, self._dataplane, request, self._loop))
-                error = self._dataplane.submit(model, request)
+                request.attach_sender(_Finishing(sender, request, self._loop))
+                self._dataplane.submit(model, request)
             except InferError as exc:
-                error = exc
-            if error is not None:
-                sender.send(error, True)
+                sender.send(exc, True)
 
         if _on_loop(self._loop):
             submit()
@@ -251,13 +249,12 @@ class ServerHandle:
 
 
 class _Finishing:
-    """Forwards to the caller's sender and tells the data plane when the request is done."""
+    """Forwards to the caller's sender and releases the request after its final response."""
 
-    __slots__ = ("_dataplane", "_inner", "_loop", "_request")
+    __slots__ = ("_inner", "_loop", "_request")
 
-    def __init__(self, inner: Any, dataplane: Any, request: InferRequest, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, inner: Any, request: InferRequest, loop: asyncio.AbstractEventLoop) -> None:
         self._inner = inner
-        self._dataplane = dataplane
         self._request = request
         self._loop = loop
 
@@ -265,9 +262,9 @@ class _Finishing:
         self._inner.send(response, final)
         if final:
             if _on_loop(self._loop):
-                self._dataplane.finished(self._request)
+                self._request.release()
             else:
-                self._loop.call_soon_threadsafe(self._dataplane.finished, self._request)
+                self._loop.call_soon_threadsafe(self._request.release)
 
     def is_cancelled(self) -> bool:
         return self._inner.is_cancelled()

@@ -82,6 +82,7 @@ class DataPlane:
         """Async callables run before statistics are read: replicas in frontend processes
         report their counts (``pyserve.handoff``)."""
         self._extensions: list[str] | None = None
+        self._release = self._finished  # bound once: what each submitted request's release runs
 
     @property
     def extensions(self) -> list[str]:
@@ -211,43 +212,50 @@ class DataPlane:
                 await listener()
 
     # -- inference -------------------------------------------------------------------------------
-    def submit(self, model: ModelVersion, request: InferRequest) -> InferError | None:
-        """Schedule a request whose sender is attached; ``finished`` must follow its final response.
+    def submit(self, model: ModelVersion, request: InferRequest) -> InferRequest:
+        """Schedule a request whose sender is attached.
 
-        :returns: an error if the request was refused (shutting down, not ready, queue full).
+        :returns: the request, now held by the server until it is released: the caller calls
+            ``request.release()`` once its final response is handled or it gives the request
+            up, or submits as ``with dataplane.submit(model, request):`` to release it on
+            leaving the block.
+        :raises InferError: the request was refused (shutting down, not ready, queue full);
+            nothing is held then.
         """
         if not self.accepting:
-            return InferError("Server is shutting down; no new requests are accepted", ErrorCode.UNAVAILABLE)
+            raise InferError("Server is shutting down; no new requests are accepted", ErrorCode.UNAVAILABLE)
         model = model.serving()  # a version replaced by a reload hands its requests on
         if not model.ready:
-            return InferError.unavailable(f"model '{model.name}' version {model.version} is not ready")
+            raise InferError.unavailable(f"model '{model.name}' version {model.version} is not ready")
         if self.tracing.active or request.trace is not None:  # the only cost of tracing while it is off;
             self.tracing.begin(request)  # a request with a trace is a traced request's child (BLS)
         request.stats = model.stats  # counted from here on: a cache hit never reaches enqueue
-        if request.shm_regions is not None:  # in use until finished (unregistering them fails)
+        if request.shm_regions is not None:  # in use until released (unregistering them fails)
             self.shared_memory.hold(request.shm_regions)
+        self._open.add(request)  # before scheduling: a model answering inline may release it at once
+        request.on_release(self._release)
         cache = self.cache
-        if cache is not None and cache_enabled(model) and cache.serve(request):
-            self._open.add(request)  # answered from the cache: the scheduler is skipped
-            return None
         try:
-            model.enqueue(request)
-        except InferError as exc:
+            if cache is None or not cache_enabled(model) or not cache.serve(request):
+                model.enqueue(request)  # else answered from the cache: the scheduler is skipped
+        except BaseException:  # refused (an InferError), or a bug: nothing stays held
+            request.on_release(None)
+            self._open.discard(request)
             self._let_go(request)
             if request.trace is not None:  # refused: no final response will record it
                 TRACING.set(request.trace, False)
-            return exc
-        self._open.add(request)
-        return None
+            raise
+        return request
 
     @property
     def in_flight(self) -> int:
-        """Requests submitted and not yet finished."""
+        """Requests submitted and not yet released."""
         return len(self._open)
 
-    def finished(self, request: InferRequest) -> None:
-        """A submitted request got its final response (or was abandoned); call on the loop.
-        Its shared-memory regions are no longer in use (its outputs are written by then)."""
+    def _finished(self, request: InferRequest) -> None:
+        """A submitted request got its final response (or was abandoned): what
+        ``InferRequest.release`` runs, on the loop. Its shared-memory regions are no longer in
+        use (its outputs are written by then)."""
         self._open.discard(request)
         if request.shm_regions is not None:
             self._let_go(request)
@@ -269,16 +277,16 @@ class DataPlane:
         assert loop is not None, "DataPlane.infer runs on the event loop"
         future: asyncio.Future[InferResponse | InferError] = loop.create_future()
         request.attach_sender(FutureSender(loop, future))
-        error = self.submit(model, request)
-        if error is not None:
-            return error
         try:
-            return await future
-        except asyncio.CancelledError:
-            request.cancel()
-            raise
-        finally:
-            self.finished(request)
+            self.submit(model, request)
+        except InferError as error:
+            return error
+        with request:
+            try:
+                return await future
+            except asyncio.CancelledError:
+                request.cancel()
+                raise
 
     async def drain(self, timeout: float) -> bool:
         """Stop accepting and wait up to ``timeout`` seconds for in-flight requests.

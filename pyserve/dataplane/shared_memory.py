@@ -399,7 +399,7 @@ class SharedMemoryManager:
                 region.users += 1
 
     def let_go(self, regions: list[Region]) -> None:
-        """Undo ``hold`` for a request that finished (``DataPlane.finished``)."""
+        """Undo ``hold`` for a request that was released (``InferRequest.release``)."""
         with self._lock:
             for region in regions:
                 region.users -= 1

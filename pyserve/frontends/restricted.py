@@ -86,44 +86,52 @@ def parse_restrictions(items: Iterable[str], *, grpc: bool = False) -> dict[str,
 
 _MODEL_PATH = re.compile(r"^/v2/models/[^/]+(?:/versions/[0-9]+)?(?P<rest>/.*)?$")
 
+_EXACT_CATEGORIES = {
+    "/v2": "metadata",
+    "/v2/": "metadata",
+    "/v2/models/stats": "statistics",
+    "/v1/completions": "inference",  # the OpenAI-compatible routes
+    "/v1/chat/completions": "inference",
+    "/v1/models": "metadata",
+}
+"""Paths whose category is theirs alone (none of them starts with a prefix below)."""
+
+_PREFIX_CATEGORIES = (
+    ("/v2/health/", "health"),
+    ("/v2/repository", "model-repository"),
+    ("/v2/systemsharedmemory", "shared-memory"),
+    ("/v2/cudasharedmemory", "shared-memory"),
+    ("/v2/trace", "trace"),
+    ("/v2/logging", "logging"),
+    ("/v1/models/", "metadata"),
+)
+"""Path prefixes and the category of every path under them (no two overlap)."""
+
+_MODEL_CATEGORIES = {
+    "": "metadata",
+    "/ready": "health",
+    "/infer": "inference",
+    "/generate": "inference",
+    "/generate_stream": "inference",
+    "/config": "model-config",
+    "/stats": "statistics",
+    "/trace/setting": "trace",
+}
+"""What follows ``/v2/models/{m}[/versions/{v}]`` → category."""
+
 
 def http_category(method: str, path: str) -> str | None:
     """The category of an HTTP request, or None for paths outside the restricted APIs."""
-    if path.startswith("/v2/health/"):
-        return "health"
-    if path in ("/v2", "/v2/"):
-        return "metadata"
-    if path.startswith("/v2/repository"):
-        return "model-repository"
-    if path.startswith(("/v2/systemsharedmemory", "/v2/cudasharedmemory")):
-        return "shared-memory"
-    if path.startswith("/v2/trace"):
-        return "trace"
-    if path.startswith("/v2/logging"):
-        return "logging"
-    if path == "/v2/models/stats":
-        return "statistics"
-    if path in ("/v1/completions", "/v1/chat/completions"):  # the OpenAI-compatible routes
-        return "inference"
-    if path == "/v1/models" or path.startswith("/v1/models/"):
-        return "metadata"
+    category = _EXACT_CATEGORIES.get(path)
+    if category is not None:
+        return category
+    for prefix, category in _PREFIX_CATEGORIES:
+        if path.startswith(prefix):
+            return category
     match = _MODEL_PATH.match(path)
     if match is None:
         return None
-    rest = match.group("rest") or ""
-    if rest == "":
-        return "metadata"
-    if rest == "/ready":
-        return "health"
-    if rest in ("/infer", "/generate", "/generate_stream"):
-        return "inference"
-    if rest == "/config":
-        return "model-config"
-    if rest == "/stats":
-        return "statistics"
-    if rest == "/trace/setting":
-        return "trace"
-    return None
+    return _MODEL_CATEGORIES.get(match.group("rest") or "")
 
 
 GRPC_CATEGORIES = {

@@ -361,15 +361,16 @@ class _FrontendConnection(asyncio.Protocol):
         request.trace_parent = header["tp"]
         future: asyncio.Future[Any] = self.loop.create_future()
         request.attach_sender(FutureSender(self.loop, future))
-        refused = self.dataplane.submit(model, request)
-        if refused is not None:
+        try:
+            self.dataplane.submit(model, request)
+        except InferError as refused:
             self.writer.send(wire.error_frame(Kind.RESULT, request_id, refused))
             return
         self.pending[request_id] = request
         future.add_done_callback(lambda done: self._answer(request_id, request, done))
 
     def _answer(self, request_id: int, request: InferRequest, future: asyncio.Future[Any]) -> None:
-        self.dataplane.finished(request)
+        request.release()
         self.pending.pop(request_id, None)
         self.server.requests += 1
         writer = self.writer
@@ -408,7 +409,7 @@ class _FrontendConnection(asyncio.Protocol):
             reply = error_reply(InferError(f"internal server error: {type(exc).__name__}: {exc}"))
         finally:
             if request is not None:
-                dataplane.finished(request)
+                request.release()
         status, content, out_headers = reply
         self.server.requests += 1
         if self.writer is not None:

@@ -143,12 +143,12 @@ class ReplicaSet:
         from pyserve.dataplane.bls import ServerHandle
         from pyserve.dataplane.plane import DataPlane
         from pyserve.host.plugins import PluginHost
-        from pyserve.runtime.manager import ControlMode, ModelManager
+        from pyserve.runtime.manager import ModelManager
 
         self.loop = asyncio.get_running_loop()
         if prepared is not None:
             self.models = prepared
-            self.models.control_mode = ControlMode.EXPLICIT  # replicas follow the owner's snapshots
+            self.models.follow_explicitly()  # replicas follow the owner's snapshots
         else:
             self.models = ModelManager(
                 [Path(p) for p in settings["repositories"]],
@@ -159,12 +159,12 @@ class ReplicaSet:
                 control_mode="explicit",
                 backend_directory=settings["backend_directory"],
                 cpu_threads=settings.get("cpu_threads"),
+                server_handle=ServerHandle(None, self.loop),
             )
-            self.models.server_handle = ServerHandle(None, self.loop)
         self.dataplane = DataPlane(self.models, "pyserve", __version__)
         self.dataplane.live = self.dataplane.accepting = True
         self.models.server_handle.bind(self.dataplane, self.loop)
-        self.models.loop = self.loop
+        self.models.attach_loop(self.loop)
         self.by_generation: dict[int, ModelVersion] = {}
         self._loaded_config: dict[str, bytes] = {}  # model name → the owner config it was loaded with
         self._wanted: dict[str, tuple[bytes, Any, dict[int, tuple[int, Any]]]] = {}

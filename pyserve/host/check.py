@@ -113,7 +113,7 @@ def check_plugin(name: str, plugin: object, distribution: str = "<registered>") 
             problem(
                 attr,
                 "a server-plugin hook: it is never called for a backend "
-                "(register a pyserve.host.plugins entry point for it)",
+                "(register a pyserve.plugins entry point for it)",
             )
         extra = [p for p in _required_arguments(value) if p not in specs[attr].parameters]
         if extra:

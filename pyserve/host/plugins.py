@@ -3,7 +3,7 @@
 * Backends come from the entry-point group ``pyserve.backends`` (name = backend name). Only
   the entry-point *metadata* is read at startup; a backend's package is imported the first
   time a model needs it.
-* Server plugins come from ``pyserve.host.plugins`` and are loaded at startup; they take part in
+* Server plugins come from ``pyserve.plugins`` and are loaded at startup; they take part in
   every model's hook calls (e.g. to wrap ``pyserve_execute``).
 * ``pyserve.platforms`` entry points map a config ``platform`` to a backend name, on top of
   Triton's own platform table.
@@ -78,7 +78,7 @@ class BackendInfo:
 
 @dataclass(frozen=True)
 class ServerPluginInfo:
-    """An installed server plugin (entry-point group ``pyserve.host.plugins``), as ``pyserve
+    """An installed server plugin (entry-point group ``pyserve.plugins``), as ``pyserve
     backends`` lists it.
 
     :ivar resolves_backends: it implements ``pyserve_resolve_backend``: it supplies the backend

@@ -43,35 +43,75 @@ def build_plan(config: Any, io: ModelIO, lookup: ModelLookup) -> list[Step]:
     dtypes: dict[str, str] = {name: spec.datatype.name for name, spec in io.inputs.items()}
     producers: dict[str, int] = {}
     for index, raw in enumerate(config.ensemble_scheduling.step):
-        where = f"step {index} (model '{raw.model_name}')"
-        version = None if raw.model_version in (-1, 0) else int(raw.model_version)
-        try:
-            model = lookup(raw.model_name, version)
-        except InferError as exc:
-            problems.append(f"{where}: {exc.message}")
+        mapped = _map_step(index, raw, io, lookup, _Tensors(dtypes, producers), problems)
+        if mapped is None:
             continue
-        step_io: ModelIO = model.io
-        if model.decoupled:
+        step, step_decoupled = mapped
+        if step_decoupled:
             decoupled.add(index)
-        for step_input in raw.input_map:
-            if step_input not in step_io.inputs:
-                problems.append(f"{where}: input_map names '{step_input}', which is not an input of the model")
-        for name, spec in step_io.inputs.items():
-            if name not in raw.input_map and not spec.optional:
-                problems.append(f"{where}: the model's input '{name}' is not mapped in input_map")
-        for step_output, tensor in raw.output_map.items():
-            if step_output not in step_io.outputs:
-                problems.append(f"{where}: output_map names '{step_output}', which is not an output of the model")
-                continue
-            if tensor in io.inputs or tensor in producers:
-                problems.append(f"{where}: ensemble tensor '{tensor}' is already written by "
-                                + ("the ensemble's inputs" if tensor in io.inputs else f"step {producers.get(tensor)}"))
-                continue
-            producers[tensor] = index
-            dtypes[tensor] = step_io.outputs[step_output].datatype.name
-        steps.append(Step(index, raw.model_name, version, dict(raw.input_map), dict(raw.output_map)))
+        steps.append(step)
+    _raise_problems(problems)
+    problems = _input_types(steps, lookup, dtypes) + _ensemble_tensors(steps, io, dtypes, producers)
+    cycle = _find_cycle(steps, producers)
+    if cycle:
+        problems.append("the steps form a cycle: " + " -> ".join(f"step {i}" for i in cycle))
+    _raise_problems(problems)
+    _raise_problems(_decoupled_origins(steps, io, decoupled))
+    config.model_transaction_policy.decoupled = bool(decoupled)
+    return steps
+
+
+def _raise_problems(problems: list[str]) -> None:
+    """:raises ValueError: the problems, one per line (none: nothing raised)."""
     if problems:
         raise ValueError("\n".join(problems))
+
+
+@dataclass(frozen=True)
+class _Tensors:
+    """The ensemble tensors known so far: datatype by name, and the step writing each."""
+
+    dtypes: dict[str, str]
+    producers: dict[str, int]
+
+
+def _map_step(
+    index: int, raw: Any, io: ModelIO, lookup: ModelLookup, tensors: _Tensors, problems: list[str]
+) -> tuple[Step, bool] | None:
+    """Check one step's maps against its model (problems appended), recording the tensors it
+    writes. :returns: the step and whether its model is decoupled; None: no such model."""
+    where = f"step {index} (model '{raw.model_name}')"
+    version = None if raw.model_version in (-1, 0) else int(raw.model_version)
+    try:
+        model = lookup(raw.model_name, version)
+    except InferError as exc:
+        problems.append(f"{where}: {exc.message}")
+        return None
+    step_io: ModelIO = model.io
+    for step_input in raw.input_map:
+        if step_input not in step_io.inputs:
+            problems.append(f"{where}: input_map names '{step_input}', which is not an input of the model")
+    for name, spec in step_io.inputs.items():
+        if name not in raw.input_map and not spec.optional:
+            problems.append(f"{where}: the model's input '{name}' is not mapped in input_map")
+    producers = tensors.producers
+    for step_output, tensor in raw.output_map.items():
+        if step_output not in step_io.outputs:
+            problems.append(f"{where}: output_map names '{step_output}', which is not an output of the model")
+            continue
+        if tensor in io.inputs or tensor in producers:
+            problems.append(f"{where}: ensemble tensor '{tensor}' is already written by "
+                            + ("the ensemble's inputs" if tensor in io.inputs else f"step {producers.get(tensor)}"))
+            continue
+        producers[tensor] = index
+        tensors.dtypes[tensor] = step_io.outputs[step_output].datatype.name
+    step = Step(index, raw.model_name, version, dict(raw.input_map), dict(raw.output_map))
+    return step, bool(model.decoupled)
+
+
+def _input_types(steps: list[Step], lookup: ModelLookup, dtypes: dict[str, str]) -> list[str]:
+    """Problems with the ensemble tensors the steps read: missing, or of another datatype."""
+    problems: list[str] = []
     for step in steps:
         step_io = lookup(step.model_name, step.version).io
         for step_input, tensor in step.inputs.items():
@@ -81,6 +121,15 @@ def build_plan(config: Any, io: ModelIO, lookup: ModelLookup) -> list[Step]:
             elif dtypes[tensor] != step_io.inputs[step_input].datatype.name:
                 problems.append(f"step {step.index} (model '{step.model_name}'): input '{step_input}' is "
                                 f"{step_io.inputs[step_input].datatype.name} but ensemble tensor '{tensor}' is {dtypes[tensor]}")
+    return problems
+
+
+def _ensemble_tensors(
+    steps: list[Step], io: ModelIO, dtypes: dict[str, str], producers: dict[str, int]
+) -> list[str]:
+    """Problems with the ensemble's own tensors: inputs no step reads, outputs no step writes
+    (or writes with another datatype)."""
+    problems: list[str] = []
     consumed = {t for s in steps for t in s.inputs.values()}
     for name in io.inputs:
         if name not in consumed:
@@ -91,16 +140,7 @@ def build_plan(config: Any, io: ModelIO, lookup: ModelLookup) -> list[Step]:
         elif dtypes[name] != spec.datatype.name:
             problems.append(f"ensemble output '{name}' is {spec.datatype.name} but step {producers[name]} "
                             f"produces it as {dtypes[name]}")
-    cycle = _find_cycle(steps, producers)
-    if cycle:
-        problems.append("the steps form a cycle: " + " -> ".join(f"step {i}" for i in cycle))
-    if problems:
-        raise ValueError("\n".join(problems))
-    problems = _decoupled_origins(steps, io, decoupled)
-    if problems:
-        raise ValueError("\n".join(problems))
-    config.model_transaction_policy.decoupled = bool(decoupled)
-    return steps
+    return problems
 
 
 def _decoupled_origins(steps: list[Step], io: ModelIO, decoupled: set[int]) -> list[str]:

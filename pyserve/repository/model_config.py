@@ -140,37 +140,11 @@ def _resolve_backend(config: Any, model_dir: Path, platform_backend: Any, where:
             )
         return
     if config.platform and not config.backend:
-        backend = None
-        if platform_backend is not None:
-            backend = platform_backend(config.platform)
-        if backend is None:
-            backend = TRITON_PLATFORMS.get(config.platform)
-        if backend is None:
-            raise ModelConfigError(
-                f"{where}: field 'platform': unknown platform "
-                f"'{config.platform}'; no installed backend claims it"
-            )
-        config.backend = backend
+        config.backend = _backend_of_platform(config.platform, platform_backend, where)
         return
     if not config.backend:
-        if config.default_model_filename:
-            for filename, platform, backend in _FILE_TO_PLATFORM:
-                if config.default_model_filename.endswith(Path(filename).suffix):
-                    config.platform, config.backend = platform, backend
-                    return
-        first = _first_version_dir(model_dir)
-        if first is not None:
-            for filename, platform, backend in _FILE_TO_PLATFORM:
-                if (first / filename).exists():
-                    config.platform, config.backend = platform, backend
-                    return
-        if "." in model_dir.name:
-            config.backend = model_dir.name.rsplit(".", 1)[1]
-            return
-        raise ModelConfigError(
-            f"{where}: the config names no 'backend' or 'platform', and "
-            "no model file in the version directory shows which backend to use"
-        )
+        _guess_backend(config, model_dir, where)
+        return
     if not config.platform and config.backend in _BACKEND_DEFAULT_PLATFORM:
         config.platform = _BACKEND_DEFAULT_PLATFORM[config.backend]
     if not config.platform and config.backend == "tensorflow":
@@ -179,6 +153,44 @@ def _resolve_backend(config: Any, model_dir: Path, platform_backend: Any, where:
             first is not None and (first / "model.graphdef").exists()
         )
         config.platform = "tensorflow_graphdef" if graphdef else "tensorflow_savedmodel"
+
+
+def _backend_of_platform(platform: str, platform_backend: Any, where: Path | str) -> str:
+    """The backend that serves ``platform``: an installed backend claiming it, else Triton's."""
+    backend = None
+    if platform_backend is not None:
+        backend = platform_backend(platform)
+    if backend is None:
+        backend = TRITON_PLATFORMS.get(platform)
+    if backend is None:
+        raise ModelConfigError(
+            f"{where}: field 'platform': unknown platform "
+            f"'{platform}'; no installed backend claims it"
+        )
+    return backend
+
+
+def _guess_backend(config: Any, model_dir: Path, where: Path | str) -> None:
+    """Set platform and backend (or the backend alone) from the model file's name or the
+    model directory's suffix, for a config naming neither."""
+    if config.default_model_filename:
+        for filename, platform, backend in _FILE_TO_PLATFORM:
+            if config.default_model_filename.endswith(Path(filename).suffix):
+                config.platform, config.backend = platform, backend
+                return
+    first = _first_version_dir(model_dir)
+    if first is not None:
+        for filename, platform, backend in _FILE_TO_PLATFORM:
+            if (first / filename).exists():
+                config.platform, config.backend = platform, backend
+                return
+    if "." in model_dir.name:
+        config.backend = model_dir.name.rsplit(".", 1)[1]
+        return
+    raise ModelConfigError(
+        f"{where}: the config names no 'backend' or 'platform', and "
+        "no model file in the version directory shows which backend to use"
+    )
 
 
 def _first_version_dir(model_dir: Path) -> Path | None:
@@ -320,6 +332,26 @@ def validate(config: Any, model_dir: Path) -> list[str]:
             contained_path(model_dir, config.default_model_filename)
         except ValueError as exc:
             problems.append(f"field 'default_model_filename': {exc}")
+    problems.extend(_ensemble_problems(config))
+    problems.extend(_tensors_problems(config))
+    problems.extend(_label_problems(config, model_dir))
+    if config.version_policy.WhichOneof("policy_choice") == "latest" and config.version_policy.latest.num_versions < 1:
+        problems.append("field 'version_policy.latest.num_versions' must be >= 1")
+    if config.HasField("dynamic_batching"):
+        for size in config.dynamic_batching.preferred_batch_size:
+            if size < 1 or (config.max_batch_size > 0 and size > config.max_batch_size):
+                problems.append(
+                    f"field 'dynamic_batching.preferred_batch_size': {size} must be between 1 "
+                    f"and max_batch_size ({config.max_batch_size})"
+                )
+    problems.extend(_model_metrics_problems(config))
+    problems.extend(_cache_problems(config))
+    return problems
+
+
+def _ensemble_problems(config: Any) -> list[str]:
+    """An ensemble needs steps, inputs and outputs and no instances; others no steps."""
+    problems: list[str] = []
     if config.platform == ENSEMBLE_PLATFORM:
         if config.instance_group:
             problems.append("field 'instance_group' is not allowed for an ensemble")
@@ -331,6 +363,12 @@ def validate(config: Any, model_dir: Path) -> list[str]:
             problems.append(NO_OUTPUT)
     elif config.HasField("ensemble_scheduling"):
         problems.append("field 'ensemble_scheduling' is only allowed with platform 'ensemble'")
+    return problems
+
+
+def _tensors_problems(config: Any) -> list[str]:
+    """Each input and output on its own, names declared twice, and image formats' dims."""
+    problems: list[str] = []
     for kind, tensors in (("input", config.input), ("output", config.output)):
         seen: set[str] = set()
         for index, tensor in enumerate(tensors):
@@ -342,6 +380,12 @@ def validate(config: Any, model_dir: Path) -> list[str]:
         fmt = tensor.DESCRIPTOR.fields_by_name["format"].enum_type.values_by_number[tensor.format].name
         if fmt in ("FORMAT_NHWC", "FORMAT_NCHW") and len(tensor.dims) != 3:
             problems.append(f"input[{index}] '{tensor.name}': format {fmt} needs exactly 3 dims")
+    return problems
+
+
+def _label_problems(config: Any, model_dir: Path) -> list[str]:
+    """Outputs' ``label_filename``: a file inside the model directory."""
+    problems: list[str] = []
     for index, tensor in enumerate(config.output):
         if not tensor.label_filename:
             continue
@@ -355,16 +399,12 @@ def validate(config: Any, model_dir: Path) -> list[str]:
                 f"output[{index}] '{tensor.name}': label_filename '{tensor.label_filename}' "
                 "does not exist in the model directory"
             )
-    if config.version_policy.WhichOneof("policy_choice") == "latest" and config.version_policy.latest.num_versions < 1:
-        problems.append("field 'version_policy.latest.num_versions' must be >= 1")
-    if config.HasField("dynamic_batching"):
-        for size in config.dynamic_batching.preferred_batch_size:
-            if size < 1 or (config.max_batch_size > 0 and size > config.max_batch_size):
-                problems.append(
-                    f"field 'dynamic_batching.preferred_batch_size': {size} must be between 1 "
-                    f"and max_batch_size ({config.max_batch_size})"
-                )
-    problems.extend(_model_metrics_problems(config))
+    return problems
+
+
+def _cache_problems(config: Any) -> list[str]:
+    """The response cache serves neither decoupled models nor the sequence batcher."""
+    problems: list[str] = []
     if config.response_cache.enable:
         if config.model_transaction_policy.decoupled:
             problems.append("field 'response_cache': the response cache is not supported for decoupled models")

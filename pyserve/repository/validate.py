@@ -99,18 +99,7 @@ def validate_repositories(
         problems.extend(f"{name}: {path}: {p}" for p in policy_problems)
         if not versions:
             problems.append(f"{name}: {source.path}: no version directory (a numeric folder such as '1')")
-        if config.platform == model_config.ENSEMBLE_PLATFORM:
-            for index, step in enumerate(config.ensemble_scheduling.step):
-                if step.model_name not in sources:
-                    problems.append(
-                        f"{name}: {path}: ensemble step {index} names model '{step.model_name}', "
-                        "which is not in the repository"
-                    )
-        elif not host.is_installed(config.backend):
-            problems.append(
-                f"{name}: {path}: backend '{config.backend}' is not installed "
-                f"(pip install pyserve-backend-{config.backend.replace('_', '-')})"
-            )
+        problems.extend(_missing_parts(host, name, path, config, sources))
         if len(problems) == before:
             checked[name] = _CheckedModel(config, source.path, selected, tensors_known)
             if config.platform != model_config.ENSEMBLE_PLATFORM:
@@ -120,6 +109,20 @@ def validate_repositories(
             problems.extend(f"{name}: {sources[name].config_path}: invalid ensemble: {p}"
                             for p in _ensemble_problems(model, checked))
     return problems
+
+
+def _missing_parts(host: PluginHost, name: str, path: Path, config: Any, sources: Mapping[str, Any]) -> list[str]:
+    """What the model needs that is not there: an ensemble's step models in the repository,
+    another model's backend installed."""
+    if config.platform != model_config.ENSEMBLE_PLATFORM:
+        if host.is_installed(config.backend):
+            return []
+        return [f"{name}: {path}: backend '{config.backend}' is not installed "
+                f"(pip install pyserve-backend-{config.backend.replace('_', '-')})"]
+    return [
+        f"{name}: {path}: ensemble step {index} names model '{step.model_name}', which is not in the repository"
+        for index, step in enumerate(config.ensemble_scheduling.step) if step.model_name not in sources
+    ]
 
 
 def _backend_problems(host: PluginHost, name: str, config: Any, path: Path, versions: list[int],

@@ -11,33 +11,27 @@ version is unloaded and the backends are finalized, each in reverse order of cre
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import enum
 import logging
-import shutil
-import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pyserve.api.errors import ErrorCode, InferError, ModelConfigError
 from pyserve.protocol.config_json import model_config_from_json
 from pyserve.repository import model_config
-from pyserve.repository.scan import (
-    ModelSource,
-    contained_path,
-    fingerprint,
-    scan,
-)
-from pyserve.runtime.loader import ModelLoader, _Built
-from pyserve.runtime.versions import ModelRecord
+from pyserve.repository.scan import ModelSource, fingerprint, scan
+from pyserve.runtime.builder import Built
+from pyserve.runtime.load_request import FILE_PREFIX, parse_load_parameters, write_override
+from pyserve.runtime.loader import ModelLoader
+from pyserve.runtime.registry import ModelRegistry, composing
 
-log = logging.getLogger("pyserve.runtime.versions")
+log = logging.getLogger("pyserve.runtime")
 
 
 class ControlMode(str, enum.Enum):
@@ -54,29 +48,70 @@ CONTROL_NOT_ALLOWED = "explicit model load / unload is not allowed if polling is
 LOAD_ALL = "*"
 """``--load-model=*``: load every model at startup in explicit mode."""
 
-FILE_PREFIX = "file:"
-"""Load parameters named ``file:<path>`` carry a file of an override model directory."""
+
+@dataclass(frozen=True)
+class ControlSettings:
+    """Which models load and when.
+
+    :ivar repositories: the model repository directories.
+    :ivar config_name: ``--model-config-name``: models that have ``configs/<name>.pbtxt`` are
+        read from it instead of ``config.pbtxt``.
+    :ivar control_mode: ``--model-control-mode`` at startup.
+    :ivar startup_models: the ``--load-model`` names (explicit mode; ``*`` = all).
+    :ivar poll_secs: seconds between repository scans in poll mode.
+    :ivar load_threads: models loaded in parallel at startup.
+    """
+
+    repositories: Sequence[Path]
+    config_name: str = ""
+    control_mode: ControlMode = ControlMode.NONE
+    startup_models: Sequence[str] = ()
+    poll_secs: float = 15.0
+    load_threads: int = 4
 
 
-class ModelControl(ModelLoader):
-    """The control modes, the poller, the load/unload API and shutdown, on top of
-    ``ModelLoader``; the base of ``ModelManager``, which sets the state below in its
-    ``__init__``."""
+class ModelControl:
+    """The control modes, the poller, the load/unload API and shutdown, driving ``loader``.
 
-    repositories: list[Path]
-    load_threads: int
-    control_mode: ControlMode
-    startup_models: list[str]
-    missing_startup_models: list[str]
-    """``--load-model`` names the repositories do not hold (``--exit-on-error`` counts them)."""
-    poll_secs: float
-    config_name: str
-    _model_locks: dict[str, threading.RLock]
-    _operations: threading.Condition
-    _running_operations: int
-    _poll_stop: threading.Event
-    _poller: threading.Thread | None
-    _local: threading.local
+    :param registry: the models as loaded (read to decide what to load or unload).
+    :param loader: loads and unloads one model at a time (under the model's lock, taken here).
+    :param settings: which models load and when.
+    """
+
+    def __init__(self, registry: ModelRegistry, loader: ModelLoader, settings: ControlSettings) -> None:
+        self._registry = registry
+        self._loader = loader
+        self.repositories = list(settings.repositories)
+        self.config_name = settings.config_name
+        self.control_mode = ControlMode(settings.control_mode)
+        self.startup_models = list(settings.startup_models)
+        self.poll_secs = settings.poll_secs
+        self.load_threads = max(1, settings.load_threads)
+        self.missing_startup_models: list[str] = []
+        """``--load-model`` names the repositories do not hold (``--exit-on-error`` counts them)."""
+        self.unfinished: list[str] = []
+        """What ``unload_all`` left running at its deadline (empty after a clean shutdown)."""
+        self._lock = threading.Lock()
+        self._model_locks: dict[str, threading.RLock] = {}
+        self._operations = threading.Condition(threading.Lock())
+        self._running_operations = 0
+        self._closing = False
+        self._poll_stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        self._local = threading.local()
+
+    def follow_explicitly(self) -> None:
+        """Switch to explicit mode: models load and unload only when asked (a frontend's copy of
+        the owner's models follows the owner's snapshots that way)."""
+        self.control_mode = ControlMode.EXPLICIT
+
+    def scan(self) -> dict[str, ModelSource]:
+        """The models in the repositories now, by name.
+
+        :raises ModelConfigError: a repository cannot be read, or two hold the same model name
+            in a way that cannot be told apart.
+        """
+        return scan(self.repositories, self.config_name)
 
     # -- startup -----------------------------------------------------------------------------
     def load_all(self) -> None:
@@ -93,7 +128,7 @@ class ModelControl(ModelLoader):
         :param report: log (and remember in ``missing_startup_models``) the ``--load-model``
             names the repositories do not hold.
         """
-        sources = scan(self.repositories, self.config_name)
+        sources = self.scan()
         if self.control_mode is ControlMode.EXPLICIT and self.startup_models != [LOAD_ALL]:
             wanted = self._with_composing(self.startup_models, sources)
             for name in wanted:
@@ -115,7 +150,7 @@ class ModelControl(ModelLoader):
             ready = [name for name, steps in pending.items() if not steps & pending.keys()]
             if not ready:
                 for name in sorted(pending):
-                    self._commit(name, _Built(
+                    self._loader.commit(name, Built(
                         sources[name], fingerprint(sources[name].path),
                         error="the ensemble depends on ensembles that depend on it (a cycle)",
                     ))
@@ -127,13 +162,13 @@ class ModelControl(ModelLoader):
     def _load_quietly(self, name: str, source: ModelSource) -> None:
         """Load one model (or start what ``prepare`` built of it), logging (not raising) a failure."""
         with self._model_lock(name):
-            if not self.start_prepared(name):
-                self._load_locked(name, source)
+            if not self._loader.start_prepared(name):
+                self._loader.load(name, source)
 
     def ensemble_steps(self, source: ModelSource) -> set[str] | None:
         """The models an ensemble's steps name, or None if ``source`` is not a readable ensemble."""
         try:
-            config = self.read_config(source)
+            config = self._loader.read_config(source)
         except Exception:  # only a peek: the model's own load reports the problem
             return None
         if config.platform != model_config.ENSEMBLE_PLATFORM:
@@ -181,16 +216,16 @@ class ModelControl(ModelLoader):
         """Apply the changes on disk since the last scan: load new models, reload changed
         ones (and the ensembles using them), unload removed ones."""
         try:
-            sources = scan(self.repositories, self.config_name)
+            sources = self.scan()
         except ModelConfigError as exc:
             log.error("cannot poll the model repositories: %s", exc)
             return
-        for name in sorted(set(self.records) - set(sources)):
+        for name in sorted(set(self._registry.records) - set(sources)):
             if self._poll_stop.is_set():
                 return
             log.info("model '%s' was removed from the repository; unloading it", name)
             self.unload_model(name, forget=True)
-        records = dict(self.records)
+        records = dict(self._registry.records)
         changed = {
             name for name, source in sources.items()
             if (record := records.get(name)) is None
@@ -201,8 +236,8 @@ class ModelControl(ModelLoader):
         if not changed:
             return
         dependents = {
-            name for name, record in list(self.records.items())
-            if name in sources and self._composing(record) & changed
+            name for name, record in list(self._registry.records.items())
+            if name in sources and composing(record) & changed
         }
         selected = {name: sources[name] for name in sorted(changed | dependents) if not self._poll_stop.is_set()}
         if selected:
@@ -246,7 +281,7 @@ class ModelControl(ModelLoader):
         :returns: False when none were (or with another config): ``load_model`` it instead.
         """
         with self._operation(), self._model_lock(name):
-            return self.start_prepared(name, config)
+            return self._loader.start_prepared(name, config)
 
     def load_model(self, name: str, config: str | None = None, files: Mapping[str, bytes] | None = None) -> None:
         """Load or reload one model (blocking); its ensembles' composing models come first.
@@ -270,10 +305,10 @@ class ModelControl(ModelLoader):
                     "require the 'config' parameter"
                 )
             try:
-                sources = scan(self.repositories, self.config_name)
+                sources = self.scan()
             except ModelConfigError as exc:
                 raise InferError(f"failed to load '{name}': {exc}", ErrorCode.INTERNAL) from None
-            override_dir = _write_override(name, files) if files else None
+            override_dir = write_override(name, files) if files else None
             if override_dir is not None:
                 source = ModelSource(name, override_dir / name, override_dir)
             elif name in sources:
@@ -288,13 +323,13 @@ class ModelControl(ModelLoader):
             finally:
                 self._local.loading = set()
             with self._model_lock(name):
-                error = self._load_locked(name, source, override_config, override_dir)
+                error = self._loader.load(name, source, override_config, override_dir)
             if error:  # Triton 2.51 answers a model that fails to load with 400 / INVALID_ARGUMENT
                 raise InferError(f"load failed for model '{name}': {error}", ErrorCode.INVALID_ARG)
 
     def _load_composing(self, name: str, sources: Mapping[str, ModelSource]) -> None:
         """Load a model an ensemble uses, unless it is loaded (or being loaded) already."""
-        record = self.records.get(name)
+        record = self._registry.records.get(name)
         if record is not None and record.ready_versions():
             return
         loading: set[str] = getattr(self._local, "loading", set())
@@ -333,48 +368,31 @@ class ModelControl(ModelLoader):
         if name in seen:
             return
         seen.add(name)
-        record = self.records.get(name)
+        record = self._registry.records.get(name)
         if record is None:
             return
-        composing = self._composing(record)
+        uses = composing(record)
         if dependents:
-            for other, other_record in sorted(list(self.records.items()), key=lambda item: item[0]):
-                if other not in seen and name in self._composing(other_record):
+            for other, other_record in sorted(list(self._registry.records.items()), key=lambda item: item[0]):
+                if other not in seen and name in composing(other_record):
                     self._unload(other, True, False, seen)
         with self._model_lock(name):
-            self._unload_record(record, forget)
+            self._loader.unload_record(record, forget)
         if dependents:
-            still_used: set[str] = set()
-            for user in list(self.records.values()):
-                if user.ready_versions():
-                    still_used |= self._composing(user)
-            for step in sorted(composing - still_used):
+            for step in sorted(uses - self._registry.in_use()):
                 self._unload_down(step, seen)
 
     def _unload_down(self, name: str, seen: set[str]) -> None:
         """Unload a composing model of an unloaded ensemble, and its own composing models."""
-        record = self.records.get(name)
+        record = self._registry.records.get(name)
         if name in seen or record is None:
             return
         seen.add(name)
-        composing = self._composing(record)
+        uses = composing(record)
         with self._model_lock(name):
-            self._unload_record(record, False)
-        still_used: set[str] = set()
-        for other in list(self.records.values()):
-            if other.ready_versions():
-                still_used |= self._composing(other)
-        for step in sorted(composing - still_used):
+            self._loader.unload_record(record, False)
+        for step in sorted(uses - self._registry.in_use()):
             self._unload_down(step, seen)
-
-    @staticmethod
-    def _composing(record: ModelRecord) -> set[str]:
-        """The models the loaded versions of an ensemble use (empty for other models)."""
-        names: set[str] = set()
-        for v in list(record.versions.values()):
-            if v.config is not None and v.config.platform == model_config.ENSEMBLE_PLATFORM:
-                names.update(step.model_name for step in v.config.ensemble_scheduling.step)
-        return names
 
     @contextlib.contextmanager
     def _operation(self) -> Iterator[None]:
@@ -414,6 +432,7 @@ class ModelControl(ModelLoader):
         unfinished: list[str] = []
         with self._operations:
             self._closing = True
+            self._loader.begin_shutdown()
             while self._running_operations:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -422,139 +441,5 @@ class ModelControl(ModelLoader):
                     unfinished.append(f"{self._running_operations} model load(s)/unload(s)")
                     break
                 self._operations.wait(remaining)
-        with self._lock:
-            order = list(reversed(self._load_order))
-            self._load_order.clear()
-        stuck: set[str] = set()
-        for version in order:
-            if not self.unload_version(version, deadline) and version.backend is not None:
-                stuck.add(version.backend.info.name)
-                unfinished.append(f"model '{version.name}' version {version.version}")
-        with self._lock:
-            draining = list(self._draining.items())
-        for thread, versions in draining:  # versions retired by an unload or reload earlier
-            thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
-            if thread.is_alive():
-                for version in versions:
-                    unfinished.append(f"model '{version.name}' version {version.version}")
-                    if version.backend is not None:
-                        stuck.add(version.backend.info.name)
+        unfinished += self._loader.shutdown(deadline, loads_running=bool(unfinished))
         self.unfinished = unfinished
-        for record in list(self.records.values()):
-            self._remove_override(record.override_dir)
-            record.override_dir = None
-        with self._lock:
-            leftovers, self._leftover_dirs = self._leftover_dirs, []
-        for path in leftovers:
-            self._remove_override(path)
-        with self._lock:
-            backends = list(reversed(self._initialized_backends))
-            self._initialized_backends.clear()
-        loads_left = bool(unfinished) and unfinished[0].endswith("load(s)/unload(s)")
-        for backend, context in backends:
-            if backend.info.name in stuck or loads_left:  # a load still running may be using any
-                log.error("backend '%s' not finalized: some of its models are still executing", backend.info.name)
-                continue
-            try:
-                backend.hooks.backend_finalize(backend=context)
-            except Exception:
-                log.exception("backend '%s' failed to finalize", backend.info.name)
-            backend.initialized = False
-
-
-def parse_load_parameters(name: str, parameters: Mapping[str, Any]) -> tuple[str | None, dict[str, bytes]]:
-    """The ``config`` text and ``file:<path>`` contents of a load request.
-
-    :param parameters: the request's parameters: HTTP gives base64 text for files, gRPC
-        bytes (``bytes_param``); other keys are ignored.
-    :raises InferError: INVALID_ARG for a ``config`` that is not text or a file that is not
-        valid base64.
-    """
-    config = parameters.get("config")
-    if isinstance(config, bytes):
-        try:
-            config = config.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InferError.invalid(f"failed to load '{name}': the 'config' parameter is not UTF-8 text") from None
-    if config is not None and not isinstance(config, str):
-        raise InferError.invalid(f"failed to load '{name}': the 'config' parameter must be a string of ModelConfig JSON")
-    files: dict[str, bytes] = {}
-    for key, value in parameters.items():
-        if not key.startswith(FILE_PREFIX):
-            continue
-        path = key[len(FILE_PREFIX):]
-        if isinstance(value, bytes):
-            files[path] = value
-        elif isinstance(value, str):
-            try:
-                files[path] = base64.b64decode(value, validate=True)
-            except (binascii.Error, ValueError):
-                raise InferError.invalid(
-                    f"failed to load '{name}': the content of '{key}' is not valid base64"
-                ) from None
-        else:
-            raise InferError.invalid(f"failed to load '{name}': '{key}' must carry the file content")
-    return config, files
-
-
-NAME_MAX = 255
-"""The longest file name (one path component, in bytes) the override directory can hold."""
-
-
-def _override_problem(relative: str, files: Mapping[str, bytes]) -> str:
-    """Why a ``file:<path>`` key cannot be written as a file of the override directory, or ""."""
-    if relative.endswith("/"):
-        return "the path ends with '/': it must name a file"
-    for part in relative.split("/"):
-        if len(part.encode("utf-8", "surrogateescape")) > NAME_MAX:
-            return f"a path component is longer than {NAME_MAX} bytes"
-    parent = relative
-    while "/" in parent:
-        parent = parent.rsplit("/", 1)[0]
-        if parent in files:
-            return f"'{FILE_PREFIX}{parent}' is a file, so it cannot also be a directory"
-    return ""
-
-
-def _write_override(name: str, files: Mapping[str, bytes]) -> Path:
-    """Write the files of a load's override model directory into a new private directory.
-
-    :returns: the directory holding ``<name>/`` (removed by the caller when done with it).
-    :raises InferError: INVALID_ARG for a model name or a file path that would leave the model
-        directory (absolute, ``..``, through a link), that is too long, ends with ``/`` or uses a
-        file as a directory, before anything is written; also (still INVALID_ARG, and without
-        the private directory's path) for a file the system refuses to write.
-    """
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
-        raise InferError.invalid(f"failed to load '{name}': invalid model name for a file override")
-    if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
-        raise InferError.invalid(f"failed to load model: the name is longer than {NAME_MAX} bytes")
-    root = Path(tempfile.mkdtemp(prefix="pyserve-override-"))
-    try:
-        model_dir = root / name
-        model_dir.mkdir()
-        targets: list[tuple[str, Path, bytes]] = []
-        for relative, content in files.items():
-            try:
-                problem = _override_problem(relative, files)
-                if problem:
-                    raise ValueError(problem)
-                targets.append((relative, contained_path(model_dir, relative), content))
-            except ValueError as exc:
-                raise InferError.invalid(
-                    f"failed to load '{name}': invalid file override '{FILE_PREFIX}{relative}': {exc}"
-                ) from None
-        for relative, target, content in targets:
-            try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                contained_path(model_dir, target.relative_to(model_dir).as_posix())  # no link appeared
-                target.write_bytes(content)
-            except (OSError, ValueError) as exc:  # the message names no path of this machine
-                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
-                raise InferError.invalid(
-                    f"failed to load '{name}': file override '{FILE_PREFIX}{relative}' cannot be written: {reason}"
-                ) from None
-    except BaseException:
-        shutil.rmtree(root, ignore_errors=True)
-        raise
-    return root

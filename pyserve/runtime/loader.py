@@ -1,5 +1,5 @@
-"""Loading and unloading one model and its versions: config → backend → model → instances →
-scheduler (and warmup), and back.
+"""Loading and unloading one model: its versions, built by the ``VersionBuilder``, are swapped
+into the ``ModelRegistry``; the versions they replace are retired, drained and finalized.
 
 One failing model never stops the others: its versions become UNAVAILABLE with a reason
 naming the file, field, backend or exception. Unloading finalizes instances, then the model,
@@ -18,145 +18,78 @@ or abandoned at exit); the model's lock is not held meanwhile, so other reposito
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pyserve.api.backend import BackendContext, InstanceContext, ModelContext
-from pyserve.api.errors import ModelConfigError
-from pyserve.host.plugins import BackendUnavailable, LoadedBackend, PluginHost
-from pyserve.metrics import CustomMetrics
-from pyserve.metrics.summaries import LatencySummaries
-from pyserve.protocol import ModelConfig
-from pyserve.repository import model_config
-from pyserve.repository.ensemble_plan import build_plan
-from pyserve.repository.scan import (
-    Fingerprint,
-    ModelSource,
-    fingerprint,
-    select_versions,
-    version_numbers,
-)
+from pyserve.repository.scan import ModelSource, fingerprint
 from pyserve.runtime import load_reasons
-from pyserve.runtime.load_reasons import describe
-from pyserve.runtime.scheduling import (
-    InstanceWorker,
-    LoopScheduler,
-    LoopShortcut,
-    scheduler_for,
-)
-from pyserve.runtime.scheduling.ensemble import EnsembleScheduler
-from pyserve.runtime.scheduling.rate_limiter import RateLimiter, RateLimitError, instance_claim
+from pyserve.runtime.builder import Built, NotForkSafe, Preparing, VersionBuilder, join_workers
+from pyserve.runtime.ensemble_checks import EnsembleChecks
+from pyserve.runtime.event_loop import LoopRunner
+from pyserve.runtime.registry import ModelRegistry
 from pyserve.runtime.versions import ModelRecord, ModelState, ModelVersion
-from pyserve.runtime.warmup import WarmupError, run_warmup
 
-log = logging.getLogger("pyserve.runtime.versions")
+__all__ = ["ModelLoader", "Preparing"]
 
-STOP_GRACE_S = 0.1
-"""Seconds a stopped worker gets to end even when the exit deadline has passed."""
-
-STEPS_UNAVAILABLE = "ensemble contains models that are not available or no longer fit: "
-"""How the reason of an ensemble version made UNAVAILABLE by a change of its step models starts."""
-
-
-class NotForkSafe(Exception):
-    """While preparing a model before a fork: it must be loaded after the fork (the message
-    says why)."""
+log = logging.getLogger("pyserve.runtime")
 
 
 @dataclass
-class Preparing:
-    """How to load models before a fork (``ModelLoader.prepare``).
+class _Swap:
+    """What committing a built model changes: the record's new versions, the versions they
+    retire, and which override directory the record keeps (``record_dir``) or drops (``stale_dir``)."""
 
-    :ivar refusal: called with a version whose model was created (config complete): why it
-        must not be prepared (e.g. it will not be replicated), or None.
-    :ivar config_refusal: the same question about the config as read, before the backend is
-        even resolved (``""``: not wanted, quietly), or None.
-    :ivar count_threads: the process's threads now (native ones too).
-    :ivar threads: how many threads may run: those before the first load, plus what each
-        backend that declared itself fork-safe started in its initialize (a model's load
-        must start none).
-    """
-
-    refusal: Callable[[ModelVersion], str | None]
-    config_refusal: Callable[[str, Any], str | None]
-    count_threads: Callable[[], int]
-    threads: int = 0
-
-    def __post_init__(self) -> None:
-        self.threads = self.count_threads()
-
-
-def _asks_fork_safe(backend: LoadedBackend, context: BackendContext) -> bool:
-    """The backend's ``pyserve_backend_fork_safe`` answer (False when it raises or is silent)."""
-    try:
-        return bool(backend.hooks.backend_fork_safe(backend=context))
-    except Exception:
-        log.exception("backend '%s' failed in pyserve_backend_fork_safe", backend.info.name)
-        return False
-
-
-def _ready_again(version: ModelVersion) -> None:
-    version.state = ModelState.READY
-    version.reason = ""
-
-
-@dataclass
-class _Built:
-    """One model loaded from a source, not yet visible to requests.
-
-    :ivar error: a model-level failure (nothing could be attempted); versions are empty then.
-    """
-
-    source: ModelSource
-    fingerprint: Fingerprint | None = None
-    override_dir: Path | None = None
-    config: Any = None
-    versions: dict[int, ModelVersion] = field(default_factory=dict)
-    error: str = ""
-    prepared_fingerprint: Fingerprint | None = None
-    """``prepare``: the model directory's fingerprint once its versions were built (what loading
-    itself wrote there included), to tell later changes from it."""
-    config_origin: Path | str = ""
-    """Where the config came from, for messages: its file (or the model directory when there
-    is none: auto-complete), or the load request that carried it."""
+    versions: dict[int, ModelVersion]
+    retired: list[ModelVersion]
+    record_dir: Path | None = None
+    stale_dir: Path | None = None
 
 
 class ModelLoader:
-    """Builds, swaps in, retires and finalizes the versions of one model at a time; the base
-    of ``ModelManager``, which sets the state below in its ``__init__``."""
+    """Loads, reloads and unloads one model at a time into ``registry`` (the caller holds
+    the model's lock); ``shutdown`` unloads everything.
 
-    host: PluginHost
-    auto_complete: bool
-    backend_config: dict[str, dict[str, str]]
-    backend_directory: str | None
-    load_retries: int
-    records: dict[str, ModelRecord]
-    repositories: list[Path]  # the model repositories: reasons name files relative to them
-    server_handle: Any
-    loop: asyncio.AbstractEventLoop | None
-    custom_metrics: CustomMetrics
-    get: Callable[..., ModelVersion]  # ``ModelManager.get``: how ensemble steps find their models
-    _backend_contexts: dict[LoadedBackend, BackendContext]
-    _initialized_backends: list[tuple[LoadedBackend, BackendContext]]
-    _load_order: list[ModelVersion]
-    _lock: threading.Lock
-    _leftover_dirs: list[Path]
-    _closing: bool  # shutdown began: no more ensemble re-checks
-    latency_summaries: bool  # --metrics-config summary_latencies=true: versions record them
-    rate_limiter: RateLimiter | None
-    unload_wait_secs: float  # how long a load or unload waits for the versions it retired
-    _draining: dict[threading.Thread, list[ModelVersion]]  # retired versions still draining
-    cpu_threads: int | None  # ``BackendContext.cpu_threads`` of every backend
-    _preparing: Preparing | None  # set while ``prepare`` loads a model before a fork
-    prepared: dict[str, _Built]  # models ``prepare`` built, waiting for ``start_prepared``
+    :param registry: where loaded models are visible (the loader is its only writer).
+    :param builder: builds, starts and finalizes the versions.
+    :param loop: where swaps happen (the server's event loop, once attached).
+    :param repositories: the model repositories: reasons name files relative to them.
+    :param unload_wait_secs: how long a load or unload waits for the versions it retired.
+    """
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        builder: VersionBuilder,
+        loop: LoopRunner,
+        repositories: Sequence[Path],
+        unload_wait_secs: float,
+    ) -> None:
+        self._registry = registry
+        self._builder = builder
+        self._loop = loop
+        self._repositories = list(repositories)
+        self._unload_wait_secs = unload_wait_secs
+        self._ensembles = EnsembleChecks(registry, loop)
+        self._lock = threading.Lock()
+        self._load_order: list[ModelVersion] = []
+        self._leftover_dirs: list[Path] = []
+        self._draining: dict[threading.Thread, list[ModelVersion]] = {}  # retired versions still draining
+        self.prepared: dict[str, Built] = {}
+        """Models ``prepare`` built, waiting for ``start_prepared``."""
+
+    def read_config(self, source: ModelSource) -> Any:
+        """``VersionBuilder.read_config``: a model's parsed and normalized config.
+
+        :raises ModelConfigError: the config cannot be read.
+        """
+        return self._builder.read_config(source)
 
     # -- loading before a fork -----------------------------------------------------------------
     def prepare(self, name: str, source: ModelSource, rules: Preparing) -> str | None:
@@ -169,18 +102,16 @@ class ModelLoader:
             why the model is left for after the fork: ``NotForkSafe``'s reason, or "" when it
             failed to load (the load after the fork reports that).
         """
-        built = _Built(source, fingerprint(source.path))
-        self._preparing = rules
+        built = Built(source, fingerprint(source.path))
         try:
-            self._build(built, None)
+            with self._builder.preparing(rules):
+                self._builder.build(built, None)
         except NotForkSafe as exc:
             self.discard_prepared(built)
             return str(exc)
         except Exception:  # a bug in one model's load: the normal load reports it
             self.discard_prepared(built)
             return ""
-        finally:
-            self._preparing = None
         if built.error or not built.versions or not all(v.prepared for v in built.versions.values()):
             self.discard_prepared(built)
             return ""
@@ -188,13 +119,12 @@ class ModelLoader:
         self.prepared[name] = built
         return None
 
-    def discard_prepared(self, built: _Built) -> None:
+    def discard_prepared(self, built: Built) -> None:
         """Finalize the versions of ``built`` that were prepared and never started."""
         for version in built.versions.values():
             if version.prepared and version.backend is not None:
                 version.prepared = False
-                self._finalize_instances(version)
-                self._finalize_model(version)
+                self._builder.finalize(version)
 
     def start_prepared(self, name: str, config: Any = None) -> bool:
         """Start and swap in the prepared versions of ``name`` (the model's lock is held).
@@ -212,105 +142,31 @@ class ModelLoader:
             self.discard_prepared(built)  # changed since: a normal load reads it again
             return False
         for version in built.versions.values():
-            self._start_version(version, built.source.path)
-        self._commit(name, built)
+            self._builder.start_version(version, built.source.path)
+        self.commit(name, built)
         return True
 
     # -- loading one model -------------------------------------------------------------------
-    def _load_locked(
+    def load(
         self, name: str, source: ModelSource, override_config: Any = None, override_dir: Path | None = None
     ) -> str:
         """Build a model from ``source`` and swap it in (the model's lock is held).
 
+        :param override_config: a config to use instead of the model's own (a load request's).
+        :param override_dir: the private directory ``source`` lies in (files of a load
+            request); the record keeps it while versions loaded from it serve.
         :returns: "" on success, else why the load failed (a model-level reason, or the
             reasons of the versions that did not load).
         """
-        built = _Built(source, None if override_config is not None else fingerprint(source.path), override_dir)
+        built = Built(source, None if override_config is not None else fingerprint(source.path), override_dir)
         try:
-            self._build(built, override_config)
+            self._builder.build(built, override_config)
         except Exception as exc:  # a bug in one model's load must not stop the others
             log.exception("model '%s' failed to load", name)
             built.error = f"{type(exc).__name__}: {exc}"
-        return self._commit(name, built)
+        return self.commit(name, built)
 
-    def _build(self, built: _Built, override_config: Any) -> None:
-        """Load every selected version of ``built.source`` into ``built.versions``."""
-        source = built.source
-        if source.conflict:
-            built.error = source.conflict
-            return
-        try:
-            if override_config is not None:
-                built.config_origin = model_config.LOAD_REQUEST_CONFIG
-                config = ModelConfig()
-                config.CopyFrom(override_config)
-                model_config.normalize(config, source.path, self.host.platform_backend, built.config_origin)
-            else:
-                path = source.config_path
-                built.config_origin = path if path.exists() else source.path
-                config = self.read_config(source)
-        except ModelConfigError as exc:
-            built.error = str(exc)
-            return
-        built.config = config
-        try:
-            versions = version_numbers(source.path)
-        except OSError as exc:
-            built.error = f"cannot list versions in '{source.path}': {exc}"
-            return
-        selected, problems = select_versions(config.version_policy, versions)
-        if not selected:
-            built.error = (
-                "; ".join(problems) if problems
-                else f"no version directory (a numeric folder such as '1') in '{source.path}'"
-            )
-            return
-        for problem in problems:  # Triton loads the versions that exist and logs the others
-            log.error("model '%s': %s; loading the other versions", source.name, problem)
-        if config.platform == model_config.ENSEMBLE_PLATFORM:
-            self._build_ensemble(built, config, selected)
-            return
-        if self._preparing is not None:
-            refusal = self._preparing.config_refusal(source.name, config)
-            if refusal is not None:
-                raise NotForkSafe(refusal)
-        try:
-            backend, backend_ctx = self._backend_for(config, source.path, selected)
-        except BackendUnavailable as exc:
-            built.error = str(exc)
-            return
-        for number in selected:
-            for attempt in range(self.load_retries + 1):  # --model-load-retry-count
-                version = self._new_version(source.name, number)
-                built.versions[number] = version
-                self._load_version(built, config, number, version, backend, backend_ctx)
-                if version.ready or version.prepared or attempt == self.load_retries:
-                    break
-                log.warning("model '%s' version %d failed to load (%s); retry %d of %d",
-                            source.name, number, version.reason, attempt + 1, self.load_retries)
-
-    def _build_ensemble(self, built: _Built, config: Any, selected: list[int]) -> None:
-        source = built.source
-        problems = model_config.validate(config, source.path)
-        for number in selected:
-            version = self._new_version(source.name, number)
-            built.versions[number] = version
-            if problems:
-                version.fail(f"{built.config_origin}: " + "; ".join(problems))
-                continue
-            version.config = config
-            version.io = model_config.model_io(config, source.path)
-            try:
-                steps = build_plan(config, version.io, self.get)
-            except ValueError as exc:
-                version.fail(f"{built.config_origin}: invalid ensemble: " + "; ".join(str(exc).splitlines()))
-                continue
-            version.scheduler = EnsembleScheduler(source.name, steps, version.io, self.get)
-            _metric_options(version, config)
-            version.stats.load_duration_s = 0.0  # nothing to load: its steps are models of their own
-            version.state = ModelState.READY
-
-    def _commit(self, name: str, built: _Built) -> str:
+    def commit(self, name: str, built: Built) -> str:
         """Make a built model visible: swap its versions in, retire the ones they replace.
 
         A version that failed to load where the previous one of the same number is READY
@@ -319,12 +175,52 @@ class ModelLoader:
 
         :returns: "" on success, else why the load failed.
         """
-        record = self.records.get(name)
+        record = self._registry.records.get(name)
         old = dict(record.versions) if record is not None else {}
         old_ready = {n: v for n, v in old.items() if v.ready}
         failures = [v for v in built.versions.values() if not v.ready]
-        roots = self.repositories
-        for version in failures:  # the log gets the full text, clients the reason (load_reasons)
+        error_detail = self._report_failures(name, built, failures)
+        if built.error and old_ready:
+            log.error("model '%s': the reload failed; the loaded versions keep serving", name)
+            assert record is not None
+            record.fingerprint = built.fingerprint
+            _remove_override(built.override_dir)
+            return built.error
+        change = self._plan_swap(name, built, record, old, old_ready)
+        target = record if record is not None else ModelRecord(name, built.source)
+        ready_now = [v for v in change.versions.values() if v.ready]
+
+        def swap() -> None:
+            target.source = built.source
+            target.fingerprint = built.fingerprint
+            target.override_dir = change.record_dir
+            target.versions = change.versions
+            if built.error:
+                target.fail(built.error, error_detail)
+            else:
+                target.state = ModelState.READY if ready_now else ModelState.UNAVAILABLE
+                target.reason = ""
+            for version in change.retired:
+                version.successor = _successor(version, ready_now)
+                self._retire(version)
+            self._registry.records[name] = target
+
+        with self._lock:
+            self._load_order.extend(v for v in built.versions.values() if v.ready and v in ready_now)
+        self._loop.call(swap)
+        self._drain_retired(name, change.retired, lambda: _remove_override(change.stale_dir))
+        self._ensembles.recheck(name)
+        if built.error:
+            return built.error
+        if failures:
+            return "; ".join(f"version {v.version} is at UNAVAILABLE state: {v.reason}" for v in failures)
+        return ""
+
+    def _report_failures(self, name: str, built: Built, failures: list[ModelVersion]) -> str:
+        """Log the failures in full; keep for clients the reasons ``load_reasons.public`` makes
+        of them. :returns: the full text of the model-level error ("" when none)."""
+        roots = self._repositories
+        for version in failures:
             full = version.detail or version.reason
             log.error("model '%s' version %d is UNAVAILABLE: %s", name, version.version, full)
             version.reason, version.detail = load_reasons.public(version.reason, roots), full
@@ -332,295 +228,73 @@ class ModelLoader:
         if built.error:
             log.error("model '%s' is UNAVAILABLE: %s", name, built.error)
             built.error = load_reasons.public(built.error, roots)
-        if built.error and old_ready:
-            log.error("model '%s': the reload failed; the loaded versions keep serving", name)
-            assert record is not None
-            record.fingerprint = built.fingerprint
-            self._remove_override(built.override_dir)
-            return built.error
-        versions: dict[int, ModelVersion] = {}
-        retired: list[ModelVersion] = []
+        return error_detail
+
+    def _plan_swap(
+        self, name: str, built: Built, record: ModelRecord | None,
+        old: dict[int, ModelVersion], old_ready: dict[int, ModelVersion],
+    ) -> _Swap:
+        """The versions the record holds after the swap, and the ones it retires."""
+        change = _Swap({}, [])
         for number, version in sorted(built.versions.items()):
             previous = old_ready.get(number)
             if previous is not None and not version.ready:
                 log.error("model '%s' version %d: the reload failed; the loaded version keeps serving", name, number)
-                versions[number] = previous
+                change.versions[number] = previous
                 continue
-            versions[number] = version
+            change.versions[number] = version
             if previous is not None:
-                retired.append(previous)
+                change.retired.append(previous)
         if not built.error:
             for number, previous in sorted(old.items()):
                 if number in built.versions:
                     continue
                 if previous.ready:
-                    retired.append(previous)
-                    versions[number] = previous  # listed as unloaded once drained
+                    change.retired.append(previous)
+                    change.versions[number] = previous  # listed as unloaded once drained
                 elif previous.reason == "unloaded":
-                    versions[number] = previous
+                    change.versions[number] = previous
+        self._place_override_dirs(change, built, record, old_ready)
+        return change
+
+    def _place_override_dirs(
+        self, change: _Swap, built: Built, record: ModelRecord | None, old_ready: dict[int, ModelVersion]
+    ) -> None:
+        """Which override directory the record keeps: the previous one while versions loaded
+        from it still serve (the new one is then removed at shutdown at the latest)."""
         previous_dir = record.override_dir if record is not None else None
         keeps_previous_dir = previous_dir is not None and any(
-            v in old_ready.values() for v in versions.values() if v.ready
+            v in old_ready.values() for v in change.versions.values() if v.ready
         )
-        record_dir = previous_dir if keeps_previous_dir else built.override_dir
-        stale_dir = None if keeps_previous_dir or previous_dir == built.override_dir else previous_dir
+        change.record_dir = previous_dir if keeps_previous_dir else built.override_dir
+        change.stale_dir = None if keeps_previous_dir or previous_dir == built.override_dir else previous_dir
         if keeps_previous_dir and built.override_dir is not None:
-            with self._lock:  # both copies serve now; the newer one goes at shutdown at the latest
+            with self._lock:  # both copies serve now
                 self._leftover_dirs.append(built.override_dir)
-        target = record if record is not None else ModelRecord(name, built.source)
-        ready_now = [v for v in versions.values() if v.ready]
-
-        def swap() -> None:
-            target.source = built.source
-            target.fingerprint = built.fingerprint
-            target.override_dir = record_dir
-            target.versions = versions
-            if built.error:
-                target.fail(built.error, error_detail)
-            else:
-                target.state = ModelState.READY if ready_now else ModelState.UNAVAILABLE
-                target.reason = ""
-            for version in retired:
-                version.successor = _successor(version, ready_now)
-                self._retire(version)
-            self.records[name] = target
-
-        with self._lock:
-            self._load_order.extend(v for v in built.versions.values() if v.ready and v in ready_now)
-        self._on_loop(swap)
-        self._drain_retired(name, retired, lambda: self._remove_override(stale_dir))
-        self._recheck_ensembles(name)
-        if built.error:
-            return built.error
-        if failures:
-            return "; ".join(f"version {v.version} is at UNAVAILABLE state: {v.reason}" for v in failures)
-        return ""
-
-    def _new_version(self, name: str, number: int) -> ModelVersion:
-        version = ModelVersion(name, number)
-        if self.latency_summaries:
-            version.stats.summaries = LatencySummaries()
-        return version
-
-    def read_config(self, source: ModelSource) -> Any:
-        """Parse and normalize a model's config.pbtxt (or start an empty one to auto-complete).
-
-        :raises ModelConfigError: syntax, unknown field, missing config in strict mode, or a
-            config that cannot be normalized.
-        """
-        path = source.config_path
-        if path.is_file():
-            config = model_config.parse_config(path.read_text(encoding="utf-8"), path)
-        elif self.auto_complete:
-            config = ModelConfig()
-        else:
-            raise ModelConfigError(
-                f"{path}: file not found, and auto-complete is disabled (--strict-model-config / "
-                "--disable-auto-complete-config)"
-            )
-        model_config.normalize(config, source.path, self.host.platform_backend, path)
-        return config
-
-    def _backend_for(self, config: Any, model_path: Path, versions: list[int]) -> tuple[LoadedBackend, BackendContext]:
-        name = config.backend
-        backend = self.host.resolve(
-            name,
-            runtime=config.runtime,
-            model_path=model_path,
-            version_paths=[model_path / str(v) for v in versions],
-            backend_directory=self.backend_directory,
-        )
-        with backend.lock:
-            context = self._backend_contexts.get(backend)
-            if context is None:
-                settings = {
-                    "auto-complete-config": "true" if self.auto_complete else "false",
-                    "default-max-batch-size": "4",
-                    **self.backend_config.get("", {}),
-                    **self.backend_config.get(name, {}),
-                }
-                context = BackendContext(name=name, config=settings, metrics=self.custom_metrics,
-                                         cpu_threads=self.cpu_threads)
-                self._backend_contexts[backend] = context
-            if backend.init_error is not None:
-                raise BackendUnavailable(backend.init_error)
-            if self._preparing is not None and not backend.initialized:
-                if not _asks_fork_safe(backend, context):
-                    raise NotForkSafe(f"backend '{name}' does not say its models can be loaded before a fork")
-            if not backend.initialized:
-                try:
-                    backend.hooks.backend_initialize(backend=context)
-                except Exception as exc:
-                    backend.init_error = f"backend '{name}' failed to initialize: {type(exc).__name__}: {exc}"
-                    log.error("%s", backend.init_error)
-                    raise BackendUnavailable(backend.init_error) from exc
-                backend.initialized = True
-                if self._preparing is not None:  # its own threads (a library's timer): declared safe
-                    self._preparing.threads = self._preparing.count_threads()
-                with self._lock:
-                    self._initialized_backends.append((backend, context))
-        return backend, context
-
-    def _load_version(
-        self,
-        built: _Built,
-        base_config: Any,
-        number: int,
-        version: ModelVersion,
-        backend: LoadedBackend,
-        backend_ctx: BackendContext,
-    ) -> None:
-        """Create one version and start it; while preparing (``prepare``), only create it."""
-        if not self._create_version(built, base_config, number, version, backend, backend_ctx):
-            return
-        if self._preparing is not None:
-            version.prepared = True
-            return
-        self._start_version(version, built.source.path)
-
-    def _create_version(
-        self,
-        built: _Built,
-        base_config: Any,
-        number: int,
-        version: ModelVersion,
-        backend: LoadedBackend,
-        backend_ctx: BackendContext,
-    ) -> bool:
-        """Auto-complete, validate, create the model, its instances, scheduler and workers
-        (not started). :returns: False when the version failed (its reason is set).
-
-        :raises NotForkSafe: while preparing, a model that must be loaded after the fork
-            (its model was finalized).
-        """
-        started = time.monotonic_ns()
-        source = built.source
-        config = ModelConfig()
-        config.CopyFrom(base_config)
-        context = ModelContext(
-            name=source.name,
-            version=number,
-            config=config,
-            path=source.path,
-            backend=backend_ctx,
-            parameters=model_config.parameters(config),
-            auto_complete=self.auto_complete,
-            server=self.server_handle,
-            metrics=self.custom_metrics,
-            statistics=version.stats,
-        )
-        hooks = backend.hooks
-        if self.auto_complete:
-            try:
-                if hooks.model_auto_complete(model=context):
-                    model_config.normalize(config, source.path, self.host.platform_backend, built.config_origin)
-            except Exception as exc:
-                version.fail(*describe("auto-complete of the config failed", exc))
-                return False
-        problems = model_config.validate(config, source.path)
-        if problems:
-            version.fail(f"{built.config_origin}: " + "; ".join(problems))
-            return False
-        version.config = config
-        version.io = model_config.model_io(config, source.path)
-        _metric_options(version, config)
-        version.context = context
-        version.backend = backend
-        context.fork_safe = self._preparing is not None
-        try:
-            context.state = hooks.model_create(model=context)
-        except Exception as exc:
-            version.fail(*describe(f"backend '{backend.info.name}' failed to create the model", exc))
-            return False
-        if self._preparing is not None:
-            refusal = self._preparing.refusal(version)
-            if refusal is not None:
-                self._finalize_model(version)
-                raise NotForkSafe(refusal)
-        try:
-            self._create_instances(version, context, backend)
-        except Exception as exc:
-            self._finalize_instances(version)
-            self._finalize_model(version)
-            version.fail(*describe(f"backend '{backend.info.name}' failed to create an instance", exc))
-            return False
-        limiter = self.rate_limiter if any(c.needs for c in version.rate_claims) else None
-        if limiter is not None:
-            try:
-                limiter.register(version.rate_claims)
-            except RateLimitError as exc:
-                version.rate_claims = []
-                self._finalize_instances(version)
-                self._finalize_model(version)
-                version.fail(f"rate limiter: {exc}")
-                return False
-        try:
-            scheduler = scheduler_for(
-                config, version.io, len(version.instances), source.path, inline_allowed=limiter is None,
-                adaptive_default=context.compute_only and all(i.kind == "CPU" for i in version.instances),
-            )
-        except ValueError as exc:
-            self._finalize_instances(version)
-            self._finalize_model(version)
-            version.fail(f"{built.config_origin}: {exc}")
-            return False
-        version.scheduler = scheduler
-        version.workers = [
-            InstanceWorker(inst, backend, scheduler.batch_source(i), version.io, scheduler.observe,
-                           getattr(scheduler, "iterations", None),
-                           rate=(limiter, version.rate_claims[i]) if limiter is not None else None)
-            for i, inst in enumerate(version.instances)
-        ]
-        if isinstance(scheduler, (LoopScheduler, LoopShortcut)):  # they execute on the loop
-            scheduler.attach(version.workers)
-        version.stats.load_duration_s = (time.monotonic_ns() - started) / 1e9  # _start_version adds its part
-        return True
-
-    def _start_version(self, version: ModelVersion, model_path: Path) -> None:
-        """Start a created version's instance threads, warm it up, and make it READY (or
-        UNAVAILABLE with the reason, everything it made finalized)."""
-        assert version.config is not None and version.context is not None
-        started = time.monotonic_ns()
-        version.prepared = False
-        try:
-            for worker in version.workers:
-                worker.start()
-            if version.config.model_warmup:
-                run_warmup(version, model_path)
-        except Exception as exc:  # a thread that would not start, a failed warmup, MemoryError...
-            version.state = ModelState.UNLOADING
-            self._stop_workers(version, None)
-            self._finalize_instances(version)
-            self._finalize_model(version)
-            if isinstance(exc, WarmupError):
-                version.fail(str(exc))
-            else:
-                version.fail(*describe(f"model '{version.name}' version {version.version} could not start", exc))
-            return
-        version.stats.load_duration_s = (version.stats.load_duration_s or 0.0) + (time.monotonic_ns() - started) / 1e9
-        version.state = ModelState.READY
-        self._notify("pyserve_model_ready", version.context)
-
-    def _create_instances(self, version: ModelVersion, context: ModelContext, backend: LoadedBackend) -> None:
-        index = 0
-        for group in context.config.instance_group:
-            kind = model_config.instance_kind(group)
-            devices = list(group.gpus) if kind == "GPU" else [0]
-            in_group = 0
-            for device in devices:
-                for _ in range(group.count):
-                    instance = InstanceContext(
-                        name=f"{group.name}_{in_group}", kind=kind, device_id=device, index=index, model=context
-                    )
-                    instance.state = backend.hooks.instance_create(instance=instance)
-                    version.instances.append(instance)
-                    if self.rate_limiter is not None:  # --rate-limit execution_count
-                        version.rate_claims.append(instance_claim(
-                            instance.name, kind, device, group.rate_limiter))
-                    index += 1
-                    in_group += 1
 
     # -- unloading ---------------------------------------------------------------------------
+    def unload_record(self, record: ModelRecord, forget: bool) -> None:
+        """Unload every READY version of ``record`` (the model's lock is held); they stay
+        listed as UNAVAILABLE ``unloaded`` unless ``forget`` (or none is left) drops the record."""
+        retiring = [v for v in record.versions.values() if v.ready]
+        records = self._registry.records
+
+        def swap() -> None:
+            kept = {n: v for n, v in record.versions.items() if v.ready or v.reason == "unloaded"}
+            record.versions = kept
+            record.state = ModelState.UNAVAILABLE
+            record.reason = "unloaded" if not kept else ""
+            for version in retiring:
+                self._retire(version)
+            if forget or not kept:
+                records.pop(record.name, None)
+
+        self._loop.call(swap)
+        override_dir, record.override_dir = record.override_dir, None
+        if self._drain_retired(record.name, retiring, lambda: _remove_override(override_dir)) and retiring:
+            log.info("model '%s' unloaded", record.name)
+        self._ensembles.recheck(record.name)
+
     def unload_version(self, version: ModelVersion, deadline: float | None = None) -> bool:
         """Stop a version's workers after queued work, then finalize instances and model.
 
@@ -631,7 +305,7 @@ class ModelLoader:
         """
         if version.state is not ModelState.READY:
             return True
-        self._on_loop(lambda: self._retire(version))
+        self._loop.call(lambda: self._retire(version))
         return self._drain(version, deadline)
 
     def _retire(self, version: ModelVersion) -> None:
@@ -654,87 +328,15 @@ class ModelLoader:
 
         :returns: False if an instance was still executing at the deadline (not finalized).
         """
-        if not self._join_workers(version, deadline):
+        if not join_workers(version, deadline):
             return False
         if version.backend is not None:  # ensembles have no backend
-            self._finalize_instances(version)
-            self._finalize_model(version)
+            self._builder.finalize(version)
         version.state = ModelState.UNAVAILABLE
         version.reason = "unloaded"
         if version.context is not None:
-            self._notify("pyserve_model_unloaded", version.context)
+            self._builder.notify("pyserve_model_unloaded", version.context)
         return True
-
-    def _stop_workers(self, version: ModelVersion, deadline: float | None) -> bool:
-        """Stop a version that never became READY (failed warmup) and wait for its workers."""
-        if version.scheduler is not None:
-            version.scheduler.stop(len(version.workers))
-        return self._join_workers(version, deadline)
-
-    def _join_workers(self, version: ModelVersion, deadline: float | None) -> bool:
-        """Wait for the workers to end; past the deadline each still gets ``STOP_GRACE_S``, the
-        time an idle worker needs to see its stop (only an executing one takes longer)."""
-        started = [w for w in version.workers if w.started()]
-        for worker in started:
-            worker.join(None if deadline is None else max(deadline - time.monotonic(), STOP_GRACE_S))
-        busy = [w.instance.name for w in started if w.is_alive()]
-        if busy:
-            log.error(
-                "model '%s' version %d: instance(s) %s still executing at the exit timeout; "
-                "not finalized", version.name, version.version, ", ".join(busy),
-            )
-            return False
-        return True
-
-    def _on_loop(self, action: Callable[[], None]) -> None:
-        """Run ``action`` on the server's event loop and wait for it (inline without a loop,
-        on the loop itself, or once the loop stopped)."""
-        loop = self.loop
-        if loop is None or loop.is_closed() or _running_on(loop):
-            action()
-            return
-        done = threading.Event()
-        failure: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                action()
-            except BaseException as exc:  # re-raised on the calling thread
-                failure.append(exc)
-            finally:
-                done.set()
-
-        try:
-            loop.call_soon_threadsafe(run)
-        except RuntimeError:  # closed meanwhile
-            action()
-            return
-        while not done.wait(0.05):
-            if not loop.is_running():
-                if not done.is_set():
-                    run()
-                break
-        if failure:
-            raise failure[0]
-
-    def _unload_record(self, record: ModelRecord, forget: bool) -> None:
-        retiring = [v for v in record.versions.values() if v.ready]
-
-        def swap() -> None:
-            kept = {n: v for n, v in record.versions.items() if v.ready or v.reason == "unloaded"}
-            record.versions = kept
-            record.state = ModelState.UNAVAILABLE
-            record.reason = "unloaded" if not kept else ""
-            for version in retiring:
-                self._retire(version)
-            if forget or not kept:
-                self.records.pop(record.name, None)
-
-        self._on_loop(swap)
-        override_dir, record.override_dir = record.override_dir, None
-        if self._drain_retired(record.name, retiring, lambda: self._remove_override(override_dir)) and retiring:
-            log.info("model '%s' unloaded", record.name)
-        self._recheck_ensembles(record.name)
 
     def _drain_retired(self, name: str, versions: list[ModelVersion], then: Callable[[], None]) -> bool:
         """Drain retired ``versions`` (then run ``then``) on a thread of their own; wait for it
@@ -762,79 +364,59 @@ class ModelLoader:
         with self._lock:
             self._draining[thread] = list(versions)
         thread.start()
-        thread.join(self.unload_wait_secs)
+        thread.join(self._unload_wait_secs)
         if thread.is_alive():
             log.warning("model '%s': %s still executing after %g s; they stop taking requests, and are "
                         "finalized once their executes end", name,
-                        ", ".join(f"version {v.version}" for v in versions), self.unload_wait_secs)
+                        ", ".join(f"version {v.version}" for v in versions), self._unload_wait_secs)
             return False
         return True
 
-    def _recheck_ensembles(self, changed: str, seen: frozenset[str] = frozenset()) -> None:
-        """Check the ensembles that use ``changed`` against the step models as they are now.
+    # -- shutdown ----------------------------------------------------------------------------
+    def begin_shutdown(self) -> None:
+        """Shutdown began: ensembles are no longer re-checked as their step models go."""
+        self._ensembles.stop()
 
-        As Triton: an ensemble whose step model was unloaded, or reloaded with other tensors,
-        becomes UNAVAILABLE (reason ``STEPS_UNAVAILABLE`` + the problems); one that became
-        UNAVAILABLE this way is READY again once its step models fit. An ensemble that changed
-        state has the ensembles using it checked in turn. Not at shutdown.
+    def shutdown(self, deadline: float | None, loads_running: bool) -> list[str]:
+        """Unload every READY version (reverse load order), wait for the versions still draining,
+        remove the override directories, then finalize the backends.
+
+        :param deadline: ``time.monotonic()`` value after which executes are not waited for.
+        :param loads_running: loads are still running: no backend is finalized.
+        :returns: the versions left executing at the deadline (not finalized, nor their backends).
         """
-        if self._closing:
-            return
-        seen = seen | {changed}
-        flipped: set[str] = set()
-        for name, record in sorted(list(self.records.items())):
-            for version in list(record.versions.values()):
-                config = version.config
-                if (config is None or version.io is None or version.scheduler is None
-                        or config.platform != model_config.ENSEMBLE_PLATFORM
-                        or all(step.model_name != changed for step in config.ensemble_scheduling.step)
-                        or not (version.ready or version.reason.startswith(STEPS_UNAVAILABLE))):
-                    continue
-                try:
-                    build_plan(config, version.io, self.get)
-                except ValueError as exc:
-                    reason = STEPS_UNAVAILABLE + "; ".join(str(exc).splitlines())
-                    if version.ready:
-                        log.error("ensemble '%s' version %d is UNAVAILABLE: %s", name, version.version, reason)
-                        flipped.add(name)
-                    self._on_loop(lambda v=version, r=reason: v.fail(r))  # type: ignore[misc]
-                    continue
-                if not version.ready:
-                    log.info("ensemble '%s' version %d is READY again: its step models fit", name, version.version)
-                    flipped.add(name)
-                    self._on_loop(lambda v=version: _ready_again(v))  # type: ignore[misc]
-        for name in sorted(flipped - seen):  # ensembles of ensembles
-            self._recheck_ensembles(name, seen)
+        with self._lock:
+            order = list(reversed(self._load_order))
+            self._load_order.clear()
+        unfinished: list[str] = []
+        stuck: set[str] = set()
+        for version in order:
+            if not self.unload_version(version, deadline) and version.backend is not None:
+                stuck.add(version.backend.info.name)
+                unfinished.append(f"model '{version.name}' version {version.version}")
+        with self._lock:
+            draining = list(self._draining.items())
+        for thread, versions in draining:  # versions retired by an unload or reload earlier
+            thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+            if thread.is_alive():
+                for version in versions:
+                    unfinished.append(f"model '{version.name}' version {version.version}")
+                    if version.backend is not None:
+                        stuck.add(version.backend.info.name)
+        for record in list(self._registry.records.values()):
+            _remove_override(record.override_dir)
+            record.override_dir = None
+        with self._lock:
+            leftovers, self._leftover_dirs = self._leftover_dirs, []
+        for path in leftovers:
+            _remove_override(path)
+        self._builder.finalize_backends(stuck, all_stuck=loads_running)
+        return unfinished
 
-    @staticmethod
-    def _remove_override(path: Path | None) -> None:
-        if path is not None:
-            shutil.rmtree(path, ignore_errors=True)
 
-    def _finalize_instances(self, version: ModelVersion) -> None:
-        assert version.backend is not None
-        if self.rate_limiter is not None and version.rate_claims:
-            self.rate_limiter.unregister(version.rate_claims)
-            version.rate_claims = []
-        for instance in reversed(version.instances):
-            try:
-                version.backend.hooks.instance_finalize(instance=instance)
-            except Exception:
-                log.exception("model '%s' instance '%s' failed to finalize", version.name, instance.name)
-        version.instances.clear()
-
-    def _finalize_model(self, version: ModelVersion) -> None:
-        assert version.backend is not None and version.context is not None
-        try:
-            version.backend.hooks.model_finalize(model=version.context)
-        except Exception:
-            log.exception("model '%s' version %d failed to finalize", version.name, version.version)
-
-    def _notify(self, hook_name: str, context: ModelContext) -> None:
-        try:
-            self.host.server_hook(hook_name)(model=context)
-        except Exception:
-            log.exception("a server plugin failed in %s for model '%s'", hook_name, context.name)
+def _remove_override(path: Path | None) -> None:
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _successor(version: ModelVersion, ready: Sequence[ModelVersion]) -> ModelVersion | None:
@@ -847,17 +429,3 @@ def _successor(version: ModelVersion, ready: Sequence[ModelVersion]) -> ModelVer
     if chosen is None or chosen.io != version.io or chosen.decoupled != version.decoupled:
         return None
     return chosen
-
-
-def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
-
-
-def _metric_options(version: ModelVersion, config: Any) -> None:
-    """Apply the config's ``model_metrics`` (first-response histogram buckets) to the version."""
-    buckets = model_config.histogram_buckets(config, "nv_inference_first_response_histogram_ms")
-    if buckets is not None:
-        version.stats.use_first_response_buckets(buckets)

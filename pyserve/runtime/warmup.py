@@ -32,7 +32,7 @@ from pyserve.repository.model_config import ModelIO
 from pyserve.repository.scan import WARMUP_DIRNAME, contained_path
 from pyserve.repository.tensor_checks import check_input, finish_inputs
 
-log = logging.getLogger("pyserve.runtime.versions")
+log = logging.getLogger("pyserve.runtime")
 
 WARMUP_CORRELATION_ID = 1
 """The sequence id of warmup requests to sequence-batched models (one-request sequences)."""

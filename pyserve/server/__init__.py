@@ -1,5 +1,5 @@
-"""The server as one object: its options, the composition of runtime, data plane and frontends,
-and the metrics port.
+"""The server as one object: its options (``pyserve.server.options``, every setting declared
+once with its flags), the composition of runtime, data plane and frontends, and the metrics port.
 
 ``Server`` and ``ServerOptions`` are importable from here (``from pyserve.server import Server``,
 as before the layout had folders); they are loaded on first use, so importing a module of this
@@ -11,12 +11,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pyserve.server.core import Server, ServerOptions
+    from pyserve.server.core import Server
+    from pyserve.server.options import ServerOptions
 
 __all__ = ["Server", "ServerOptions"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "ServerOptions":  # light: the option declarations only
+        from pyserve.server import options
+
+        return options.ServerOptions
     if name in __all__:
         from pyserve.server import core
 

@@ -18,8 +18,7 @@ import signal
 import socket
 import tempfile
 import threading
-from collections.abc import Generator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +29,11 @@ from pyserve.dataplane.header_forwarding import compile_forwarding
 from pyserve.dataplane.plane import DataPlane
 from pyserve.frontends import limits, tcp
 from pyserve.frontends.balancer import FRONTEND_BALANCE, ConnectionBalancer
-from pyserve.frontends.grpc.server import GrpcOptions
 from pyserve.frontends.grpc.server import create_server as create_grpc_server
 from pyserve.frontends.http.app import create_app
-from pyserve.frontends.http.body import DEFAULT_MAX_INPUT_SIZE
+from pyserve.frontends.http.native_infer import InferHttpServer
 from pyserve.frontends.http.openai import OpenAIMetrics
-from pyserve.frontends.http.server import BODY_TIMEOUT, HEADER_TIMEOUT, HttpServer
-from pyserve.frontends.restricted import Restriction
+from pyserve.frontends.http.server import HttpServer
 from pyserve.frontends.tcp import bind_tcp
 from pyserve.handoff import affinity
 from pyserve.handoff.owner import HandoffServer
@@ -52,81 +49,16 @@ from pyserve.host.plugins import PluginHost
 from pyserve.metrics import MetricsSettings, ServerMetrics, SystemMonitor
 from pyserve.repository import tensor_checks
 from pyserve.repository.scan import check_config_name
-from pyserve.runtime import load_reasons
 from pyserve.runtime.manager import ModelManager
+from pyserve.runtime.registry import ModelRegistry
 from pyserve.runtime.scheduling import busy_poll, client_activity, execution_board
 from pyserve.runtime.scheduling.rate_limiter import RateLimiter, RateLimitError
+from pyserve.server import model_table
 from pyserve.server.metrics_port import MetricsService, MetricsStartError
-from pyserve.tracing import TraceConfig, TraceManager
+from pyserve.server.options import ServerOptions
+from pyserve.tracing import TraceManager
 
-log = logging.getLogger("pyserve.server.core")
-
-
-@dataclass
-class ServerOptions:
-    """Everything ``pyserve run`` can set; field names follow Triton's flags."""
-
-    model_repositories: list[Path]
-    host: str = "0.0.0.0"
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
-    allow_http: bool = True
-    allow_grpc: bool = True
-    allow_openai: bool = True  # --allow-openai: the OpenAI-compatible /v1 routes on the HTTP port
-    grpc: GrpcOptions = field(default_factory=GrpcOptions)
-    server_id: str = "pyserve"
-    exit_timeout_secs: float = 30.0
-    auto_complete: bool = True
-    exit_on_error: bool = True
-    backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
-    http_max_input_size: int = DEFAULT_MAX_INPUT_SIZE
-    http_max_connections: int = 0  # --http-max-connections; 0: from the descriptor limit (pyserve.frontends.limits)
-    http_header_timeout_secs: float = HEADER_TIMEOUT  # --http-header-timeout-secs; 0: no total limit
-    http_body_timeout_secs: float = BODY_TIMEOUT  # --http-body-timeout-secs; 0: no total limit
-    model_load_thread_count: int = 4
-    model_load_retry_count: int = 0  # --model-load-retry-count: further attempts after a failed load
-    model_control_mode: str = "none"
-    load_models: list[str] = field(default_factory=list)
-    repository_poll_secs: float = 15.0
-    backend_directory: str = "/opt/tritonserver/backends"
-    model_config_name: str = ""  # --model-config-name: read configs/<name>.pbtxt where a model has one
-    cache_config: tuple[str, Mapping[str, str]] | None = None  # --cache-config: (cache, settings)
-    trace_config: TraceConfig | None = None  # --trace-config
-    http_restricted_api: Mapping[str, Restriction] = field(default_factory=dict)  # category → header
-    status_page: bool = True  # --status-page: GET /status (and / for browsers) on the HTTP port (pyserve.frontends.status)
-    max_tensor_elements: int = 0  # elements per input tensor; 0 = no limit
-    # Serve GET /metrics on metrics_port. Off by default for embedded servers, so that they never
-    # take port 8002 unasked; ``pyserve run`` turns it on, as Triton (--allow-metrics, default true).
-    allow_metrics: bool = False
-    allow_cpu_metrics: bool = True
-    allow_gpu_metrics: bool = True  # GPU gauges need pynvml and a GPU
-    metrics_address: str = ""  # --metrics-address; "" = host (Triton: the HTTP address)
-    metrics_interval_ms: int = 2000  # how often CPU/GPU gauges are refreshed
-    metrics_config: Mapping[str, str] = field(default_factory=dict)  # --metrics-config key=value
-    http_server: str = "pyserve"  # --http-server: "pyserve" (native HTTP/1.1) or "uvicorn"
-    reuse_http_port: bool = False  # --reuse-http-port: SO_REUSEPORT, other servers may share the port
-    http_header_forward_pattern: str = ""  # --http-header-forward-pattern (pyserve.dataplane.header_forwarding)
-    strict_readiness: bool = True  # --strict-readiness: ready only while every model version is READY
-    # --frontend-processes: extra processes serving the HTTP/gRPC ports (see frontend_balance)
-    # that decode requests and hand them to this process, which owns the models (pyserve.handoff)
-    frontend_processes: int = 0
-    # --frontend-balance: how new connections are spread over the processes: "connections"
-    # (this process accepts and passes each to the one with the fewest open; pyserve.frontends.balancer)
-    # or "kernel" (every process listens with SO_REUSEPORT and the kernel picks)
-    frontend_balance: str = "connections"
-    # --replicate-models: none | auto | NAME[,NAME...]: models frontend processes load replicas
-    # of and answer themselves (pyserve.handoff.replicas)
-    replicate_models: str = "none"
-    # --busy-poll-us: after a model executed on the event loop answers, the loop keeps polling
-    # for this many microseconds instead of sleeping (pyserve.runtime.scheduling.busy_poll); 0 = off
-    busy_poll_us: int = 0
-    # --pin-processes: this process and each frontend process on a CPU of its own (pyserve.handoff.affinity)
-    pin_processes: bool = False
-    # --rate-limit: "off" or "execution_count" (instances wait for their instance group's
-    # rate_limiter resources; pyserve.runtime.scheduling.rate_limiter)
-    rate_limit: str = "off"
-    rate_limit_resources: list[str] = field(default_factory=list)  # --rate-limit-resource NAME:COUNT[:DEVICE]
+log = logging.getLogger("pyserve.server")
 
 
 def _uvicorn_server(config: Any) -> Any:
@@ -245,6 +177,18 @@ class Server:
     def __init__(self, options: ServerOptions, plugins: PluginHost | None = None) -> None:
         self.options = options
         self.plugins = plugins if plugins is not None else PluginHost()
+        config_name, rate_limiter = _config_name(options.model_config_name), _rate_limiter(options)
+        try:
+            metrics_settings = MetricsSettings.from_config(
+                options.metrics_config, cpu=options.allow_cpu_metrics, gpu=options.allow_gpu_metrics,
+                interval_ms=options.metrics_interval_ms,
+            )
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        registry = ModelRegistry()
+        self.metrics = ServerMetrics(registry.records, metrics_settings)
+        """The server's metrics registry (per server: two servers never share counts)."""
+        server_handle = ServerHandle(None, None)  # bound to the data plane below, to the loop in start
         self.models = ModelManager(
             options.model_repositories,
             self.plugins,
@@ -256,13 +200,17 @@ class Server:
             startup_models=options.load_models,
             poll_secs=options.repository_poll_secs,
             backend_directory=options.backend_directory,
-            config_name=_config_name(options.model_config_name),
-            rate_limiter=_rate_limiter(options),
+            config_name=config_name,
+            rate_limiter=rate_limiter,
             cpu_threads=_cpu_threads(options),
             unload_wait_secs=options.exit_timeout_secs,
+            server_handle=server_handle,
+            custom_metrics=self.metrics.custom,
+            latency_summaries=metrics_settings.summary_latencies,
+            registry=registry,
         )
         self.dataplane = DataPlane(self.models, options.server_id, __version__)
-        self.models.server_handle = ServerHandle(self.dataplane, None)  # bound to the loop in start
+        server_handle.bind(self.dataplane, None)
         self.dataplane.tracing = TraceManager(options.trace_config)
         self.dataplane.strict_readiness = options.strict_readiness
         if options.cache_config is not None:
@@ -278,17 +226,6 @@ class Server:
                 setattr(self.dataplane, attribute, compile_forwarding(pattern))
             except ValueError as exc:
                 raise StartupError(f"{flag}: {exc}") from None
-        try:
-            metrics_settings = MetricsSettings.from_config(
-                options.metrics_config, cpu=options.allow_cpu_metrics, gpu=options.allow_gpu_metrics,
-                interval_ms=options.metrics_interval_ms,
-            )
-        except ValueError as exc:
-            raise StartupError(str(exc)) from None
-        self.metrics = ServerMetrics(self.models.records, metrics_settings)
-        self.models.latency_summaries = metrics_settings.summary_latencies
-        """The server's metrics registry (per server: two servers never share counts)."""
-        self.models.custom_metrics = self.metrics.custom
         if self.dataplane.cache is not None:
             self.dataplane.cache.add_listener(self.metrics.on_cache_lookup)
         self._metrics_service: MetricsService | None = None
@@ -357,9 +294,9 @@ class Server:
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
         self.models.server_handle.bind(self.dataplane, loop, metrics=self.metrics.render)
-        self.models.loop = loop
+        self.models.attach_loop(loop)
         await loop.run_in_executor(None, self.models.load_all)
-        self._log_model_table()
+        model_table.log_startup_tables(self.models, self.plugins)
         if self.options.exit_on_error and (self.models.missing_startup_models or not self.models.all_ready()):
             failures = self.models.startup_failures()
             await loop.run_in_executor(None, self.models.unload_all)
@@ -505,7 +442,7 @@ class Server:
         if self.options.http_server not in ("pyserve", "uvicorn"):
             raise StartupError(f"unknown HTTP server '{self.options.http_server}' (expected pyserve or uvicorn)")
         if self._handoff_dir is not None:  # frontend processes relay other routes here
-            self._owner_http = HttpServer(
+            self._owner_http = InferHttpServer(
                 app, self.dataplane, max_input_size=self.options.http_max_input_size,
                 restrictions=self.options.http_restricted_api,
             )
@@ -516,7 +453,7 @@ class Server:
         if self.options.http_server == "pyserve":
             shared = self._handoff_dir is not None and self._balancer is None  # frontends listen too
             listener = _bind(self.options.host, self.options.http_port, reuse_port=shared or self.options.reuse_http_port)
-            self._http = HttpServer(
+            self._http = InferHttpServer(
                 app,
                 self.dataplane,
                 max_input_size=self.options.http_max_input_size,
@@ -559,49 +496,6 @@ class Server:
         self.http_port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
         client_activity.untracked_server(True)  # its requests are not reported: executes stay on threads
 
-    def _log_model_table(self) -> None:
-        """The startup table: one line per model version, a reason by its first line; the full
-        text of each reason the table cut follows it."""
-        rows = []  # Triton's columns first (scripts match "| <model> | <version> | READY |"), then ours
-        cut: list[str] = []
-        for e in self.models.index():
-            if "state" not in e:  # models on disk that were not loaded (explicit mode) have no state
-                continue
-            reason = e.get("reason", "")
-            shown = load_reasons.first_line(reason)
-            rows.append([e["name"], e.get("version", "-"), e["state"] + (f": {shown}" if reason else ""),
-                         self._served_by(e)])
-            if shown != reason:
-                where = f"model '{e['name']}'" + (f" version {e['version']}" if "version" in e else "")
-                cut.append(f"{where}: {self._detail(e) or reason}")
-        log.info("\n%s", logs.table(["Model", "Version", "Status", "Backend"], rows))
-        for text in cut:
-            log.info("%s", text)
-        backends = [[b.info.name, b.info.distribution, b.info.version] for b in self.plugins.loaded_backends()]
-        if backends:
-            log.info("\n%s", logs.table(["Backend", "Distribution", "Version"], backends))
-
-    def _detail(self, entry: Mapping[str, str]) -> str:
-        """The full text (for the log) of an index entry's reason; "" when it has none."""
-        record = self.models.records.get(entry["name"])
-        if record is None:
-            return ""
-        if "version" not in entry:
-            return record.detail or record.reason
-        version = record.versions.get(int(entry["version"]))
-        return (version.detail or version.reason) if version is not None else ""
-
-    def _served_by(self, entry: Mapping[str, str]) -> str:
-        """The startup table's Backend cell: which backend serves a model version and where it
-        comes from (an installed plugin, or a native library's path); ``-`` when none."""
-        record = self.models.records.get(entry["name"])
-        version = record.versions.get(int(entry["version"])) if record is not None and "version" in entry else None
-        if version is None or version.backend is None:
-            platform = version.config.platform if version is not None and version.config is not None else ""
-            return platform or "-"
-        info = version.backend.info
-        return f"{info.name} ({info.origin()})"
-
     def request_stop(self) -> None:
         """Ask a running ``serve_until_stopped`` to shut down (thread-safe via the loop)."""
         self._stop.set()
@@ -625,6 +519,24 @@ class Server:
             await self.frontends.stop(timeout)
         drained = await self.dataplane.drain(max(deadline - loop.time(), 0.0))
         self.clean_exit = drained
+        await self._stop_listening(deadline, drained)
+        self.dataplane.live = False
+        remaining = max(deadline - loop.time(), 0.0)
+        await loop.run_in_executor(None, self.models.unload_all, remaining)
+        if self.models.unfinished:
+            self.clean_exit = False
+            log.error("still running at the exit timeout: %s", ", ".join(self.models.unfinished))
+        await loop.run_in_executor(None, self.dataplane.tracing.shutdown)  # write pending traces
+        self.dataplane.readiness.close()
+        if self._metrics_service is not None:  # last, as Triton: metrics stay readable while draining
+            await self._metrics_service.stop()
+        await self._restore_process()
+        log.info("Server stopped")
+
+    async def _stop_listening(self, deadline: float, drained: bool) -> None:
+        """Close the HTTP, hand-off and gRPC services; ``drained``: the in-flight requests finished
+        before ``deadline`` (the loop's clock), else the services get 1 s more at most."""
+        loop = asyncio.get_running_loop()
         if self._http is not None:  # the exit timeout spent: give open answers 1 s more at most
             await self._http.shutdown(max(deadline - loop.time(), 0.0) if drained else 1.0)
         if self._owner_http is not None:
@@ -643,16 +555,10 @@ class Server:
             await self._grpc.stop(grace=max(deadline - loop.time(), 0.0) if drained else 0)
         if self._balancer is not None:
             self._balancer.close()
-        self.dataplane.live = False
-        remaining = max(deadline - loop.time(), 0.0)
-        await loop.run_in_executor(None, self.models.unload_all, remaining)
-        if self.models.unfinished:
-            self.clean_exit = False
-            log.error("still running at the exit timeout: %s", ", ".join(self.models.unfinished))
-        await loop.run_in_executor(None, self.dataplane.tracing.shutdown)  # write pending traces
-        self.dataplane.readiness.close()
-        if self._metrics_service is not None:  # last, as Triton: metrics stay readable while draining
-            await self._metrics_service.stop()
+
+    async def _restore_process(self) -> None:
+        """Undo what ``start`` changed process-wide (limits, busy polling, CPU affinity), end the
+        preforked frontends never used and remove the hand-off folder."""
         if self._saved_element_limit is not None:
             tensor_checks.LIMITS.max_tensor_elements = self._saved_element_limit
         if self._saved_busy_poll is not None:
@@ -660,10 +566,9 @@ class Server:
         if self._cpus is not None:
             affinity.restore(self._cpus)
         if self._preforked is not None:  # children never given their settings exit
-            await loop.run_in_executor(None, self._preforked.close)
+            await asyncio.get_running_loop().run_in_executor(None, self._preforked.close)
         if self._handoff_dir is not None:
             shutil.rmtree(self._handoff_dir, ignore_errors=True)
-        log.info("Server stopped")
 
     async def run(self, exit_when_stuck: bool = False) -> None:
         """Start, serve until SIGINT/SIGTERM, then shut down (``pyserve run``).

@@ -11,7 +11,7 @@ from pyserve.frontends.tcp import bind_tcp
 from pyserve.metrics.prometheus import CONTENT_TYPE
 
 if TYPE_CHECKING:
-    from pyserve.frontends.http.server import AppServer
+    from pyserve.frontends.http.server import HttpServer
     from pyserve.metrics.prometheus import ServerMetrics
     from pyserve.metrics.system import SystemMonitor
 
@@ -27,7 +27,7 @@ class MetricsStartError(RuntimeError):
 
 class MetricsService:
     """``GET /metrics`` on its own port, served by pyserve's HTTP/1.1 server
-    (``pyserve.frontends.http.server.AppServer``) on the server's event loop.
+    (``pyserve.frontends.http.server.HttpServer``) on the server's event loop.
 
     :param metrics: what the page shows.
     :param monitor: the CPU/GPU readings refreshed every ``interval_ms``, or None.
@@ -37,7 +37,7 @@ class MetricsService:
         self.metrics = metrics
         self.monitor = monitor
         self.port: int | None = None
-        self._server: AppServer | None = None
+        self._server: HttpServer | None = None
         self._sampler: asyncio.Task[None] | None = None
         self.before_render: Any = None
         """An async callable run before each scrape (frontend replicas report their counts)."""
@@ -65,7 +65,7 @@ class MetricsService:
 
         :raises MetricsStartError: the address cannot be bound.
         """
-        from pyserve.frontends.http.server import AppServer  # (pyserve.http imports pyserve.metrics)
+        from pyserve.frontends.http.server import HttpServer  # (pyserve.http imports pyserve.metrics)
 
         try:
             listener = bind_tcp(host, port, service="metrics")
@@ -83,7 +83,7 @@ class MetricsService:
         if self.monitor is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.monitor.sample)
             self._sampler = asyncio.create_task(self._sample_every(self.metrics.settings.interval_ms / 1000))
-        self._server = AppServer(self, max_input_size=_MAX_BODY)
+        self._server = HttpServer(self, max_input_size=_MAX_BODY)
         await self._server.start(listener)
         self.port = self._server.port
         log.info("Started Metrics Service at %s:%d", host, self.port)

@@ -14,7 +14,7 @@ TRITONBACKEND lifecycle of Triton Inference Server, in matched pairs::
 Each backend is one pluggy plugin, found through the entry-point group
 ``pyserve.backends`` (entry-point name = backend name). The server calls a backend's hooks
 through a caller scoped to that backend alone, so a model's hooks only ever reach the backend
-that owns it. Server-wide plugins (entry-point group ``pyserve.host.plugins``) are left in every
+that owns it. Server-wide plugins (entry-point group ``pyserve.plugins``) are left in every
 scoped caller, which lets them wrap ``pyserve_execute`` for all models.
 
 All hooks are called with keyword arguments; an implementation may accept any subset of
@@ -38,7 +38,7 @@ BACKEND_ENTRY_POINT_GROUP = "pyserve.backends"
 PLATFORM_ENTRY_POINT_GROUP = "pyserve.platforms"
 """Entry-point group mapping a config ``platform`` (entry-point name) to a backend name (value)."""
 
-SERVER_PLUGIN_ENTRY_POINT_GROUP = "pyserve.host.plugins"
+SERVER_PLUGIN_ENTRY_POINT_GROUP = "pyserve.plugins"
 """Entry-point group of server-wide plugins (observers and ``pyserve_execute`` wrappers)."""
 
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

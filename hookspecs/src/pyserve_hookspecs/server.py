@@ -1,4 +1,4 @@
-"""Hooks for server-wide plugins (entry-point group ``pyserve.host.plugins``).
+"""Hooks for server-wide plugins (entry-point group ``pyserve.plugins``).
 
 Besides observing models, a server plugin may supply backends that are not Python entry
 points (``pyserve_resolve_backend``), e.g. native Triton backend libraries.

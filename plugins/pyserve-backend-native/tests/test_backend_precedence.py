@@ -37,7 +37,7 @@ def _served_by_library(result: httpclient.InferResult) -> bool:
 
 
 def _table_rows(caplog: pytest.LogCaptureFixture) -> dict[str, list[str]]:
-    tables = [r.getMessage() for r in caplog.records if r.name == "pyserve.server.core" and "| Model" in r.getMessage()]
+    tables = [r.getMessage() for r in caplog.records if r.name == "pyserve.server" and "| Model" in r.getMessage()]
     assert tables, "no startup table was logged"
     lines = [[c.strip() for c in line.strip("|").split("|")] for line in tables[-1].splitlines() if line.startswith("|")]
     assert lines[0] == ["Model", "Version", "Status", "Backend"]
@@ -56,7 +56,7 @@ def test_a_placed_library_wins_over_the_installed_plugin(
     in_model = write_model(repo, "in_model", IDENTITY.format(name="in_model"))
     shutil.copy(library, in_model / "libtriton_identity.so")
     write_model(repo, "plugin", IDENTITY.format(name="plugin"))
-    with caplog.at_level(logging.INFO, logger="pyserve.server.core"):
+    with caplog.at_level(logging.INFO, logger="pyserve.server"):
         server = pyserve_server_factory(repo)
     with httpclient.InferenceServerClient(server.url) as client:
         assert _served_by_library(_infer(client, "in_version"))
@@ -85,7 +85,7 @@ def test_backend_directory_library_wins_and_a_broken_one_is_not_skipped(
     # library's path: the plugin does not silently take over, as Triton would not either
     broken = write_model(repo, "broken", IDENTITY.format(name="broken"))
     shutil.copy(backend_libraries["missing"], broken / "libtriton_identity.so")
-    with caplog.at_level(logging.INFO, logger="pyserve.server.core"):
+    with caplog.at_level(logging.INFO, logger="pyserve.server"):
         server = pyserve_server_factory(repo, backend_directory=str(backends))
     with httpclient.InferenceServerClient(server.url) as client:
         assert _served_by_library(_infer(client, "from_dir"))

@@ -356,7 +356,7 @@ def test_thread_counts_are_process_wide_and_the_first_model_wins(
     original = torch.get_num_threads()
     wanted = 1 if original != 1 else 2
     try:
-        with caplog.at_level("INFO", logger="pyserve.api.backend.pytorch"):
+        with caplog.at_level("INFO", logger="pyserve.backend.pytorch"):
             runtime.apply_thread_counts("first", wanted, None)
             assert torch.get_num_threads() == wanted
             runtime.apply_thread_counts("second", wanted + 1, None)  # the first model's value stays
@@ -389,7 +389,7 @@ def test_process_flags_are_set_once_per_process(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(runtime, "SETTINGS", ProcessWideSettings("torch", runtime.log))
     before = torch.backends.cudnn.enabled
     try:
-        with caplog.at_level("INFO", logger="pyserve.api.backend.pytorch"):
+        with caplog.at_level("INFO", logger="pyserve.backend.pytorch"):
             runtime.apply_process_flags("first", {"DISABLE_CUDNN": "true"})
             assert torch.backends.cudnn.enabled is False
             runtime.apply_process_flags("second", {"DISABLE_CUDNN": "false"})

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 
 if TYPE_CHECKING:
-    from pyserve.frontends.grpc.connection import Stream
+    from pyserve.frontends.grpc.http2_stream import Stream
 
 Metadata = tuple[tuple[str, "str | bytes"], ...]
 

@@ -16,15 +16,17 @@ import numpy as np
 from pyserve.api.errors import InferError
 from pyserve.api.inference import InferRequest, InferResponse, ParameterValue
 from pyserve.dataplane.classification import classify
+from pyserve.dataplane.interface import SharedMemoryAccess
 from pyserve.dataplane.shared_memory import (
     Region,
-    SharedMemoryManager,
     ShmTarget,
     write_output,
 )
 from pyserve.protocol import ModelInferRequest, ModelInferResponse
+from pyserve.repository.model_config import ModelIO, TensorSpec
 from pyserve.repository.scan import is_version_number
 from pyserve.repository.tensor_checks import (
+    RequestOptions,
     byte_size_mismatch,
     check_input,
     check_outputs_requested,
@@ -133,7 +135,7 @@ ignoring it there: perf_analyzer sets it on every gRPC request) on ``ModelInfer`
 
 
 def decode_infer(
-    message: Any, model: ModelVersion, *, stream: bool = False, shm: SharedMemoryManager | None = None
+    message: Any, model: ModelVersion, *, stream: bool = False, shm: SharedMemoryAccess | None = None
 ) -> DecodedGrpcRequest:
     """Decode and validate a ``ModelInferRequest`` for ``model``.
 
@@ -146,6 +148,41 @@ def decode_infer(
     io = model.io
     assert io is not None
     name = model.name
+    inputs: dict[str, np.ndarray] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    regions = _decode_inputs(message, name, io, shm, inputs, shapes)  # the shared-memory regions used
+    batch = finish_inputs(name, io, inputs, shapes)
+    options = _request_options(message.parameters)
+    outputs = message.outputs[:]
+    names = check_outputs_requested(name, io, [o.name for o in outputs])
+    classification: dict[str, int] = {}
+    shm_outputs = _output_parameters(outputs, shm, classification)
+    request = InferRequest(
+        name,
+        model.version,
+        inputs,
+        names,
+        id=message.id,
+        parameters=options.custom,
+        flags=options.flags,
+        correlation_id=options.correlation_id,
+        priority=options.priority,
+        timeout_us=options.timeout_us,
+        batch_size=batch,
+    )
+    if shm_outputs:
+        regions = (regions or []) + [target.region for target in shm_outputs.values()]
+    if regions:
+        request.shm_regions = regions
+    return DecodedGrpcRequest(request, classification, shm_outputs)
+
+
+def _decode_inputs(
+    message: Any, name: str, io: ModelIO, shm: SharedMemoryAccess | None,
+    inputs: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]],
+) -> list[Region] | None:
+    """Fill ``inputs`` (arrays in their request shape) and ``shapes`` from the request's input
+    tensors; the shared-memory regions they are read from (None if none)."""
     raw = message.raw_input_contents
     tensors = message.inputs[:]  # read each upb field once (every access builds a new wrapper); a
     # slice is a plain list, which iterates for less than the repeated field itself
@@ -158,56 +195,70 @@ def decode_infer(
             f"for model '{name}'"
         )
     raw_index = 0
-    regions: list[Region] | None = None  # the shared-memory regions the request uses
-    inputs: dict[str, np.ndarray] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
+    regions: list[Region] | None = None
     for tensor, region in zip(tensors, in_region):
         spec, shape = check_input(name, io, tensor.name, tensor.datatype, tensor.shape[:])
         if spec.name in inputs:
             raise InferError.invalid(f"input '{spec.name}' is given more than once for model '{name}'")
-        count = element_count(shape)
-        dtype = spec.datatype
         if region:
-            what = f"input '{spec.name}'"
-            if shm is None:
-                raise InferError.unsupported(f"{what}: shared memory is not enabled on this endpoint")
-            if tensor.HasField("contents"):
-                raise InferError.invalid(f"{what}: contents must be empty when 'shared_memory_region' is used")
             if regions is None:
                 regions = []
-            data = shm.input_bytes(parameters_dict(tensor.parameters), what, regions)
-            array = _shm_input_array(data, spec, shape, what, name)
+            array = _shm_input(tensor, spec, shape, shm, regions, name)
         elif raw:
-            if tensor.HasField("contents"):
-                raise InferError.invalid(
-                    f"input '{spec.name}': contents must be empty when raw_input_contents is used"
-                )
-            data = raw[raw_index]
+            array = _raw_input(tensor, spec, shape, raw[raw_index], name)
             raw_index += 1
-            if dtype.is_bytes:
-                array = decode_bytes_elements(data, count, spec.name)
-            else:
-                expected = count * dtype.itemsize
-                if len(data) != expected:
-                    raise byte_size_mismatch(spec.name, name, expected, len(data),
-                                             f"shape {list(shape)} of {dtype.name}; its raw_input_contents "
-                                             f"holds {len(data)} byte(s)")
-                array = np.frombuffer(data, dtype=dtype.dtype, count=count)
         else:
-            array = _typed_contents(tensor, dtype, count, spec.name)
+            array = _typed_contents(tensor, spec.datatype, element_count(shape), spec.name)
         inputs[spec.name] = array.reshape(shape)
         shapes[spec.name] = shape
-    batch = finish_inputs(name, io, inputs, shapes)
-    request_parameters = message.parameters
+    return regions
+
+
+def _shm_input(
+    tensor: Any, spec: TensorSpec, shape: tuple[int, ...], shm: SharedMemoryAccess | None,
+    regions: list[Region], model: str,
+) -> np.ndarray:
+    """An input read from the shared-memory region its parameters name (added to ``regions``)."""
+    what = f"input '{spec.name}'"
+    if shm is None:
+        raise InferError.unsupported(f"{what}: shared memory is not enabled on this endpoint")
+    if tensor.HasField("contents"):
+        raise InferError.invalid(f"{what}: contents must be empty when 'shared_memory_region' is used")
+    data = shm.input_bytes(parameters_dict(tensor.parameters), what, regions)
+    return _shm_input_array(data, spec, shape, what, model)
+
+
+def _raw_input(tensor: Any, spec: TensorSpec, shape: tuple[int, ...], data: bytes, model: str) -> np.ndarray:
+    """An input whose bytes are its ``raw_input_contents`` entry ``data`` (not copied)."""
+    if tensor.HasField("contents"):
+        raise InferError.invalid(f"input '{spec.name}': contents must be empty when raw_input_contents is used")
+    count = element_count(shape)
+    dtype = spec.datatype
+    if dtype.is_bytes:
+        return decode_bytes_elements(data, count, spec.name)
+    expected = count * dtype.itemsize
+    if len(data) != expected:
+        raise byte_size_mismatch(spec.name, model, expected, len(data),
+                                 f"shape {list(shape)} of {dtype.name}; its raw_input_contents "
+                                 f"holds {len(data)} byte(s)")
+    return np.frombuffer(data, dtype=dtype.dtype, count=count)
+
+
+def _request_options(request_parameters: Any) -> RequestOptions:
+    """The request-level parameters, checked as Triton checks them (``GRPC_PARAMETERS`` allowed)."""
     empty_final = request_parameters.get("triton_enable_empty_final_response") if request_parameters else None
     if empty_final is not None and empty_final.WhichOneof("parameter_choice") != "bool_param":
         raise InferError.invalid(
             "invalid value type for 'triton_enable_empty_final_response' parameter, expected bool_param."
         )
-    options = parse_parameters(parameters_dict(request_parameters), allow=GRPC_PARAMETERS)
-    outputs = message.outputs[:]
-    names = check_outputs_requested(name, io, [o.name for o in outputs])
-    classification: dict[str, int] = {}
+    return parse_parameters(parameters_dict(request_parameters), allow=GRPC_PARAMETERS)
+
+
+def _output_parameters(
+    outputs: list[Any], shm: SharedMemoryAccess | None, classification: dict[str, int]
+) -> dict[str, ShmTarget] | None:
+    """Read the requested outputs' parameters: their ``classification`` counts into
+    ``classification``; the shared-memory targets of those written to a region (None if none)."""
     shm_outputs: dict[str, ShmTarget] | None = None
     for output in outputs:
         params = output.parameters
@@ -228,24 +279,7 @@ def decode_infer(
             if shm_outputs is None:
                 shm_outputs = {}
             shm_outputs[output.name] = shm.output_target(parameters_dict(params), what)
-    request = InferRequest(
-        name,
-        model.version,
-        inputs,
-        names,
-        id=message.id,
-        parameters=options.custom,
-        flags=options.flags,
-        correlation_id=options.correlation_id,
-        priority=options.priority,
-        timeout_us=options.timeout_us,
-        batch_size=batch,
-    )
-    if shm_outputs:
-        regions = (regions or []) + [target.region for target in shm_outputs.values()]
-    if regions:
-        request.shm_regions = regions
-    return DecodedGrpcRequest(request, classification, shm_outputs)
+    return shm_outputs
 
 
 def _shm_input_array(data: Any, spec: Any, shape: tuple[int, ...], what: str, model: str) -> np.ndarray:
@@ -303,7 +337,7 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-class WireParts(list):
+class WireParts(list[Any]):
     """A serialized message as consecutive pieces (``bytes`` / ``memoryview``), not joined.
 
     pyserve's gRPC server writes the pieces as they are; anything else calls :meth:`join`.

@@ -11,10 +11,10 @@ from typing import Any
 from pyserve import logs
 from pyserve import protocol as pb
 from pyserve.api.errors import InferError
-from pyserve.dataplane.plane import DataPlane
+from pyserve.dataplane.interface import ServingPlane
 
 
-def system_shm_status(dataplane: DataPlane, request: Any) -> Any:
+def system_shm_status(dataplane: ServingPlane, request: Any) -> Any:
     response = pb.SystemSharedMemoryStatusResponse()
     for entry in dataplane.shared_memory.status(request.name, "system"):
         region = response.regions[entry["name"]]
@@ -25,17 +25,17 @@ def system_shm_status(dataplane: DataPlane, request: Any) -> Any:
     return response
 
 
-def system_shm_register(dataplane: DataPlane, request: Any) -> Any:
+def system_shm_register(dataplane: ServingPlane, request: Any) -> Any:
     dataplane.shared_memory.register_system(request.name, request.key, request.offset, request.byte_size)
     return pb.SystemSharedMemoryRegisterResponse()
 
 
-def system_shm_unregister(dataplane: DataPlane, request: Any) -> Any:
+def system_shm_unregister(dataplane: ServingPlane, request: Any) -> Any:
     dataplane.shared_memory.unregister(request.name, "system")
     return pb.SystemSharedMemoryUnregisterResponse()
 
 
-def cuda_shm_status(dataplane: DataPlane, request: Any) -> Any:
+def cuda_shm_status(dataplane: ServingPlane, request: Any) -> Any:
     response = pb.CudaSharedMemoryStatusResponse()
     for entry in dataplane.shared_memory.status(request.name, "cuda"):
         region = response.regions[entry["name"]]
@@ -45,17 +45,17 @@ def cuda_shm_status(dataplane: DataPlane, request: Any) -> Any:
     return response
 
 
-def cuda_shm_register(dataplane: DataPlane, request: Any) -> Any:
+def cuda_shm_register(dataplane: ServingPlane, request: Any) -> Any:
     dataplane.shared_memory.register_cuda(request.name, request.raw_handle, request.device_id, request.byte_size)
     return pb.CudaSharedMemoryRegisterResponse()
 
 
-def cuda_shm_unregister(dataplane: DataPlane, request: Any) -> Any:
+def cuda_shm_unregister(dataplane: ServingPlane, request: Any) -> Any:
     dataplane.shared_memory.unregister(request.name, "cuda")
     return pb.CudaSharedMemoryUnregisterResponse()
 
 
-def trace_setting(dataplane: DataPlane, request: Any) -> Any:
+def trace_setting(dataplane: ServingPlane, request: Any) -> Any:
     """``TraceSetting``: an empty value list clears a setting (per model: back to global)."""
     model = request.model_name or None
     if model is not None:

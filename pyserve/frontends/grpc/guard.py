@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pyserve.frontends.grpc.connection import Stream
+    from pyserve.frontends.grpc.http2_stream import Stream
 
 RESET_BURST = 1000
 """Calls a peer may reset at once before the rate limit applies (as nghttp2's default)."""

@@ -1,6 +1,7 @@
 """HTTP/2 framing for pyserve's gRPC server (RFC 9113), kept to what a gRPC server needs.
 
-Frames are built and parsed here; connection state lives in :mod:`pyserve.frontends.grpc.connection`.
+Frames are built and parsed here; connection state lives in :mod:`pyserve.frontends.grpc.connection`
+(and the layers it is made of).
 Header blocks are decoded with the ``hpack`` package (HPACK, RFC 7541); a block that leaves the
 decoding table as it was decodes to the same headers while the table stays unchanged, so such
 blocks are remembered by their bytes (the common case: a client repeating one call) until a
@@ -80,10 +81,23 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return frame_header(kind, flags, stream_id, len(payload)) + payload
 
 
+def unpad(payload: memoryview) -> memoryview:
+    """The data of a PADDED frame's payload: without its pad length byte and its padding.
+
+    :raises ConnectionError_: PROTOCOL_ERROR when the pad length does not fit the payload.
+    """
+    if not payload:
+        raise ConnectionError_(PROTOCOL_ERROR, "padded frame without a pad length")
+    pad = payload[0]
+    if pad >= len(payload):
+        raise ConnectionError_(PROTOCOL_ERROR, "padding longer than the frame")
+    return payload[1:len(payload) - pad]
+
+
 def split_frames(buffer: bytes) -> tuple[list[tuple[int, int, int, bytes]], bytes]:
     """The whole frames at the start of ``buffer`` as ``(type, flags, stream id, payload)``, and
     the bytes left over (a frame not complete yet). For clients and test peers; the server's
-    connection parses in place instead (pyserve.frontends.grpc.connection)."""
+    connection parses in place instead (pyserve.frontends.grpc.frame_reader)."""
     frames = []
     position, end = 0, len(buffer)
     while end - position >= 9:

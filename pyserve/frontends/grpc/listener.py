@@ -28,7 +28,7 @@ from pyserve.frontends.tcp import bind_tcp
 
 if TYPE_CHECKING:
     from pyserve.frontends.grpc.call import CallContext
-    from pyserve.frontends.grpc.connection import Stream
+    from pyserve.frontends.grpc.http2_stream import Stream
     from pyserve.frontends.grpc.server import GrpcOptions
 
 

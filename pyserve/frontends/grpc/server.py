@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from pyserve import protocol as pb
-from pyserve.dataplane.plane import DataPlane
+from pyserve.dataplane.interface import ServingPlane
 from pyserve.frontends.grpc.codec import WireParts, parse_infer_request
 from pyserve.frontends.grpc.servicer import HealthServicer, InferenceServicer
 from pyserve.frontends.restricted import Restriction, grpc_interceptor
@@ -225,7 +225,7 @@ def new_server(options: GrpcOptions, reuse_port: bool = False) -> Any:
     return GrpcServer(options, reuse_port=reuse_port)
 
 
-def create_server(dataplane: DataPlane, options: GrpcOptions, reuse_port: bool = False) -> tuple[Any, int]:
+def create_server(dataplane: ServingPlane, options: GrpcOptions, reuse_port: bool = False) -> tuple[Any, int]:
     """A gRPC server bound to ``host:port`` (not started).
 
     :returns: the server and the port actually bound (for port 0).

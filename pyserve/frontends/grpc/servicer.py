@@ -17,7 +17,7 @@ from google.protobuf import json_format
 
 from pyserve import protocol as pb
 from pyserve.api.errors import ErrorCode, InferError
-from pyserve.dataplane.plane import DataPlane
+from pyserve.dataplane.interface import InferencePlane, ServingPlane
 from pyserve.frontends.grpc import extensions
 from pyserve.frontends.grpc.codec import decode_infer, encode_infer_wire, model_version
 from pyserve.frontends.grpc.stream import StreamSession
@@ -75,6 +75,28 @@ def _repository_parameters(parameters: Any) -> dict[str, Any]:
     return values
 
 
+async def infer_decoded(
+    dataplane: InferencePlane, model: Any, decoded: Any, decode_ns: int, context: grpc.aio.ServicerContext
+) -> Any:
+    """Run a decoded ``ModelInfer`` request and encode its answer (``ModelInferResponse`` bytes,
+    or ``WireParts`` for a large one). The request's statistics count it as sent once it is
+    encoded (``decode_ns`` is inside its duration already: it starts at ``arrival_ns``).
+
+    :raises InferError: the model answered an error.
+    """
+    infer_request = decoded.request
+    if dataplane.tracing.active:
+        infer_request.trace_parent = _trace_parent(context)
+    infer_request.reply_ns = -1  # response_sent below ends the request's duration
+    result = await dataplane.infer(model, infer_request)
+    if isinstance(result, InferError):
+        raise result
+    response = encode_infer_wire(result, decoded, model, join=False)
+    if infer_request.stats is not None:
+        infer_request.stats.response_sent(infer_request)
+    return response
+
+
 class InferenceServicer:
     """The RPC implementations, one method per RPC name.
 
@@ -82,7 +104,7 @@ class InferenceServicer:
     :param compress_infer: gzip infer responses (``--grpc-infer-response-compression-level``).
     """
 
-    def __init__(self, dataplane: DataPlane, compress_infer: bool = False) -> None:
+    def __init__(self, dataplane: ServingPlane, compress_infer: bool = False) -> None:
         self.dataplane = dataplane
         self.compress_infer = compress_infer
 
@@ -159,23 +181,8 @@ class InferenceServicer:
         return response
 
     async def infer_decoded(self, model: Any, decoded: Any, decode_ns: int, context: grpc.aio.ServicerContext) -> Any:
-        """Run a decoded ``ModelInfer`` request and encode its answer (``ModelInferResponse`` bytes,
-        or ``WireParts`` for a large one). The request's statistics count it as sent once it is
-        encoded (``decode_ns`` is inside its duration already: it starts at ``arrival_ns``).
-
-        :raises InferError: the model answered an error.
-        """
-        infer_request = decoded.request
-        if self.dataplane.tracing.active:
-            infer_request.trace_parent = _trace_parent(context)
-        infer_request.reply_ns = -1  # response_sent below ends the request's duration
-        result = await self.dataplane.infer(model, infer_request)
-        if isinstance(result, InferError):
-            raise result
-        response = encode_infer_wire(result, decoded, model, join=False)
-        if infer_request.stats is not None:
-            infer_request.stats.response_sent(infer_request)
-        return response
+        """``infer_decoded`` on this servicer's data plane."""
+        return await infer_decoded(self.dataplane, model, decoded, decode_ns, context)
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -274,7 +281,7 @@ class InferenceServicer:
 class HealthServicer:
     """``grpc.health.v1.Health/Check``: SERVING while the server is live."""
 
-    def __init__(self, dataplane: DataPlane) -> None:
+    def __init__(self, dataplane: InferencePlane) -> None:
         self.dataplane = dataplane
 
     async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError
 from pyserve import protocol as pb
 from pyserve.api.errors import ErrorCode, InferError
 from pyserve.api.inference import InferRequest, InferResponse
-from pyserve.dataplane.plane import DataPlane
+from pyserve.dataplane.interface import InferencePlane
 from pyserve.frontends.backlog import ResponseBacklog
 from pyserve.frontends.grpc.codec import (
     decode_infer,
@@ -106,7 +106,7 @@ class StreamSession:
         (``--grpc-header-forward-pattern``).
     """
 
-    def __init__(self, dataplane: DataPlane, error_closes: bool = False, trace_parent: str | None = None,
+    def __init__(self, dataplane: InferencePlane, error_closes: bool = False, trace_parent: str | None = None,
                  forwarded: Sequence[tuple[str, str]] = ()) -> None:
         self.dataplane = dataplane
         self.error_closes = error_closes
@@ -155,11 +155,10 @@ class StreamSession:
             empty_final = param.bool_param
         request.attach_sender(_StreamSender(self, decoded, model, empty_final))
         request.trace_parent = self.trace_parent
-        error = self.dataplane.submit(model, request)
-        if error is not None:
+        try:
+            self._open.add(self.dataplane.submit(model, request))
+        except InferError as error:
             self._emit_error(error, request.id)
-        else:
-            self._open.add(request)
 
     def post(self, sender: _StreamSender, response: InferResponse | InferError | None, final: bool) -> None:
         """Queue one response for the writer (any thread); wakes the writer if it waits, and
@@ -181,7 +180,7 @@ class StreamSession:
             request = sender._decoded.request
             if request in self._open:
                 self._open.discard(request)
-                self.dataplane.finished(request)
+                request.release()
             self._maybe_end()
         return item
 
@@ -217,5 +216,5 @@ class StreamSession:
         self._inbox.close()
         for request in list(self._open):
             request.cancel()
-            self.dataplane.finished(request)
+            request.release()
         self._open.clear()

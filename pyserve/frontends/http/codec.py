@@ -18,9 +18,9 @@ import orjson
 from pyserve.api.errors import InferError
 from pyserve.api.inference import InferRequest, InferResponse
 from pyserve.dataplane.classification import classify
+from pyserve.dataplane.interface import SharedMemoryAccess
 from pyserve.dataplane.shared_memory import (
     Region,
-    SharedMemoryManager,
     ShmTarget,
     write_output,
 )
@@ -95,7 +95,7 @@ def _load_json(data: bytes | memoryview) -> Any:
 
 
 def decode_infer(
-    body: bytes | bytearray, header_length: int | None, model: ModelVersion, shm: SharedMemoryManager | None = None
+    body: bytes | bytearray, header_length: int | None, model: ModelVersion, shm: SharedMemoryAccess | None = None
 ) -> DecodedRequest:
     """Decode and validate an ``/infer`` body for ``model``.
 
@@ -118,7 +118,7 @@ def decode_infer(
 
 
 def _decode_header(
-    header: dict[str, Any], binary: memoryview, model: ModelVersion, shm: SharedMemoryManager | None = None
+    header: dict[str, Any], binary: memoryview, model: ModelVersion, shm: SharedMemoryAccess | None = None
 ) -> DecodedRequest:
     io = model.io
     assert io is not None
@@ -185,7 +185,7 @@ def _decode_input(
     binary: memoryview,
     offset: int,
     model: str,
-    shm: SharedMemoryManager | None = None,
+    shm: SharedMemoryAccess | None = None,
     regions: list[Region] | None = None,
 ) -> tuple[np.ndarray, int]:
     params = entry.get("parameters") or {}
@@ -403,7 +403,7 @@ def _decode_raw_binary(body: bytes | bytearray, model: ModelVersion) -> DecodedR
 
 
 def _decode_outputs(
-    raw: Any, io: ModelIO, model: str, binary_default: bool, shm: SharedMemoryManager | None = None
+    raw: Any, io: ModelIO, model: str, binary_default: bool, shm: SharedMemoryAccess | None = None
 ) -> dict[str, OutputOptions]:
     if raw is None:
         return {n: OutputOptions(binary=binary_default) for n in io.outputs}

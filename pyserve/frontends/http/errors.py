@@ -19,9 +19,21 @@ HTTP_STATUS: dict[ErrorCode, int] = {
 }
 """Triton's mapping (``HttpCodeFromError``)."""
 
+JSON_HEADERS: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
+"""The headers of every error answer and of the usual infer answer (plus its content-length);
+shared, never mutated: the HTTP/1.1 server recognises them by identity."""
+
+Reply = tuple[int, bytes, list[tuple[bytes, bytes]]]
+"""``(status, body, headers)`` of an answer, content-length not included."""
+
 
 def error_body(message: str) -> bytes:
     return orjson.dumps({"error": message})
+
+
+def error_reply(error: InferError) -> Reply:
+    """The ``{"error": ...}`` answer for ``error``."""
+    return HTTP_STATUS[error.code], error_body(error.message), JSON_HEADERS
 
 
 def error_response(error: InferError) -> Response:

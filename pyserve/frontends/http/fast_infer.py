@@ -9,7 +9,7 @@ any route; only the per-request overhead differs.
 
 The steps (``infer_model``, ``check_declared_length``, ``decode_request`` or its coroutine form
 ``decode_soon``, ``submit_request``, ``encode_reply``, ``error_reply``) are module functions
-shared with the native HTTP/1.1 server (``pyserve.frontends.http.server``), which runs the same sequence
+shared with the native HTTP/1.1 server (``pyserve.frontends.http.native_infer``), which runs the same sequence
 without ASGI. A large body is decoded on a decode thread (``pyserve.frontends.http.offload``).
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from pyserve.api.errors import InferError
 from pyserve.api.inference import FutureSender, InferRequest, InferResponse
-from pyserve.dataplane.plane import DataPlane
+from pyserve.dataplane.interface import InferencePlane
 from pyserve.frontends.http import offload
 from pyserve.frontends.http.body import compress, decode_content, too_large
 from pyserve.frontends.http.codec import (
@@ -31,7 +31,7 @@ from pyserve.frontends.http.codec import (
     encode_infer,
     parse_header_length,
 )
-from pyserve.frontends.http.errors import HTTP_STATUS, error_body
+from pyserve.frontends.http.errors import JSON_HEADERS, Reply, error_reply
 from pyserve.repository.scan import is_version_number
 from pyserve.runtime.versions import ModelVersion
 
@@ -40,15 +40,10 @@ ASGIApp = Any
 
 _PREFIX = "/v2/models/"
 _SUFFIX = "/infer"
-_JSON_HEADERS = [(b"content-type", JSON_TYPE.encode("latin-1"))]
-JSON_HEADERS: list[tuple[bytes, bytes]] = _JSON_HEADERS
-"""The headers of every error answer (plus its content-length)."""
 DECOUPLED_MESSAGE = "HTTP end point doesn't support models with decoupled transaction policy"
 
 Headers = dict[bytes, bytes]
 """Request headers by lower-case name (the last value of a repeated header wins)."""
-Reply = tuple[int, bytes, list[tuple[bytes, bytes]]]
-"""``(status, body, headers)`` of an answer, content-length not included."""
 
 
 def route(path: str) -> tuple[str, str | None] | None:
@@ -71,7 +66,7 @@ def route(path: str) -> tuple[str, str | None] | None:
 _route = route  # the former private name
 
 
-def infer_model(dataplane: DataPlane, name: str, version: str | None) -> ModelVersion:
+def infer_model(dataplane: InferencePlane, name: str, version: str | None) -> ModelVersion:
     """The model an infer request targets.
 
     :raises InferError: unknown model or version, or a decoupled model (501).
@@ -96,7 +91,7 @@ def check_declared_length(declared: bytes | None, limit: int) -> None:
 
 
 def decode_request(
-    dataplane: DataPlane, model: ModelVersion, body: bytes | bytearray, headers: Headers, limit: int
+    dataplane: InferencePlane, model: ModelVersion, body: bytes | bytearray, headers: Headers, limit: int
 ) -> tuple[DecodedRequest, int]:
     """Decompress and decode an infer body; ``(decoded, decode nanoseconds)``.
 
@@ -128,7 +123,7 @@ def decode_request(
 
 
 async def decode_soon(
-    dataplane: DataPlane, model: ModelVersion, body: bytes | bytearray, headers: Headers, limit: int
+    dataplane: InferencePlane, model: ModelVersion, body: bytes | bytearray, headers: Headers, limit: int
 ) -> tuple[DecodedRequest, int]:
     """``decode_request`` for a coroutine: inline for the usual body, on a decode thread for a
     large one (``pyserve.frontends.http.offload``) so that the event loop goes on serving meanwhile."""
@@ -139,19 +134,17 @@ async def decode_soon(
 
 
 def submit_request(
-    dataplane: DataPlane, model: ModelVersion, request: InferRequest, loop: asyncio.AbstractEventLoop
+    dataplane: InferencePlane, model: ModelVersion, request: InferRequest, loop: asyncio.AbstractEventLoop
 ) -> asyncio.Future[Any]:
     """Schedule ``request``; the future resolves to its ``InferResponse`` or ``InferError``.
 
-    ``dataplane.finished(request)`` must follow once the future is done (or abandoned).
+    ``request.release()`` must follow once the future is done (or abandoned).
 
-    :raises InferError: the data plane refused the request (nothing to finish then).
+    :raises InferError: the data plane refused the request (nothing to release then).
     """
     future: asyncio.Future[Any] = loop.create_future()
     request.attach_sender(FutureSender(loop, future))
-    error = dataplane.submit(model, request)
-    if error is not None:
-        raise error
+    dataplane.submit(model, request)
     return future
 
 
@@ -169,7 +162,7 @@ def encode_reply(
         raise result
     content, out_headers = encode_infer(result, decoded, model)
     if len(out_headers) == 1 and out_headers.get("content-type") == JSON_TYPE:
-        raw_headers = _JSON_HEADERS  # the usual answer: shared, never mutated
+        raw_headers = JSON_HEADERS  # the usual answer: shared, never mutated
     else:
         raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out_headers.items()]
     if accept_encoding:
@@ -182,11 +175,6 @@ def encode_reply(
     return 200, content, raw_headers
 
 
-def error_reply(error: InferError) -> Reply:
-    """The ``{"error": ...}`` answer for ``error``."""
-    return HTTP_STATUS[error.code], error_body(error.message), _JSON_HEADERS
-
-
 class InferFastPath:
     """ASGI middleware answering infer requests itself and passing the rest to ``app``.
 
@@ -195,7 +183,7 @@ class InferFastPath:
     :param max_input_size: the request body cap (``--http-max-input-size``).
     """
 
-    def __init__(self, app: ASGIApp, dataplane: DataPlane, max_input_size: int) -> None:
+    def __init__(self, app: ASGIApp, dataplane: InferencePlane, max_input_size: int) -> None:
         self.app = app
         self.dataplane = dataplane
         self.max_input_size = max_input_size
@@ -283,7 +271,7 @@ class InferFastPath:
         finally:
             watcher.remove_done_callback(on_disconnect)
             watcher.cancel()
-            self.dataplane.finished(request)
+            request.release()
 
 
 async def _send(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:

@@ -35,7 +35,7 @@ from pyserve.runtime.versions import ModelVersion
 SSE_TYPE = "text/event-stream; charset=utf-8"
 
 
-class _Object(list):
+class _Object(list[tuple[str, Any]]):
     """A JSON object as its (key, value) pairs in order, so that repeated keys are seen."""
 
 

@@ -33,7 +33,7 @@ from starlette.responses import Response
 
 from pyserve.api.errors import InferError
 from pyserve.api.inference import InferResponse
-from pyserve.dataplane.plane import DataPlane
+from pyserve.dataplane.interface import InferencePlane
 from pyserve.frontends.http.body import read_body
 from pyserve.frontends.http.codec import DecodedRequest, encode_infer
 from pyserve.frontends.http.errors import error_response
@@ -64,14 +64,14 @@ def stream_format(accept: str | None) -> tuple[str, Callable[[bytes], bytes]]:
     return NDJSON_TYPE, lambda data: data + b"\n"
 
 
-async def _decode(request: Request, dataplane: DataPlane, model: ModelVersion, limit: int) -> tuple[DecodedRequest, int]:
+async def _decode(request: Request, dataplane: InferencePlane, model: ModelVersion, limit: int) -> tuple[DecodedRequest, int]:
     headers: Headers = dict(request.scope["headers"])
     body = await read_body(request, limit)  # decompressed here: decode_soon must not again
     headers.pop(b"content-encoding", None)
     return await decode_soon(dataplane, model, body, headers, limit)
 
 
-async def infer_stream(request: Request, dataplane: DataPlane, model: ModelVersion, limit: int) -> Response:
+async def infer_stream(request: Request, dataplane: InferencePlane, model: ModelVersion, limit: int) -> Response:
     """Answer an infer request of the decoupled ``model`` as a stream (see the module doc)."""
     try:
         decoded, _ = await _decode(request, dataplane, model, limit)
@@ -82,9 +82,7 @@ async def infer_stream(request: Request, dataplane: DataPlane, model: ModelVersi
             )
         sender = GenerateSender()
         decoded.request.attach_sender(sender)
-        error = dataplane.submit(model, decoded.request)
-        if error is not None:
-            raise error
+        dataplane.submit(model, decoded.request)
     except InferError as exc:
         return error_response(exc)
     infer = decoded.request
@@ -94,7 +92,7 @@ async def infer_stream(request: Request, dataplane: DataPlane, model: ModelVersi
     def close() -> None:
         sender.close()
         infer.cancel()
-        dataplane.finished(infer)
+        infer.release()
 
     try:
         first = await until_disconnected(request.receive, anext(items))
@@ -145,17 +143,15 @@ class _Encoder:
         return self.frame(data)
 
 
-async def infer_once(request: Request, dataplane: DataPlane, model: ModelVersion, limit: int) -> Response:
+async def infer_once(request: Request, dataplane: InferencePlane, model: ModelVersion, limit: int) -> Response:
     """Answer an infer request of a non-decoupled ``model`` with its one response."""
     try:
         decoded, decode_ns = await _decode(request, dataplane, model, limit)
         future = submit_request(dataplane, model, decoded.request, asyncio.get_running_loop())
     except InferError as exc:
         return error_response(exc)
-    try:
+    with decoded.request:
         result = await until_disconnected(request.receive, future)
-    finally:
-        dataplane.finished(decoded.request)
     if result is DISCONNECTED:
         decoded.request.cancel()
         return Response(b"", 400)

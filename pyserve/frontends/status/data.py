@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pyserve.dataplane.interface import ServingPlane
 from pyserve.frontends.restricted import Restrictions, denied
 from pyserve.metrics.latency import quantile_ns
 from pyserve.metrics.stats import ModelStats
@@ -161,7 +162,7 @@ class StatusReport:
     :param restrictions: the ``--http-restricted-api`` rules.
     """
 
-    def __init__(self, dataplane: Any, restrictions: Restrictions | None = None) -> None:
+    def __init__(self, dataplane: ServingPlane, restrictions: Restrictions | None = None) -> None:
         self.dataplane = dataplane
         self.restrictions: Restrictions = restrictions or {}
         self.history = StatsHistory()

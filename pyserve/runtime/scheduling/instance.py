@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from pyserve.repository.model_config import ModelIO
 from pyserve.runtime.scheduling import execution_board
 from pyserve.runtime.scheduling.rate_limiter import RateLimiter, ResourceClaim
 from pyserve.tracing import TRACING, mark_batch
+
+if TYPE_CHECKING:
+    from pyserve.metrics import ModelStats
 
 log = logging.getLogger("pyserve.execute")
 
@@ -179,33 +182,12 @@ class InstanceWorker:
             self.last_execute_ns = end_ns - start_ns
         except Exception as exc:
             execution_board.leave(self._slot)
-            end_ns = time.monotonic_ns()
-            self.last_execute_ns = end_ns - start_ns  # a slow failure is slow too
-            if stats is not None:  # an execution all the same (Triton counts it and its batch)
-                stats.executed(live, start_ns, end_ns, failed=True)
-            log.error("model '%s' instance '%s': execute failed: %s: %s",
-                      self._model_name, self.instance.name, type(exc).__name__, exc)
-            error = error_response(exc, self._model_name)
-            for request in live:
-                if not request.final_sent:
-                    request.reply(error)
+            self._execute_failed(live, stats, start_ns, exc)
             return
         if tracing:
             mark_batch(live, "COMPUTE_OUTPUT_START")
         if results is None or len(results) != len(live):
-            if stats is not None:
-                stats.executed(live, start_ns, end_ns)
-            if results is None:
-                self._check_senders(live)
-                return
-            error = InferError(
-                f"backend '{self.instance.model.backend.name}' returned {len(results)} "
-                f"response(s) for {len(live)} request(s) of model '{self._model_name}'",
-                ErrorCode.INTERNAL,
-            )
-            log.error("%s", error.message)
-            for request in live:
-                request.reply(error)
+            self._results_missing(live, results, stats, start_ns, end_ns)
             return
         # compute output: the responses are checked first, counted, then sent
         finished = [(request, self._finish(request, result)) for request, result in zip(live, results)
@@ -214,6 +196,41 @@ class InstanceWorker:
             stats.executed(live, start_ns, end_ns, ready_ns=time.monotonic_ns())
         for request, answer in finished:
             request.reply(answer)
+
+    def _execute_failed(
+        self, live: list[InferRequest], stats: ModelStats | None, start_ns: int, exc: Exception
+    ) -> None:
+        """Execute raised: count the execution (failed), answer every request with the error."""
+        end_ns = time.monotonic_ns()
+        self.last_execute_ns = end_ns - start_ns  # a slow failure is slow too
+        if stats is not None:  # an execution all the same (Triton counts it and its batch)
+            stats.executed(live, start_ns, end_ns, failed=True)
+        log.error("model '%s' instance '%s': execute failed: %s: %s",
+                  self._model_name, self.instance.name, type(exc).__name__, exc)
+        error = error_response(exc, self._model_name)
+        for request in live:
+            if not request.final_sent:
+                request.reply(error)
+
+    def _results_missing(
+        self, live: list[InferRequest], results: Sequence[object] | None, stats: ModelStats | None,
+        start_ns: int, end_ns: int,
+    ) -> None:
+        """Execute returned None (answers sent, or to come) or a result count that does not
+        match the batch (every request fails)."""
+        if stats is not None:
+            stats.executed(live, start_ns, end_ns)
+        if results is None:
+            self._check_senders(live)
+            return
+        error = InferError(
+            f"backend '{self.instance.model.backend.name}' returned {len(results)} "
+            f"response(s) for {len(live)} request(s) of model '{self._model_name}'",
+            ErrorCode.INTERNAL,
+        )
+        log.error("%s", error.message)
+        for request in live:
+            request.reply(error)
 
     def _check_senders(self, requests: list[InferRequest]) -> None:
         """``None`` from execute: decoupled models answer later; others must have answered,

@@ -89,67 +89,83 @@ class H2Connection(asyncio.Protocol):
             self.transport.write(b"".join(out))
 
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes, out: list[bytes]) -> None:
+        """Act on one frame from the server; frames to send back are appended to ``out``."""
         if kind == h2.DATA:
             self.unacked += len(payload)
             call = self.calls.get(stream_id)
             if call is not None and flags & h2.END_STREAM:
                 self._finish(stream_id, call)
         elif kind == h2.HEADERS:
-            if flags & h2.PADDED:
-                payload = payload[1:len(payload) - payload[0]]
-            if flags & h2.PRIORITY_FLAG:
-                payload = payload[5:]
-            headers, _ = self.decoder.decode(payload)  # every block: the HPACK table must follow
-            call = self.calls.get(stream_id)
-            if call is None:
-                return
-            for name, value in headers:
-                if name == "grpc-status":
-                    call.status = value
-                elif name == "grpc-message":
-                    call.details = value
-                elif name == ":status" and value != "200":
-                    call.status, call.details = "14", f"HTTP status {value}"
-            if flags & h2.END_STREAM:
-                self._finish(stream_id, call)
+            self._on_headers(flags, stream_id, payload)
         elif kind == h2.SETTINGS:
             if not flags & h2.ACK:
-                for offset in range(0, len(payload) - 5, 6):
-                    setting = int.from_bytes(payload[offset:offset + 2], "big")
-                    amount = int.from_bytes(payload[offset + 2:offset + 6], "big")
-                    if setting == h2.INITIAL_WINDOW_SIZE:
-                        delta, self.peer_initial_window = amount - self.peer_initial_window, amount
-                        for open_call in self.calls.values():
-                            open_call.send_window += delta
-                    elif setting == h2.MAX_FRAME_SIZE:
-                        self.peer_max_frame = amount
+                self._on_settings(payload)
                 out.append(h2.frame(h2.SETTINGS, h2.ACK, 0))
                 self._send_pending(out)
         elif kind == h2.WINDOW_UPDATE:
-            increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
-            if stream_id == 0:
-                self.send_window += increment
-            elif (call := self.calls.get(stream_id)) is not None:
-                call.send_window += increment
+            self._on_window_update(stream_id, payload)
             self._send_pending(out)
         elif kind == h2.PING:
             if not flags & h2.ACK:
                 out.append(h2.frame(h2.PING, h2.ACK, 0, payload))
         elif kind == h2.RST_STREAM:
-            call = self.calls.pop(stream_id, None)
-            if call is not None and not call.future.done():
-                code = int.from_bytes(payload, "big")
-                call.future.set_exception(CallFailed("CANCELLED" if code == h2.CANCEL else "INTERNAL",
-                                                     f"stream reset by the server (HTTP/2 error {code})"))
+            self._on_reset(stream_id, payload)
         elif kind == h2.GOAWAY:
-            last = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
-            self.closed = True  # no new calls here; the ones above ``last`` were not processed
-            self.error = f"the server sent GOAWAY ({payload[8:].decode('utf-8', 'replace')})"
-            for stream, call in list(self.calls.items()):
-                if stream > last:
-                    self.calls.pop(stream)
-                    if not call.future.done():
-                        call.future.set_exception(CallFailed("UNAVAILABLE", self.error))
+            self._on_goaway(payload)
+
+    def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if flags & h2.PADDED:
+            payload = payload[1:len(payload) - payload[0]]
+        if flags & h2.PRIORITY_FLAG:
+            payload = payload[5:]
+        headers, _ = self.decoder.decode(payload)  # every block: the HPACK table must follow
+        call = self.calls.get(stream_id)
+        if call is None:
+            return
+        for name, value in headers:
+            if name == "grpc-status":
+                call.status = value
+            elif name == "grpc-message":
+                call.details = value
+            elif name == ":status" and value != "200":
+                call.status, call.details = "14", f"HTTP status {value}"
+        if flags & h2.END_STREAM:
+            self._finish(stream_id, call)
+
+    def _on_settings(self, payload: bytes) -> None:
+        for offset in range(0, len(payload) - 5, 6):
+            setting = int.from_bytes(payload[offset:offset + 2], "big")
+            amount = int.from_bytes(payload[offset + 2:offset + 6], "big")
+            if setting == h2.INITIAL_WINDOW_SIZE:
+                delta, self.peer_initial_window = amount - self.peer_initial_window, amount
+                for open_call in self.calls.values():
+                    open_call.send_window += delta
+            elif setting == h2.MAX_FRAME_SIZE:
+                self.peer_max_frame = amount
+
+    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
+        increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        if stream_id == 0:
+            self.send_window += increment
+        elif (call := self.calls.get(stream_id)) is not None:
+            call.send_window += increment
+
+    def _on_reset(self, stream_id: int, payload: bytes) -> None:
+        call = self.calls.pop(stream_id, None)
+        if call is not None and not call.future.done():
+            code = int.from_bytes(payload, "big")
+            call.future.set_exception(CallFailed("CANCELLED" if code == h2.CANCEL else "INTERNAL",
+                                                 f"stream reset by the server (HTTP/2 error {code})"))
+
+    def _on_goaway(self, payload: bytes) -> None:
+        last = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
+        self.closed = True  # no new calls here; the ones above ``last`` were not processed
+        self.error = f"the server sent GOAWAY ({payload[8:].decode('utf-8', 'replace')})"
+        for stream, call in list(self.calls.items()):
+            if stream > last:
+                self.calls.pop(stream)
+                if not call.future.done():
+                    call.future.set_exception(CallFailed("UNAVAILABLE", self.error))
 
     def _finish(self, stream_id: int, call: _Call) -> None:
         self.calls.pop(stream_id, None)

@@ -130,7 +130,7 @@ class BenchOptions:
         return host.strip("[]"), int(port)
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to ``pyserve``'s subparsers and return it."""
     bench = sub.add_parser(
         "bench",

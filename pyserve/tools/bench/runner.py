@@ -319,6 +319,44 @@ def encode_requests(
     return encoded
 
 
+def _measure_levels(pool: WorkerPool, options: BenchOptions, stats: _Stats, progress: Progress,
+                    notes: list[str]) -> list[LevelResult]:
+    """Measure each level in turn (the ones measured when interrupted), noting the levels that
+    were not stable or could not send on time."""
+    results: list[LevelResult] = []
+    try:
+        for level in options.levels:
+            result = measure_level(pool, options, level, stats, progress)
+            results.append(result)
+            if not result.stable:
+                note = (f"{_describe(options, level)} was not stable within {options.max_trials} windows; "
+                        f"the last {STABLE_WINDOWS} are reported")
+                notes.append(note)
+                progress.note(f"warning: {note}")
+            if result.delayed:
+                note = (f"{_describe(options, level)}: {result.delayed} request(s) could not be sent on time "
+                        f"(all connections busy); raise --max-connections")
+                notes.append(note)
+                progress.note(f"warning: {note}")
+    except KeyboardInterrupt:
+        notes.append("interrupted: the remaining levels were not measured")
+        progress.note("interrupted")
+    return results
+
+
+def _report(results: list[LevelResult], options: BenchOptions, notes: list[str], out: Any) -> None:
+    """Print the summary table and the notes to ``out``; write the CSV, JSON and plot asked for."""
+    print(summary_table(results, options), file=out)
+    for note in notes:
+        print(f"note: {note}", file=out)
+    if options.csv is not None:
+        write_csv(options.csv, results, options)
+    if options.json is not None:
+        write_json(options.json, results, options, notes)
+    if options.plot is not None:
+        write_plot(options.plot, results, options)
+
+
 def run(options: BenchOptions, out: Any = None, err: Any = None) -> int:
     """Run the benchmark and report; returns the exit status (1 when a request failed)."""
     out = out if out is not None else sys.stdout
@@ -352,24 +390,7 @@ def run(options: BenchOptions, out: Any = None, err: Any = None) -> int:
             protocol=options.protocol, host=host, port=port, requests=requests,
             streaming=options.streaming, max_connections=options.max_connections,
         ))
-        stats = _Stats(control, options, notes, progress)
-        try:
-            for level in options.levels:
-                result = measure_level(pool, options, level, stats, progress)
-                results.append(result)
-                if not result.stable:
-                    note = (f"{_describe(options, level)} was not stable within {options.max_trials} windows; "
-                            f"the last {STABLE_WINDOWS} are reported")
-                    notes.append(note)
-                    progress.note(f"warning: {note}")
-                if result.delayed:
-                    note = (f"{_describe(options, level)}: {result.delayed} request(s) could not be sent on time "
-                            f"(all connections busy); raise --max-connections")
-                    notes.append(note)
-                    progress.note(f"warning: {note}")
-        except KeyboardInterrupt:
-            notes.append("interrupted: the remaining levels were not measured")
-            progress.note("interrupted")
+        results = _measure_levels(pool, options, _Stats(control, options, notes, progress), progress, notes)
     finally:
         if pool is not None:
             pool.close()
@@ -378,15 +399,7 @@ def run(options: BenchOptions, out: Any = None, err: Any = None) -> int:
         control.close()
     if not results:
         raise BenchError("nothing was measured")
-    print(summary_table(results, options), file=out)
-    for note in notes:
-        print(f"note: {note}", file=out)
-    if options.csv is not None:
-        write_csv(options.csv, results, options)
-    if options.json is not None:
-        write_json(options.json, results, options, notes)
-    if options.plot is not None:
-        write_plot(options.plot, results, options)
+    _report(results, options, notes, out)
     failed = sum(r.errors for r in results)
     if failed:
         first = next(r.first_error for r in results if r.first_error)

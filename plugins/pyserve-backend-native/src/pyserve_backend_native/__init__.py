@@ -1,6 +1,6 @@
 """pyserve-backend-native: host Triton's native backends (``libtriton_<name>.so``) in pyserve.
 
-A server plugin (entry-point group ``pyserve.host.plugins``) implementing
+A server plugin (entry-point group ``pyserve.plugins``) implementing
 ``pyserve_resolve_backend``: for every model with a ``backend`` it looks for the library where
 Triton does (version folder, model folder, ``--backend-directory``; the config's ``runtime``
 when it names a ``.so``) and, when one is there, serves the model with it through pyserve's
@@ -58,7 +58,7 @@ class NativeBackendResolver:
 
 
 resolver = NativeBackendResolver()
-"""The instance registered through the ``pyserve.host.plugins`` entry point."""
+"""The instance registered through the ``pyserve.plugins`` entry point."""
 
 
 def metrics_text() -> str:

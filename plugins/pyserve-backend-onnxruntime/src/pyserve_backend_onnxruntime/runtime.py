@@ -39,7 +39,7 @@ from pyserve.api.backend_support import (
 if TYPE_CHECKING:
     import onnxruntime
 
-log = logging.getLogger("pyserve.api.backend.onnxruntime")
+log = logging.getLogger("pyserve.backend.onnxruntime")
 
 DEFAULT_FILENAME = "model.onnx"
 """The model file inside the version directory (or inside ``default_model_filename``)."""

@@ -44,7 +44,7 @@ from pyserve.api.datatypes import from_config_name
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("pyserve.api.backend.pytorch")
+log = logging.getLogger("pyserve.backend.pytorch")
 
 DEFAULT_FILENAME = "model.pt"
 """TorchScript file inside the version directory, unless ``default_model_filename`` says otherwise."""

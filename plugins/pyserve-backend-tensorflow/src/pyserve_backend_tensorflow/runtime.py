@@ -35,7 +35,7 @@ from pyserve.api.backend_support import (
     needs_auto_complete,
 )
 
-log = logging.getLogger("pyserve.api.backend.tensorflow")
+log = logging.getLogger("pyserve.backend.tensorflow")
 
 SAVEDMODEL_PLATFORM = "tensorflow_savedmodel"
 GRAPHDEF_PLATFORM = "tensorflow_graphdef"

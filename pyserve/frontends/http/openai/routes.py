@@ -25,7 +25,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pyserve.api.errors import ErrorCode, InferError
-from pyserve.dataplane.plane import DataPlane
+from pyserve.dataplane.interface import ServingPlane
 from pyserve.frontends.http.body import read_body
 from pyserve.frontends.http.openai.binding import Binding, Bindings, describe
 from pyserve.frontends.http.openai.errors import (
@@ -73,7 +73,7 @@ class OpenAIRoutes:
     :param metrics: where token timings and counts go (None: not counted).
     """
 
-    def __init__(self, dataplane: DataPlane, max_input_size: int, metrics: OpenAIMetrics | None) -> None:
+    def __init__(self, dataplane: ServingPlane, max_input_size: int, metrics: OpenAIMetrics | None) -> None:
         self.dataplane = dataplane
         self.max_input_size = max_input_size
         self.metrics = metrics
@@ -290,6 +290,6 @@ class _Chunks:
         return _event({**self.head, "choices": [], "usage": self.run.usage()})
 
 
-def openai_routes(dataplane: DataPlane, max_input_size: int, metrics: OpenAIMetrics | None) -> list[Route]:
+def openai_routes(dataplane: ServingPlane, max_input_size: int, metrics: OpenAIMetrics | None) -> list[Route]:
     """The ``/v1`` routes serving ``dataplane``'s models."""
     return OpenAIRoutes(dataplane, max_input_size, metrics).routes()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from pyserve.api.errors import InferError
 from pyserve.api.inference import InferRequest, InferResponse
-from pyserve.dataplane.plane import DataPlane
+from pyserve.dataplane.interface import InferencePlane
 from pyserve.frontends.backlog import ResponseBacklog
 from pyserve.frontends.http.openai.binding import Binding
 from pyserve.frontends.http.openai.errors import OpenAIError, from_infer_error
@@ -128,7 +128,7 @@ class Run:
         count replaces it once reported).
     """
 
-    def __init__(self, dataplane: DataPlane, model: ModelVersion, binding: Binding, request: GenerationRequest,
+    def __init__(self, dataplane: InferencePlane, model: ModelVersion, binding: Binding, request: GenerationRequest,
                  prompt_tokens: list[int], metrics: OpenAIMetrics | None, trace_parent: str | None,
                  request_id: str) -> None:
         self.dataplane = dataplane
@@ -162,9 +162,10 @@ class Run:
                     infer.trace_parent = self.trace_parent
                 sender = _ChoiceSender(self.backlog, index)
                 infer.attach_sender(sender)
-                error = self.dataplane.submit(self.model, infer)
-                if error is not None:
-                    raise from_infer_error(error)
+                try:
+                    self.dataplane.submit(self.model, infer)
+                except InferError as error:
+                    raise from_infer_error(error) from None
                 self.choices.append(_Choice(index, prompt_index, infer, sender, request.sampling.stop))
                 self._open += 1
 
@@ -181,7 +182,7 @@ class Run:
                 continue
             if final:
                 choice.model_finished = True
-                self.dataplane.finished(choice.request)
+                choice.request.release()
             if isinstance(response, InferError):
                 error = from_infer_error(response)
                 if not started:
@@ -244,7 +245,7 @@ class Run:
             choice.request.cancel()
             choice.sender.closed = True
             choice.model_finished = True
-            self.dataplane.finished(choice.request)
+            choice.request.release()
 
     def close(self) -> None:
         """Cancel every unfinished choice, release every request and count the tokens in the
