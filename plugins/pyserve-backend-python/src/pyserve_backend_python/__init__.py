@@ -41,8 +41,9 @@ from pyserve.protocol.config_json import model_config_to_dict
 from pyserve_backend_python import compute, context, environment, loader, metrics, requirements
 from pyserve_backend_python.config import ModelConfig
 from pyserve_backend_python.environment import ExecutionEnvironment
+from pyserve_backend_python.environment_worker import auto_complete_in_environment
 from pyserve_backend_python.loader import PythonModelError
-from pyserve_backend_python.process import ProcessRunner, auto_complete_in_environment, worker_spec
+from pyserve_backend_python.process import ProcessRunner, worker_spec
 from pyserve_backend_python.runner import Runner, ThreadRunner
 
 __all__ = [

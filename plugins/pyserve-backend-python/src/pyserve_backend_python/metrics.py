@@ -59,7 +59,7 @@ class _Family:
         self.kind = kind
         self.metrics: dict[tuple[tuple[str, str], ...], _Values] = {}
         self.owners: set[tuple[str, int]] = set()
-        self.remote: dict[str, dict[tuple[tuple[str, str], ...], tuple]] = {}
+        self.remote: dict[str, dict[tuple[tuple[str, str], ...], tuple[Any, ...]]] = {}
         """Worker (``execution_mode: "process"``) → its last reported values, by label set."""
 
 

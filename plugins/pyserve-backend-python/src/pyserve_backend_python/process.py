@@ -2,7 +2,7 @@
 
 The parent (``ProcessRunner``, in the server) starts the worker with the ``spawn`` context
 (never ``fork``: the server has gRPC threads), or, for a model with ``EXECUTION_ENV_PATH``,
-with that environment's interpreter (``start_in_environment``; see
+with that environment's interpreter (``environment_worker.start_in_environment``; see
 ``pyserve_backend_python.environment``). The worker imports the model file and runs
 ``initialize`` / ``execute`` / ``finalize``. Tensors never go through pickle:
 
@@ -22,7 +22,7 @@ If the worker dies, the batch in flight fails with "the worker process of model 
 'y' exited with code N; restarting" and a new worker (``initialize`` again) serves the next
 batch. BLS (``exec``, ``async_exec``, decoupled BLS) works from ``execute``: the worker sends the
 request to the parent, which runs it on the server and sends the answers back (tensors in
-shared-memory segments both ways: ``share_arrays`` / ``take_arrays``). Decoupled models work: their response senders send each response to the
+shared-memory segments both ways: ``segments.share_arrays`` / ``take_arrays``). Decoupled models work: their response senders send each response to the
 parent as it comes, from any thread of the worker, also after ``execute`` returned (a reader
 thread in the parent forwards them; a worker that dies ends its open requests with an error).
 ``async def execute`` runs on an event loop of the worker. Not supported in process mode:
@@ -34,8 +34,6 @@ server shows them on its metrics page (values of several workers add up).
 
 from __future__ import annotations
 
-import _posixshmem  # CPython's POSIX shared-memory primitives (as multiprocessing.shared_memory)
-import contextlib
 import itertools
 import logging
 import mmap
@@ -43,19 +41,11 @@ import multiprocessing
 import os
 import queue
 import secrets
-import site
-import socket
-import subprocess
-import sys
-import sysconfig
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection
 from types import SimpleNamespace
 from typing import Any
-
-import numpy as np
 
 from pyserve import (
     ErrorCode,
@@ -65,143 +55,32 @@ from pyserve import (
     InstanceContext,
     ModelContext,
 )
-from pyserve.dataplane.shared_memory import forget_server_segment, note_server_segment
 from pyserve.tracing import child_trace
 from pyserve_backend_python import metrics, model_control, results
 from pyserve_backend_python.environment import ExecutionEnvironment
+from pyserve_backend_python.environment_worker import STOP_TIMEOUT_S, start_in_environment
 from pyserve_backend_python.errors import TritonModelException
 from pyserve_backend_python.loader import PythonModelError
 from pyserve_backend_python.runner import initialize_args
+from pyserve_backend_python.segments import (
+    SHM_PREFIX,
+    create_segment,
+    fixed_size,
+    open_segment,
+    pack,
+    share_arrays,
+    take_arrays,
+    unlink,
+    unlink_prefix,
+    unpack,
+)
 
 log = logging.getLogger("pyserve.python_backend")
 
-SHM_PREFIX = "pyserve_py_"
-"""Prefix of every shared-memory segment name this backend creates."""
-
-STOP_TIMEOUT_S = 10.0
-"""Seconds ``finalize()`` in the worker and the worker's exit may take before it is killed."""
 READY_REPLY_TIMEOUT_S = 60.0
 """The longest a readiness thread waits for the worker (the ready endpoints give up after 5 s)."""
-_SHM_DIR = "/dev/shm"
-_BYTES = "BYTES"
 
 
-# -- shared memory helpers (untracked: the owner unlinks explicitly) ------------------------------
-_noted: dict[str, tuple[int, int]] = {}  # segments of this process that no client may register
-
-
-def _create_segment(name: str, size: int) -> mmap.mmap:
-    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        _noted[name] = note_server_segment(fd)
-        os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-
-
-def _open_segment(name: str, size: int) -> mmap.mmap:
-    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
-    try:
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-
-
-def _unlink(name: str) -> None:
-    noted = _noted.pop(name, None)
-    if noted is not None:
-        forget_server_segment(noted)
-    try:
-        _posixshmem.shm_unlink("/" + name)
-    except FileNotFoundError:
-        pass
-
-
-def _unlink_prefix(prefix: str) -> None:
-    """Unlink leftover segments whose names start with ``prefix`` (a worker that died mid-batch)."""
-    try:
-        names = os.listdir(_SHM_DIR)
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(prefix):
-            _unlink(name)
-
-
-def _align(n: int) -> int:
-    return (n + 63) & ~63
-
-
-def _pack(arrays: Sequence[tuple[str, np.ndarray]], segment: mmap.mmap | None, base: int = 0) -> list[tuple]:
-    """Layout entries for ``arrays``; fixed-size ones are copied into ``segment`` at offsets."""
-    from pyserve_backend_python.tensor import serialize_byte_tensor
-
-    entries: list[tuple] = []
-    offset = base
-    for name, array in arrays:
-        if array.dtype == np.object_:
-            packed = serialize_byte_tensor(array)  # bytes, or () for an empty tensor
-            entries.append((name, _BYTES, array.shape, packed or b""))
-            continue
-        array = np.ascontiguousarray(array)
-        nbytes = array.nbytes
-        if segment is not None and nbytes:
-            np.frombuffer(segment, np.uint8, nbytes, offset)[:] = array.reshape(-1).view(np.uint8)
-        entries.append((name, array.dtype, array.shape, offset))
-        offset = _align(offset + nbytes)
-    return entries
-
-
-def _fixed_size(arrays: Sequence[tuple[str, np.ndarray]]) -> int:
-    return sum(_align(a.nbytes) for _, a in arrays if a.dtype != np.object_)
-
-
-def share_arrays(arrays: Mapping[str, np.ndarray], name: str) -> tuple[str, int, list[tuple]]:
-    """Copy ``arrays`` once into a new segment ``name`` (none when they hold no fixed-size bytes)
-    for the other process: ``(segment name or "", size, entries)``, what ``take_arrays`` takes."""
-    items = [(n, np.asarray(a)) for n, a in arrays.items()]
-    size = _fixed_size(items)
-    segment = _create_segment(name, size) if size else None
-    try:
-        entries = _pack(items, segment)
-    finally:
-        if segment is not None:
-            segment.close()
-    return (name if segment is not None else ""), size, entries
-
-
-def take_arrays(shared: tuple[str, int, list[tuple]]) -> dict[str, np.ndarray]:
-    """The arrays ``share_arrays`` wrote, as views of its segment; the segment's name is
-    unlinked at once (the mapping lives on while the arrays do)."""
-    name, size, entries = shared
-    segment = None
-    if name:
-        segment = _open_segment(name, size)
-        _unlink(name)
-    return _unpack(entries, segment, True)
-
-
-def _unpack(entries: Sequence[tuple], segment: mmap.mmap | None, writeable: bool) -> dict[str, np.ndarray]:
-    from pyserve_backend_python.tensor import deserialize_bytes_tensor
-
-    out: dict[str, np.ndarray] = {}
-    for name, dtype, shape, where in entries:
-        if isinstance(dtype, str) and dtype == _BYTES:
-            out[name] = deserialize_bytes_tensor(where).reshape(shape)
-            continue
-        count = int(np.prod(shape, dtype=np.int64))
-        if count == 0 or segment is None:
-            array = np.empty(shape, dtype)
-        else:
-            array = np.frombuffer(segment, dtype, count, where).reshape(shape)
-            if not writeable:
-                array.flags.writeable = False
-        out[name] = array
-    return out
-
-
-# -- parent side ------------------------------------------------------------------------------------
 _EOF = object()
 
 
@@ -239,11 +118,11 @@ class _Link:
             else:
                 self.replies.put(message)
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: tuple[Any, ...]) -> None:
         with self._send_lock:
             self.conn.send(message)
 
-    def reply(self, timeout: float | None = None) -> tuple:
+    def reply(self, timeout: float | None = None) -> tuple[Any, ...]:
         """The worker's next reply. :raises EOFError: the worker is gone. :raises queue.Empty: timeout."""
         item = self.replies.get(timeout=timeout)
         if item is _EOF:
@@ -266,116 +145,6 @@ def worker_spec(model: ModelContext, instance_name: str = "") -> dict[str, Any]:
         "instance_name": instance_name,
         "decoupled": bool(model.config.model_transaction_policy.decoupled),
     }
-
-
-class EnvironmentWorker:
-    """A worker started with an ``EXECUTION_ENV_PATH`` environment's interpreter: the
-    ``multiprocessing.Process`` methods ``ProcessRunner`` uses, over ``subprocess.Popen``."""
-
-    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
-        self._popen = popen
-
-    @property
-    def pid(self) -> int:
-        return self._popen.pid
-
-    @property
-    def exitcode(self) -> int | None:
-        """None while it runs; negative: the signal that ended it (as ``multiprocessing``)."""
-        return self._popen.poll()
-
-    def is_alive(self) -> bool:
-        return self._popen.poll() is None
-
-    def join(self, timeout: float | None = None) -> None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._popen.wait(timeout)
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self._popen.kill()
-
-
-_ENVIRONMENT_BOOTSTRAP = """\
-import site, sys
-from multiprocessing.connection import Connection
-conn = Connection(int(sys.argv[1]))
-del sys.argv[1:]  # model code sees no arguments, as in Triton's stub
-site_dirs, paths, spec, prefix = conn.recv()
-for directory in site_dirs:  # after the environment's own packages, with their .pth files
-    if directory not in sys.path:
-        site.addsitedir(directory)
-sys.path.extend(p for p in paths if p not in sys.path)
-from pyserve_backend_python import worker
-worker.main(conn, spec, prefix)
-"""
-"""How a worker starts in another environment: its own ``sys.path`` first, then the server's."""
-
-
-def _server_import_paths() -> tuple[list[str], list[str]]:
-    """The server's site directories, and its other ``sys.path`` entries (not the standard
-    library), for a worker in another environment to search after its own."""
-    sites = [d for d in [*site.getsitepackages(), site.getusersitepackages()] if os.path.isdir(d)]
-    stdlib = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")}
-    others = [p for p in sys.path if p and p not in sites and os.path.isdir(p)
-              and not any(p == lib or p.startswith(lib + os.sep) for lib in stdlib)]
-    return sites, others
-
-
-def start_in_environment(environment: ExecutionEnvironment, spec: dict[str, Any],
-                         out_prefix: str) -> tuple[EnvironmentWorker, Any]:
-    """Start ``worker.main`` with the environment's interpreter; (the process, the parent's end
-    of its connection).
-
-    :raises PythonModelError: the interpreter cannot be started.
-    """
-    parent, child = socket.socketpair()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env["PATH"] = os.pathsep.join([str(environment.root / "bin"), env.get("PATH", "")])
-    try:
-        popen = subprocess.Popen(
-            [str(environment.python), "-c", _ENVIRONMENT_BOOTSTRAP, str(child.fileno())],
-            pass_fds=(child.fileno(),), env=env,
-        )
-    except OSError as exc:
-        parent.close()
-        raise PythonModelError(
-            f"model '{spec['name']}': the worker cannot be started with {environment.python}: {exc}") from None
-    finally:
-        child.close()
-    conn = Connection(parent.detach())
-    conn.send((*_server_import_paths(), spec, out_prefix))
-    return EnvironmentWorker(popen), conn
-
-
-def auto_complete_in_environment(environment: ExecutionEnvironment, spec: dict[str, Any],
-                                 config: dict[str, Any]) -> dict[str, Any] | None:
-    """Run the model's ``auto_complete_config`` in a short-lived worker in ``environment``
-    (where model.py's imports resolve); the completed config, or None if it has none.
-
-    :raises PythonModelError: the worker could not start, or model.py or its
-        ``auto_complete_config`` failed (traceback in the message).
-    """
-    process, conn = start_in_environment(environment, spec, f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(4)}_ac")
-    try:
-        conn.send(("auto_complete", config))
-        reply = conn.recv()
-        with contextlib.suppress(OSError):
-            conn.send(("stop",))
-    except (EOFError, OSError):
-        process.join(STOP_TIMEOUT_S)
-        raise PythonModelError(f"model '{spec['name']}': the worker in {environment.described} "
-                               f"exited with code {process.exitcode} before auto_complete_config answered") from None
-    finally:
-        conn.close()
-        process.join(STOP_TIMEOUT_S)
-        if process.is_alive():
-            process.kill()
-            process.join(STOP_TIMEOUT_S)
-    if reply[0] != "ok":
-        raise PythonModelError(reply[1])
-    result: dict[str, Any] | None = reply[1]
-    return result
 
 
 class ProcessRunner:
@@ -412,7 +181,7 @@ class ProcessRunner:
         self._arena_name = ""
         self._arena_size = 0
         self._ready_tokens = itertools.count(1)
-        self._ready_waiters: dict[int, queue.SimpleQueue[tuple]] = {}
+        self._ready_waiters: dict[int, queue.SimpleQueue[tuple[Any, ...]]] = {}
         self._ready_lock = threading.Lock()
 
     # lifecycle
@@ -450,7 +219,7 @@ class ProcessRunner:
             except InferError as exc:  # died during initialize
                 raise PythonModelError(exc.message.replace("; restarting", " while initializing")) from None
 
-    def _call(self, message: tuple) -> tuple:
+    def _call(self, message: tuple[Any, ...]) -> tuple[Any, ...]:
         """Send a message and wait for the reply.
 
         :raises InferError: the worker exited (it is reaped; the next call restarts it).
@@ -471,7 +240,7 @@ class ProcessRunner:
             ) from None
 
     # messages the reader thread hands over
-    def _on_send(self, message: tuple) -> None:
+    def _on_send(self, message: tuple[Any, ...]) -> None:
         """A response of a decoupled request, from the worker's response sender."""
         _, key, payload, final = message
         with self._open_lock:
@@ -489,7 +258,7 @@ class ProcessRunner:
         except InferError as exc:
             log.error("model '%s': a response of the worker could not be sent: %s", self._model_name, exc.message)
 
-    def _on_bls(self, message: tuple) -> None:
+    def _on_bls(self, message: tuple[Any, ...]) -> None:
         """A BLS or model-control call of the worker: run it on a pool thread, answer on the pipe."""
         link = self._link
         if self._bls_pool is None:
@@ -535,7 +304,7 @@ class ProcessRunner:
             for key in keys:
                 self._open.pop(key, None)
 
-    def _on_ready(self, message: tuple) -> None:
+    def _on_ready(self, message: tuple[Any, ...]) -> None:
         """The worker's answer to a readiness question."""
         with self._ready_lock:
             waiter = self._ready_waiters.pop(message[1], None)
@@ -564,7 +333,7 @@ class ProcessRunner:
                 except InferError:
                     pass
 
-    def _control(self, operation: str, args: tuple[Any, ...]) -> tuple:
+    def _control(self, operation: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """``pb_utils.load_model`` / ``unload_model`` / ``is_model_ready`` of the worker, run on
         the server (a pool thread; loads and unloads block until done)."""
         try:
@@ -574,7 +343,7 @@ class ProcessRunner:
         except Exception as exc:  # noqa: BLE001 - reported to the calling model as its exception
             return ("bls_result", ("error", f"model control '{operation}' failed: {type(exc).__name__}: {exc}"))
 
-    def _bls(self, fields: dict[str, Any], decoupled: bool) -> tuple:
+    def _bls(self, fields: dict[str, Any], decoupled: bool) -> tuple[Any, ...]:
         """Run a BLS request of the worker on the server (this is an instance thread)."""
         answers: list[Any]
         try:  # input tensors arrive in a shared-memory segment, outputs leave in one: no pickling
@@ -594,7 +363,7 @@ class ProcessRunner:
             answers = [exc]
         except Exception as exc:  # noqa: BLE001 - reported to the calling model as an error response
             answers = [InferError(f"BLS request to model '{fields['model_name']}' failed: {exc}", ErrorCode.INTERNAL)]
-        items: list[tuple] = []
+        items: list[tuple[Any, ...]] = []
         for answer in answers:
             if isinstance(answer, InferResponse) and answer.error is not None:
                 answer = answer.error
@@ -615,7 +384,7 @@ class ProcessRunner:
         if self._link is not None:
             self._link.close()
         self._process = self._conn = self._link = None
-        _unlink_prefix(self._prefix + "o")
+        unlink_prefix(self._prefix + "o")
 
     def ready(self) -> bool:
         """False while the worker process is not running (it restarts with the next batch);
@@ -629,7 +398,7 @@ class ProcessRunner:
         if process is None or link is None or not process.is_alive():
             return False
         token = next(self._ready_tokens)
-        waiter: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        waiter: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         with self._ready_lock:
             self._ready_waiters[token] = waiter
         try:
@@ -670,13 +439,13 @@ class ProcessRunner:
             return
         new_size = max(1 << 20, 1 << (size - 1).bit_length())
         name = f"{self._prefix}i{next(self._counter)}"
-        arena = _create_segment(name, new_size)
+        arena = create_segment(name, new_size)
         self._release_arena()
         self._arena, self._arena_name, self._arena_size = arena, name, new_size
 
     def _release_arena(self) -> None:
         if self._arena is not None:
-            _unlink(self._arena_name)
+            unlink(self._arena_name)
             try:
                 self._arena.close()
             except BufferError:
@@ -685,7 +454,7 @@ class ProcessRunner:
 
     def _execute(self, requests: Sequence[InferRequest]) -> results.ServerResults:
         arrays = [list(r.inputs.items()) for r in requests]
-        total = sum(_fixed_size(a) for a in arrays)
+        total = sum(fixed_size(a) for a in arrays)
         self._ensure_arena(total)
         metas: list[dict[str, Any]] = []
         offset = 0
@@ -706,9 +475,9 @@ class ProcessRunner:
                 "requested_outputs": list(request.requested_outputs),
                 "trace_context": request.trace.context if request.trace is not None else None,
                 "traced": request.trace is not None,
-                "inputs": _pack(inputs, self._arena, offset),
+                "inputs": pack(inputs, self._arena, offset),
             })
-            offset += _fixed_size(inputs)
+            offset += fixed_size(inputs)
         keys = [m["key"] for m in metas]
         self._in_batch = set(keys)  # failed by the caller, not by _on_eof, if the worker dies now
         with self._open_lock:
@@ -730,15 +499,15 @@ class ProcessRunner:
             return None
         segment = None
         if segment_name:
-            segment = _open_segment(segment_name, segment_size)
-            _unlink(segment_name)  # the mapping lives on while output arrays view it
+            segment = open_segment(segment_name, segment_size)
+            unlink(segment_name)  # the mapping lives on while output arrays view it
         out: list[InferResponse | InferError] = []
         for item in responses:
             if item[0] == "error":
                 out.append(InferError(item[1], _code(item[2])))
             else:
                 # read-only, as thread mode's outputs: whoever receives them copies before writing
-                out.append(InferResponse(_unpack(item[2], segment, False), item[1] or None))
+                out.append(InferResponse(unpack(item[2], segment, False), item[1] or None))
         return out
 
     def finalize(self) -> None:
