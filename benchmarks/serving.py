@@ -12,8 +12,8 @@ instance, no dynamic batcher) whose ``model.py`` echoes ``INPUT0`` as ``OUTPUT0`
 * ``pyserve-single``: ``pyserve run --frontend-processes 0`` (one process), on the cells with one
   connection, where the default layout must not be slower (``--no-single`` skips it);
 * ``pyserve-before`` (with ``--before CHECKOUT``): the plain ``pyserve run`` of another checkout
-  (a worktree of the previous main: ``git worktree add --detach ../before <commit>``), on the
-  cells with one connection;
+  (a worktree of the previous main: ``git worktree add --detach ../before <commit>``), on every
+  cell: an A/B of a change, "default / before" per cell;
 * ``pyserve-batched`` and ``triton-batched``: the same ``model.py`` with ``dynamic_batching { }``
   (``max_batch_size: 32``), on the cells with more than one connection: the issue's "Triton with
   its dynamic batcher" column and the 32-connection target against it (``--no-batched`` skips them).
@@ -146,11 +146,11 @@ SERVING_CELLS = [
 ]
 
 BATCHED_CELLS = frozenset(c.key for c in SERVING_CELLS if not c.big and c.concurrency > 1)
+"""The cells the ``-batched`` servers (``dynamic_batching``) are measured on: batching only
+changes anything when requests overlap."""
 SINGLE_CELLS = frozenset(c.key for c in SERVING_CELLS if not c.big and c.concurrency == 1)
 """The cells ``pyserve-single`` (``--frontend-processes 0``: one process) is measured on: the
 default layout must lose nothing to it at one connection."""
-"""The cells the ``-batched`` servers (``dynamic_batching``) are measured on: batching only
-changes anything when requests overlap."""
 BATCHED_MAX_BATCH_SIZE = 32
 
 
@@ -595,7 +595,7 @@ def start_servers(args: argparse.Namespace, work: Path, results: Results, with_e
             continue
         if name.endswith("-batched"):
             server.cells = BATCHED_CELLS
-        if name in ("pyserve-single", "pyserve-before"):
+        if name == "pyserve-single":
             server.cells = SINGLE_CELLS
         time.sleep(1.0)
         results.memory[name] = tree_memory(server.process.pid)
@@ -760,12 +760,14 @@ def serving_targets(results: Results) -> list[Target]:
             plural = "s" if concurrency > 1 else ""
             targets.append(Target(f"{label} req/s, {concurrency} connection{plural}",
                                   ratio(results, key(protocol, encoding, SMALL, concurrency), "rps"), bound, True))
-    for other, what in (("pyserve-single", "pyserve-single (one process)"),
-                        ("pyserve-before", "pyserve-before (the checkout given by --before)")):
-        for label, protocol, encoding in kinds:
-            targets.append(Target(f"{label} req/s at 1 connection, default / {what}",
-                                  ratio(results, key(protocol, encoding, SMALL, 1), "rps", "pyserve", other),
-                                  1.0, True))
+    for label, protocol, encoding in kinds:
+        targets.append(Target(f"{label} req/s at 1 connection, default / pyserve-single (one process)",
+                              ratio(results, key(protocol, encoding, SMALL, 1), "rps", "pyserve", "pyserve-single"),
+                              1.0, True))
+    if any(server == "pyserve-before" for server, _ in results.cells):  # --before: every cell, an A/B
+        for item in SERVING_CELLS:
+            targets.append(Target(f"{item.key}, default / pyserve-before (the checkout given by --before)",
+                                  ratio(results, item.key, "rps", "pyserve", "pyserve-before"), 0.9, True))
     for label, protocol, encoding in kinds:
         for concurrency in (1, 8, 32):
             plural = "s" if concurrency > 1 else ""
@@ -842,7 +844,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-startup", action="store_true", help="skip the startup measurement")
     parser.add_argument("--before", type=Path, default=None, metavar="CHECKOUT",
                         help="also measure the plain pyserve run of another checkout (e.g. a worktree of the "
-                             "previous main) on the 1-connection cells, as pyserve-before")
+                             "previous main) on every cell, as pyserve-before")
     parser.add_argument("--no-single", dest="single", action="store_false",
                         help="skip pyserve-single (pyserve run --frontend-processes 0, on the 1-connection cells)")
     parser.add_argument("--no-batched", dest="batched", action="store_false",
