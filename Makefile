@@ -20,6 +20,10 @@ BUILD_DEPS := 'setuptools>=77'
 TORCH_VERSION ?= 2.13.0
 FRAMEWORK_PACKAGES := -e 'plugins/pyserve-backend-onnxruntime[cpu]' -e plugins/pyserve-backend-pytorch \
 	-e 'plugins/pyserve-backend-tensorflow[cpu]' 'onnx>=1.15'
+# The checkout's own packages are installed editable, so pip compiles none of them: they are
+# compiled once here, and `pyserve run` starts from bytecode also where PYTHONDONTWRITEBYTECODE
+# is set (as in many containers), instead of compiling some 200 modules at every start.
+COMPILE := $(BIN)/python -m compileall -q -j 0 pyserve hookspecs/src $(wildcard plugins/*/src) $(wildcard examples/*/src)
 PYPROJECTS := pyproject.toml setup.py $(wildcard plugins/*/pyproject.toml) $(wildcard examples/*/pyproject.toml)
 
 .PHONY: run test install install-test dist proto clean
@@ -45,6 +49,7 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python $(PYPROJECTS)
 	$(BIN)/python -m pip install --quiet $(BUILD_DEPS)
 	$(PIP_LOCAL) $(PACKAGES)
+	$(COMPILE)
 	touch $@
 
 # One resolve of everything the tests need (make install's packages included), so nothing is
@@ -59,6 +64,7 @@ $(VENV)/.installed-test: $(BIN)/python $(PYPROJECTS)
 	# Triton's own compiled Python backend, hosted by pyserve-backend-native's tests. --no-deps:
 	# its requirements would replace the server's numpy.
 	$(BIN)/python -m pip install --quiet --no-deps nvidia-pytriton==0.7.0
+	$(COMPILE)
 	touch $(VENV)/.installed $@
 
 # Wheels of the core and of every plugin (docs/packaging.md): `pip install dist/pyserve_server-*.whl`

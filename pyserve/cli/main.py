@@ -107,6 +107,9 @@ def run_options(args: argparse.Namespace) -> ServerOptions:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from pyserve.runtime import startup_gc
+
+    startup_gc.pause()  # resumed once the models frontends replicate are loaded (after prefork)
     from pyserve.server.core import Server, StartupError, prebind_listeners
 
     try:
@@ -130,6 +133,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             server = Server(options)
             server.prefork()  # frontends forked from the loaded models, before any thread starts
+            startup_gc.resume()
             runner(server.run(exit_when_stuck=True))
         except (StartupError, OSError) as exc:
             print(f"pyserve: error: {exc}", file=sys.stderr)

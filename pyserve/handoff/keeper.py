@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 
 from pyserve.handoff.prefork import exit_forked
+from pyserve.runtime import startup_gc
 from pyserve.runtime.scheduling import execution_board
 
 log = logging.getLogger("pyserve.keeper")
@@ -119,6 +120,7 @@ class Keeper:
     def _start(self) -> int:
         pid = os.fork()
         if pid:
+            startup_gc.resume()  # the keeper's own collector (the server resumes its own)
             return pid
         code = 1
         try:  # the server: stop when the keeper goes away, write the board, serve

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from pyserve.frontends import tcp
 from pyserve.handoff.replicas import ReplicationMode, replicable
+from pyserve.runtime import startup_gc
 from pyserve.runtime.loader import Preparing
 from pyserve.runtime.scheduling import execution_board
 
@@ -217,7 +218,12 @@ def prepare_and_fork(models: ModelManager, count: int, replicate: str, serve_chi
         if os_threads() > rules.threads or threading.active_count() > 1:
             log.info("frontend processes are started afresh: threads that loading '%s' started still run", name)
             return None
-    gc.collect()
+    # No full collection: it walks every object the imports made (tens of ms at each start)
+    # to free almost nothing (what it would free stays frozen, a few pages). While
+    # ``pyserve run`` starts the collector is paused (``startup_gc``) and the young
+    # generations hold everything, so there is nothing cheap to collect either.
+    if gc.isenabled():
+        gc.collect(1)
     gc.freeze()  # a collection in a child would write to every object's page (and copy it)
     children: list[tuple[int, int, Any]] = []
     for _ in range(count):
@@ -244,6 +250,7 @@ def _child(pipe: int, board: Any, serve_child: Any) -> None:
         data = b""
         with os.fdopen(pipe, "rb") as settings_in:
             data = settings_in.readline()
+        startup_gc.resume()
         code = serve_child(json.loads(data)) if data else 0  # no settings: the owner did not start
     except BaseException:  # noqa: BLE001 - whatever happens, never return into the owner's code
         log.exception("frontend process failed")

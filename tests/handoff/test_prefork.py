@@ -194,3 +194,46 @@ def test_one_process_forks_nothing(start: object, tmp_path: Path) -> None:
         assert server.stop(timeout=60) == 0, server.stderr
     finally:
         server.close()
+
+
+GC_MODEL = """
+import gc
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        state = np.array([os.getpid(), int(gc.isenabled()), gc.get_freeze_count()], dtype=np.int64)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("STATE", state)]) for _ in requests]
+"""
+
+
+def test_every_process_collects_garbage_again_once_started(start: object, tmp_path: Path) -> None:
+    """``pyserve run`` pauses the collector while it starts (``startup_gc``): the owner and the
+    forked frontend both run with it on again, the start's objects frozen."""
+    repo = tmp_path / "repo"
+    write_model(repo, "gc_state", """
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+        output [ { name: "STATE" data_type: TYPE_INT64 dims: [ 3 ] } ]
+    """, {"1/model.py": GC_MODEL})
+    server = start("--model-repository", str(repo))  # type: ignore[operator]
+    url = server.wait_started(timeout=120)
+    clients = _clients(url, 2)  # the balancer places the second connection on the frontend
+    states = {}
+    try:
+        for client in clients:
+            tensor = httpclient.InferInput("IN", [1], "INT32")
+            tensor.set_data_from_numpy(np.array([1], dtype=np.int32))
+            pid, enabled, frozen = (int(v) for v in client.infer("gc_state", [tensor]).as_numpy("STATE"))
+            states[pid] = (enabled, frozen > 0)
+    finally:
+        for client in clients:
+            client.close()
+    assert set(states) == {server.server_pid, _frontend_pid(server)}
+    assert set(states.values()) == {(1, True)}, states
+    assert server.stop(timeout=60) == 0, server.stderr
