@@ -671,16 +671,21 @@ def measure_startup(args: argparse.Namespace, work: Path, install: _triton.Trito
     repository = write_repository(work / "repo-startup", names)
     one = write_repository(work / "repo-startup-one", [MODEL])
     kinds = ["pyserve"] + (["triton"] if install is not None else [])
+
+    def start(name: str, repo: Path, models: list[str], tag: str) -> Server | None:
+        try:
+            if name == "pyserve":
+                return start_pyserve(repo, work, args.start_timeout, models, tag=tag)
+            assert install is not None
+            return start_triton(install, repo, work, args.start_timeout, models, tag=tag)
+        except (RuntimeError, OSError) as error:
+            results.notes.append(f"{name} startup with {len(models)} model(s) failed: {str(error)[:300]}")
+            return None
+
     for round_number in range(args.startup_rounds):
         for name in kinds:  # one model: more starts for the median than the serving servers' one
-            try:
-                if name == "pyserve":
-                    server = start_pyserve(one, work, args.start_timeout, [MODEL], tag="-startup-one")
-                else:
-                    assert install is not None
-                    server = start_triton(install, one, work, args.start_timeout, [MODEL], tag="-startup-one")
-            except (RuntimeError, OSError) as error:
-                results.notes.append(f"{name} startup with one model failed: {str(error)[:300]}")
+            server = start(name, one, [MODEL], "-startup-one")
+            if server is None:
                 continue
             try:
                 results.startup_one.setdefault(name, []).append(server.started_s)
@@ -688,14 +693,8 @@ def measure_startup(args: argparse.Namespace, work: Path, install: _triton.Trito
             finally:
                 server.stop()
         for name in kinds:
-            try:
-                if name == "pyserve":
-                    server = start_pyserve(repository, work, args.start_timeout, names, tag="-startup")
-                else:
-                    assert install is not None
-                    server = start_triton(install, repository, work, args.start_timeout, names, tag="-startup")
-            except (RuntimeError, OSError) as error:
-                results.notes.append(f"{name} startup with {len(names)} models failed: {str(error)[:300]}")
+            server = start(name, repository, names, "-startup")
+            if server is None:
                 continue
             try:
                 results.startup.setdefault(name, []).append(server.started_s)
