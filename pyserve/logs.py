@@ -23,8 +23,6 @@ from typing import Any
 
 import orjson
 
-from pyserve.api.errors import InferError
-
 _LEVEL_LETTER = {logging.DEBUG: "V", logging.INFO: "I", logging.WARNING: "W", logging.ERROR: "E", logging.CRITICAL: "E"}
 
 LOG_FORMATS = ("default", "ISO8601", "json")
@@ -160,6 +158,13 @@ def configure(
         _apply_levels()
 
 
+def configuration() -> dict[str, Any]:
+    """The keyword arguments of ``configure`` that give another process these settings (the
+    keeper of ``pyserve run`` logs as the server does)."""
+    return {"verbose": SETTINGS.log_verbose_level, "info": SETTINGS.log_info, "warning": SETTINGS.log_warning,
+            "error": SETTINGS.log_error, "log_format": SETTINGS.log_format, "log_file": SETTINGS.log_file or None}
+
+
 def get_settings() -> dict[str, Any]:
     """The logging extension's JSON object."""
     return asdict(SETTINGS)
@@ -174,6 +179,8 @@ def update_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
     :returns: the settings after the update.
     :raises InferError: INVALID_ARG for a read-only key or a bad value.
     """
+    from pyserve.api.errors import InferError  # here: the keeper logs through this module without the API
+
     if not isinstance(changes, Mapping):
         raise InferError.invalid("the logging settings must be a JSON object")
     staged: dict[str, Any] = {}

@@ -142,14 +142,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from pyserve.handoff import keeper
 
-    if not keeper.supported():
+    if not keeper.supported() or keeper.adopt():  # adopt: a server the keeper started again
         return serve()
     try:  # the keeper holds the ports, so that they outlive a server process a model crashed
         prebind_listeners(options)
     except StartupError as exc:
         print(f"pyserve: error: {exc}", file=sys.stderr)
         return 1
-    return keeper.Keeper(serve, stop_timeout=options.exit_timeout_secs + 15).run()
+    return keeper.Keeper(args.argv, stop_timeout=options.exit_timeout_secs + 15).run(serve)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -380,6 +380,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what starts the server again (the keeper)
     if argv is None and args.command == "run":
         # Model code sees no command-line arguments, as in Triton's Python-backend stub: a
         # model's unittest.main("model", exit=False) must not read the server's flags.

@@ -18,6 +18,11 @@ def inherit(service: str, listener: socket.socket) -> None:
     _inherited[service] = listener
 
 
+def inherited_descriptors() -> dict[str, int]:
+    """The file descriptor of each service's recorded socket (``inherit``), by service name."""
+    return {service: listener.fileno() for service, listener in _inherited.items()}
+
+
 def forget_inherited() -> None:
     """Bind every service anew (a process forked from the server that binds its own)."""
     _inherited.clear()

@@ -33,8 +33,6 @@ import signal
 import sys
 from typing import Any
 
-import grpc
-
 from pyserve import logs
 from pyserve.api.errors import InferError
 from pyserve.dataplane.header_forwarding import compile_forwarding
@@ -52,13 +50,14 @@ from pyserve.frontends.http.parsed_request import ParsedRequest as _Request
 from pyserve.frontends.http.server import ASGIApp
 from pyserve.frontends.restricted import Restriction
 from pyserve.frontends.tcp import bind_tcp
-from pyserve.handoff.frontend_grpc import create_grpc
+from pyserve.handoff.frontend_grpc import OwnerChannel, create_grpc
 from pyserve.handoff.frontend_plane import FrontendDataPlane, NeedsOwner
 from pyserve.handoff.http_proxy import OwnerHttpProxy
 from pyserve.handoff.link import OwnerLink, RemoteModel
 from pyserve.handoff.replicas import ReplicaSet
 from pyserve.repository import tensor_checks
-from pyserve.runtime.scheduling import busy_poll, execution_board
+from pyserve.runtime import execution_board
+from pyserve.runtime.scheduling import busy_poll
 
 log = logging.getLogger("pyserve.frontend")
 
@@ -255,7 +254,7 @@ class _Servers:
         self.dataplane = dataplane
         self.http: FrontendHttpServer | None = None
         self.grpc: Any = None
-        self.channel: grpc.aio.Channel | None = None
+        self.channel: OwnerChannel | None = None
         self.receiver: balancing.BalancedReceiver | None = None
         self.adopters: dict[bytes, balancing.Adopt] = {}
 

@@ -69,12 +69,43 @@ def _forwarded_metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, A
     return tuple((k, v) for k, v in (context.invocation_metadata() or ()) if not k.startswith("grpc-"))
 
 
-def _relay_unary(channel: grpc.aio.Channel, path: str) -> grpc.RpcMethodHandler:
-    call = channel.unary_unary(path)
+class OwnerChannel:
+    """The frontend's gRPC channel to the owner's server, opened on the first call relayed
+    through it: a frontend that relays nothing holds no gRPC client (no C-core channel, its
+    threads and buffers). Event-loop thread only.
+
+    :param address: the owner's gRPC address (``unix:...``).
+    :param max_message_bytes: the largest message sent or received.
+    """
+
+    def __init__(self, address: str, max_message_bytes: int) -> None:
+        self.address = address
+        self.max_message_bytes = max_message_bytes
+        self._channel: grpc.aio.Channel | None = None
+
+    def get(self) -> grpc.aio.Channel:
+        """The channel, opened now if this is its first use."""
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=[
+                ("grpc.max_send_message_length", self.max_message_bytes),
+                ("grpc.max_receive_message_length", self.max_message_bytes),
+            ])
+        return self._channel
+
+    async def close(self) -> None:
+        """Close the channel if it was opened (calls on it end)."""
+        if self._channel is not None:
+            await self._channel.close()
+
+
+def _relay_unary(channel: OwnerChannel, path: str) -> grpc.RpcMethodHandler:
+    calls: list[Any] = []  # the multi-callable, made on the first call
 
     async def relay(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        if not calls:
+            calls.append(channel.get().unary_unary(path))
         try:
-            return await call(request, metadata=_forwarded_metadata(context), timeout=context.time_remaining())
+            return await calls[0](request, metadata=_forwarded_metadata(context), timeout=context.time_remaining())
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), exc.details() or "", tuple(exc.trailing_metadata() or ()))
             raise  # not reached
@@ -82,11 +113,13 @@ def _relay_unary(channel: grpc.aio.Channel, path: str) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(relay)
 
 
-def _relay_stream(channel: grpc.aio.Channel, path: str) -> grpc.RpcMethodHandler:
-    make_call = channel.stream_stream(path)
+def _relay_stream(channel: OwnerChannel, path: str) -> grpc.RpcMethodHandler:
+    calls: list[Any] = []
 
     async def relay(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-        call = make_call(requests, metadata=_forwarded_metadata(context), timeout=context.time_remaining())
+        if not calls:
+            calls.append(channel.get().stream_stream(path))
+        call = calls[0](requests, metadata=_forwarded_metadata(context), timeout=context.time_remaining())
         try:
             async for response in call:
                 yield response
@@ -98,7 +131,7 @@ def _relay_stream(channel: grpc.aio.Channel, path: str) -> grpc.RpcMethodHandler
     return grpc.stream_stream_rpc_method_handler(relay)
 
 
-def relay_handlers(service: Any, channel: grpc.aio.Channel, skip: frozenset[str]) -> grpc.GenericRpcHandler:
+def relay_handlers(service: Any, channel: OwnerChannel, skip: frozenset[str]) -> grpc.GenericRpcHandler:
     """Handlers relaying every method of ``service`` but ``skip`` to the owner, bytes unparsed."""
     methods: dict[str, grpc.RpcMethodHandler] = {}
     for method in service.methods:
@@ -113,8 +146,8 @@ def relay_handlers(service: Any, channel: grpc.aio.Channel, skip: frozenset[str]
 
 
 def create_grpc(dataplane: FrontendDataPlane, options: GrpcOptions, owner_address: str,
-                listen: bool = True) -> tuple[Any, grpc.aio.Channel]:
-    """The frontend's gRPC server (not started) and its channel to the owner.
+                listen: bool = True) -> tuple[Any, OwnerChannel]:
+    """The frontend's gRPC server (not started) and its channel to the owner (opened on first use).
 
     :param listen: bind the gRPC port (``SO_REUSEPORT``); False: the server only takes the
         connections the owner's balancer passes (``GrpcServer.adopt``), with the port's TLS.
@@ -128,10 +161,7 @@ def create_grpc(dataplane: FrontendDataPlane, options: GrpcOptions, owner_addres
     )
 
     server = new_server(options, reuse_port=True)
-    channel = grpc.aio.insecure_channel(owner_address, options=[
-        ("grpc.max_send_message_length", options.max_message_bytes),
-        ("grpc.max_receive_message_length", options.max_message_bytes),
-    ])
+    channel = OwnerChannel(owner_address, options.max_message_bytes)
     servicer = FrontendServicer(dataplane, compress_infer=options.infer_compression != "none")
     server.add_generic_rpc_handlers((
         _handlers(pb.SERVICE_DESCRIPTOR, servicer, only=frozenset({"ModelInfer"})),

@@ -3,16 +3,24 @@
 Models run inside the server process (threads, or the event loop for cheap ones), so a model
 that crashes the process — a segfault in native code, ``os._exit`` in a ``model.py``, the
 kernel's OOM killer — would take every model and both ports down with it. ``pyserve run``
-therefore forks the server from a small parent, the *keeper*, which
+therefore serves from a child of a small parent, the *keeper*, which
 
 * binds the listening sockets first and keeps them open: the server uses them
-  (``pyserve.frontends.tcp.inherited``), and while a new server starts, clients that connect wait in the
+  (``pyserve.frontends.tcp.inherit``), and while a new server starts, clients that connect wait in the
   listen backlog instead of being refused;
+* forks the first server from the process that parsed the flags (it has imported the server
+  already, so the start costs nothing more), then replaces its own program with this module
+  alone (``python -m pyserve.handoff.keeper``): the keeper then holds no numpy, no models and
+  no HTTP or gRPC stack, a few MiB instead of a server's worth of memory. The sockets and the
+  execution board pass through that ``exec``, and so do the signals sent meanwhile (blocked
+  until the small program handles them);
 * waits for the server; when it dies after it had started serving, logs how (the exit
   status or signal) and which model instances were executing at that moment (read from the
-  ``pyserve.runtime.scheduling.execution_board`` page they share), then starts a new server from its
-  own state — it loads every model again and forks its frontends — 1 s later, doubling up to
-  30 s while the new one keeps dying within a minute;
+  ``pyserve.runtime.execution_board`` page they share), then starts a new server 1 s later,
+  doubling up to 30 s while the new one keeps dying within a minute. A new server is a fresh
+  ``python -m pyserve run`` with the same arguments: it loads every model again and forks its
+  frontends, and takes the sockets and the board from the keeper (``adopt``) instead of
+  binding its own;
 * passes SIGTERM and SIGINT on and exits with the server's status; a server that stops by
   itself (status 0) or fails before it serves (a startup error) is not restarted; a server
   still running ``stop_timeout`` seconds after the signal is killed (SIGKILL), so that a stuck
@@ -21,22 +29,31 @@ therefore forks the server from a small parent, the *keeper*, which
 The server notices a keeper that died (``PR_SET_PDEATHSIG``) and stops. The keeper becomes the
 child subreaper of the processes below it, so frontends orphaned by a crash are reaped here.
 Linux only; elsewhere ``pyserve run`` is the server itself.
+
+This module imports nothing of the server (only ``pyserve.logs``, ``pyserve.frontends.tcp`` and
+``pyserve.runtime.execution_board``, which are standard-library only), so that the small keeper
+stays small.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
+import mmap
 import os
 import signal
+import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from pyserve.handoff.prefork import exit_forked
-from pyserve.runtime import startup_gc
-from pyserve.runtime.scheduling import execution_board
+from pyserve import logs
+from pyserve.frontends import tcp
+from pyserve.handoff.forked import exit_forked
+from pyserve.runtime import execution_board, startup_gc
 
 log = logging.getLogger("pyserve.keeper")
 
@@ -44,8 +61,12 @@ RESTART_DELAY_S = 1.0
 RESTART_DELAY_MAX_S = 30.0
 STABLE_AFTER_S = 60.0
 
+HANDOFF_ENV = "PYSERVE_KEEPER_HANDOFF"
+"""Set in the environment of a server the keeper starts again: the sockets and board it takes."""
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGALRM}
 
 
 def supported() -> bool:
@@ -72,71 +93,162 @@ def describe_status(code: int) -> str:
     return f"exited with status {code}"
 
 
-class Keeper:
-    """Runs ``serve`` (the server, returning its exit status) in a child process, again after
-    a crash. Main thread only.
+def _die_with_keeper(keeper: int) -> None:
+    """In a server process: stop (SIGTERM) when the keeper ``keeper`` goes away."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != keeper:  # the keeper died before prctl took hold
+        os._exit(1)
 
-    :param serve: called in each child; returns the exit status.
+
+def adopt() -> bool:
+    """In ``pyserve run``: whether this process is a server the keeper started again (then the
+    keeper's sockets are recorded for the services, ``pyserve.frontends.tcp.inherit``, and its
+    board is attached); False in any other process. Removes the hand-off from the environment,
+    so that processes this server starts do not see it.
+
+    :raises SystemExit: the keeper is gone already (status 1).
+    """
+    raw = os.environ.pop(HANDOFF_ENV, None)
+    if raw is None:
+        return False
+    handoff = json.loads(raw)
+    _die_with_keeper(int(handoff["keeper"]))
+    for service, descriptor in handoff["listeners"].items():
+        os.set_inheritable(descriptor, False)
+        tcp.inherit(service, socket.socket(fileno=descriptor))
+    board = handoff.get("board")
+    if board is not None:
+        os.set_inheritable(board, False)
+        execution_board.attach(execution_board.open_fd(board))
+    return True
+
+
+class Keeper:
+    """Runs the server in a child process, again after a crash. Main thread only.
+
+    :param argv: the arguments of ``pyserve`` (``run ...``) that start the server again.
     :param stop_timeout: seconds the server gets to stop after SIGTERM/SIGINT before it is
         killed (its ``--exit-timeout-secs`` and some time to unload).
+    :param board: the execution board the servers write (a new one by default).
+    :param listeners: the services' bound sockets (``tcp.inherit``'s), by descriptor.
     """
 
-    def __init__(self, serve: Callable[[], int], stop_timeout: float = 60.0) -> None:
-        self.serve = serve
+    def __init__(self, argv: Sequence[str], stop_timeout: float = 60.0, *, board: mmap.mmap | None = None,
+                 board_fd: int | None = None, listeners: Mapping[str, int] | None = None) -> None:
+        self.argv = list(argv)
         self.stop_timeout = stop_timeout
-        self.board = execution_board.create()
+        self.board = execution_board.create() if board is None else board
+        self.board_fd = execution_board.fd(self.board) if board is None else board_fd
+        self.listeners = dict(tcp.inherited_descriptors() if listeners is None else listeners)
         self.child = 0
+        self.started = 0.0
         self.stopping = False
         self.restarts = 0
+        self.delay = RESTART_DELAY_S
 
-    def run(self) -> int:
-        """Serve until the server stops for good; its exit status."""
+    def run(self, serve: Callable[[], int]) -> int:
+        """Serve until the server stops for good; its exit status. The first server runs
+        ``serve`` in a fork of this process; then this process becomes the small keeper
+        (``exec``) where it can, and keeps the server from here where it cannot."""
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-        previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)}
-        previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._kill)
-        delay = RESTART_DELAY_S
+        self._handle_signals()
+        self.started = time.monotonic()
+        self.child = self._fork(serve)
+        startup_gc.resume()  # the keeper's own collector (the server resumes its own)
+        self._become_small()
+        return self.keep()
+
+    def keep(self) -> int:
+        """Wait for the server and start it again after each crash; its final exit status."""
         try:
             while True:
-                started = time.monotonic()
-                self.child = self._start()
                 code = self._wait(self.child)
                 ready, busy = execution_board.read(self.board)
                 if self.stopping or code == 0 or not ready:
                     return code if code >= 0 else 128 - code  # a signal, as a shell reports it
-                if time.monotonic() - started > STABLE_AFTER_S:
-                    delay = RESTART_DELAY_S
+                if time.monotonic() - self.started > STABLE_AFTER_S:
+                    self.delay = RESTART_DELAY_S
                 executing = "; it was executing " + ", ".join(busy) if busy else "; no model was executing"
                 log.error("the server process (pid %d) %s%s. Starting it again in %.0f s", self.child,
-                          describe_status(code), executing, delay)
+                          describe_status(code), executing, self.delay)
                 self.restarts += 1
-                if self._sleep(delay):
+                if self._sleep(self.delay):
                     return code if code >= 0 else 128 - code
-                delay = min(delay * 2, RESTART_DELAY_MAX_S)
+                self.delay = min(self.delay * 2, RESTART_DELAY_MAX_S)
+                self.started = time.monotonic()
+                self.child = self._spawn()
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
-    def _start(self) -> int:
+    def _handle_signals(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._forward)
+        signal.signal(signal.SIGALRM, self._kill)
+
+    def _fork(self, serve: Callable[[], int]) -> int:
+        keeper = os.getpid()
         pid = os.fork()
         if pid:
-            startup_gc.resume()  # the keeper's own collector (the server resumes its own)
             return pid
         code = 1
         try:  # the server: stop when the keeper goes away, write the board, serve
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
+            for sig in _SIGNALS:
                 signal.signal(sig, signal.SIG_DFL)
-            _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-            if os.getppid() == 1:  # the keeper died before prctl took hold
-                os._exit(1)
+            _die_with_keeper(keeper)
             execution_board.attach(self.board)
-            code = self.serve()
+            code = serve()
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:  # noqa: BLE001 - never return into the keeper's loop in the child
             log.exception("the server process failed")
         finally:
             exit_forked(code)
+
+    def _spawn(self) -> int:
+        """A new server: ``python -m pyserve <argv>``, given the sockets and the board."""
+        keeper = os.getpid()
+        handoff = {"keeper": keeper, "listeners": self.listeners, "board": self.board_fd}
+        env = {**os.environ, HANDOFF_ENV: json.dumps(handoff)}
+        command = [sys.executable, "-m", "pyserve", *self.argv]
+        pid = os.fork()
+        if pid:
+            return pid
+        try:
+            for sig in _SIGNALS:
+                signal.signal(sig, signal.SIG_DFL)
+            _die_with_keeper(keeper)
+            for descriptor in (self.board_fd, *self.listeners.values()):
+                if descriptor is not None:
+                    os.set_inheritable(descriptor, True)
+            os.execve(sys.executable, command, env)
+        except BaseException:  # noqa: BLE001 - never return into the keeper's loop in the child
+            log.exception("the server process could not be started")
+        exit_forked(127)
+
+    def _state(self) -> dict[str, Any]:
+        return {"argv": self.argv, "stop_timeout": self.stop_timeout, "board": self.board_fd,
+                "listeners": self.listeners, "child": self.child, "started": self.started,
+                "stopping": self.stopping, "restarts": self.restarts, "delay": self.delay,
+                "log": logs.configuration()}
+
+    def _become_small(self) -> None:
+        """Replace this process's program with the small keeper (``main``), keeping its pid,
+        its child, the sockets and the board; returns only where that cannot be done."""
+        if self.board_fd is None:
+            return
+        descriptors = [self.board_fd, *self.listeners.values()]
+        signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)  # delivered to the small keeper
+        try:
+            for descriptor in descriptors:
+                os.set_inheritable(descriptor, True)
+            with contextlib.suppress(Exception):
+                logging.shutdown()
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os.execv(sys.executable, [sys.executable, "-m", "pyserve.handoff.keeper", json.dumps(self._state())])
+        except OSError as exc:
+            log.warning("the keeper keeps its full memory: it could not start its small program: %s", exc)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
 
     def _wait(self, pid: int) -> int:
         """Wait for ``pid``, reaping orphans meanwhile; its exit status."""
@@ -172,3 +284,25 @@ class Keeper:
                     pass
             time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
         return self.stopping
+
+
+def main(argv: Sequence[str]) -> int:
+    """The small keeper (``python -m pyserve.handoff.keeper STATE``): go on keeping the server
+    that the full process forked, from the state it passed (JSON)."""
+    state = json.loads(argv[0])
+    logs.configure(**state["log"])
+    board_fd = state["board"]
+    keeper = Keeper(state["argv"], state["stop_timeout"], board=execution_board.open_fd(board_fd),
+                    board_fd=board_fd, listeners=state["listeners"])
+    keeper.child, keeper.started, keeper.stopping = state["child"], state["started"], state["stopping"]
+    keeper.restarts, keeper.delay = state["restarts"], state["delay"]
+    for descriptor in (board_fd, *keeper.listeners.values()):
+        os.set_inheritable(descriptor, False)  # each new server is given them explicitly
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    keeper._handle_signals()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)  # signals sent during the exec arrive now
+    return keeper.keep()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

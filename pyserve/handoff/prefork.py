@@ -36,13 +36,13 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from pyserve.frontends import tcp
+from pyserve.handoff.forked import exit_forked
 from pyserve.handoff.replicas import ReplicationMode, replicable
-from pyserve.runtime import startup_gc
+from pyserve.runtime import execution_board, startup_gc
 from pyserve.runtime.loader import Preparing
-from pyserve.runtime.scheduling import execution_board
 
 if TYPE_CHECKING:
     from pyserve.runtime.manager import ModelManager
@@ -78,7 +78,7 @@ class ForkedProcess:
 
     Thread-safe: ``wait`` may block on a watcher thread while the loop calls ``poll``.
 
-    :ivar board: the execution board it writes (``pyserve.runtime.scheduling.execution_board``).
+    :ivar board: the execution board it writes (``pyserve.runtime.execution_board``).
     """
 
     def __init__(self, pid: int, board: Any = None) -> None:
@@ -257,12 +257,3 @@ def _child(pipe: int, board: Any, serve_child: Any) -> None:
     finally:
         exit_forked(code)
 
-
-def exit_forked(code: int) -> NoReturn:
-    """End a forked child with ``code``, its log and output flushed, without running anything
-    the parent set up to run at exit (``atexit``, the parent's ``finally`` blocks)."""
-    with contextlib.suppress(Exception):
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)

@@ -22,7 +22,7 @@ from typing import Any
 from pyserve.handoff import affinity
 from pyserve.handoff.owner import HandoffServer
 from pyserve.handoff.prefork import ForkedProcess, Preforked
-from pyserve.runtime.scheduling import execution_board
+from pyserve.runtime import execution_board
 from pyserve_hookspecs import hookimpl
 
 log = logging.getLogger("pyserve.handoff")

@@ -49,9 +49,10 @@ from pyserve.host.plugins import PluginHost
 from pyserve.metrics import MetricsSettings, ServerMetrics, SystemMonitor
 from pyserve.repository import tensor_checks
 from pyserve.repository.scan import check_config_name
+from pyserve.runtime import execution_board
 from pyserve.runtime.manager import ModelManager
 from pyserve.runtime.registry import ModelRegistry
-from pyserve.runtime.scheduling import busy_poll, client_activity, execution_board
+from pyserve.runtime.scheduling import busy_poll, client_activity
 from pyserve.runtime.scheduling.rate_limiter import RateLimiter, RateLimitError
 from pyserve.server import model_table
 from pyserve.server.metrics_port import MetricsService, MetricsStartError

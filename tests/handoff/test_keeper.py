@@ -181,3 +181,95 @@ def test_a_stuck_model_cannot_keep_pyserve_run_from_exiting(servers: list[Runnin
     with pytest.raises(Exception):  # noqa: B017 - the stuck request is never answered
         pending.get_result(timeout=5)
     client.close()
+
+
+def test_the_keepers_program_imports_no_server_module() -> None:
+    """``python -m pyserve.handoff.keeper`` loads only the standard library and the few pyserve
+    modules it names, so that the process that holds the ports stays small."""
+    import subprocess
+
+    probe = ("import sys, pyserve.handoff.keeper; "
+             "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('pyserve', 'numpy', 'grpc'))))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
+    assert set(loaded.stdout.split()) == {
+        "pyserve", "pyserve.logs", "pyserve.frontends", "pyserve.frontends.tcp", "pyserve.handoff",
+        "pyserve.handoff.forked", "pyserve.handoff.keeper", "pyserve.runtime", "pyserve.runtime.execution_board",
+        "pyserve.runtime.startup_gc"}, loaded.stdout
+
+
+def test_the_keeper_is_small_and_starts_the_default_layout_again(servers: list[RunningServer],
+                                                                tmp_path: Path) -> None:
+    """Under the default layout (owner and a frontend), the keeper is the small program (no
+    numpy, no gRPC, no models in its memory); an owner killed with -9 is started again as a
+    fresh ``pyserve run`` on the same port, with its frontend."""
+    server = RunningServer(["--model-repository", str(_repository(tmp_path, "exit")), "--frontend-processes", "1"])
+    servers.append(server)
+    url = server.wait_started(timeout=120)
+    keeper, owner = server.process.pid, server.server_pid
+    assert owner is not None and owner != keeper
+    wait_for(lambda: "pyserve.handoff.keeper" in Path(f"/proc/{keeper}/cmdline").read_text(), timeout=60,
+             what="the keeper's small program")
+    mapped = Path(f"/proc/{keeper}/maps").read_text()
+    assert "_multiarray_umath" not in mapped and "cygrpc" not in mapped, "the keeper holds the server's modules"
+    np.testing.assert_array_equal(_infer(url, "calm", 1.0), [1.0])
+    os.kill(owner, signal.SIGKILL)
+    wait_for(lambda: server.starts == 2, timeout=120, what="the second 'Started HTTPService'")
+    assert server.server_pid not in (owner, keeper)
+    for value in (2.0, 3.0, 4.0):  # new connections, spread over the new owner and its frontend
+        np.testing.assert_array_equal(_infer(url, "calm", value), [value])
+    assert server.stderr.count("Started 1 frontend process(es)") == 2, server.stderr
+    assert (f"the server process (pid {owner}) was killed by SIGKILL; no model was executing. "
+            "Starting it again in 1 s") in server.stderr, server.stderr
+    assert server.stop(timeout=60) == 0, server.stderr
+
+
+def test_the_keeper_logs_where_and_how_the_server_logs(servers: list[RunningServer], tmp_path: Path) -> None:
+    """With --log-file and --log-format, the keeper's line about a crash goes to the same file in
+    the same format as the server's lines, also after the keeper became its small program."""
+    log_file = tmp_path / "pyserve.log"
+    server = RunningServer(["--model-repository", str(_repository(tmp_path, "exit")), "--frontend-processes", "0",
+                            "--log-file", str(log_file), "--log-format", "ISO8601"])
+    servers.append(server)
+
+    def started() -> list[str]:
+        text = log_file.read_text() if log_file.exists() else ""
+        return [line for line in text.splitlines() if "Started HTTPService" in line]
+
+    wait_for(lambda: len(started()) == 1, timeout=120, what="'Started HTTPService' in the log file")
+    first = int(started()[0].split()[2])  # ISO8601: <time> <level> <pid> <file:line>] <message>
+    wait_for(lambda: "pyserve.handoff.keeper" in Path(f"/proc/{server.process.pid}/cmdline").read_text(),
+             timeout=60, what="the keeper's small program")
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: len(started()) == 2, timeout=120, what="the second 'Started HTTPService' in the log file")
+    crash = [line for line in log_file.read_text().splitlines() if "Starting it again" in line]
+    assert len(crash) == 1 and crash[0][:4] == started()[0][:4] and crash[0].split()[1] == "E", crash
+    assert f" {server.process.pid} keeper.py:" in crash[0] and f"(pid {first}) was killed by SIGKILL" in crash[0]
+    assert server.stop(timeout=60) == 0, log_file.read_text()
+
+
+def _alive_with(text: str) -> list[int]:
+    """The running processes (not zombies) whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_text() and "Z" not in (entry / "stat").read_text().rsplit(")", 1)[1][:3]:
+                    found.append(int(entry.name))
+            except (OSError, IndexError):
+                continue
+    return found
+
+
+@pytest.mark.parametrize("after", ["start", "ready"])
+def test_a_stop_asked_at_once_is_honoured(servers: list[RunningServer], tmp_path: Path, after: str) -> None:
+    """SIGTERM sent while ``pyserve run`` starts (before, during or after the keeper becomes
+    its small program), or once it serves, stops it, and no process of it is left."""
+    repo = _repository(tmp_path, "exit")
+    server = RunningServer(["--model-repository", str(repo)])
+    servers.append(server)
+    if after == "ready":
+        server.wait_started(timeout=120)
+    server.process.send_signal(signal.SIGTERM)
+    code = server.process.wait(120)
+    assert code in (0, 128 + signal.SIGTERM, -signal.SIGTERM), server.stderr
+    wait_for(lambda: not _alive_with(str(repo)), timeout=60, what="every process of pyserve run to exit")

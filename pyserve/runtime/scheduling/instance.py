@@ -26,7 +26,7 @@ from pyserve.api.inference import (
 )
 from pyserve.host.plugins import LoadedBackend
 from pyserve.repository.model_config import ModelIO
-from pyserve.runtime.scheduling import execution_board
+from pyserve.runtime import execution_board
 from pyserve.runtime.scheduling.rate_limiter import RateLimiter, ResourceClaim
 from pyserve.tracing import TRACING, mark_batch
 
