@@ -149,7 +149,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except StartupError as exc:
         print(f"pyserve: error: {exc}", file=sys.stderr)
         return 1
-    return keeper.Keeper(args.argv, stop_timeout=options.exit_timeout_secs + 15).run(serve)
+    kept = keeper.Keeper(args.argv, stop_timeout=options.exit_timeout_secs + 15)
+    return kept.run(serve, small=getattr(args, "whole_process", False))
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -381,6 +382,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what starts the server again (the keeper)
+    args.whole_process = argv is None  # the keeper may replace the program (not when main is embedded)
     if argv is None and args.command == "run":
         # Model code sees no command-line arguments, as in Triton's Python-backend stub: a
         # model's unittest.main("model", exit=False) must not read the server's flags.

@@ -146,17 +146,24 @@ class Keeper:
         self.restarts = 0
         self.delay = RESTART_DELAY_S
 
-    def run(self, serve: Callable[[], int]) -> int:
+    def run(self, serve: Callable[[], int], small: bool = True) -> int:
         """Serve until the server stops for good; its exit status. The first server runs
         ``serve`` in a fork of this process; then this process becomes the small keeper
-        (``exec``) where it can, and keeps the server from here where it cannot."""
+        (``exec``: it never returns here) where it can and ``small`` allows it (``pyserve run``
+        as a command, not a caller of ``pyserve.cli.main.main`` in its own program), and keeps
+        the server from here otherwise."""
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-        self._handle_signals()
-        self.started = time.monotonic()
-        self.child = self._fork(serve)
-        startup_gc.resume()  # the keeper's own collector (the server resumes its own)
-        self._become_small()
-        return self.keep()
+        previous = self._handle_signals()
+        try:
+            self.started = time.monotonic()
+            self.child = self._fork(serve)
+            startup_gc.resume()  # the keeper's own collector (the server resumes its own)
+            if small:
+                self._become_small()
+            return self.keep()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def keep(self) -> int:
         """Wait for the server and start it again after each crash; its final exit status."""
@@ -180,10 +187,11 @@ class Keeper:
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
 
-    def _handle_signals(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._forward)
-        signal.signal(signal.SIGALRM, self._kill)
+    def _handle_signals(self) -> dict[int, Any]:
+        """Forward SIGTERM/SIGINT to the server, kill it on SIGALRM; the handlers replaced."""
+        previous: dict[int, Any] = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._kill)
+        return previous
 
     def _fork(self, serve: Callable[[], int]) -> int:
         keeper = os.getpid()

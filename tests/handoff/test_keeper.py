@@ -223,6 +223,22 @@ def test_the_keeper_is_small_and_starts_the_default_layout_again(servers: list[R
     assert server.stop(timeout=60) == 0, server.stderr
 
 
+EMBEDDED = "import sys; from pyserve.cli.main import main; code = main(sys.argv[1:]); print('returned', code, file=sys.stderr)"
+
+
+def test_a_program_that_calls_main_gets_its_process_back(servers: list[RunningServer], tmp_path: Path) -> None:
+    """``pyserve.cli.main.main(["run", ...])`` called by another program keeps the server from that
+    program's process (no ``exec`` into the small keeper) and returns the server's status."""
+    server = RunningServer(["--model-repository", str(_repository(tmp_path, "exit"))],
+                           command=(sys.executable, "-c", EMBEDDED))
+    servers.append(server)
+    url = server.wait_started(timeout=120)
+    np.testing.assert_array_equal(_infer(url, "calm", 1.0), [1.0])
+    assert "pyserve.handoff.keeper" not in Path(f"/proc/{server.process.pid}/cmdline").read_text()
+    assert server.stop(timeout=60) == 0, server.stderr
+    assert "returned 0" in server.stderr, server.stderr
+
+
 def test_the_keeper_logs_where_and_how_the_server_logs(servers: list[RunningServer], tmp_path: Path) -> None:
     """With --log-file and --log-format, the keeper's line about a crash goes to the same file in
     the same format as the server's lines, also after the keeper became its small program."""
