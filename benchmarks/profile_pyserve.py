@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                 time.sleep(1.0)
                 common = ["--pid", str(server.process.pid), "--duration", str(args.duration),
-                          "--rate", str(args.rate), "--gil"]
+                          "--rate", str(args.rate), "--gil", "--subprocesses"]  # the keeper's server and frontends
                 svg, raw = OUT / f"{name}.svg", work / f"{name}.txt"
                 subprocess.run([py_spy, "record", *common, "--format", "flamegraph", "--output", str(svg)],
                                capture_output=True, check=False)
