@@ -222,8 +222,10 @@ def in_flight(server: ServerThread, count: int) -> Callable[[], bool]:
 
 
 def cancelled(server: ServerThread, rid: str) -> Callable[[], bool]:
-    """A condition: the server has marked request ``rid`` cancelled (its client went away)."""
-    return lambda: any(r.id == rid and r.is_cancelled() for r in list(server.server.dataplane._open))
+    """A condition, once request ``rid`` was seen in the server: the server has marked it
+    cancelled (its client went away), or has let it go already (a cancelled request that waited
+    in the queue leaves the open requests at once, whichever comes first)."""
+    return lambda: not any(r.id == rid and not r.is_cancelled() for r in list(server.server.dataplane._open))
 
 
 def answered(outcomes: list[str], *ids: str) -> Callable[[], bool]:
