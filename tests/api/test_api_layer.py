@@ -28,14 +28,21 @@ def _modules_after(statement: str) -> list[str]:
     return list(json.loads(result.stdout.splitlines()[-1]))
 
 
-@pytest.mark.parametrize("statement", ["import pyserve.api", "import pyserve", "from pyserve import Backend"])
+@pytest.mark.parametrize("statement", ["import pyserve.api", "from pyserve import Backend", "pyserve.Backend"])
 def test_importing_the_api_loads_nothing_of_the_server(statement: str) -> None:
-    loaded = _modules_after(statement)
+    loaded = _modules_after(f"import pyserve; {statement}" if statement.startswith("pyserve.") else statement)
     server_side = [m for m in loaded if m.startswith(ABOVE_API)]
     transports = [m for m in loaded if m.split(".")[0] in TRANSPORTS]
     assert server_side == [], f"{statement} loaded {server_side}"
     assert transports == [], f"{statement} loaded {transports}"
     assert "pyserve.api.backend" in loaded
+
+
+def test_import_pyserve_alone_loads_the_api_on_first_use() -> None:
+    """``import pyserve`` (what ``import pyserve.<module>`` runs first) loads neither the API nor
+    numpy: the keeper of ``pyserve run`` imports a few such modules and stays small."""
+    loaded = _modules_after("import pyserve")
+    assert "pyserve.api" not in loaded and "numpy" not in loaded, [m for m in loaded if m.startswith(("pyserve", "numpy"))]
 
 
 def test_old_public_import_paths_still_work() -> None:
