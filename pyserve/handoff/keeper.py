@@ -52,7 +52,7 @@ from typing import Any
 
 from pyserve import logs
 from pyserve.frontends import tcp
-from pyserve.handoff.forked import exit_forked
+from pyserve.handoff.forked import exit_forked, flush_output
 from pyserve.runtime import execution_board, startup_gc
 
 log = logging.getLogger("pyserve.keeper")
@@ -225,9 +225,7 @@ class Keeper:
             for sig in _SIGNALS:
                 signal.signal(sig, signal.SIG_DFL)
             _die_with_keeper(keeper)
-            for descriptor in (self.board_fd, *self.listeners.values()):
-                if descriptor is not None:
-                    os.set_inheritable(descriptor, True)
+            self._pass_descriptors(True)
             os.execve(sys.executable, command, env)
         except BaseException:  # noqa: BLE001 - never return into the keeper's loop in the child
             log.exception("the server process could not be started")
@@ -244,19 +242,20 @@ class Keeper:
         its child, the sockets and the board; returns only where that cannot be done."""
         if self.board_fd is None:
             return
-        descriptors = [self.board_fd, *self.listeners.values()]
         signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)  # delivered to the small keeper
         try:
-            for descriptor in descriptors:
-                os.set_inheritable(descriptor, True)
-            with contextlib.suppress(Exception):
-                logging.shutdown()
-                sys.stdout.flush()
-                sys.stderr.flush()
+            self._pass_descriptors(True)
+            flush_output()
             os.execv(sys.executable, [sys.executable, "-m", "pyserve.handoff.keeper", json.dumps(self._state())])
         except OSError as exc:
             log.warning("the keeper keeps its full memory: it could not start its small program: %s", exc)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
+
+    def _pass_descriptors(self, inheritable: bool) -> None:
+        """Let the board's and the sockets' descriptors pass an ``exec`` (or not)."""
+        for descriptor in (self.board_fd, *self.listeners.values()):
+            if descriptor is not None:
+                os.set_inheritable(descriptor, inheritable)
 
     def _wait(self, pid: int) -> int:
         """Wait for ``pid``, reaping orphans meanwhile; its exit status."""
@@ -304,8 +303,7 @@ def main(argv: Sequence[str]) -> int:
                     board_fd=board_fd, listeners=state["listeners"])
     keeper.child, keeper.started, keeper.stopping = state["child"], state["started"], state["stopping"]
     keeper.restarts, keeper.delay = state["restarts"], state["delay"]
-    for descriptor in (board_fd, *keeper.listeners.values()):
-        os.set_inheritable(descriptor, False)  # each new server is given them explicitly
+    keeper._pass_descriptors(False)  # each new server is given them explicitly
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     keeper._handle_signals()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)  # signals sent during the exec arrive now
