@@ -11,7 +11,9 @@ must behave as in a single process.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import queue
 import signal
 import socket
 import threading
@@ -113,8 +115,17 @@ def _http(server: ServerThread) -> httpclient.InferenceServerClient:
     return httpclient.InferenceServerClient(server.url)
 
 
+OWN_CONNECTION = [
+    ("grpc.use_local_subchannel_pool", 1),  # grpc's channels to one address share a connection otherwise
+    ("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+    ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+]
+"""Channel arguments of a gRPC client whose connection is its own (tritonclient's message limits)."""
+
+
 def _grpc(server: ServerThread) -> grpcclient.InferenceServerClient:
-    return grpcclient.InferenceServerClient(server.grpc_url)
+    """A gRPC client on a connection of its own (which the balancer places as any new one)."""
+    return grpcclient.InferenceServerClient(server.grpc_url, channel_args=OWN_CONNECTION)
 
 
 def _fp32(values: np.ndarray, module: object = httpclient) -> object:
@@ -242,6 +253,41 @@ def test_decoupled_model_streamed_over_http_and_grpc(server: ServerThread) -> No
         finally:
             client.close()
         assert [r.as_numpy("OUT")[0] for r in results] == [3, 3, 3]  # type: ignore[union-attr]
+
+
+def test_large_messages_of_relayed_grpc_calls(server: ServerThread) -> None:
+    """A gRPC message too large for one read (several DATA frames) on a method the frontend
+    relays to the owner: a streamed inference and a model load with a file's contents. Each
+    pair of connections has one in the frontend, so the relay carries one of each pair."""
+    values = np.random.default_rng(1).standard_normal((1, 500_000)).astype(np.float32)  # 2 MB
+    balancer = server.server._balancer
+    assert balancer is not None
+    passed = balancer.passed
+    for _ in range(3):
+        with _grpc_pair(server) as clients:
+            for client in clients:
+                answers: queue.Queue[object] = queue.Queue()
+                client.start_stream(callback=lambda result, error, sink=answers: sink.put(error or result))
+                try:
+                    client.async_stream_infer("echo", [_fp32(values, grpcclient)])
+                    answer = answers.get(timeout=60)
+                finally:
+                    client.stop_stream()
+                assert not isinstance(answer, InferenceServerException), answer
+                assert np.array_equal(answer.as_numpy("OUTPUT0"), values)  # type: ignore[attr-defined]
+    assert balancer.passed > passed, "no connection went to the frontend"
+    config = json.dumps({"name": "pybig", "backend": "python", "max_batch_size": 8,
+                         "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+                         "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]}]})
+    padded = (ECHO_MODEL_PY + "#" + "x" * 2_000_000 + "\n").encode()  # 2 MB of model.py
+    with _grpc_pair(server) as clients:
+        try:
+            for client in clients:
+                client.load_model("pybig", config=config, files={"file:1/model.py": padded})
+                answer = client.infer("pybig", [_fp32(values, grpcclient)])
+                assert np.array_equal(answer.as_numpy("OUTPUT0"), values)
+        finally:
+            clients[0].unload_model("pybig")
 
 
 # -- state that must stay in one process -----------------------------------------------------

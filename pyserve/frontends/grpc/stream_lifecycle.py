@@ -51,6 +51,7 @@ class StreamLifecycle(CallReplies):
         self._blocked.pop(stream.id, None)
         self._write(h2.rst_stream(stream.id, code))
         self._cancel_stream(stream)
+        self._schedule_flush()  # from a call's task too (not only while a read is parsed)
 
     def _forget(self, stream: Stream) -> None:
         """Drop a finished stream once its last frames are out and the client ended its side."""

@@ -7,9 +7,11 @@ its body is sent, GOAWAY codes. The rest use tritonclient and grpcio as clients.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gzip
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -572,6 +574,35 @@ def test_metadata_reaches_the_servicer_and_trailers_come_back(repo: Path) -> Non
     assert seen["peer"].startswith("ipv4:127.0.0.1:")
     # grpc writes grpc-timeout rounded up to a few significant digits: slightly more than 60 s can arrive
     assert 0 < seen["remaining"] <= 60.5
+
+
+def test_a_streaming_call_whose_task_is_cancelled_is_reset_at_once() -> None:
+    """A servicer that ends with ``CancelledError`` (a relay whose own call was cancelled): the
+    client is told (RST_STREAM CANCEL, written without waiting for the client's next frame)."""
+    got: list[bytes] = []
+
+    async def behaviour(requests: Any, context: Any) -> Any:
+        async for message in requests:
+            got.append(message)
+            raise asyncio.CancelledError
+        yield b""  # an async generator, as streaming servicers are
+
+    handler = grpc.method_handlers_generic_handler("t.S", {"M": grpc.stream_stream_rpc_method_handler(behaviour)})
+    done = threading.Event()
+
+    def requests() -> Iterator[bytes]:
+        yield b"one"
+        done.wait(120)  # the request stream stays open: nothing more comes from the client
+
+    with grpc_handler_server(handler) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.stream_stream("/t.S/M")(requests(), timeout=120)
+        try:
+            with pytest.raises(grpc.RpcError) as error:
+                next(call)
+        finally:
+            done.set()
+    assert error.value.code() == grpc.StatusCode.CANCELLED
+    assert got == [b"one"]
 
 
 # -- large messages: tensors stay where they arrived ---------------------------------------------
