@@ -170,8 +170,13 @@ class FrontendSupervisor:
         slot.restart = self._loop.call_later(slot.delay, self._spawn, slot)
         slot.delay = min(slot.delay * 2, _RESTART_DELAY_MAX)
 
-    async def stop(self, timeout: float) -> None:
-        """SIGTERM every frontend, wait up to ``timeout`` s for them to finish, kill the rest."""
+    async def stop(self, timeout: float) -> bool:
+        """SIGTERM every frontend, wait up to ``timeout`` s for them to finish, kill the rest.
+
+        :returns: whether every frontend finished its in-flight requests and exited with status
+            0 in time (False: one was killed at the exit timeout, or failed as it stopped).
+        """
+        clean = True
         self.stopping = True
         processes = []
         for slot in self.slots:
@@ -189,7 +194,11 @@ class FrontendSupervisor:
                 log.warning("frontend process %d did not stop within the exit timeout; killing it", process.pid)
                 process.kill()
                 await asyncio.get_running_loop().run_in_executor(None, process.wait)
+                clean = False
+            elif process.returncode != 0:
+                clean = False
         for slot in self.slots:
             if slot.board is not None:
                 execution_board.close(slot.board)
                 slot.board = None
+        return clean

@@ -516,10 +516,11 @@ class Server:
         timeout = self.options.exit_timeout_secs
         deadline = loop.time() + timeout
         log.info("Shutting down: waiting up to %.0f s for in-flight requests", timeout)
+        frontends_clean = True
         if self.frontends is not None:  # they finish their in-flight requests, executed here
-            await self.frontends.stop(timeout)
+            frontends_clean = await self.frontends.stop(timeout)
         drained = await self.dataplane.drain(max(deadline - loop.time(), 0.0))
-        self.clean_exit = drained
+        self.clean_exit = drained and frontends_clean
         await self._stop_listening(deadline, drained)
         self.dataplane.live = False
         remaining = max(deadline - loop.time(), 0.0)

@@ -397,6 +397,7 @@ def test_run_rejects_equal_ports() -> None:
 
 
 STUCK_PY = """
+import os
 import pathlib
 import time
 
@@ -411,7 +412,7 @@ class TritonPythonModel:
             time.sleep(3600)
 
     def execute(self, requests):
-        (pathlib.Path(__file__).parent.parent / "execute.started").touch()
+        (pathlib.Path(__file__).parent.parent / "execute.started").write_text(str(os.getpid()))
         time.sleep(3600)
 """
 STUCK_CONFIG = """
@@ -454,6 +455,33 @@ def test_exit_timeout_bounds_shutdown_with_a_stuck_execute(run_server: Any, tmp_
     assert "Exit timeout expired. Exiting immediately." in server.stderr
     assert "exit timeout reached with 1 request(s) still in flight" in server.stderr
     assert "still executing at the exit timeout; not finalized" in server.stderr
+
+
+def test_exit_timeout_with_a_stuck_execute_in_a_frontend_process(run_server: Any, tmp_path: Path) -> None:
+    """The default layout on more than one CPU: the stuck execute runs in the frontend (its
+    replica of the model, on the second connection); the exit status is still 1."""
+    import http.client
+
+    repo = _stuck_repo(tmp_path)
+    server = run_server("--model-repository", str(repo), "--exit-timeout-secs", "1",
+                        "--frontend-processes", "1", "--replicate-models", "auto")
+    url = server.wait_started()
+    host, port = url.split(":")
+    held = http.client.HTTPConnection(host, int(port), timeout=120)  # the owner's: it holds the fewest
+    try:
+        held.request("GET", "/v2/health/ready")
+        assert held.getresponse().read() == b""
+        _send_in_background(url, "stuck")  # a second connection: the frontend's
+        started = repo / "stuck" / "execute.started"
+        wait_for(lambda: started.exists() and started.read_text() != "", what="the execute to begin")
+        frontend = re.search(r"Started 1 frontend process\(es\): pids (\d+)", server.stderr)
+        assert frontend is not None and started.read_text() == frontend.group(1), server.stderr
+        code = server.stop(timeout=60)
+    finally:
+        held.close()
+    assert code == 1, server.stderr
+    assert "did not stop within the exit timeout" in server.stderr
+    assert "Exit timeout expired. Exiting immediately." in server.stderr
 
 
 def test_sigterm_ends_the_process_while_a_load_hangs_in_initialize(run_server: Any, tmp_path: Path) -> None:
