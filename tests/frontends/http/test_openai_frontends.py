@@ -56,7 +56,7 @@ def test_every_route_answers_through_either_process(server: ServerThread) -> Non
             texts.append(client.completions.create(model="tiny_lm", prompt="The river ", max_tokens=10,
                                                    temperature=0).choices[0].text)
             chunks = client.chat.completions.create(model="tiny_lm", messages=[{"role": "user", "content": "hi"}],
-                                                    max_tokens=5, stream=True, stream_options={"include_usage": True})
+                                                    max_tokens=5, temperature=0, stream=True, stream_options={"include_usage": True})
             streamed.append([c.usage.completion_tokens for c in chunks if c.usage is not None])
             with pytest.raises(openai.BadRequestError, match="at least 1"):
                 client.completions.create(model="tiny_lm", prompt="x", max_tokens=0)
