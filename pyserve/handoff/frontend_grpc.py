@@ -5,7 +5,6 @@ here and handed off, every other method relayed to the owner's gRPC server unpar
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -99,18 +98,6 @@ class OwnerChannel:
             await self._channel.close()
 
 
-def _as_bytes(message: bytes | bytearray) -> bytes:
-    """A request message as grpc's client sends it: ``bytes`` only (a message that arrived in
-    several reads is a ``bytearray``, which grpc refuses: a unary call would fail and a
-    streaming one be cancelled)."""
-    return message if type(message) is bytes else bytes(message)
-
-
-async def _messages_as_bytes(requests: AsyncIterator[bytes | bytearray]) -> AsyncIterator[bytes]:
-    async for message in requests:
-        yield _as_bytes(message)
-
-
 def _relay_unary(channel: OwnerChannel, path: str) -> grpc.RpcMethodHandler:
     calls: list[Any] = []  # the multi-callable, made on the first call
 
@@ -118,7 +105,7 @@ def _relay_unary(channel: OwnerChannel, path: str) -> grpc.RpcMethodHandler:
         if not calls:
             calls.append(channel.get().unary_unary(path))
         try:
-            return await calls[0](_as_bytes(request), metadata=_forwarded_metadata(context), timeout=context.time_remaining())
+            return await calls[0](request, metadata=_forwarded_metadata(context), timeout=context.time_remaining())
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), exc.details() or "", tuple(exc.trailing_metadata() or ()))
             raise  # not reached
@@ -132,7 +119,7 @@ def _relay_stream(channel: OwnerChannel, path: str) -> grpc.RpcMethodHandler:
     async def relay(requests: Any, context: grpc.aio.ServicerContext) -> Any:
         if not calls:
             calls.append(channel.get().stream_stream(path))
-        call = calls[0](_messages_as_bytes(requests), metadata=_forwarded_metadata(context), timeout=context.time_remaining())
+        call = calls[0](requests, metadata=_forwarded_metadata(context), timeout=context.time_remaining())
         try:
             async for response in call:
                 yield response

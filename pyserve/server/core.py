@@ -517,7 +517,7 @@ class Server:
         deadline = loop.time() + timeout
         log.info("Shutting down: waiting up to %.0f s for in-flight requests", timeout)
         frontends_clean = True
-        if self.frontends is not None:  # they finish their in-flight requests, executed here
+        if self.frontends is not None:  # they finish their in-flight requests first (replicas' and the owner's)
             frontends_clean = await self.frontends.stop(timeout)
         drained = await self.dataplane.drain(max(deadline - loop.time(), 0.0))
         self.clean_exit = drained and frontends_clean

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from suite_support import echo_config, wait_for
+from suite_support import OWN_GRPC_CONNECTION, echo_config, wait_for
 
 from pyserve.frontends.balancer import ConnectionBalancer
 from pyserve.server.core import ServerThread, StartupError
@@ -114,8 +114,8 @@ def test_connections_passed_to_the_frontend_are_served_there(server: ServerThrea
     passed = balancer.passed
     values = np.arange(4, dtype=np.float32).reshape(1, 4)
     http_clients = [httpclient.InferenceServerClient(server.url) for _ in range(4)]
-    # a local subchannel pool: each client its own connection (grpc shares them by default)
-    grpc_clients = [grpcclient.InferenceServerClient(server.grpc_url, channel_args=[("grpc.use_local_subchannel_pool", 1)])
+    # each client its own connection (grpc shares them by default)
+    grpc_clients = [grpcclient.InferenceServerClient(server.grpc_url, channel_args=OWN_GRPC_CONNECTION)
                     for _ in range(4)]
     try:
         for client in http_clients:

@@ -28,7 +28,14 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
-from suite_support import ACCUMULATE_PY, ECHO_MODEL_PY, accumulate_config, echo_config, python_echo_config
+from suite_support import (
+    ACCUMULATE_PY,
+    ECHO_MODEL_PY,
+    OWN_GRPC_CONNECTION,
+    accumulate_config,
+    echo_config,
+    python_echo_config,
+)
 from tritonclient.utils import InferenceServerException
 
 from pyserve.server.core import Server, ServerThread, StartupError
@@ -115,17 +122,9 @@ def _http(server: ServerThread) -> httpclient.InferenceServerClient:
     return httpclient.InferenceServerClient(server.url)
 
 
-OWN_CONNECTION = [
-    ("grpc.use_local_subchannel_pool", 1),  # grpc's channels to one address share a connection otherwise
-    ("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
-    ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
-]
-"""Channel arguments of a gRPC client whose connection is its own (tritonclient's message limits)."""
-
-
 def _grpc(server: ServerThread) -> grpcclient.InferenceServerClient:
     """A gRPC client on a connection of its own (which the balancer places as any new one)."""
-    return grpcclient.InferenceServerClient(server.grpc_url, channel_args=OWN_CONNECTION)
+    return grpcclient.InferenceServerClient(server.grpc_url, channel_args=OWN_GRPC_CONNECTION)
 
 
 def _fp32(values: np.ndarray, module: object = httpclient) -> object:

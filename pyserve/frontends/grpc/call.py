@@ -62,11 +62,20 @@ def encode_metadata(metadata: Sequence[tuple[str, str | bytes]]) -> list[tuple[b
     return fields
 
 
+def raw_message(message: bytes | bytearray) -> bytes:
+    """A request message for a handler without a deserializer: ``bytes``, as grpc's server
+    gives it. A message that arrived over several reads is joined in a ``bytearray``, which
+    such a handler may pass on to grpc's client (the frontend's relay), and grpc takes only
+    ``bytes``; handlers with a deserializer get the ``bytearray`` (the codec keeps views of it)."""
+    return message if type(message) is bytes else bytes(message)
+
+
 class RequestMessages:
     """The request messages of a client-streaming call, as an async iterator.
 
     Messages are appended by the connection as they arrive; iteration ends when the client
-    ends its stream and raises :class:`CallCancelled` if the call is reset first.
+    ends its stream and raises :class:`CallCancelled` if the call is reset first. Without a
+    deserializer each message is ``bytes``, as grpc's server gives them (``raw_message``).
     """
 
     __slots__ = ("_items", "_waiter", "_ended", "_failed", "_deserialize")
@@ -102,7 +111,7 @@ class RequestMessages:
         while True:
             if self._items:
                 message = self._items.popleft()
-                return message if self._deserialize is None else self._deserialize(message)
+                return raw_message(message) if self._deserialize is None else self._deserialize(message)
             if self._failed is not None:
                 raise self._failed
             if self._ended:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 import grpc
 
 from pyserve.frontends.grpc import http2 as h2
-from pyserve.frontends.grpc.call import AbortError, CallCancelled
+from pyserve.frontends.grpc.call import AbortError, CallCancelled, raw_message
 from pyserve.frontends.grpc.eager import start_eagerly
 from pyserve.frontends.grpc.stream_lifecycle import StreamLifecycle
 from pyserve.runtime.scheduling import client_activity
@@ -96,7 +96,7 @@ class CallRunner(StreamLifecycle):
             return stream.messages
         deserialize = handler.request_deserializer
         try:
-            request = stream.unary_request if deserialize is None else deserialize(stream.unary_request)
+            request = raw_message(stream.unary_request) if deserialize is None else deserialize(stream.unary_request)
         except Exception:
             context.set_code(grpc.StatusCode.INTERNAL)
             context.set_details("Exception deserializing request!")

@@ -552,6 +552,33 @@ def test_many_concurrent_calls_on_one_channel(server: ServerThread) -> None:
     assert asyncio.run(run()) == [[i, -i] for i in range(300)]
 
 
+def test_handlers_without_a_deserializer_get_bytes_also_for_large_messages() -> None:
+    """As grpc's server: a 2 MB message (many DATA frames, several reads) reaches a unary and a
+    streaming handler without a deserializer as ``bytes``, which they can pass on to grpc's
+    client (the frontend's relay does)."""
+    seen: list[type] = []
+    message = bytes(range(256)) * 8192
+
+    async def unary(request: bytes, context: Any) -> bytes:
+        seen.append(type(request))
+        return request[:4]
+
+    async def streaming(requests: Any, context: Any) -> Any:
+        async for request in requests:
+            seen.append(type(request))
+            yield request[:4]
+
+    handler = grpc.method_handlers_generic_handler("t.S", {
+        "U": grpc.unary_unary_rpc_method_handler(unary),
+        "S": grpc.stream_stream_rpc_method_handler(streaming),
+    })
+    with grpc_handler_server(handler) as port, grpc.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", -1)]) as channel:
+        assert channel.unary_unary("/t.S/U")(message, timeout=60) == message[:4]
+        assert list(channel.stream_stream("/t.S/S")(iter([message, b"small"]), timeout=60)) == [message[:4], b"smal"]
+    assert seen == [bytes, bytes, bytes]
+
+
 def test_metadata_reaches_the_servicer_and_trailers_come_back(repo: Path) -> None:
     """A custom servicer on the same server class: -bin metadata decoded, abort trailers encoded."""
     seen: dict[str, Any] = {}
