@@ -197,6 +197,15 @@ def python_echo_config(name: str, extra: str = "") -> str:
     return _fp32_echo(name, "python", extra)
 
 
+OWN_GRPC_CONNECTION = [
+    ("grpc.use_local_subchannel_pool", 1),  # grpc's channels to one address share a connection otherwise
+    ("grpc.max_send_message_length", 2**31 - 1),  # tritonclient's own limits, which channel_args replace
+    ("grpc.max_receive_message_length", 2**31 - 1),
+]
+"""``channel_args`` of a tritonclient gRPC client whose connection is its own: a new connection
+that the frontend balancer places as any other."""
+
+
 def echo_config(extra: str = "") -> str:
     """``echo``: the identity backend on FP32 ``INPUT0`` [-1] → ``OUTPUT0``, batching up to 8."""
     return _fp32_echo("echo", "identity", "dynamic_batching { }\n" + extra)

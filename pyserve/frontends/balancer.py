@@ -164,18 +164,13 @@ class ConnectionBalancer:
             peer.sock.close()
 
     # -- placing connections ----------------------------------------------------------------------
-    def owner_connections(self) -> int:
-        """Client connections the owner holds or is taking on; while it holds none, it keeps
-        the next one (the owner wins ties)."""
-        return sum(count() for count in self._local_counts) + self._local_pending
-
     def _choose(self) -> _Peer | None:
         """The frontend to take the next connection, or None for the owner: the fewest open,
         the owner first among equals (it answers every model without a hand-off, so a lone
         client never pays one), frontends in turn among themselves."""
         if not self.peers:
             return None
-        owner = self.owner_connections()
+        owner = sum(count() for count in self._local_counts) + self._local_pending
         least = min(peer.load for peer in self.peers)
         if owner <= least:
             return None

@@ -93,31 +93,6 @@ def serve(
         thread.stop()
 
 
-OWN_GRPC_CONNECTION = [
-    ("grpc.use_local_subchannel_pool", 1),  # grpc's channels to one address share a connection otherwise
-    ("grpc.max_send_message_length", 2**31 - 1),  # tritonclient's own limits, which channel_args replace
-    ("grpc.max_receive_message_length", 2**31 - 1),
-]
-"""``channel_args`` of a tritonclient gRPC client whose connection is its own: a new connection
-that the frontend balancer places as any other."""
-
-
-def wait_for_owner_connection(server: ServerThread, timeout: float = 60.0) -> None:
-    """Wait until the server's own process holds no client connection, so that it keeps the
-    next one (with frontend processes; at once without). A test whose ``BatchRecorder`` sees
-    only this process's executes opens its client's connection (``OWN_GRPC_CONNECTION`` for
-    gRPC) after this, rather than on whichever process the earlier connections left it.
-
-    :raises AssertionError: earlier connections stayed open for ``timeout`` s.
-    """
-    balancer = server.server._balancer
-    deadline = time.monotonic() + timeout
-    while balancer is not None and balancer.owner_connections():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the server still holds {balancer.owner_connections()} client connection(s)")
-        time.sleep(0.01)
-
-
 # -- model folders and batch sizes ------------------------------------------------------------------
 
 

@@ -18,12 +18,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from suite_support import echo_config, wait_for
+from suite_support import OWN_GRPC_CONNECTION, echo_config, wait_for
 
 from pyserve.frontends.balancer import ConnectionBalancer
 from pyserve.server.core import ServerThread, StartupError
 from pyserve.testing import serve, write_model
-from pyserve.testing.helpers import OWN_GRPC_CONNECTION
 
 ECHO = echo_config()
 

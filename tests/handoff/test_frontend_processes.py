@@ -31,6 +31,7 @@ import tritonclient.utils.shared_memory as shm
 from suite_support import (
     ACCUMULATE_PY,
     ECHO_MODEL_PY,
+    OWN_GRPC_CONNECTION,
     accumulate_config,
     echo_config,
     python_echo_config,
@@ -39,7 +40,6 @@ from tritonclient.utils import InferenceServerException
 
 from pyserve.server.core import Server, ServerThread, StartupError
 from pyserve.testing import serve, write_model
-from pyserve.testing.helpers import OWN_GRPC_CONNECTION
 
 CONNECTIONS = 16
 """Fresh connections per check: all landing on one of two processes has odds 2**-15."""

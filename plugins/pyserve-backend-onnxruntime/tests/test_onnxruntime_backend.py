@@ -28,7 +28,6 @@ from pyserve.testing import (
     serve,
     write_model,
 )
-from pyserve.testing.helpers import OWN_GRPC_CONNECTION, wait_for_owner_connection
 
 BACKENDS = {"onnxruntime": pyserve_backend_onnxruntime}
 
@@ -316,8 +315,7 @@ def test_one_client_gets_its_executes_on_the_event_loop(server: ServerThread, re
     assert schedulers == {"mlp": DynamicBatcher, "mlp_auto": AdaptiveBatcher, "mlp_fixed": AdaptiveScheduler}
     x = np.random.default_rng(11).standard_normal((1, 4)).astype(np.float32)
     want = direct(ort_models.mlp(), {"x": x})[0]
-    wait_for_owner_connection(server)  # the recorder sees the executes of this process only
-    client = grpcclient.InferenceServerClient(server.grpc_url, channel_args=OWN_GRPC_CONNECTION)  # one for every call
+    client = grpcclient.InferenceServerClient(server.grpc_url)  # one connection for every call
     tensor = grpcclient.InferInput("x", [1, 4], "FP32")
     tensor.set_data_from_numpy(x)
     try:

@@ -28,7 +28,6 @@ from pyserve.testing import (
     serve,
     write_model,
 )
-from pyserve.testing.helpers import OWN_GRPC_CONNECTION, wait_for_owner_connection
 
 BACKENDS = {"pytorch": pyserve_backend_pytorch}
 
@@ -314,8 +313,7 @@ def test_one_client_gets_its_executes_on_the_event_loop(
     assert type(server.server.models.get("triton_flags").scheduler) is AdaptiveScheduler  # two instances
     x = np.random.default_rng(11).standard_normal((1, 4)).astype(np.float32)
     want = call(modules["mlp"], x).numpy()
-    wait_for_owner_connection(server)  # the recorder sees the executes of this process only
-    client = grpcclient.InferenceServerClient(server.grpc_url, channel_args=OWN_GRPC_CONNECTION)  # one for every call
+    client = grpcclient.InferenceServerClient(server.grpc_url)  # one connection for every call
     try:
         recorder.until_on_the_loop("triton_flags", lambda: np.testing.assert_allclose(
             infer(server, "grpc", "triton_flags", {"INPUT__0": x}, client=client).as_numpy("OUTPUT__0"),

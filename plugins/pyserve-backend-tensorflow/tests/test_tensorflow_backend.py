@@ -30,7 +30,6 @@ from pyserve.testing import (
     serve,
     write_model,
 )
-from pyserve.testing.helpers import OWN_GRPC_CONNECTION, wait_for_owner_connection
 
 BACKENDS = {"tensorflow": pyserve_backend_tensorflow}
 
@@ -277,8 +276,7 @@ def test_one_client_gets_its_executes_on_the_event_loop(
     assert type(server.server.models.get("mlp_loop").scheduler) is AdaptiveBatcher
     x = np.random.default_rng(11).standard_normal((1, 4)).astype(np.float32)
     want = modules["mlp"](tf.constant(x))["y"].numpy()
-    wait_for_owner_connection(server)  # the recorder sees the executes of this process only
-    client = grpcclient.InferenceServerClient(server.grpc_url, channel_args=OWN_GRPC_CONNECTION)  # one for every call
+    client = grpcclient.InferenceServerClient(server.grpc_url)  # one connection for every call
     try:
         recorder.until_on_the_loop("mlp_loop", lambda: np.testing.assert_allclose(
             infer(server, "grpc", "mlp_loop", {"x": x}, client=client).as_numpy("y"), want, rtol=1e-5, atol=1e-5))
