@@ -24,6 +24,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from pyserve.testing import OWN_GRPC_CONNECTION as OWN_GRPC_CONNECTION  # re-exported for the tests
 from pyserve.testing import ServerFactory, write_model
 
 __all__ = [
@@ -195,15 +196,6 @@ output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
 def python_echo_config(name: str, extra: str = "") -> str:
     """A Python-backend model running ``ECHO_MODEL_PY``: FP32 ``INPUT0`` [-1], batching up to 8."""
     return _fp32_echo(name, "python", extra)
-
-
-OWN_GRPC_CONNECTION = [
-    ("grpc.use_local_subchannel_pool", 1),  # grpc's channels to one address share a connection otherwise
-    ("grpc.max_send_message_length", 2**31 - 1),  # tritonclient's own limits, which channel_args replace
-    ("grpc.max_receive_message_length", 2**31 - 1),
-]
-"""``channel_args`` of a tritonclient gRPC client whose connection is its own: a new connection
-that the frontend balancer places as any other."""
 
 
 def echo_config(extra: str = "") -> str:

@@ -46,7 +46,12 @@ Helpers
 
 ``BatchRecorder``
     A server plugin recording how many requests each execute of a model received and on which
-    thread it ran; ``until_on_the_loop`` calls until a compute-only model executes on the loop.
+    thread it ran; ``until_on_the_loop(model, connect, call)`` calls until a compute-only model
+    executes on the loop, opening clients until one's connection reaches the recording process.
+
+``OWN_GRPC_CONNECTION``
+    ``channel_args`` that give a tritonclient gRPC client a connection of its own (grpc's channels
+    to one address share one otherwise), for tests that care which process serves a connection.
 
 Conformance suite
 -----------------
@@ -123,6 +128,7 @@ from pyserve.testing.client import _Model
 from pyserve.testing.conformance import BackendConformance
 from pyserve.testing.dlpack import DLPackProbe
 from pyserve.testing.helpers import (
+    OWN_GRPC_CONNECTION,
     BatchRecorder,
     ServerFactory,
     python_environment,
@@ -136,6 +142,7 @@ if TYPE_CHECKING:
     from pyserve.server.core import ServerThread
 
 __all__ = [
+    "OWN_GRPC_CONNECTION",
     "BackendConformance",
     "BatchRecorder",
     "DLPackProbe",

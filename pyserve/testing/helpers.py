@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pyserve_hookspecs import hookimpl
 
@@ -25,6 +25,19 @@ ServerFactory = Callable[..., "ServerThread"]
 
 LOOP_THREAD = "pyserve-server"
 """The name of a ``ServerThread``'s event loop thread."""
+
+OWN_GRPC_CONNECTION = [
+    ("grpc.use_local_subchannel_pool", 1),  # grpc's channels to one address share a connection otherwise
+    ("grpc.max_send_message_length", 2**31 - 1),  # tritonclient's own limits, which channel_args replace
+    ("grpc.max_receive_message_length", 2**31 - 1),
+]
+"""``channel_args`` of a tritonclient gRPC client whose connection is its own: a new connection
+that the server's balancer places as any other."""
+
+_MOST_CONNECTIONS = 16
+"""How many clients ``BatchRecorder.until_on_the_loop`` opens at most to reach the owner."""
+
+Client = TypeVar("Client")
 
 LAYOUT_VARIABLE = "PYSERVE_TEST_LAYOUT"
 """Environment variable: ``default`` makes ``serve`` start servers in the process layout
@@ -138,23 +151,44 @@ class BatchRecorder:
         self.threads.setdefault(name, []).append(threading.current_thread().name)
         return (yield)
 
-    def until_on_the_loop(self, model: str, call: Callable[[], object], timeout: float = 60.0) -> int:
-        """Call ``call`` (one request to ``model``, from one client) until an execute of
+    def until_on_the_loop(
+        self, model: str, connect: Callable[[], Client], call: Callable[[Client], object], timeout: float = 60.0
+    ) -> int:
+        """Call ``call(client)`` (one request to ``model``, from one client) until an execute of
         ``model`` runs on a ``ServerThread``'s event loop thread, as a compute-only model's do
         once one client alone sends requests (``pyserve.runtime.scheduling.adaptive``).
+
+        ``connect()`` opens a client with a connection of its own (for gRPC, ``channel_args=
+        OWN_GRPC_CONNECTION``); it is closed at the end. This plugin sees only the executes of the
+        process it was given to. When a call's execute does not show here, the balancer placed
+        its connection on a frontend process: another client is opened while the earlier stay
+        open, and since the balancer gives a new connection to the process with the fewest, the
+        owner first among equals, a later one lands here.
 
         :returns: the number of calls it took.
         :raises AssertionError: it did not happen within ``timeout`` seconds.
         """
         deadline = time.monotonic() + timeout
+        clients = [connect()]
         calls = 0
-        while True:
-            call()
-            calls += 1
-            if self.threads.get(model, [""])[-1] == LOOP_THREAD:
-                return calls
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no execute of '{model}' ran on the event loop in {calls} calls")
+        try:
+            while True:
+                seen = len(self.sizes.get(model, ()))
+                call(clients[-1])
+                calls += 1
+                executes = self.sizes.get(model, [])
+                if len(executes) > seen and self.threads[model][-1] == LOOP_THREAD:
+                    return calls
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"no execute of '{model}' ran on the event loop in {calls} calls"
+                                         f" from {len(clients)} connections")
+                if len(executes) == seen and len(clients) < _MOST_CONNECTIONS:
+                    clients.append(connect())  # that call ran in another process
+        finally:
+            for client in clients:
+                close = getattr(client, "close", None)
+                if close is not None:
+                    close()
 
 
 def python_environment(root: Path, packages: Sequence[str] = (), timeout: float = 300.0) -> Path:

@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from suite_support import OWN_GRPC_CONNECTION, echo_config, wait_for
+from suite_support import ECHO_MODEL_PY, OWN_GRPC_CONNECTION, echo_config, python_echo_config, wait_for
 
 from pyserve.frontends.balancer import ConnectionBalancer
 from pyserve.server.core import ServerThread, StartupError
-from pyserve.testing import serve, write_model
+from pyserve.testing import BatchRecorder, serve, write_model
+from pyserve.testing.helpers import LOOP_THREAD
 
 ECHO = echo_config()
 
@@ -154,6 +155,36 @@ def test_a_dead_frontend_leaves_its_connections_to_the_owner(server: ServerThrea
     finally:
         for sock in sockets:
             sock.close()
+
+
+def test_the_recorder_reaches_the_owner_past_a_connection_it_holds(tmp_path: Path) -> None:
+    """``BatchRecorder.until_on_the_loop`` sees the owner's executes only: with a connection held
+    open on the owner, its first connection goes to the frontend (whose replica answers unseen),
+    so it opens another, which the balancer gives to the owner."""
+    write_model(tmp_path / "repo", "pyecho", python_echo_config("pyecho"), {"1/model.py": ECHO_MODEL_PY})
+    recorder = BatchRecorder()
+    values = np.arange(2, dtype=np.float32).reshape(1, 2)
+
+    def call(client: grpcclient.InferenceServerClient) -> None:
+        tensor = grpcclient.InferInput("INPUT0", [1, 2], "FP32")
+        tensor.set_data_from_numpy(values)
+        assert np.array_equal(client.infer("pyecho", [tensor]).as_numpy("OUTPUT0"), values)
+
+    with serve(tmp_path / "repo", frontend_processes=1, replicate_models="auto", server_plugins=[recorder]) as server:
+        handoff = server.server._handoff
+        assert handoff is not None
+        wait_for(lambda: len(_balancer(server).peers) == 1 and any(handoff.replicas.values()),
+                 what="the frontend's replica is ready")
+        held = _open(server)  # the owner's: the next connection goes to the frontend
+        try:
+            passed = _balancer(server).passed
+            calls = recorder.until_on_the_loop(
+                "pyecho", lambda: grpcclient.InferenceServerClient(server.grpc_url, channel_args=OWN_GRPC_CONNECTION),
+                call)
+        finally:
+            held.close()
+        assert _balancer(server).passed == passed + 1  # the first went to the frontend, the second stayed
+        assert calls >= 2 and recorder.threads["pyecho"][-1] == LOOP_THREAD
 
 
 def test_kernel_balance_lets_every_process_listen(tmp_path: Path) -> None:

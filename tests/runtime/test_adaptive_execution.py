@@ -528,10 +528,11 @@ def test_a_python_model_that_only_computes_executes_on_the_loop(start_server, tm
 
     recorder = BatchRecorder()
     server = start_server(_python_repo(tmp_path), server_plugins=[recorder], frontend_processes=0)
+    calls = recorder.until_on_the_loop("py", lambda: httpclient.InferenceServerClient(server.url),
+                                       lambda one: one.infer("py", [_python_input()]), timeout=60)
+    assert calls >= 1
     client = httpclient.InferenceServerClient(server.url)
     try:
-        calls = recorder.until_on_the_loop("py", lambda: client.infer("py", [_python_input()]), timeout=60)
-        assert calls >= 1
         for name in ("py_bls", "py_async", "py_threads"):
             for _ in range(20):
                 np.testing.assert_array_equal(client.infer(name, [_python_input()]).as_numpy("OUTPUT0"), VALUES)

@@ -23,6 +23,7 @@ from pyserve.repository.model_config import gpu_count
 from pyserve.runtime.scheduling import AdaptiveBatcher, AdaptiveScheduler, DynamicBatcher
 from pyserve.server.core import ServerThread
 from pyserve.testing import (
+    OWN_GRPC_CONNECTION,
     BatchRecorder,
     ServerFactory,
     serve,
@@ -315,14 +316,14 @@ def test_one_client_gets_its_executes_on_the_event_loop(server: ServerThread, re
     assert schedulers == {"mlp": DynamicBatcher, "mlp_auto": AdaptiveBatcher, "mlp_fixed": AdaptiveScheduler}
     x = np.random.default_rng(11).standard_normal((1, 4)).astype(np.float32)
     want = direct(ort_models.mlp(), {"x": x})[0]
-    client = grpcclient.InferenceServerClient(server.grpc_url)  # one connection for every call
     tensor = grpcclient.InferInput("x", [1, 4], "FP32")
     tensor.set_data_from_numpy(x)
-    try:
-        recorder.until_on_the_loop("mlp_auto", lambda: np.testing.assert_allclose(
-            client.infer("mlp_auto", [tensor]).as_numpy("y"), want, rtol=1e-5, atol=1e-6))
-    finally:
-        client.close()
+    recorder.until_on_the_loop(
+        "mlp_auto",
+        lambda: grpcclient.InferenceServerClient(server.grpc_url, channel_args=OWN_GRPC_CONNECTION),
+        lambda client: np.testing.assert_allclose(
+            client.infer("mlp_auto", [tensor]).as_numpy("y"), want, rtol=1e-5, atol=1e-6),
+    )
 
 
 # --------------------------------------------------------------------------- auto-complete

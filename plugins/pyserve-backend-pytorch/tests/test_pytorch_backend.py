@@ -23,6 +23,7 @@ from pyserve.api.backend_support import ProcessWideSettings
 from pyserve.runtime.scheduling import AdaptiveScheduler, DynamicBatcher
 from pyserve.server.core import ServerThread
 from pyserve.testing import (
+    OWN_GRPC_CONNECTION,
     BatchRecorder,
     ServerFactory,
     serve,
@@ -313,13 +314,13 @@ def test_one_client_gets_its_executes_on_the_event_loop(
     assert type(server.server.models.get("triton_flags").scheduler) is AdaptiveScheduler  # two instances
     x = np.random.default_rng(11).standard_normal((1, 4)).astype(np.float32)
     want = call(modules["mlp"], x).numpy()
-    client = grpcclient.InferenceServerClient(server.grpc_url)  # one connection for every call
-    try:
-        recorder.until_on_the_loop("triton_flags", lambda: np.testing.assert_allclose(
+    recorder.until_on_the_loop(
+        "triton_flags",
+        lambda: grpcclient.InferenceServerClient(server.grpc_url, channel_args=OWN_GRPC_CONNECTION),
+        lambda client: np.testing.assert_allclose(
             infer(server, "grpc", "triton_flags", {"INPUT__0": x}, client=client).as_numpy("OUTPUT__0"),
-            want, rtol=1e-5, atol=1e-6))
-    finally:
-        client.close()
+            want, rtol=1e-5, atol=1e-6),
+    )
 
 
 # --------------------------------------------------------------------------- errors

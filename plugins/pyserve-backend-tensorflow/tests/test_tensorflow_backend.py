@@ -25,6 +25,7 @@ import tritonclient.http as httpclient
 from pyserve.runtime.scheduling import AdaptiveBatcher, DynamicBatcher
 from pyserve.server.core import ServerThread
 from pyserve.testing import (
+    OWN_GRPC_CONNECTION,
     BatchRecorder,
     ServerFactory,
     serve,
@@ -276,12 +277,12 @@ def test_one_client_gets_its_executes_on_the_event_loop(
     assert type(server.server.models.get("mlp_loop").scheduler) is AdaptiveBatcher
     x = np.random.default_rng(11).standard_normal((1, 4)).astype(np.float32)
     want = modules["mlp"](tf.constant(x))["y"].numpy()
-    client = grpcclient.InferenceServerClient(server.grpc_url)  # one connection for every call
-    try:
-        recorder.until_on_the_loop("mlp_loop", lambda: np.testing.assert_allclose(
-            infer(server, "grpc", "mlp_loop", {"x": x}, client=client).as_numpy("y"), want, rtol=1e-5, atol=1e-5))
-    finally:
-        client.close()
+    recorder.until_on_the_loop(
+        "mlp_loop",
+        lambda: grpcclient.InferenceServerClient(server.grpc_url, channel_args=OWN_GRPC_CONNECTION),
+        lambda client: np.testing.assert_allclose(
+            infer(server, "grpc", "mlp_loop", {"x": x}, client=client).as_numpy("y"), want, rtol=1e-5, atol=1e-5),
+    )
 
 
 # --------------------------------------------------------------------------- auto-complete
