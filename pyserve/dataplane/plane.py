@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Collection
 from typing import Any
 
 from pyserve.api.errors import ErrorCode, InferError
@@ -81,6 +82,10 @@ class DataPlane:
         self.stats_sources: list[Any] = []
         """Async callables run before statistics are read: replicas in frontend processes
         report their counts (``pyserve.handoff``)."""
+        self.unloading_elsewhere: list[Callable[[], Collection[tuple[str, int]]]] = []
+        """Callables giving (model, version) pairs that another process still unloads (frontend
+        replicas whose executes outlast an unload): the index lists them UNLOADING, not
+        UNAVAILABLE, until they report the unload done (``pyserve.handoff``)."""
         self._extensions: list[str] | None = None
         self._release = self._finished  # bound once: what each submitted request's release runs
 
@@ -173,7 +178,18 @@ class DataPlane:
         return model_config_to_dict(served.config)
 
     def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
-        return self.models.index(ready_only)
+        """The repository index (``ModelManager.index``), with versions another process still
+        unloads (``unloading_elsewhere``) listed UNLOADING."""
+        entries = self.models.index(ready_only)
+        if ready_only or not self.unloading_elsewhere:
+            return entries
+        unloading = {(name, str(version)) for source in self.unloading_elsewhere for name, version in source()}
+        if unloading:
+            for i, entry in enumerate(entries):
+                if (entry.get("state") == "UNAVAILABLE" and entry.get("reason") == "unloaded"
+                        and (entry["name"], entry.get("version")) in unloading):
+                    entries[i] = {"name": entry["name"], "version": entry["version"], "state": "UNLOADING"}
+        return entries
 
     def model_statistics(self, name: str = "", version: str | None = None) -> dict[str, Any]:
         """Triton's statistics ``{"model_stats": [...]}``: every READY version of every model

@@ -144,10 +144,11 @@ class OwnerLink(asyncio.Protocol):
         with contextlib.suppress(InferError):
             self._send(wire.frame(Kind.STATS, request_id, {"d": deltas}))
 
-    def announce_replicas(self, generations: list[int]) -> None:
-        """Tell the owner which of its versions this frontend now answers itself."""
+    def announce_replicas(self, generations: list[int], unloading: list[list[Any]]) -> None:
+        """Tell the owner which of its versions this frontend now answers itself, and which
+        ``[name, version]`` replicas still unload."""
         with contextlib.suppress(InferError):
-            self._send(wire.frame(Kind.REPLICAS, 0, {"g": generations}))
+            self._send(wire.frame(Kind.REPLICAS, 0, {"g": generations, "u": unloading}))
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, model: RemoteModel, request: InferRequest) -> tuple[int, asyncio.Future[Any]]:

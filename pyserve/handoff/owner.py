@@ -63,12 +63,20 @@ class HandoffServer:
     :ivar absorbed: requests the frontends' replicas answered, as their statistics reported.
     """
 
-    def __init__(self, dataplane: DataPlane, max_input_size: int, replication: ReplicationMode | None = None) -> None:
+    def __init__(self, dataplane: DataPlane, max_input_size: int, replication: ReplicationMode | None = None,
+                 unload_wait_secs: float = 30.0) -> None:
         self.dataplane = dataplane
         self.max_input_size = max_input_size
         self.replication = replication or ReplicationMode("none")
+        self.unload_wait_secs = unload_wait_secs
+        """How long a load or unload waits for the frontends' replicas it retired to drain (as
+        the owner waits for its own versions: ``--exit-timeout-secs``)."""
         self.replicas: dict[int, list[int]] = {}
         """Frontend pid → the owner versions (generations) it answers with its own replicas."""
+        self.unloading: dict[int, set[tuple[str, int]]] = {}
+        """Frontend pid → (model, version) of its replicas that still unload after the owner
+        unloaded or replaced that version (listed UNLOADING by the repository index)."""
+        self._unloading_changed: set[asyncio.Future[None]] = set()
         self._replicable: weakref.WeakKeyDictionary[ModelVersion, bool] = weakref.WeakKeyDictionary()
         self.connections: set[_FrontendConnection] = set()
         self.requests = 0
@@ -118,16 +126,49 @@ class HandoffServer:
             connection.send_snapshot()
 
     async def sync_frontends(self, timeout: float = 10.0) -> None:
-        """Send every frontend the current snapshot now and wait until each applied it.
+        """Send every frontend the current snapshot now and wait until each applied it, then
+        for the replicas it retired to finish unloading (``unload_wait_secs`` at most).
 
         Model control awaits this before answering, so that once an unload returns no
-        frontend answers from a replica of the unloaded version any more.
+        frontend answers from a replica of the unloaded version any more, and, as in one
+        process, the version is UNAVAILABLE unless an execute outlasted the wait (then the
+        index lists it UNLOADING until the replica's executes end).
         """
+        before = self.unloading_versions()
         self._snapshot = None
         waits = [w for c in list(self.connections)
                  if c.hello_received and (w := c.send_snapshot(wait=True)) is not None]
         if waits:
             await asyncio.wait(waits, timeout=timeout)
+        deadline = asyncio.get_running_loop().time() + self.unload_wait_secs
+        while self.unloading_versions() - before:  # frontends report before they acknowledge
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return
+            changed = asyncio.get_running_loop().create_future()
+            self._unloading_changed.add(changed)
+            try:
+                await asyncio.wait_for(changed, left)
+            except asyncio.TimeoutError:
+                return
+            finally:
+                self._unloading_changed.discard(changed)
+
+    def unloading_versions(self) -> set[tuple[str, int]]:
+        """(model, version) of every replica a frontend still unloads."""
+        versions: set[tuple[str, int]] = set()
+        for held in self.unloading.values():
+            versions |= held
+        return versions
+
+    def _set_unloading(self, pid: int, versions: set[tuple[str, int]] | None) -> None:
+        if versions:
+            self.unloading[pid] = versions
+        else:
+            self.unloading.pop(pid, None)
+        for waiter in list(self._unloading_changed):
+            if not waiter.done():
+                waiter.set_result(None)
 
     def snapshot(self) -> list[Any]:
         """The SNAPSHOT frame: ``[name, version key, generation, config index]`` entries
@@ -237,6 +278,7 @@ class _FrontendConnection(asyncio.Protocol):
             if not waiter.done():
                 waiter.set_result(None)
         self.server.replicas.pop(self.pid, None)
+        self.server._set_unloading(self.pid, None)
 
     def pull_stats(self) -> asyncio.Future[None]:
         """Ask the frontend for its replicas' counters; resolves once they are absorbed."""
@@ -311,6 +353,7 @@ class _FrontendConnection(asyncio.Protocol):
         elif kind == Kind.REPLICAS:
             header, _ = wire.split_payload(payload)
             self.server.replicas[self.pid] = list(header["g"])
+            self.server._set_unloading(self.pid, {(str(n), int(v)) for n, v in header.get("u", ())})
             log.debug("frontend %d answers %d model version(s) with its own replicas", self.pid, len(header["g"]))
         elif kind == Kind.HELLO:
             header, _ = wire.split_payload(payload)

@@ -37,9 +37,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from pyserve.runtime.versions import ModelVersion
+from pyserve.runtime.versions import ModelState, ModelVersion
 
 log = logging.getLogger("pyserve.handoff")
+
+_DRAIN_POLL_S = 0.05
+"""How often a frontend looks whether its retired replicas finished unloading."""
 
 REPLICATE_PARAMETER = "pyserve_replicate"
 """Config parameter forcing (``"true"``) or forbidding (``"false"``) a model's replicas."""
@@ -159,6 +162,7 @@ class ReplicaSet:
                 control_mode="explicit",
                 backend_directory=settings["backend_directory"],
                 cpu_threads=settings.get("cpu_threads"),
+                unload_wait_secs=float(settings.get("exit_timeout_secs", 30.0)),
                 server_handle=ServerHandle(None, self.loop),
             )
         self.dataplane = DataPlane(self.models, "pyserve", __version__)
@@ -172,7 +176,13 @@ class ReplicaSet:
         self._again = False
         self._sent: dict[int, dict[str, Any]] = {}
         self._unsent: list[list[Any]] = []
-        self.on_change: Any = None  # called with the READY generations after each sync
+        self._retired: list[ModelVersion] = []  # replicas the owner no longer serves, until drained
+        self._reported: tuple[list[int], list[list[Any]]] | None = None
+        self._watching = False
+        self._syncing = False  # a sync is due or running: a retired READY replica is still to unload
+        self.on_change: Any = None
+        """Called (on the loop) with the READY generations and ``unloading()`` whenever either
+        changed: after a snapshot retired replicas, after each sync, once a drain ends."""
 
     def local_for(self, generation: int) -> ModelVersion | None:
         """The READY replica of owner version ``generation``, or None."""
@@ -190,6 +200,8 @@ class ReplicaSet:
         known = {g for entry in wanted.values() for g, _ in entry[2].values()}
         for generation in [g for g in self.by_generation if g not in known]:
             self._retire(generation)
+        self._syncing = True
+        self._report()  # before the snapshot is acknowledged: the owner knows what still unloads
         if self._sync is None or self._sync.done():
             import asyncio
 
@@ -203,8 +215,32 @@ class ReplicaSet:
             await self._apply(dict(self._wanted))
             if not self._again:
                 break
-        if self.on_change is not None:
-            self.on_change(sorted(self.by_generation))
+        self._syncing = False
+        self._report()
+
+    def unloading(self) -> list[list[Any]]:
+        """``[name, version]`` of every replica the owner no longer serves that has not finished
+        unloading (queued or running executes): the owner lists those versions UNLOADING."""
+        serving = {id(v) for v in self.by_generation.values()}
+        self._retired = [v for v in self._retired if id(v) not in serving and (
+            v.state is ModelState.UNLOADING or (v.state is ModelState.READY and self._syncing))]
+        return [[v.name, v.version] for v in self._retired]
+
+    def _report(self) -> None:
+        """Call ``on_change`` if what it was last told changed; while replicas unload, look
+        again every ``_DRAIN_POLL_S`` (a drain ends on a thread of its own)."""
+        report = (sorted(self.by_generation), self.unloading())
+        if report != self._reported:
+            self._reported = report
+            if self.on_change is not None:
+                self.on_change(*report)
+        if self._retired and not self._watching:
+            self._watching = True
+            self.loop.call_later(_DRAIN_POLL_S, self._watch)
+
+    def _watch(self) -> None:
+        self._watching = False
+        self._report()
 
     async def _apply(self, wanted: dict[str, tuple[bytes, Any, dict[int, tuple[int, Any]]]]) -> None:
         import orjson
@@ -244,6 +280,7 @@ class ReplicaSet:
     def _retire(self, generation: int) -> None:
         replica = self.by_generation.pop(generation, None)
         if replica is not None:  # what it counted since the last pull still reaches the owner
+            self._retired.append(replica)
             delta = self._delta(generation, replica)
             if delta is not None:
                 self._unsent.append([generation, delta])

@@ -47,7 +47,8 @@ class Kind(enum.IntEnum):
     RAW_GRPC_REPLY = 9  # O: the serialized ModelInferResponse, or ``{"e", "c"}``
     STATS_PULL = 10  # O: send the replicas' counters now (a statistics request or a scrape waits)
     STATS = 11  # F: ``{"d": [[generation, counters delta], ...]}`` (answer to ``id``, or 0 unasked)
-    REPLICAS = 12  # F: ``{"g": [generation, ...]}``: the owner versions it now answers itself
+    REPLICAS = 12  # F: ``{"g": [generation, ...], "u": [[name, version], ...]}``: the owner versions
+    # it now answers itself, and its replicas of versions the owner unloaded that still unload
     SNAPSHOT_APPLIED = 13  # F: the SNAPSHOT with this id is in use (sent for ids other than 0)
 
 

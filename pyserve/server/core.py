@@ -343,13 +343,15 @@ class Server:
         if self.options.frontend_balance not in FRONTEND_BALANCE:
             raise StartupError(f"--frontend-balance must be one of {', '.join(FRONTEND_BALANCE)}, "
                                f"got '{self.options.frontend_balance}'")
-        self._handoff = HandoffServer(self.dataplane, self.options.http_max_input_size, replication)
+        self._handoff = HandoffServer(self.dataplane, self.options.http_max_input_size, replication,
+                                      unload_wait_secs=self.options.exit_timeout_secs)
         await self._handoff.start(os.path.join(self._handoff_dir, "handoff.sock"))
         if self.options.frontend_balance == "connections":
             self._balancer = ConnectionBalancer()
             self._balancer.start(os.path.join(self._handoff_dir, "balance.sock"))
         self.dataplane.stats_sources.append(self._handoff.collect_stats)
         self.dataplane.model_control_listeners.append(self._handoff.sync_frontends)
+        self.dataplane.unloading_elsewhere.append(self._handoff.unloading_versions)
         self.plugins.add_server_plugin(ModelChangeObserver(self._handoff), name="pyserve-handoff")
 
     def _balances_grpc(self) -> bool:

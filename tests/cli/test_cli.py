@@ -521,6 +521,67 @@ def test_an_unload_returns_while_an_execute_hangs_and_other_calls_go_on(run_serv
     assert "model 'stuck' version 1" in server.stderr
 
 
+GATED_PY = """
+import os
+import pathlib
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        folder = pathlib.Path(__file__).parent.parent
+        (folder / "execute.started").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 120
+        while not (folder / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(
+            request, "INPUT0").as_numpy())]) for request in requests]
+"""
+
+
+def test_an_unload_while_a_frontend_replica_executes_lists_it_unloading(run_server: Any, tmp_path: Path) -> None:
+    """The execute runs in the frontend's replica (the second connection): the unload returns
+    after the exit timeout, the index says UNLOADING until that execute ends, then UNAVAILABLE,
+    and the request is answered."""
+    import http.client
+
+    repo = tmp_path / "repo"
+    model = write_model(repo, "gated", STUCK_CONFIG, files={"1/model.py": GATED_PY})
+    server = run_server("--model-repository", str(repo), "--model-control-mode", "explicit", "--load-model", "gated",
+                        "--exit-timeout-secs", "1", "--frontend-processes", "1", "--replicate-models", "auto")
+    url = server.wait_started()
+    host, port = url.split(":")
+    held = http.client.HTTPConnection(host, int(port), timeout=120)  # the owner's: it holds the fewest
+    try:
+        held.request("GET", "/v2/health/ready")
+        assert held.getresponse().read() == b""
+        frontend = re.search(r"Started 1 frontend process\(es\): pids (\d+)", server.stderr)
+        assert frontend is not None, server.stderr
+        replicated = "model 'gated' version 1: replicated in frontend processes"
+        wait_for(lambda: replicated in server.stderr, what="the replica decision")
+        outcome = _send_in_background(url, "gated")  # a second connection: the frontend's
+        started = model / "execute.started"
+        wait_for(lambda: started.exists() and started.read_text() != "", what="the execute to begin")
+        assert started.read_text() == frontend.group(1)
+        assert _request(url, "POST", "/v2/repository/models/gated/unload")[0] == 200
+        index = json.loads(_request(url, "POST", "/v2/repository/index")[1])
+        assert index == [{"name": "gated", "version": "1", "state": "UNLOADING"}]
+        (model / "release").touch()
+        wait_for(lambda: "result" in outcome or "error" in outcome, what="the request's answer")
+        assert "result" in outcome and outcome["result"].tolist() == [[1.0]], outcome
+
+        def unloaded() -> bool:
+            index = json.loads(_request(url, "POST", "/v2/repository/index")[1])
+            return index == [{"name": "gated", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}]
+
+        wait_for(unloaded, what="the replica's unload to end")
+    finally:
+        held.close()
+    assert server.stop(timeout=60) == 0, server.stderr
+
+
 def _request(url: str, method: str, path: str) -> tuple[int, bytes]:
     import http.client
 

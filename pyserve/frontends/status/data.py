@@ -214,7 +214,7 @@ class StatusReport:
         records: dict[str, ModelRecord] = dict(self.dataplane.models.records)
         entries: list[dict[str, Any]] = []
         readings: dict[ModelStats, _Reading] = {}
-        for entry in self.dataplane.models.index():
+        for entry in self.dataplane.repository_index():
             name = entry["name"]
             record = records.get(name)
             item: dict[str, Any] = {
