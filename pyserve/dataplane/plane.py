@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from pyserve.api.errors import ErrorCode, InferError
@@ -82,6 +82,9 @@ class DataPlane:
         self.stats_sources: list[Any] = []
         """Async callables run before statistics are read: replicas in frontend processes
         report their counts (``pyserve.handoff``)."""
+        self.replica_readiness: list[Callable[[list[ModelVersion]], Awaitable[set[ModelVersion]]]] = []
+        """Async callables giving which of the versions (each passing its own instances' checks)
+        fail the readiness checks of their replicas in other processes (``pyserve.handoff``)."""
         self.unloading_elsewhere: list[Callable[[], Collection[tuple[str, int]]]] = []
         """Callables giving (model, version) pairs that another process still unloads (frontend
         replicas whose executes outlast an unload): the index lists them UNLOADING, not
@@ -137,7 +140,7 @@ class DataPlane:
             served = self.models.get(name, version)
         except (InferError, ValueError):  # unknown, not READY, or not a version number
             return False
-        return await self.readiness.version_ready(served)
+        return await self.readiness.version_ready(served) and not await self._replicas_not_ready([served])
 
     async def check_server_ready(self) -> bool:
         """What the server ready endpoints answer: ``is_ready``, and with strict readiness every
@@ -147,7 +150,18 @@ class DataPlane:
         if not self.strict_readiness:
             return True
         versions = [v for record in list(self.models.records.values()) for v in list(record.versions.values()) if v.ready]
-        return all(await asyncio.gather(*(self.readiness.version_ready(v) for v in versions)))
+        return (all(await asyncio.gather(*(self.readiness.version_ready(v) for v in versions)))
+                and not await self._replicas_not_ready(versions))
+
+    async def _replicas_not_ready(self, versions: list[ModelVersion]) -> set[ModelVersion]:
+        """Of ``versions``, those whose backend checks readiness and whose replicas elsewhere
+        fail it (``replica_readiness``)."""
+        checked = [v for v in versions if v.backend is not None and v.backend.hooks.checks_ready]
+        failed: set[ModelVersion] = set()
+        if checked:
+            for source in self.replica_readiness:
+                failed |= await source(checked)
+        return failed
 
     def model_metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
         """Triton's model metadata object for one model (all READY versions when unversioned)."""

@@ -52,6 +52,7 @@ class OwnerLink(asyncio.Protocol):
         self.lost = asyncio.Event()
         self.replicas: ReplicaSet | None = None
         """The frontend's own replicas, which follow each snapshot (None: no replicas)."""
+        self._tasks: set[asyncio.Task[None]] = set()  # readiness answers under way
 
     # -- connection ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -93,6 +94,12 @@ class OwnerLink(asyncio.Protocol):
             return
         if kind == Kind.STATS_PULL:
             self.send_stats(request_id)
+            return
+        if kind == Kind.READY_PULL:
+            header, _ = wire.split_payload(payload)
+            task = asyncio.ensure_future(self._answer_readiness(request_id, [int(g) for g in header["g"]]))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
             return
         future = self.pending.pop(request_id, None)
         if future is None or future.done():
@@ -143,6 +150,20 @@ class OwnerLink(asyncio.Protocol):
         deltas = self.replicas.stats_deltas() if self.replicas is not None else []
         with contextlib.suppress(InferError):
             self._send(wire.frame(Kind.STATS, request_id, {"d": deltas}))
+
+    async def _answer_readiness(self, request_id: int, generations: list[int]) -> None:
+        """Run the readiness checks of the replicas standing for ``generations`` and tell the
+        owner which are not ready (a generation with no READY replica here is not counted)."""
+        not_ready: list[int] = []
+        replicas = self.replicas
+        if replicas is not None:
+            checks = replicas.dataplane.readiness
+            for generation in generations:
+                replica = replicas.local_for(generation)
+                if replica is not None and not await checks.version_ready(replica):
+                    not_ready.append(generation)
+        with contextlib.suppress(InferError):
+            self._send(wire.frame(Kind.READY, request_id, {"n": not_ready}))
 
     def announce_replicas(self, generations: list[int], unloading: list[list[Any]]) -> None:
         """Tell the owner which of its versions this frontend now answers itself, and which

@@ -216,6 +216,29 @@ class HandoffServer:
         if waits:
             await asyncio.wait(waits, timeout=timeout)
 
+    async def replicas_not_ready(self, versions: list[ModelVersion]) -> set[ModelVersion]:
+        """Of ``versions``, those a frontend's replica fails its readiness check for (Triton's
+        model is ready only when every instance is, and a replica's instances are the model's
+        too). Frontends holding no replica of a version are not asked; one that does not
+        answer within the check timeout counts as not ready for what it was asked."""
+        asks: list[tuple[asyncio.Future[list[int] | None], dict[int, ModelVersion]]] = []
+        for connection in list(self.connections):
+            held = set(self.replicas.get(connection.pid, ()))
+            asked = {g: v for v in versions if (g := self._generation_of.get(v)) is not None and g in held}
+            if asked and connection.hello_received:
+                asks.append((connection.pull_readiness(sorted(asked)), asked))
+        if not asks:
+            return set()
+        await asyncio.wait([future for future, _ in asks], timeout=self.dataplane.readiness.timeout_s + 1.0)
+        failed: set[ModelVersion] = set()
+        for future, asked in asks:
+            if not future.done():
+                future.cancel()
+                failed.update(asked.values())
+            elif (not_ready := future.result()) is not None:
+                failed.update(asked[g] for g in not_ready if g in asked)
+        return failed
+
     def absorb(self, deltas: list[list[Any]]) -> None:
         """Add replica counters to the versions they stand for (versions gone are skipped)."""
         for generation, delta in deltas:
@@ -257,7 +280,7 @@ class _FrontendConnection(asyncio.Protocol):
         self.writer: wire.FrameWriter | None = None
         self.pending: dict[int, InferRequest] = {}
         self.tasks: dict[int, asyncio.Task[Any]] = {}
-        self.stats_waiters: dict[int, asyncio.Future[None]] = {}
+        self.waiters: dict[int, asyncio.Future[Any]] = {}  # pull or sync id → its answer (None: none)
         self.next_pull = 1
         self.hello_received = False
         self.pid = 0
@@ -274,7 +297,7 @@ class _FrontendConnection(asyncio.Protocol):
             request.cancel()
         for task in self.tasks.values():
             task.cancel()
-        for waiter in self.stats_waiters.values():
+        for waiter in self.waiters.values():
             if not waiter.done():
                 waiter.set_result(None)
         self.server.replicas.pop(self.pid, None)
@@ -285,9 +308,20 @@ class _FrontendConnection(asyncio.Protocol):
         pull_id = self.next_pull
         self.next_pull += 1
         waiter: asyncio.Future[None] = self.loop.create_future()
-        self.stats_waiters[pull_id] = waiter
+        self.waiters[pull_id] = waiter
         assert self.writer is not None
         self.writer.send(wire.frame(Kind.STATS_PULL, pull_id))
+        return waiter
+
+    def pull_readiness(self, generations: list[int]) -> asyncio.Future[list[int] | None]:
+        """Ask the frontend to run its replicas' readiness checks for ``generations``; resolves
+        to the generations whose replica is not ready (None: the frontend went away)."""
+        pull_id = self.next_pull
+        self.next_pull += 1
+        waiter: asyncio.Future[list[int] | None] = self.loop.create_future()
+        self.waiters[pull_id] = waiter
+        assert self.writer is not None
+        self.writer.send(wire.frame(Kind.READY_PULL, pull_id, {"g": generations}))
         return waiter
 
     def close(self) -> None:
@@ -305,7 +339,7 @@ class _FrontendConnection(asyncio.Protocol):
         sync_id = self.next_pull
         self.next_pull += 1
         waiter: asyncio.Future[None] = self.loop.create_future()
-        self.stats_waiters[sync_id] = waiter
+        self.waiters[sync_id] = waiter
         parts[0] = wire.retarget(parts[0], sync_id)
         self.writer.send(parts)
         return waiter
@@ -340,16 +374,20 @@ class _FrontendConnection(asyncio.Protocol):
             self._spawn(request_id, self._raw_http(request_id, payload))
         elif kind == Kind.RAW_GRPC:
             self._spawn(request_id, self._raw_grpc(request_id, payload))
-        elif kind == Kind.STATS:
+        else:
+            self._on_control(kind, request_id, payload)
+
+    def _on_control(self, kind: int, request_id: int, payload: bytes | bytearray) -> None:
+        """Frames about the link itself: answers to the owner's pulls, replica reports, HELLO."""
+        if kind == Kind.STATS:
             header, _ = wire.split_payload(payload)
             self.server.absorb(header["d"])
-            waiter = self.stats_waiters.pop(request_id, None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+            self._answered(request_id, None)
         elif kind == Kind.SNAPSHOT_APPLIED:
-            waiter = self.stats_waiters.pop(request_id, None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+            self._answered(request_id, None)
+        elif kind == Kind.READY:
+            header, _ = wire.split_payload(payload)
+            self._answered(request_id, [int(g) for g in header["n"]])
         elif kind == Kind.REPLICAS:
             header, _ = wire.split_payload(payload)
             self.server.replicas[self.pid] = list(header["g"])
@@ -363,6 +401,11 @@ class _FrontendConnection(asyncio.Protocol):
             self._spawn(0, self._announce())
         else:
             raise ValueError(f"unexpected frame kind {kind} from a frontend")
+
+    def _answered(self, request_id: int, answer: Any) -> None:
+        waiter = self.waiters.pop(request_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(answer)
 
     async def _announce(self) -> None:
         async with self.server.hello:

@@ -50,6 +50,8 @@ class Kind(enum.IntEnum):
     REPLICAS = 12  # F: ``{"g": [generation, ...], "u": [[name, version], ...]}``: the owner versions
     # it now answers itself, and its replicas of versions the owner unloaded that still unload
     SNAPSHOT_APPLIED = 13  # F: the SNAPSHOT with this id is in use (sent for ids other than 0)
+    READY_PULL = 14  # O: ``{"g": [generation, ...]}``: run these replicas' readiness checks now
+    READY = 15  # F: ``{"n": [generation, ...]}``: those of the pull ``id`` whose replica is not ready
 
 
 def frame(kind: Kind, request_id: int, header: Any = None, data: Sequence[bytes | memoryview] = ()) -> list[Any]:

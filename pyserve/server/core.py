@@ -352,6 +352,7 @@ class Server:
         self.dataplane.stats_sources.append(self._handoff.collect_stats)
         self.dataplane.model_control_listeners.append(self._handoff.sync_frontends)
         self.dataplane.unloading_elsewhere.append(self._handoff.unloading_versions)
+        self.dataplane.replica_readiness.append(self._handoff.replicas_not_ready)
         self.plugins.add_server_plugin(ModelChangeObserver(self._handoff), name="pyserve-handoff")
 
     def _balances_grpc(self) -> bool:

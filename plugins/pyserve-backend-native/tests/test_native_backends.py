@@ -6,6 +6,7 @@ import concurrent.futures
 import json
 import queue
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,42 @@ def test_model_instance_ready_answers_the_ready_endpoints(
         assert "TRITONBACKEND_ModelInstanceReady failed: not ready on purpose" in caplog.text
         client.infer("errs", [_int_input([1])], request_id="ready")
         assert client.is_model_ready("errs") and grpc_client.is_server_ready()
+
+
+def test_model_instance_ready_of_a_frontend_replica_counts(
+    tmp_path: Path, backend_libraries: dict[str, Path], pyserve_server_factory: ServerFactory
+) -> None:
+    """A model's instances include its replicas' in frontend processes: when the replica's
+    TRITONBACKEND_ModelInstanceReady fails, the model and the server are not ready, from
+    either process, until it passes again."""
+    repo = tmp_path / "repo"
+    install_backend(write_model(repo, "errs", ERRORS), backend_libraries["errors"])
+    server = pyserve_server_factory(repo, frontend_processes=1, replicate_models="auto")
+    handoff, balancer = server.server._handoff, server.server._balancer
+    assert handoff is not None and balancer is not None
+    deadline = time.monotonic() + 60
+    while not (balancer.peers and any(handoff.replicas.values())):
+        assert time.monotonic() < deadline, "the frontend's replica did not become ready"
+        time.sleep(0.05)
+    owner = httpclient.InferenceServerClient(server.url)
+    frontend = httpclient.InferenceServerClient(server.url)
+    try:
+        assert owner.is_model_ready("errs")  # the first connection: the owner's
+        passed = balancer.passed
+        assert frontend.is_model_ready("errs")  # opened while the owner holds one: the frontend's
+        assert balancer.passed == passed + 1
+        relayed = handoff.requests
+        frontend.infer("errs", [_int_input([1])], request_id="not-ready")
+        assert handoff.requests == relayed  # the replica executed it: the owner's instance is ready
+        for client in (owner, frontend):
+            assert not client.is_model_ready("errs") and not client.is_server_ready()
+        assert owner.infer("errs", [_int_input([2])]).as_numpy("OUTPUT0").tolist() == [4]  # it still serves
+        frontend.infer("errs", [_int_input([1])], request_id="ready")
+        for client in (owner, frontend):
+            assert client.is_model_ready("errs") and client.is_server_ready()
+    finally:
+        owner.close()
+        frontend.close()
 
 
 def test_model_initialize_failure_and_bad_libraries(
