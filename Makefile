@@ -31,6 +31,14 @@ PYPROJECTS := pyproject.toml setup.py $(wildcard plugins/*/pyproject.toml) $(wil
 run: $(VENV)/.installed  ## install, then serve the bundled example repository on :8000
 	$(BIN)/pyserve run $(ARGS)
 
+# Run a second time with PYSERVE_TEST_LAYOUT=frontends (every connection goes to a frontend
+# process): the tests of what frontends relay or answer with replicas (model control,
+# sequences, ensembles, shared memory, statistics, metrics, Python and native models). The
+# default layout reaches those paths only when a test opens a second connection.
+FRONTEND_PATH_TESTS := tests/handoff tests/dataplane tests/metrics tests/runtime/test_model_control.py \
+	tests/runtime/test_sequence_batching.py tests/runtime/test_ensemble.py tests/runtime/test_ensemble_decoupled.py \
+	tests/runtime/test_dynamic_batching.py plugins/pyserve-backend-python plugins/pyserve-backend-native
+
 # PYSERVE_TEST_LAYOUT=default: the suite's servers run in the process layout `pyserve run`
 # chooses on this machine (frontend processes, replicas), as users get it
 test: $(VENV)/.installed-test  ## install what the tests need, lint, then run them all
@@ -38,6 +46,7 @@ test: $(VENV)/.installed-test  ## install what the tests need, lint, then run th
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 	PYSERVE_TEST_LAYOUT=default $(BIN)/python -m pytest $(PYTEST_ARGS)
+	PYSERVE_TEST_LAYOUT=frontends $(BIN)/python -m pytest $(PYTEST_ARGS) $(FRONTEND_PATH_TESTS)
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test

@@ -9,7 +9,10 @@ process's core half idle while the other's queue grows. ``--frontend-balance con
 It keeps each connection whose process (itself or a frontend) has the fewest open, ties taken
 in turn, and passes the others' sockets over a Unix socket (``SCM_RIGHTS``); the frontend then
 serves the connection as if it had accepted it. Frontends report how many connections they hold
-whenever one closes.
+whenever one closes. ``--frontend-balance frontends`` passes every connection to a frontend (the
+one with the fewest), and the owner serves one itself only when no frontend can take it: its
+event loop is left to the models it alone serves, and every request of a client takes the
+frontend's path (replica or hand-off).
 
 The owner accepts and passes a socket; it reads nothing from the connection, so the cost is
 one ``sendmsg`` per connection. Should a frontend not take a socket at once (its channel is
@@ -29,8 +32,11 @@ from typing import Any
 
 log = logging.getLogger("pyserve.handoff")
 
-FRONTEND_BALANCE = ("connections", "kernel")
+FRONTEND_BALANCE = ("connections", "frontends", "kernel")
 """The choices of ``--frontend-balance``."""
+
+OWNER_ACCEPTS = ("connections", "frontends")
+"""The ``--frontend-balance`` choices where the owner accepts every connection and places it."""
 
 HTTP = b"h"
 """A connection of the HTTP port."""
@@ -81,7 +87,10 @@ class ConnectionBalancer:
     replaces ``loop.create_server`` for a TCP listening socket of the HTTP or gRPC server.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, owner_serves: bool = True) -> None:
+        self.owner_serves = owner_serves
+        """Whether the owner keeps connections when it holds the fewest (``connections``); False:
+        only when no frontend is connected (``frontends``)."""
         self.peers: list[_Peer] = []
         self.passed = 0
         """Connections handed to frontends so far."""
@@ -167,12 +176,12 @@ class ConnectionBalancer:
     def _choose(self) -> _Peer | None:
         """The frontend to take the next connection, or None for the owner: the fewest open,
         the owner first among equals (it answers every model without a hand-off, so a lone
-        client never pays one), frontends in turn among themselves."""
+        client never pays one), frontends in turn among themselves. Unless ``owner_serves``,
+        the owner only when no frontend is connected."""
         if not self.peers:
             return None
-        owner = sum(count() for count in self._local_counts) + self._local_pending
         least = min(peer.load for peer in self.peers)
-        if owner <= least:
+        if self.owner_serves and sum(count() for count in self._local_counts) + self._local_pending <= least:
             return None
         tied = [peer for peer in self.peers if peer.load == least]
         peer = tied[self._turn % len(tied)]

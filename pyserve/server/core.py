@@ -28,7 +28,7 @@ from pyserve.dataplane.cache import create_cache
 from pyserve.dataplane.header_forwarding import compile_forwarding
 from pyserve.dataplane.plane import DataPlane
 from pyserve.frontends import limits, tcp
-from pyserve.frontends.balancer import FRONTEND_BALANCE, ConnectionBalancer
+from pyserve.frontends.balancer import FRONTEND_BALANCE, OWNER_ACCEPTS, ConnectionBalancer
 from pyserve.frontends.grpc.server import create_server as create_grpc_server
 from pyserve.frontends.http.app import create_app
 from pyserve.frontends.http.native_infer import InferHttpServer
@@ -110,7 +110,7 @@ def prebind_listeners(options: ServerOptions) -> None:
 
     :raises StartupError: a port cannot be bound (the same message the server gives).
     """
-    balanced = options.frontend_processes > 0 and options.frontend_balance == "connections"
+    balanced = options.frontend_processes > 0 and options.frontend_balance in OWNER_ACCEPTS
     shared = options.frontend_processes > 0 and not balanced  # frontends bind the port too
     if options.allow_http:
         tcp.inherit("http", _bind(options.host, options.http_port, reuse_port=shared or options.reuse_http_port))
@@ -346,8 +346,8 @@ class Server:
         self._handoff = HandoffServer(self.dataplane, self.options.http_max_input_size, replication,
                                       unload_wait_secs=self.options.exit_timeout_secs)
         await self._handoff.start(os.path.join(self._handoff_dir, "handoff.sock"))
-        if self.options.frontend_balance == "connections":
-            self._balancer = ConnectionBalancer()
+        if self.options.frontend_balance in OWNER_ACCEPTS:
+            self._balancer = ConnectionBalancer(owner_serves=self.options.frontend_balance == "connections")
             self._balancer.start(os.path.join(self._handoff_dir, "balance.sock"))
         self.dataplane.stats_sources.append(self._handoff.collect_stats)
         self.dataplane.model_control_listeners.append(self._handoff.sync_frontends)

@@ -49,6 +49,10 @@ Helpers
     thread it ran; ``until_on_the_loop(model, connect, call)`` calls until a compute-only model
     executes on the loop, opening clients until one's connection reaches the recording process.
 
+``require_owner_connections(thread)``
+    Skips the calling test when every connection of ``thread`` goes to a frontend process
+    (``PYSERVE_TEST_LAYOUT=frontends``): for checks of what the owner itself executes.
+
 ``OWN_GRPC_CONNECTION``
     ``channel_args`` that give a tritonclient gRPC client a connection of its own (grpc's channels
     to one address share one otherwise), for tests that care which process serves a connection.
@@ -132,6 +136,7 @@ from pyserve.testing.helpers import (
     BatchRecorder,
     ServerFactory,
     python_environment,
+    require_owner_connections,
     serve,
     shared_python_environment,
     write_model,
@@ -149,6 +154,7 @@ __all__ = [
     "ServerFactory",
     "generate_inputs",
     "python_environment",
+    "require_owner_connections",
     "shared_python_environment",
     "serve",
     "write_model",

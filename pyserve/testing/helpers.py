@@ -42,8 +42,11 @@ Client = TypeVar("Client")
 LAYOUT_VARIABLE = "PYSERVE_TEST_LAYOUT"
 """Environment variable: ``default`` makes ``serve`` start servers in the process layout
 ``pyserve run`` chooses on this machine (frontend processes, replicas, busy polling), unless a
-test sets ``frontend_processes`` itself; unset or anything else: one process, as embedded
-servers are by default. ``make test`` sets it, so the suite runs against the default layout."""
+test sets ``frontend_processes`` itself; ``frontends`` does the same and also passes every
+connection to a frontend process (``frontend_balance="frontends"``, unless a test sets a
+balance), so each request takes the frontends' paths (replicas, hand-off, relays); unset or
+anything else: one process, as embedded servers are by default. ``make test`` runs the suite
+with ``default``, then the tests of the paths that frontends change with ``frontends``."""
 
 
 def default_layout(options: dict[str, Any]) -> None:
@@ -94,8 +97,11 @@ def serve(
     options.setdefault("http_port", 0)
     options.setdefault("grpc_port", 0)
     options.setdefault("metrics_port", 0)
-    if os.environ.get(LAYOUT_VARIABLE) == "default":
+    layout = os.environ.get(LAYOUT_VARIABLE)
+    if layout in ("default", "frontends"):
         default_layout(options)
+        if layout == "frontends" and options.get("frontend_processes", 0) > 0:
+            options.setdefault("frontend_balance", "frontends")
     options.setdefault("exit_on_error", False)
     settings = ServerOptions(model_repositories=[Path(r) for r in repositories], **options)
     thread = ServerThread(Server(settings, host))
@@ -132,6 +138,18 @@ def write_model(
         else:
             path.write_text(data)
     return model_dir
+
+
+def require_owner_connections(thread: ServerThread) -> None:
+    """Skip the calling test when ``thread``'s owner serves no client connection while a
+    frontend runs (``frontend_balance="frontends"``, as ``PYSERVE_TEST_LAYOUT=frontends``
+    sets): for checks of what the owner itself executes (``BatchRecorder``)."""
+    import pytest
+
+    balancer = thread.server._balancer
+    if balancer is not None and not balancer.owner_serves:
+        pytest.skip("every connection goes to a frontend process (frontend_balance='frontends'); "
+                    "this test looks at what the owner executes")
 
 
 class BatchRecorder:

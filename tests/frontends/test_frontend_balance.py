@@ -32,7 +32,7 @@ ECHO = echo_config()
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     repo = tmp_path_factory.mktemp("balance") / "repo"
     write_model(repo, "echo", ECHO)
-    with serve(repo, frontend_processes=1) as thread:
+    with serve(repo, frontend_processes=1, frontend_balance="connections") as thread:
         yield thread
 
 
@@ -170,7 +170,8 @@ def test_the_recorder_reaches_the_owner_past_a_connection_it_holds(tmp_path: Pat
         tensor.set_data_from_numpy(values)
         assert np.array_equal(client.infer("pyecho", [tensor]).as_numpy("OUTPUT0"), values)
 
-    with serve(tmp_path / "repo", frontend_processes=1, replicate_models="auto", server_plugins=[recorder]) as server:
+    with serve(tmp_path / "repo", frontend_processes=1, replicate_models="auto", server_plugins=[recorder],
+               frontend_balance="connections") as server:
         handoff = server.server._handoff
         assert handoff is not None
         wait_for(lambda: len(_balancer(server).peers) == 1 and any(handoff.replicas.values()),
@@ -185,6 +186,39 @@ def test_the_recorder_reaches_the_owner_past_a_connection_it_holds(tmp_path: Pat
             held.close()
         assert _balancer(server).passed == passed + 1  # the first went to the frontend, the second stayed
         assert calls >= 2 and recorder.threads["pyecho"][-1] == LOOP_THREAD
+
+
+def test_frontends_balance_passes_every_connection_to_a_frontend(tmp_path: Path) -> None:
+    """``--frontend-balance frontends``: the owner serves no connection while a frontend is
+    connected, whatever it holds; with the frontend gone it serves them itself."""
+    write_model(tmp_path / "repo", "echo", ECHO)
+    with serve(tmp_path / "repo", frontend_processes=1, frontend_balance="frontends") as server:
+        balancer = _balancer(server)
+        assert not balancer.owner_serves
+        supervisor = server.server.frontends
+        assert supervisor is not None
+        wait_for(lambda: len(balancer.peers) == 1 and bool(supervisor.pids), what="the frontend runs")
+        passed = balancer.passed
+        sockets = [_open(server) for _ in range(4)]
+        try:
+            assert not _owner_ports(server) and balancer.passed == passed + 4
+            values = np.arange(4, dtype=np.float32).reshape(1, 4)
+            client = grpcclient.InferenceServerClient(server.grpc_url, channel_args=OWN_GRPC_CONNECTION)
+            try:
+                tensor = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+                tensor.set_data_from_numpy(values)
+                assert np.array_equal(client.infer("echo", [tensor]).as_numpy("OUTPUT0"), values)
+                assert server.server._grpc.tcp_connection_count() == 0 and balancer.passed == passed + 5
+            finally:
+                client.close()
+            [pid] = supervisor.pids
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: not balancer.peers, what="the owner drops the dead frontend's channel")
+            sockets.append(_open(server))
+            assert len(_owner_ports(server)) == 1 and balancer.passed == passed + 5
+        finally:
+            for sock in sockets:
+                sock.close()
 
 
 def test_kernel_balance_lets_every_process_listen(tmp_path: Path) -> None:
@@ -209,18 +243,19 @@ def test_kernel_balance_lets_every_process_listen(tmp_path: Path) -> None:
 
 def test_an_unknown_balance_is_refused(tmp_path: Path) -> None:
     write_model(tmp_path / "repo", "echo", ECHO)
-    with pytest.raises(StartupError, match="--frontend-balance must be one of connections, kernel, got 'random'"):
+    with pytest.raises(StartupError, match="--frontend-balance must be one of connections, frontends, kernel, got 'random'"):
         with serve(tmp_path / "repo", frontend_processes=1, frontend_balance="random"):
             pass
 
 
-def test_the_flag_takes_the_two_choices(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_flag_takes_its_choices(capsys: pytest.CaptureFixture[str]) -> None:
     from pyserve.cli.main import build_parser
 
     parser = build_parser()
     base = ["run", "--model-repository", "repo"]
     assert parser.parse_args(base).frontend_balance == "connections"
     assert parser.parse_args([*base, "--frontend-balance", "kernel"]).frontend_balance == "kernel"
+    assert parser.parse_args([*base, "--frontend-balance", "frontends"]).frontend_balance == "frontends"
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--frontend-balance", "random"])
     assert "--frontend-balance: invalid choice: 'random'" in capsys.readouterr().err

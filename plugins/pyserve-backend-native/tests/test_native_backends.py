@@ -166,7 +166,8 @@ def test_model_instance_ready_answers_the_ready_endpoints(
 ) -> None:
     repo = tmp_path / "repo"
     install_backend(write_model(repo, "errs", ERRORS), backend_libraries["errors"])
-    server = pyserve_server_factory(repo)
+    # the library's flag is per process: the HTTP client's requests must all run in the owner
+    server = pyserve_server_factory(repo, frontend_balance="connections")
     grpc_client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.server.grpc_port}")
     with httpclient.InferenceServerClient(server.url) as client:
         assert client.is_model_ready("errs") and client.is_server_ready()

@@ -26,6 +26,7 @@ from pyserve.testing import (
     OWN_GRPC_CONNECTION,
     BatchRecorder,
     ServerFactory,
+    require_owner_connections,
     serve,
     write_model,
 )
@@ -312,6 +313,7 @@ def test_dynamic_batching_gives_the_rows_of_single_calls(server: ServerThread, r
 def test_one_client_gets_its_executes_on_the_event_loop(server: ServerThread, recorder: BatchRecorder) -> None:
     """ONNX models are compute-only: once one client alone sends requests, their short executes
     run on the server's event loop (no thread hand-off), with the same results."""
+    require_owner_connections(server)
     schedulers = {name: type(server.server.models.get(name).scheduler) for name in ("mlp", "mlp_auto", "mlp_fixed")}
     assert schedulers == {"mlp": DynamicBatcher, "mlp_auto": AdaptiveBatcher, "mlp_fixed": AdaptiveScheduler}
     x = np.random.default_rng(11).standard_normal((1, 4)).astype(np.float32)

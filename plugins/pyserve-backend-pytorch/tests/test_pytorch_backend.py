@@ -26,6 +26,7 @@ from pyserve.testing import (
     OWN_GRPC_CONNECTION,
     BatchRecorder,
     ServerFactory,
+    require_owner_connections,
     serve,
     write_model,
 )
@@ -310,6 +311,7 @@ def test_one_client_gets_its_executes_on_the_event_loop(
 ) -> None:
     """TorchScript models are compute-only: once one client alone sends requests, their short
     executes run on the server's event loop (no thread hand-off), with the same results."""
+    require_owner_connections(server)
     assert type(server.server.models.get("mlp").scheduler) is DynamicBatcher  # it has a queue delay
     assert type(server.server.models.get("triton_flags").scheduler) is AdaptiveScheduler  # two instances
     x = np.random.default_rng(11).standard_normal((1, 4)).astype(np.float32)

@@ -28,6 +28,7 @@ from pyserve.testing import (
     OWN_GRPC_CONNECTION,
     BatchRecorder,
     ServerFactory,
+    require_owner_connections,
     serve,
     write_model,
 )
@@ -272,6 +273,7 @@ def test_one_client_gets_its_executes_on_the_event_loop(
 ) -> None:
     """SavedModels are compute-only: once one client alone sends requests, their short executes
     run on the server's event loop (no thread hand-off), with the same results."""
+    require_owner_connections(server)
     assert type(server.server.models.get("mlp").scheduler) is DynamicBatcher  # it has a queue delay
     assert type(server.server.models.get("mlp_auto").scheduler) is AdaptiveBatcher  # dynamic_batching { }
     assert type(server.server.models.get("mlp_loop").scheduler) is AdaptiveBatcher

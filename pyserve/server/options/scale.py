@@ -37,14 +37,16 @@ class ScaleOptions:
         default="none",
     )
     # how new connections are spread over the processes: "connections" (this process accepts
-    # and passes each to the one with the fewest open; pyserve.frontends.balancer) or "kernel"
+    # and passes each to the one with the fewest open; pyserve.frontends.balancer), "frontends"
+    # (the same, but every connection goes to a frontend while one is connected) or "kernel"
     # (every process listens with SO_REUSEPORT and the kernel picks)
     frontend_balance: str = setting(
         flag("--frontend-balance", choices=FRONTEND_BALANCE, group=TUNING,
              help="how new connections are spread over this process and its frontends: connections "
                   "(default: this process accepts each and passes it to the process with the fewest "
-                  "open connections) or kernel (every process listens with SO_REUSEPORT and the "
-                  "kernel picks by a hash of the addresses)"),
+                  "open connections), frontends (each goes to the frontend with the fewest; this "
+                  "process serves one only while no frontend is connected) or kernel (every process "
+                  "listens with SO_REUSEPORT and the kernel picks by a hash of the addresses)"),
         default="connections",
     )
     # after a model executed on the event loop answers, the loop keeps polling for this many

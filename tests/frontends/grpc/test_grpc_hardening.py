@@ -29,7 +29,7 @@ from pyserve.frontends.grpc import http2 as h2
 from pyserve.frontends.grpc.server import GrpcOptions
 from pyserve.frontends.restricted import parse_restrictions
 from pyserve.server.core import ServerThread
-from pyserve.testing import serve
+from pyserve.testing import require_owner_connections, serve
 
 PARAMS_PY = '''
 import numpy as np
@@ -92,6 +92,7 @@ def rss_bytes() -> int:
 def test_a_declared_length_sets_nothing_aside_and_bytes_are_counted_as_they_arrive(server: ServerThread) -> None:
     """Three streams declaring messages of 2 GiB - 1 (the default cap) with a few bytes each: the
     server holds what was sent, not what was declared, and serves other clients meanwhile."""
+    require_owner_connections(server)  # the budget and the memory looked at are this process's
     before = rss_bytes()
     client = RawClient(server.server.grpc_port)
     try:

@@ -421,10 +421,10 @@ def test_a_request_that_stops_arriving_gets_408(monkeypatch: pytest.MonkeyPatch,
     from pyserve.frontends.http import connection as http_server
     from pyserve.testing import serve, write_model
 
-    monkeypatch.setattr(http_server, "READ_TIMEOUT", 0.4)
+    monkeypatch.setattr(http_server, "READ_TIMEOUT", 0.4)  # this process's: the owner serves a lone connection
     write_model(tmp_path / "repo", "echo", 'backend: "identity" max_batch_size: 0 '
                 'input [ { name: "I" data_type: TYPE_FP32 dims: [ 2 ] } ] output [ { name: "O" data_type: TYPE_FP32 dims: [ 2 ] } ]')
-    with serve(tmp_path / "repo") as thread:
+    with serve(tmp_path / "repo", frontend_balance="connections") as thread:
         port = thread.server.http_port
         for partial in (b"GET /v2/hea", b"POST /v2/models/echo/infer HTTP/1.1\r\nhost: x\r\ncontent-length: 200\r\n\r\n{\"in"):
             with socket_module.create_connection(("127.0.0.1", port)) as sock:
