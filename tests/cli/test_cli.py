@@ -431,6 +431,18 @@ def _stuck_repo(tmp_path: Path, hang_in_initialize: bool = False) -> Path:
     return repo
 
 
+def _owner_connection(url: str) -> Any:
+    """A keep-alive HTTP connection, answered once: the first one opened is the owner's (it
+    holds the fewest), so the next one goes to the frontend."""
+    import http.client
+
+    host, port = url.split(":")
+    held = http.client.HTTPConnection(host, int(port), timeout=120)
+    held.request("GET", "/v2/health/ready")
+    assert held.getresponse().read() == b""
+    return held
+
+
 def _send_in_background(url: str, model: str) -> dict[str, Any]:
     outcome: dict[str, Any] = {}
 
@@ -460,17 +472,12 @@ def test_exit_timeout_bounds_shutdown_with_a_stuck_execute(run_server: Any, tmp_
 def test_exit_timeout_with_a_stuck_execute_in_a_frontend_process(run_server: Any, tmp_path: Path) -> None:
     """The default layout on more than one CPU: the stuck execute runs in the frontend (its
     replica of the model, on the second connection); the exit status is still 1."""
-    import http.client
-
     repo = _stuck_repo(tmp_path)
     server = run_server("--model-repository", str(repo), "--exit-timeout-secs", "1",
                         "--frontend-processes", "1", "--replicate-models", "auto")
     url = server.wait_started()
-    host, port = url.split(":")
-    held = http.client.HTTPConnection(host, int(port), timeout=120)  # the owner's: it holds the fewest
+    held = _owner_connection(url)  # the owner's: it holds the fewest
     try:
-        held.request("GET", "/v2/health/ready")
-        assert held.getresponse().read() == b""
         _send_in_background(url, "stuck")  # a second connection: the frontend's
         started = repo / "stuck" / "execute.started"
         wait_for(lambda: started.exists() and started.read_text() != "", what="the execute to begin")
@@ -545,18 +552,13 @@ def test_an_unload_while_a_frontend_replica_executes_lists_it_unloading(run_serv
     """The execute runs in the frontend's replica (the second connection): the unload returns
     after the exit timeout, the index says UNLOADING until that execute ends, then UNAVAILABLE,
     and the request is answered."""
-    import http.client
-
     repo = tmp_path / "repo"
     model = write_model(repo, "gated", STUCK_CONFIG, files={"1/model.py": GATED_PY})
     server = run_server("--model-repository", str(repo), "--model-control-mode", "explicit", "--load-model", "gated",
                         "--exit-timeout-secs", "1", "--frontend-processes", "1", "--replicate-models", "auto")
     url = server.wait_started()
-    host, port = url.split(":")
-    held = http.client.HTTPConnection(host, int(port), timeout=120)  # the owner's: it holds the fewest
+    held = _owner_connection(url)  # the owner's: it holds the fewest
     try:
-        held.request("GET", "/v2/health/ready")
-        assert held.getresponse().read() == b""
         frontend = re.search(r"Started 1 frontend process\(es\): pids (\d+)", server.stderr)
         assert frontend is not None, server.stderr
         replicated = "model 'gated' version 1: replicated in frontend processes"
