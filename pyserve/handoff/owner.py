@@ -76,7 +76,7 @@ class HandoffServer:
         self.unloading: dict[int, set[tuple[str, int]]] = {}
         """Frontend pid → (model, version) of its replicas that still unload after the owner
         unloaded or replaced that version (listed UNLOADING by the repository index)."""
-        self._unloading_changed: set[asyncio.Future[None]] = set()
+        self._unloading_changed = asyncio.Event()  # set (and replaced) whenever ``unloading`` changes
         self._replicable: weakref.WeakKeyDictionary[ModelVersion, bool] = weakref.WeakKeyDictionary()
         self.connections: set[_FrontendConnection] = set()
         self.requests = 0
@@ -140,19 +140,14 @@ class HandoffServer:
                  if c.hello_received and (w := c.send_snapshot(wait=True)) is not None]
         if waits:
             await asyncio.wait(waits, timeout=timeout)
-        deadline = asyncio.get_running_loop().time() + self.unload_wait_secs
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.unload_wait_secs
         while self.unloading_versions() - before:  # frontends report before they acknowledge
-            left = deadline - asyncio.get_running_loop().time()
+            left = deadline - loop.time()
             if left <= 0:
                 return
-            changed = asyncio.get_running_loop().create_future()
-            self._unloading_changed.add(changed)
-            try:
-                await asyncio.wait_for(changed, left)
-            except asyncio.TimeoutError:
-                return
-            finally:
-                self._unloading_changed.discard(changed)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._unloading_changed.wait(), left)
 
     def unloading_versions(self) -> set[tuple[str, int]]:
         """(model, version) of every replica a frontend still unloads."""
@@ -166,9 +161,8 @@ class HandoffServer:
             self.unloading[pid] = versions
         else:
             self.unloading.pop(pid, None)
-        for waiter in list(self._unloading_changed):
-            if not waiter.done():
-                waiter.set_result(None)
+        changed, self._unloading_changed = self._unloading_changed, asyncio.Event()
+        changed.set()
 
     def snapshot(self) -> list[Any]:
         """The SNAPSHOT frame: ``[name, version key, generation, config index]`` entries
@@ -303,12 +297,17 @@ class _FrontendConnection(asyncio.Protocol):
         self.server.replicas.pop(self.pid, None)
         self.server._set_unloading(self.pid, None)
 
-    def pull_stats(self) -> asyncio.Future[None]:
-        """Ask the frontend for its replicas' counters; resolves once they are absorbed."""
+    def _waiter(self) -> tuple[int, asyncio.Future[Any]]:
+        """A new pull or sync id and the future its answer resolves (``_answered``)."""
         pull_id = self.next_pull
         self.next_pull += 1
-        waiter: asyncio.Future[None] = self.loop.create_future()
+        waiter: asyncio.Future[Any] = self.loop.create_future()
         self.waiters[pull_id] = waiter
+        return pull_id, waiter
+
+    def pull_stats(self) -> asyncio.Future[None]:
+        """Ask the frontend for its replicas' counters; resolves once they are absorbed."""
+        pull_id, waiter = self._waiter()
         assert self.writer is not None
         self.writer.send(wire.frame(Kind.STATS_PULL, pull_id))
         return waiter
@@ -316,10 +315,7 @@ class _FrontendConnection(asyncio.Protocol):
     def pull_readiness(self, generations: list[int]) -> asyncio.Future[list[int] | None]:
         """Ask the frontend to run its replicas' readiness checks for ``generations``; resolves
         to the generations whose replica is not ready (None: the frontend went away)."""
-        pull_id = self.next_pull
-        self.next_pull += 1
-        waiter: asyncio.Future[list[int] | None] = self.loop.create_future()
-        self.waiters[pull_id] = waiter
+        pull_id, waiter = self._waiter()
         assert self.writer is not None
         self.writer.send(wire.frame(Kind.READY_PULL, pull_id, {"g": generations}))
         return waiter
@@ -336,10 +332,7 @@ class _FrontendConnection(asyncio.Protocol):
         if not wait:
             self.writer.send(parts)
             return None
-        sync_id = self.next_pull
-        self.next_pull += 1
-        waiter: asyncio.Future[None] = self.loop.create_future()
-        self.waiters[sync_id] = waiter
+        sync_id, waiter = self._waiter()
         parts[0] = wire.retarget(parts[0], sync_id)
         self.writer.send(parts)
         return waiter
