@@ -13,7 +13,8 @@ instance, no dynamic batcher) whose ``model.py`` echoes ``INPUT0`` as ``OUTPUT0`
   connection, where the default layout must not be slower (``--no-single`` skips it);
 * ``pyserve-before`` (with ``--before CHECKOUT``): the plain ``pyserve run`` of another checkout
   (a worktree of the previous main: ``git worktree add --detach ../before <commit>``), on every
-  cell: an A/B of a change, "default / before" per cell;
+  cell: an A/B of a change, "default / before" per cell (and ``pyserve-before-batched``, its
+  plain command on the batched repository, beside ``pyserve-batched``);
 * ``pyserve-batched`` and ``triton-batched``: the same ``model.py`` with ``dynamic_batching { }``
   (``max_batch_size: 32``), on the cells with more than one connection: the issue's "Triton with
   its dynamic batcher" column and the 32-connection target against it (``--no-batched`` skips them).
@@ -356,6 +357,9 @@ def start_pyserve(repository: Path, work: Path, timeout: float, models: Iterable
         command += os.environ.get("PYSERVE_BENCH_PYSERVE_ARGS", "").split()  # e.g. --frontend-processes 0
     env = None
     if checkout is not None:
+        checkout = checkout.resolve()  # the server starts in ``work``: a relative path would miss it
+        if not (checkout / "pyserve" / "__init__.py").is_file():
+            raise RuntimeError(f"--before {checkout}: not a pyserve checkout (no pyserve/__init__.py)")
         paths = [checkout, checkout / "hookspecs" / "src", *sorted(checkout.glob("plugins/*/src")),
                  *sorted(checkout.glob("examples/*/src"))]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in paths)}
@@ -557,10 +561,10 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def start_servers(args: argparse.Namespace, work: Path, results: Results, with_echo: bool,
-                  install: _triton.TritonInstall | None) -> list[Server]:
+def _starters(args: argparse.Namespace, work: Path, with_echo: bool,
+              install: _triton.TritonInstall | None) -> list[tuple[str, Callable[[], Server]]]:
+    """The servers this run measures, by name, each with the call that starts it."""
     repository = write_repository(work / "repo", [MODEL])
-    servers: list[Server] = []
     starters: list[tuple[str, Callable[[], Server]]] = [
         ("pyserve", lambda: start_pyserve(repository, work, args.start_timeout, [MODEL]))]
     if getattr(args, "before", None) is not None:  # the plain command of another checkout (A/B)
@@ -577,13 +581,23 @@ def start_servers(args: argparse.Namespace, work: Path, results: Results, with_e
         batched = write_repository(work / "repo-batched", [MODEL], batching=True)
         starters.append(("pyserve-batched", lambda: start_pyserve(
             batched, work, args.start_timeout, [MODEL], name="pyserve-batched")))
+        if getattr(args, "before", None) is not None:
+            starters.append(("pyserve-before-batched", lambda: start_pyserve(
+                batched, work, args.start_timeout, [MODEL], name="pyserve-before-batched", extra_args=False,
+                checkout=args.before)))
         if install is not None:
             starters.append(("triton-batched", lambda: start_triton(
                 install, batched, work, args.start_timeout, [MODEL], name="triton-batched")))
     if with_echo:
         starters += [("starlette", lambda: start_echo("http", work, args.start_timeout)),
                      ("grpc-aio", lambda: start_echo("grpc", work, args.start_timeout))]
-    for name, starter in starters:
+    return starters
+
+
+def start_servers(args: argparse.Namespace, work: Path, results: Results, with_echo: bool,
+                  install: _triton.TritonInstall | None) -> list[Server]:
+    servers: list[Server] = []
+    for name, starter in _starters(args, work, with_echo, install):
         try:
             server = starter()
             server.starter = starter
@@ -608,7 +622,7 @@ def start_servers(args: argparse.Namespace, work: Path, results: Results, with_e
         # flags such as --frontend-processes trade memory for speed: the plain server's idle
         # memory is measured too (it serves no cells)
         try:
-            plain = start_pyserve(repository, work, args.start_timeout, [MODEL], name=PLAIN, extra_args=False)
+            plain = start_pyserve(work / "repo", work, args.start_timeout, [MODEL], name=PLAIN, extra_args=False)
         except (RuntimeError, OSError) as error:
             results.notes.append(f"{PLAIN} could not be started: {error}")
         else:
@@ -785,6 +799,11 @@ def serving_targets(results: Results) -> list[Target]:
         for item in SERVING_CELLS:
             targets.append(Target(f"{item.key}, default / pyserve-before (the checkout given by --before)",
                                   ratio(results, item.key, "rps", "pyserve", "pyserve-before"), 0.9, True))
+    if any(server == "pyserve-before-batched" for server, _ in results.cells):
+        for item in (c for c in SERVING_CELLS if c.key in BATCHED_CELLS):
+            targets.append(Target(f"{item.key}, with the dynamic batcher, default / pyserve-before",
+                                  ratio(results, item.key, "rps", "pyserve-batched", "pyserve-before-batched"),
+                                  0.9, True))
     for label, protocol, encoding in kinds:
         for concurrency in (1, 8, 32):
             plural = "s" if concurrency > 1 else ""
@@ -862,7 +881,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-startup", action="store_true", help="skip the startup measurement")
     parser.add_argument("--before", type=Path, default=None, metavar="CHECKOUT",
                         help="also measure the plain pyserve run of another checkout (e.g. a worktree of the "
-                             "previous main) on every cell, as pyserve-before")
+                             "previous main) on every cell, as pyserve-before (and pyserve-before-batched)")
     parser.add_argument("--no-single", dest="single", action="store_false",
                         help="skip pyserve-single (pyserve run --frontend-processes 0, on the 1-connection cells)")
     parser.add_argument("--no-batched", dest="batched", action="store_false",

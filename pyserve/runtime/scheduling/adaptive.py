@@ -30,7 +30,12 @@ Otherwise the request goes to the instance threads, as with the scheduler the co
   send one request at a time (``client_activity.one_request_at_a_time``): requests that arrive
   together (several gRPC streams of one connection) are worth batching, and executing each
   alone on the loop would lose that (a TensorFlow model at eight streams: half the
-  throughput). With a queue delay the batcher should wait for company: it keeps its threads.
+  throughput). Requests that do arrive together, from several connections or streams, still
+  execute on the loop while the model's batches are estimated under 100 µs: the first of them
+  schedules a drain (``loop.call_soon``), the others that the loop reads in the same turn join
+  its queue, and the drain executes them as batches, as the threads would have, without the two
+  wake-ups per batch (a Python ``model.py`` echoing a small tensor at 32 HTTP connections). With
+  a queue delay the batcher should wait for company: it keeps its threads.
 
 While the loop executes, the instance threads do not start another batch, so an instance never
 runs two executes at once.
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -218,27 +224,41 @@ class AdaptiveScheduler(LoopShortcut):
 
 
 class AdaptiveBatcher(LoopShortcut, DynamicBatcher):
-    """The dynamic batcher (``max_queue_delay_microseconds`` 0) that executes a request alone
-    in an empty queue on the event loop when that is the cheaper way (module docstring).
+    """The dynamic batcher (``max_queue_delay_microseconds`` 0) that executes on the event loop
+    when that is the cheaper way (module docstring): a request alone in an empty queue at once,
+    and, while its batches execute in under 100 µs, what several clients send in one turn of
+    the loop as one batch (a drain scheduled with ``call_soon`` after the first of them).
 
     Everything else is ``DynamicBatcher``'s: preferred sizes, shapes, priorities, queue
-    policies, ordering; its instance threads wait while the loop executes (``_held``).
+    policies, ordering; its instance threads wait while the loop executes or a drain is
+    scheduled (``_held``).
     """
 
     def __init__(self, config: Any, io: ModelIO, limit_ns: int = AUTO_LIMIT_NS) -> None:
         DynamicBatcher.__init__(self, config, io)
         # requests that arrive together should be batched: only one request at a time runs on the loop
         self._init_shortcut(limit_ns, pending=self._head, alone=client_activity.one_request_at_a_time)
+        self._drain_limit_ns = min(SHARED_LIMIT_NS, limit_ns)  # batches estimated shorter: drained on the loop
+        self._drain_scheduled = False  # a drain waits in the loop's ready queue: enqueues join it
 
     def enqueue(self, request: InferRequest) -> None:
         loop = self._running_loop.get()
         # unlocked look first: under load a batch is executing, and one lock round is enough
-        if loop is not None and self.workers and not self._executing and not self._held:
+        if loop is not None and self.workers and not self._executing and (self._drain_scheduled or not self._held):
+            level, item = self._item(request)
             with self._cond:
+                if self._drain_scheduled:  # the scheduled drain takes it, with the others of this turn
+                    self._append(level, item)
+                    return
                 if self._loop_takes():
                     if self._order is not None:  # numbered in arrival order, as queued ones are
                         self._order.wrap(request)
                     taken = True
+                elif self._loop_drains():
+                    self._append(level, item)
+                    self._held = self._drain_scheduled = True
+                    loop.call_soon(self._drain, loop)
+                    return
                 else:
                     taken = False
             if taken:
@@ -246,9 +266,51 @@ class AdaptiveBatcher(LoopShortcut, DynamicBatcher):
                 return
         DynamicBatcher.enqueue(self, request)
 
+    def _loop_drains(self) -> bool:
+        """With ``_cond`` held: whether a drain on the loop should batch this turn's requests
+        (nobody executes or waits, and batches are estimated under the shared limit)."""
+        return not (self._executing or self._held or self._pending() or self._estimate_ns >= self._drain_limit_ns)
+
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the loop: execute what was queued since the drain was scheduled, batch after
+        batch with instance 0, then let the threads go on (also with what is left, once a batch
+        was estimated over the shared limit)."""
+        worker = self.workers[0]
+        cond = self._cond
+        with cond:
+            if not self._drain_scheduled:  # ``stop`` gave the queue to the threads
+                return
+            self._drain_scheduled = False
+        try:
+            while True:
+                with cond:
+                    batch, _ = self.due(time.monotonic_ns(), force=True)
+                if batch is None:
+                    break
+                outer = enter_inline_delivery(loop)  # not a context manager: this is the hot path
+                try:
+                    worker.execute_batch(batch)
+                finally:
+                    exit_inline_delivery(outer)
+                    with cond:
+                        self._record(worker.last_execute_ns)
+                if self._estimate_ns >= self._drain_limit_ns:
+                    break
+        finally:
+            with cond:
+                self._held = False
+                if self._pending():  # left over, or queued meanwhile from another thread
+                    cond.notify_all()
+        self._busy_poll.touch(loop)
+
     def batch_source(self, index: int) -> Callable[[], Batch | None]:
         return self._timed_source(index, self._take_batch)
 
     def stop(self, workers: int) -> None:
+        """Send what is queued (on the threads, also what a scheduled drain would have taken:
+        the loop may stop before it runs), then stop every worker."""
         self._busy_poll.stop()
+        with self._cond:
+            if self._drain_scheduled:
+                self._drain_scheduled = self._held = False
         DynamicBatcher.stop(self, workers)

@@ -167,21 +167,32 @@ class DynamicBatcher:
 
         :raises InferError: UNAVAILABLE when the level's ``max_queue_size`` is reached.
         """
-        level = request.priority if 1 <= request.priority <= self.levels else self.default_level
-        policy = self.policies[level]
-        item = _Queued(request, policy.deadline(request), self._signature(request))
+        level, item = self._item(request)
         with self._cond:
-            queue = self._queues[level]
-            if policy.max_queue_size and len(queue) >= policy.max_queue_size:
-                raise InferError(
-                    f"Exceeds maximum queue size ({policy.max_queue_size}) of model "
-                    f"'{request.model_name}' at priority level {level}",
-                    ErrorCode.UNAVAILABLE,
-                )
-            if self._order is not None:
-                self._order.wrap(request)
-            queue.append(item)
+            self._append(level, item)
             self._cond.notify()
+
+    def _item(self, request: InferRequest) -> tuple[int, _Queued]:
+        """The priority level ``request`` queues at, and its queue entry."""
+        level = request.priority if 1 <= request.priority <= self.levels else self.default_level
+        return level, _Queued(request, self.policies[level].deadline(request), self._signature(request))
+
+    def _append(self, level: int, item: _Queued) -> None:
+        """Queue ``item`` at ``level`` (with the lock held; waking a thread is the caller's).
+
+        :raises InferError: UNAVAILABLE when the level's ``max_queue_size`` is reached.
+        """
+        queue = self._queues[level]
+        policy = self.policies[level]
+        if policy.max_queue_size and len(queue) >= policy.max_queue_size:
+            raise InferError(
+                f"Exceeds maximum queue size ({policy.max_queue_size}) of model "
+                f"'{item.request.model_name}' at priority level {level}",
+                ErrorCode.UNAVAILABLE,
+            )
+        if self._order is not None:
+            self._order.wrap(item.request)
+        queue.append(item)
 
     def stop(self, workers: int) -> None:
         """Send what is queued, then stop every worker."""
