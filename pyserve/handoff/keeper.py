@@ -52,7 +52,7 @@ from typing import Any
 
 from pyserve import logs
 from pyserve.frontends import tcp
-from pyserve.handoff.forked import exit_forked, flush_output
+from pyserve.handoff.forked import exit_forked, flush_output, python_command
 from pyserve.runtime import execution_board, startup_gc
 
 log = logging.getLogger("pyserve.keeper")
@@ -172,6 +172,9 @@ class Keeper:
                 code = self._wait(self.child)
                 ready, busy = execution_board.read(self.board)
                 if self.stopping or code == 0 or not ready:
+                    if code < 0 and not ready and not self.stopping:  # an exit says why itself; a signal does not
+                        log.error("the server process (pid %d) %s before it served; not starting it again",
+                                  self.child, describe_status(code))
                     return code if code >= 0 else 128 - code  # a signal, as a shell reports it
                 if time.monotonic() - self.started > STABLE_AFTER_S:
                     self.delay = RESTART_DELAY_S
@@ -217,7 +220,7 @@ class Keeper:
         keeper = os.getpid()
         handoff = {"keeper": keeper, "listeners": self.listeners, "board": self.board_fd}
         env = {**os.environ, HANDOFF_ENV: json.dumps(handoff)}
-        command = [sys.executable, "-m", "pyserve", *self.argv]
+        command = python_command("-m", "pyserve", *self.argv)
         pid = os.fork()
         if pid:
             return pid
@@ -246,7 +249,7 @@ class Keeper:
         try:
             self._pass_descriptors(True)
             flush_output()
-            os.execv(sys.executable, [sys.executable, "-m", "pyserve.handoff.keeper", json.dumps(self._state())])
+            os.execv(sys.executable, python_command("-m", "pyserve.handoff.keeper", json.dumps(self._state())))
         except OSError as exc:
             log.warning("the keeper keeps its full memory: it could not start its small program: %s", exc)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)

@@ -14,12 +14,12 @@ import contextlib
 import json
 import logging
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
 
 from pyserve.handoff import affinity
+from pyserve.handoff.forked import python_command
 from pyserve.handoff.owner import HandoffServer
 from pyserve.handoff.prefork import ForkedProcess, Preforked
 from pyserve.runtime import execution_board
@@ -138,7 +138,7 @@ class FrontendSupervisor:
             settings = dict(self.settings)
             descriptor = execution_board.fd(slot.board)
             settings["board_fd"] = descriptor
-            command = [sys.executable, "-m", "pyserve.handoff.frontend", json.dumps(settings)]
+            command = python_command("-m", "pyserve.handoff.frontend", json.dumps(settings))
             process = subprocess.Popen(command, stdin=subprocess.DEVNULL, close_fds=True,
                                        pass_fds=() if descriptor is None else (descriptor,))
         if self.cpus:  # before the new interpreter starts threads: they inherit it

@@ -323,6 +323,9 @@ class Server:
             await self._start_http()
         if self.options.frontend_processes:
             await self._start_frontends()
+        # from now on a death is a crash (``pyserve.handoff.keeper``): before the line that says
+        # the server serves, which a script may act on at once
+        execution_board.serving()
         if self.http_port is not None:  # the line scripts wait for: only once every process serves
             log.info("Started HTTPService at %s:%d", self.options.host, self.http_port)
         self.dataplane.starting = False
@@ -591,7 +594,6 @@ class Server:
         except BaseException:
             await self.shutdown()
             raise
-        execution_board.serving()  # from now on a death is a crash (pyserve.handoff.keeper)
         await self.serve_until_stopped()
         if exit_when_stuck and not self.clean_exit:
             _exit_now("Exit timeout expired. Exiting immediately.")

@@ -223,6 +223,74 @@ def test_the_keeper_is_small_and_starts_the_default_layout_again(servers: list[R
     assert server.stop(timeout=60) == 0, server.stderr
 
 
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
+
+
+def _interpreter_options(pid: int) -> str:
+    """The options before ``-m`` on ``pid``'s command line, joined (``-W x`` may read ``-Wx``)."""
+    line = _cmdline(pid)
+    return " ".join(line[1:line.index("-m")]).replace("-W ", "-W")
+
+
+def test_a_server_started_again_runs_under_the_interpreter_options_pyserve_run_had(
+        servers: list[RunningServer], tmp_path: Path) -> None:
+    """``python -X faulthandler -W error::SyntaxWarning -m pyserve run``: the keeper's small
+    program and the server it starts after a crash run with the same interpreter options. The
+    owner is killed as soon as it says it serves: a death from that line on is a crash."""
+    options = ["-X", "faulthandler", "-W", "error::SyntaxWarning"]
+    server = RunningServer(["--model-repository", str(_repository(tmp_path, "exit")), "--frontend-processes", "1"],
+                           command=(sys.executable, *options, "-m", "pyserve"))
+    servers.append(server)
+    url = server.wait_started(timeout=120)
+    keeper, owner = server.process.pid, server.server_pid
+    assert owner is not None
+    wait_for(lambda: "pyserve.handoff.keeper" in _cmdline(keeper), timeout=60, what="the keeper's small program")
+    assert "-X faulthandler" in _interpreter_options(keeper) and "-Werror::SyntaxWarning" in _interpreter_options(keeper)
+    os.kill(owner, signal.SIGKILL)
+    wait_for(lambda: server.starts == 2, timeout=120, what="the second 'Started HTTPService'")
+    restarted = server.server_pid
+    assert restarted is not None and restarted not in (owner, keeper)
+    again = _cmdline(restarted)
+    assert again[again.index("-m") + 1] == "pyserve", again[:8]
+    assert "-X faulthandler" in _interpreter_options(restarted), again[:8]
+    assert "-Werror::SyntaxWarning" in _interpreter_options(restarted), again[:8]
+    np.testing.assert_array_equal(_infer(url, "calm", 1.0), [1.0])
+    assert server.stop(timeout=60) == 0, server.stderr
+
+
+SLOW_MODEL = """
+import time
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep(120)
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def test_a_server_killed_before_it_serves_is_not_started_again_and_the_keeper_says_so(
+        servers: list[RunningServer], tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    write_model(repo, "slow", CONFIG, {"1/model.py": SLOW_MODEL})
+    server = RunningServer(["--model-repository", str(repo), "--frontend-processes", "0"])
+    servers.append(server)
+    keeper = server.process.pid
+    children = Path(f"/proc/{keeper}/task/{keeper}/children")
+    wait_for(lambda: children.read_text().split(), timeout=60, what="the server process")
+    loading = int(children.read_text().split()[0])
+    wait_for(lambda: server.lines, timeout=60, what="the server's first log line")
+    os.kill(loading, signal.SIGKILL)
+    assert server.process.wait(60) == 128 + signal.SIGKILL
+    server._reader.join(10)
+    assert (f"the server process (pid {loading}) was killed by SIGKILL before it served; "
+            "not starting it again") in server.stderr, server.stderr
+    assert "Starting it again" not in server.stderr
+
+
 EMBEDDED = "import sys; from pyserve.cli.main import main; code = main(sys.argv[1:]); print('returned', code, file=sys.stderr)"
 
 
