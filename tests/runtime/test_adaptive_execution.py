@@ -220,7 +220,11 @@ def test_the_batcher_executes_several_clients_cheap_batches_on_the_loop(  # type
             before = len(backend.threads)
             await asyncio.gather(*(clients[i % 8].infer("m", [_aio_input(i)], parameters={"sleep_ms": 1})
                                    for i in range(32)))
-            assert all(name.startswith("pyserve-instance-") for name in backend.threads[before:])
+            # only a drain executes more than one request on the loop; a lone request may still
+            # take it (a straggler of the gather, alone for 10 ms on a busy machine)
+            assert not [size for name, size in zip(backend.threads[before:], backend.sizes[before:])
+                        if name == LOOP_THREAD and size > 1], (backend.threads[before:], backend.sizes[before:])
+            assert sum(backend.sizes[before:]) == 32
         finally:
             await asyncio.gather(*(c.close() for c in clients))
 
