@@ -145,18 +145,29 @@ class LoopShortcut:
     def _run_on_loop(self, loop: asyncio.AbstractEventLoop, request: InferRequest) -> None:
         """Execute ``request`` alone on the loop (``_loop_takes`` said so), time it, let the
         threads go on."""
+        self._execute_on_loop(loop, (request,), release=True)
+        self._busy_poll.touch(loop)
+
+    def _execute_on_loop(self, loop: asyncio.AbstractEventLoop, batch: Batch, release: bool) -> None:
+        """Execute ``batch`` on the loop with instance 0 (``_held`` is set) and time it; with
+        ``release``, let the threads go on after it (in the same lock round)."""
         worker = self.workers[0]
         outer = enter_inline_delivery(loop)  # not a context manager: this is the hot path
         try:
-            worker.execute_batch((request,))
+            worker.execute_batch(batch)
         finally:
             exit_inline_delivery(outer)
             with self._cond:
-                self._held = False
                 self._record(worker.last_execute_ns)
-                if self._pending():  # queued meanwhile (another thread, a nested enqueue)
-                    self._cond.notify_all()
-        self._busy_poll.touch(loop)
+                if release:
+                    self._release_threads()
+
+    def _release_threads(self) -> None:
+        """With ``_cond`` held: the loop executes no more; wake the threads if requests wait
+        (queued meanwhile from another thread, a nested enqueue, or left by a drain)."""
+        self._held = False
+        if self._pending():
+            self._cond.notify_all()
 
     def _timed_source(self, index: int, take: Callable[[], Batch | None]) -> Callable[[], Batch | None]:
         """Instance ``index``'s ``next_batch``: ``take`` (called with ``_cond`` held, waiting
@@ -244,63 +255,50 @@ class AdaptiveBatcher(LoopShortcut, DynamicBatcher):
     def enqueue(self, request: InferRequest) -> None:
         loop = self._running_loop.get()
         # unlocked look first: under load a batch is executing, and one lock round is enough
-        if loop is not None and self.workers and not self._executing and (self._drain_scheduled or not self._held):
-            level, item = self._item(request)
-            with self._cond:
-                if self._drain_scheduled:  # the scheduled drain takes it, with the others of this turn
-                    self._append(level, item)
-                    return
-                if self._loop_takes():
-                    if self._order is not None:  # numbered in arrival order, as queued ones are
-                        self._order.wrap(request)
-                    taken = True
-                elif self._loop_drains():
-                    self._append(level, item)
+        if loop is None or not self.workers or self._executing or (self._held and not self._drain_scheduled):
+            DynamicBatcher.enqueue(self, request)
+            return
+        with self._cond:
+            if self._drain_scheduled:  # the scheduled drain takes it, with the others of this turn
+                self._append(*self._item(request))
+                return
+            if not self._loop_takes():
+                drains = self._loop_drains()  # before the request is queued: whether others wait
+                self._append(*self._item(request))
+                if drains:
                     self._held = self._drain_scheduled = True
                     loop.call_soon(self._drain, loop)
-                    return
                 else:
-                    taken = False
-            if taken:
-                self._run_on_loop(loop, request)
+                    self._cond.notify()
                 return
-        DynamicBatcher.enqueue(self, request)
+            if self._order is not None:  # numbered in arrival order, as queued ones are
+                self._order.wrap(request)
+        self._run_on_loop(loop, request)
 
     def _loop_drains(self) -> bool:
         """With ``_cond`` held: whether a drain on the loop should batch this turn's requests
-        (nobody executes or waits, and batches are estimated under the shared limit)."""
+        (nobody executes or waits, and batches are estimated under the drain limit)."""
         return not (self._executing or self._held or self._pending() or self._estimate_ns >= self._drain_limit_ns)
 
     def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the loop: execute what was queued since the drain was scheduled, batch after
         batch with instance 0, then let the threads go on (also with what is left, once a batch
-        was estimated over the shared limit)."""
-        worker = self.workers[0]
+        was estimated over the drain limit)."""
         cond = self._cond
         with cond:
             if not self._drain_scheduled:  # ``stop`` gave the queue to the threads
                 return
             self._drain_scheduled = False
         try:
-            while True:
+            while self._estimate_ns < self._drain_limit_ns:
                 with cond:
                     batch, _ = self.due(time.monotonic_ns(), force=True)
                 if batch is None:
                     break
-                outer = enter_inline_delivery(loop)  # not a context manager: this is the hot path
-                try:
-                    worker.execute_batch(batch)
-                finally:
-                    exit_inline_delivery(outer)
-                    with cond:
-                        self._record(worker.last_execute_ns)
-                if self._estimate_ns >= self._drain_limit_ns:
-                    break
+                self._execute_on_loop(loop, batch, release=False)
         finally:
             with cond:
-                self._held = False
-                if self._pending():  # left over, or queued meanwhile from another thread
-                    cond.notify_all()
+                self._release_threads()
         self._busy_poll.touch(loop)
 
     def batch_source(self, index: int) -> Callable[[], Batch | None]:
