@@ -889,12 +889,20 @@ def main(argv: list[str] | None = None) -> int:
                              "measured on the cells with more than one connection)")
     parser.add_argument("--connections", default=None, metavar="LIST",
                         help="measure only the cells with these connection counts, e.g. 1 or 8,32 (all)")
+    parser.add_argument("--protocols", default=None, metavar="LIST",
+                        help="measure only the cells of these protocols: http, grpc or http,grpc (all)")
     args = parser.parse_args(argv)
     results = Results(startup_models=args.startup_models)
     cells = list(SERVING_CELLS)
     if args.connections:
         wanted = {int(n) for n in args.connections.split(",")}
         cells = [c for c in cells if c.concurrency in wanted]
+    if args.protocols:
+        protocols = set(args.protocols.split(","))
+        unknown = protocols - {"http", "grpc"}
+        if unknown:
+            parser.error(f"--protocols: unknown protocol(s) {', '.join(sorted(unknown))} (http, grpc)")
+        cells = [c for c in cells if c.protocol in protocols]
     missing = tools_missing(cells)
     if missing:
         results.notes.append("skipped (wrk or h2load not installed; apt-get install wrk nghttp2-client): "

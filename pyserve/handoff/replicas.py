@@ -19,8 +19,10 @@ What a replica changes, and why the rules below exist:
 * a model that calls other models (BLS) or defines custom metrics would call or count in its
   own process: ``auto`` skips models whose backend says so (``ModelContext.single_process_reason``:
   the Python backend finds these APIs in a model's files, the native one in a library's imports);
-* a dynamic batcher with a queue delay waits for company: split over processes, each would
-  gather half the requests, so ``auto`` keeps such models with the owner;
+* a dynamic batcher with a queue delay batches what its own process receives: split over
+  processes, each batches about its share of the requests, and the replicas' instances run at
+  the same time (``benchmarks/batching.py``: a 2 ms execute at 64 connections on 2 CPUs answers
+  about 1.4x the requests replicated than with one batcher in the owner, a cheap one 1.45x);
 * GPU instance groups are not replicated by ``auto`` (one copy of the weights per process), nor
   are Python models with their own environment (``EXECUTION_ENV_PATH``, or a requirements file:
   they run in worker processes already);
@@ -85,9 +87,6 @@ def _auto_reason(version: ModelVersion) -> str | None:
         return "it uses the response cache"
     if any(group.rate_limiter.resources for group in config.instance_group):
         return "its instances take rate-limiter resources (counted in one process)"
-    if config.HasField("dynamic_batching") and config.dynamic_batching.max_queue_delay_microseconds > 0:
-        return ("its dynamic batcher waits for requests to batch (max_queue_delay_microseconds): one batcher "
-                "gathers them all")
     if version.context is not None and version.context.single_process_reason:
         return version.context.single_process_reason
     return None
