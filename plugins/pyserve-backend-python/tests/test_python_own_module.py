@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,7 @@ CONFIG = """
 
 UNITTEST_MODEL = """
 import threading
+import weakref
 import unittest
 
 import numpy as np
@@ -68,6 +70,7 @@ class TritonPythonModel:
 
 NAMED_MODEL = """
 import threading
+import weakref
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -159,3 +162,39 @@ def test_each_model_imports_its_own_file(tmp_path: Path) -> None:
                          _infer(server.url, "first", 1))
     finally:
         server.stop()
+
+
+class _Model:
+    """A stand-in for a ``ModelContext``: the alias keys its modules by such objects, weakly."""
+
+
+def test_a_model_the_collector_forgets_while_this_thread_holds_the_alias_lock_does_not_hang() -> None:
+    """A version that fails before it is created is forgotten by a ``weakref.finalize``, which the
+    garbage collector runs on whatever thread allocates, also one inside ``register``, ``forget``
+    or an ``import model`` look-up: that must neither deadlock nor lose the other models."""
+    from types import ModuleType
+
+    from pyserve_backend_python import alias
+
+    kept, dropped = _Model(), [_Model()]
+    kept_module, dropped_module = ModuleType("_probe_a.alias_probe"), ModuleType("_probe_b.alias_probe")
+    alias.register(kept, kept_module)  # type: ignore[arg-type]
+    alias.register(dropped[0], dropped_module)  # type: ignore[arg-type]
+    finalizer = weakref.finalize(dropped[0], alias.forget, dropped_module)
+    done = threading.Event()
+
+    def drop_while_holding_the_lock() -> None:
+        with alias._lock:
+            dropped.clear()  # the last reference: the finalizer runs here, on this thread
+            done.set()
+
+    try:
+        thread = threading.Thread(target=drop_while_holding_the_lock, daemon=True)
+        thread.start()
+        assert done.wait(60), "forget() from a finalizer hung on the alias lock"
+        assert not finalizer.alive
+        assert alias.OwnModule._target(sys.modules["alias_probe"]) is kept_module  # the only one left
+    finally:
+        if done.is_set():  # else the lock is held for good: forget would hang this test too
+            alias.forget(kept_module)
+        sys.modules.pop("alias_probe", None)

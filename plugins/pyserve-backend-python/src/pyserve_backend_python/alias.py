@@ -22,8 +22,16 @@ from typing import Any
 from pyserve import ModelContext
 from pyserve_backend_python import context
 
-_lock = threading.Lock()
+_lock = threading.RLock()
+"""Guards ``_modules`` and ``_registered``. Reentrant: a model whose version failed is forgotten by a
+``weakref.finalize`` (``pyserve_model_auto_complete``), which the garbage collector may run on
+any allocation, also on a thread that holds this lock already."""
 _modules: weakref.WeakKeyDictionary[ModelContext, ModuleType] = weakref.WeakKeyDictionary()
+_registered: dict[int, tuple[weakref.ref[ModelContext], ModuleType]] = {}
+"""``id(module)`` → (the model it was registered for, the module), until it is forgotten: a
+plain dict, so that ``forget`` finds its entry without iterating, and a snapshot of it
+(``list`` of a dict's values allocates nothing while it iterates) is never changed under its
+reader by a collection that runs a finalizer."""
 
 
 class OwnModule(ModuleType):
@@ -40,7 +48,8 @@ class OwnModule(ModuleType):
         if module is not None and _stem(module) == stem:
             return module
         with _lock:
-            candidates = [m for m in _modules.values() if _stem(m) == stem]
+            entries = list(_registered.values())
+        candidates = [m for owner, m in entries if _stem(m) == stem and _is_current(owner, m)]
         if len(candidates) == 1:
             return candidates[0]
         raise AttributeError(
@@ -61,6 +70,11 @@ class OwnModule(ModuleType):
         return dir(self._target())
 
 
+def _is_current(owner: weakref.ref[ModelContext], module: ModuleType) -> bool:
+    model = owner()
+    return model is not None and _modules.get(model) is module
+
+
 def _stem(module: ModuleType) -> str:
     return module.__name__.rpartition(".")[2]
 
@@ -73,6 +87,7 @@ def register(model: ModelContext, module: ModuleType) -> None:
     stem = _stem(module)
     with _lock:
         _modules[model] = module
+        _registered[id(module)] = (weakref.ref(model), module)
         if stem not in sys.modules:
             sys.modules[stem] = OwnModule(stem, f"the calling Python model's own {stem}.py")
 
@@ -80,6 +95,7 @@ def register(model: ModelContext, module: ModuleType) -> None:
 def forget(module: ModuleType) -> None:
     """The model module is unloaded: ``import <stem>`` no longer reaches it."""
     with _lock:
-        for model, known in list(_modules.items()):
-            if known is module:
-                del _modules[model]
+        entry = _registered.pop(id(module), None)
+        model = entry[0]() if entry is not None and entry[1] is module else None
+        if model is not None and _modules.get(model) is module:
+            del _modules[model]
