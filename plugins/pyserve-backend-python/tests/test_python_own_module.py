@@ -32,7 +32,6 @@ CONFIG = """
 
 UNITTEST_MODEL = """
 import threading
-import weakref
 import unittest
 
 import numpy as np
@@ -70,7 +69,6 @@ class TritonPythonModel:
 
 NAMED_MODEL = """
 import threading
-import weakref
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
