@@ -21,8 +21,8 @@ What a replica changes, and why the rules below exist:
   the Python backend finds these APIs in a model's files, the native one in a library's imports);
 * a dynamic batcher with a queue delay batches what its own process receives: split over
   processes, each batches about its share of the requests, and the replicas' instances run at
-  the same time (``benchmarks/batching.py``: a 2 ms execute at 64 connections on 2 CPUs answers
-  about 1.4x the requests replicated than with one batcher in the owner, a cheap one 1.45x);
+  the same time, which answers more than one batcher in the owner (``benchmarks/README.md``,
+  ``batching.py``);
 * GPU instance groups are not replicated by ``auto`` (one copy of the weights per process), nor
   are Python models with their own environment (``EXECUTION_ENV_PATH``, or a requirements file:
   they run in worker processes already);

@@ -95,7 +95,7 @@ def register(model: ModelContext, module: ModuleType) -> None:
 def forget(module: ModuleType) -> None:
     """The model module is unloaded: ``import <stem>`` no longer reaches it."""
     with _lock:
-        entry = _registered.pop(id(module), None)
-        model = entry[0]() if entry is not None and entry[1] is module else None
+        entry = _registered.pop(id(module), None)  # the entry holds its module: no other has this id
+        model = entry[0]() if entry is not None else None
         if model is not None and _modules.get(model) is module:
             del _modules[model]
