@@ -91,12 +91,21 @@ class MetricsService:
     async def _sample_every(self, seconds: float) -> None:
         assert self.monitor is not None
         loop = asyncio.get_running_loop()
+        failing = False
         while True:
             await asyncio.sleep(max(seconds, 0.01))
             try:
-                await loop.run_in_executor(None, self.monitor.sample)
+                reading = loop.run_in_executor(None, self.monitor.sample)
+            except RuntimeError:  # the loop's executor is shut down: the server is stopping
+                return
+            try:
+                await reading
             except Exception:  # a failed reading must not stop the next ones
-                log.exception("reading CPU/GPU metrics failed")
+                if not failing:  # the traceback once, not at every interval while it keeps failing
+                    log.exception("reading CPU/GPU metrics failed")
+                failing = True
+            else:
+                failing = False
 
     async def stop(self) -> None:
         """Stop serving and sampling; release NVML."""

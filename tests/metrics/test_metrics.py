@@ -643,3 +643,46 @@ def test_model_metrics_errors_name_the_field(
         (entry,) = json.loads(response.read())
     assert entry["state"] == "UNAVAILABLE"
     assert "model_metrics.metric_control[0]" in entry["reason"] and message in entry["reason"]
+
+
+class _FailingMonitor:
+    """CPU/GPU readings that fail, except the third: the refresh loop's view of a bad NVML."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def sample(self) -> None:
+        self.calls += 1
+        if self.calls != 3:
+            raise OSError("no reading")
+
+    def collect(self) -> list[Any]:
+        return []
+
+
+def test_the_gauge_refresh_logs_each_run_of_failures_once_and_ends_with_the_executor(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A reading that keeps failing logs its traceback once per run of failures, not at every
+    interval; once the loop's executor is shut down (the server is stopping) the refresh ends
+    by itself instead of logging "cannot schedule new futures" at every interval."""
+    import asyncio
+    import logging
+
+    from pyserve.metrics.prometheus import ServerMetrics
+    from pyserve.server.metrics_port import MetricsService
+
+    monitor = _FailingMonitor()
+    service = MetricsService(ServerMetrics({}), monitor)  # type: ignore[arg-type]
+
+    async def refresh() -> None:
+        task = asyncio.create_task(service._sample_every(0.001))
+        while monitor.calls < 6:
+            await asyncio.sleep(0.005)
+        await asyncio.get_running_loop().shutdown_default_executor()
+        await asyncio.wait_for(task, 60)  # returns: no cancel needed
+
+    with caplog.at_level(logging.ERROR, "pyserve.metrics"):
+        asyncio.run(refresh())
+    failures = [r for r in caplog.records if r.name == "pyserve.metrics"]
+    assert [r.getMessage() for r in failures] == ["reading CPU/GPU metrics failed"] * 2  # calls 1-2, then 4-
+    assert all(r.exc_info is not None and "no reading" in str(r.exc_info[1]) for r in failures)

@@ -314,3 +314,41 @@ def test_logger_writes_to_python_logging(caplog: pytest.LogCaptureFixture) -> No
 def test_infer_error_from_bls_becomes_a_triton_error() -> None:
     response = pb_utils.InferenceResponse.from_server(InferError("gone", ErrorCode.UNAVAILABLE))
     assert response.has_error() and response.error().code() == pb_utils.TritonError.UNAVAILABLE
+
+
+def test_a_released_request_is_ended_off_the_thread_that_freed_its_sender() -> None:
+    """The collector may free a released request's sender on a thread that holds the lock the
+    ending takes (here the model's statistics lock, as ``request_done`` holds it): the ending
+    must not run there, or that thread waits for itself for ever."""
+    import threading
+    import time
+
+    from pyserve_backend_python.request import InferenceRequest
+    from pyserve_backend_python.results import watch_unanswered
+
+    from pyserve.metrics.stats import ModelStats
+
+    server_request = _server_request()
+    server_request.stats = ModelStats()
+    sink = _Collect()
+    server_request.attach_sender(sink)
+    wrapped = [InferenceRequest._from_server(server_request, False)]
+    watch_unanswered("m", server_request, wrapped[0])
+    freed = threading.Event()
+
+    def free_under_the_lock() -> None:
+        with server_request.stats.lock:
+            wrapped.clear()  # the last reference to the request wrapper and its sender
+            freed.set()
+
+    freeing = threading.Thread(target=free_under_the_lock, daemon=True)
+    freeing.start()
+    freeing.join(60)
+    assert freed.is_set() and not freeing.is_alive(), "the ending ran under the lock and deadlocked"
+    deadline = time.monotonic() + 60
+    while not sink.sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    [(error, final)] = sink.sent
+    assert final and isinstance(error, InferError) and error.code is ErrorCode.INTERNAL
+    assert "released it without sending a response" in error.message
+    assert server_request.stats.fail_count == 1

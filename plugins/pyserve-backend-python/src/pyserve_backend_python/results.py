@@ -11,6 +11,9 @@ None and every request is answered through its sender.
 from __future__ import annotations
 
 import logging
+import os
+import queue
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -125,12 +128,60 @@ def watch_unanswered(model_name: str, request: InferRequest, wrapper: Any) -> No
     model may answer it later through its response sender, from any thread (Triton >= 2.47).
     Once the model holds neither the request nor its sender (both garbage), nobody can:
     it is then ended, with the response already sent, or with an error. (Triton leaves such
-    a request open for ever.)"""
+    a request open for ever.)
+
+    The ending runs on a thread of its own (``_Releaser``), not in the finalizer: the
+    collector may free the sender on any thread at any allocation, also on one that holds a
+    lock the ending takes (the model's statistics, a stream's), which would deadlock."""
     if wrapper is None:  # no pb_utils request to watch (process mode): fail it now
         _release(model_name, request)
         return
     sender = wrapper.get_response_sender()  # also tells the core the request is answered later
-    weakref.finalize(sender, _release, model_name, request)
+    _RELEASER.start()
+    weakref.finalize(sender, _RELEASER.ended, model_name, request)
+
+
+class _Releaser:
+    """Ends the requests whose senders the collector freed, one at a time, on a daemon thread.
+
+    ``ended`` only puts on a ``queue.SimpleQueue`` (safe in a finalizer: it takes no lock a
+    thread could hold); ``start`` (from execute) starts the thread once per process, and again
+    in a forked child, where the parent's thread does not exist."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[str, InferRequest]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            return
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="pyserve-python-release", daemon=True)
+                self._thread.start()
+
+    def ended(self, model_name: str, request: InferRequest) -> None:
+        self._queue.put((model_name, request))
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's queue and lock may be mid-use; start afresh."""
+        self._queue = queue.SimpleQueue()
+        self._thread = None
+        self._lock = threading.Lock()
+
+    def _run(self) -> None:
+        while True:
+            model_name, request = self._queue.get()
+            try:
+                _release(model_name, request)
+            except Exception:  # one failed ending must not stop the next ones
+                log.exception("ending a request of Python model '%s' that its model released failed", model_name)
+
+
+_RELEASER = _Releaser()
+os.register_at_fork(after_in_child=_RELEASER.after_fork)
 
 
 def _release(model_name: str, request: InferRequest) -> None:
