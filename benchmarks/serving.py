@@ -755,19 +755,42 @@ class Target:
     value: float | None  # pyserve / Triton
     bound: float
     higher_is_better: bool
+    rounds: tuple[float, float] | None = None  # the lowest and highest ratio of one round's pair
 
     def line(self) -> str:
         sign = ">=" if self.higher_is_better else "<="
         if self.value is None:
             return f"| {self.label} | — | {sign} {self.bound:g}x | not measured |"
         met = self.value >= self.bound if self.higher_is_better else self.value <= self.bound
-        return f"| {self.label} | {self.value:.2f}x | {sign} {self.bound:g}x | {'met' if met else '**MISSED**'} |"
+        spread = f" (rounds {self.rounds[0]:.2f}–{self.rounds[1]:.2f})" if self.rounds is not None else ""
+        return (f"| {self.label} | {self.value:.2f}x{spread} | {sign} {self.bound:g}x "
+                f"| {'met' if met else '**MISSED**'} |")
 
 
 def ratio(results: Results, key: str, attribute: str, top_server: str = "pyserve",
           bottom_server: str = "triton") -> float | None:
     top, bottom = results.median(top_server, key, attribute), results.median(bottom_server, key, attribute)
     return top / bottom if top is not None and bottom else None
+
+
+def round_range(results: Results, key: str, attribute: str, top_server: str = "pyserve",
+                bottom_server: str = "triton") -> tuple[float, float] | None:
+    """The lowest and highest ratio of the two servers' measurements in the same round (the
+    rounds interleave the servers, so each pair shared the machine's state), or None with
+    fewer than two pairs or a server missing a round."""
+    top, bottom = results.cells.get((top_server, key), []), results.cells.get((bottom_server, key), [])
+    if len(top) != len(bottom) or len(top) < 2:
+        return None
+    pairs = [getattr(a, attribute) / getattr(b, attribute) for a, b in zip(top, bottom)
+             if getattr(a, attribute) is not None and getattr(b, attribute)]
+    return (min(pairs), max(pairs)) if len(pairs) == len(top) else None
+
+
+def paired(label: str, results: Results, key: str, attribute: str, bound: float, higher_is_better: bool,
+           top_server: str = "pyserve", bottom_server: str = "triton") -> Target:
+    """A target of the ratio of medians, with the range of the per-round ratios beside it."""
+    return Target(label, ratio(results, key, attribute, top_server, bottom_server), bound, higher_is_better,
+                  round_range(results, key, attribute, top_server, bottom_server))
 
 
 def serving_targets(results: Results) -> list[Target]:
@@ -789,21 +812,19 @@ def serving_targets(results: Results) -> list[Target]:
     for label, protocol, encoding in kinds:
         for concurrency, bound in ((1, 1.2), (8, 1.5), (32, 1.5)):
             plural = "s" if concurrency > 1 else ""
-            targets.append(Target(f"{label} req/s, {concurrency} connection{plural}",
-                                  ratio(results, key(protocol, encoding, SMALL, concurrency), "rps"), bound, True))
+            targets.append(paired(f"{label} req/s, {concurrency} connection{plural}", results,
+                                  key(protocol, encoding, SMALL, concurrency), "rps", bound, True))
     for label, protocol, encoding in kinds:
-        targets.append(Target(f"{label} req/s at 1 connection, default / pyserve-single (one process)",
-                              ratio(results, key(protocol, encoding, SMALL, 1), "rps", "pyserve", "pyserve-single"),
-                              1.0, True))
+        targets.append(paired(f"{label} req/s at 1 connection, default / pyserve-single (one process)", results,
+                              key(protocol, encoding, SMALL, 1), "rps", 1.0, True, "pyserve", "pyserve-single"))
     if any(server == "pyserve-before" for server, _ in results.cells):  # --before: every cell, an A/B
         for item in SERVING_CELLS:
-            targets.append(Target(f"{item.key}, default / pyserve-before (the checkout given by --before)",
-                                  ratio(results, item.key, "rps", "pyserve", "pyserve-before"), 0.9, True))
+            targets.append(paired(f"{item.key}, default / pyserve-before (the checkout given by --before)",
+                                  results, item.key, "rps", 0.9, True, "pyserve", "pyserve-before"))
     if any(server == "pyserve-before-batched" for server, _ in results.cells):
         for item in (c for c in SERVING_CELLS if c.key in BATCHED_CELLS):
-            targets.append(Target(f"{item.key}, with the dynamic batcher, default / pyserve-before",
-                                  ratio(results, item.key, "rps", "pyserve-batched", "pyserve-before-batched"),
-                                  0.9, True))
+            targets.append(paired(f"{item.key}, with the dynamic batcher, default / pyserve-before", results,
+                                  item.key, "rps", 0.9, True, "pyserve-batched", "pyserve-before-batched"))
     for label, protocol, encoding in kinds:
         for concurrency in (1, 8, 32):
             plural = "s" if concurrency > 1 else ""
