@@ -358,6 +358,12 @@ class Server:
         self.dataplane.replica_readiness.append(self._handoff.replicas_not_ready)
         self.plugins.add_server_plugin(ModelChangeObserver(self._handoff), name="pyserve-handoff")
 
+    @property
+    def balancer(self) -> ConnectionBalancer | None:
+        """The balancer that places client connections on this process and its frontends, or
+        None (no frontends, or ``--frontend-balance kernel``). Read on the event loop."""
+        return self._balancer
+
     def _balances_grpc(self) -> bool:
         """Whether the balancer places gRPC connections (pyserve's own gRPC server can take them;
         with ``--grpc-server grpcio`` the frontends listen on the gRPC port themselves)."""

@@ -146,7 +146,7 @@ def require_owner_connections(thread: ServerThread) -> None:
     sets): for checks of what the owner itself executes (``BatchRecorder``)."""
     import pytest
 
-    balancer = thread.server._balancer
+    balancer = thread.server.balancer
     if balancer is not None and not balancer.owner_serves:
         pytest.skip("every connection goes to a frontend process (frontend_balance='frontends'); "
                     "this test looks at what the owner executes")

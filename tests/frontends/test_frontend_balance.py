@@ -37,7 +37,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
 
 
 def _balancer(server: ServerThread) -> ConnectionBalancer:
-    balancer = server.server._balancer
+    balancer = server.server.balancer
     assert balancer is not None
     return balancer
 
@@ -224,7 +224,7 @@ def test_frontends_balance_passes_every_connection_to_a_frontend(tmp_path: Path)
 def test_kernel_balance_lets_every_process_listen(tmp_path: Path) -> None:
     write_model(tmp_path / "repo", "echo", ECHO)
     with serve(tmp_path / "repo", frontend_processes=1, frontend_balance="kernel") as thread:
-        assert thread.server._balancer is None
+        assert thread.server.balancer is None
         http = thread.server._http
         assert http is not None
         values = np.ones((1, 2), dtype=np.float32)

@@ -259,7 +259,7 @@ def test_large_messages_of_relayed_grpc_calls(server: ServerThread) -> None:
     relays to the owner: a streamed inference and a model load with a file's contents. Each
     pair of connections has one in the frontend, so the relay carries one of each pair."""
     values = np.random.default_rng(1).standard_normal((1, 500_000)).astype(np.float32)  # 2 MB
-    balancer = server.server._balancer
+    balancer = server.server.balancer
     assert balancer is not None
     passed = balancer.passed
     for _ in range(3):

@@ -188,7 +188,7 @@ def test_model_instance_ready_of_a_frontend_replica_counts(
     repo = tmp_path / "repo"
     install_backend(write_model(repo, "errs", ERRORS), backend_libraries["errors"])
     server = pyserve_server_factory(repo, frontend_processes=1, replicate_models="auto")
-    handoff, balancer = server.server._handoff, server.server._balancer
+    handoff, balancer = server.server._handoff, server.server.balancer
     assert handoff is not None and balancer is not None
     deadline = time.monotonic() + 60
     while not (balancer.peers and any(handoff.replicas.values())):

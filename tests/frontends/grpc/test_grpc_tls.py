@@ -118,5 +118,5 @@ def test_frontend_processes_serve_tls_too(pki: Path, repo: Path) -> None:
             finally:
                 for client in clients:
                     client.close()
-        balancer = thread.server._balancer
+        balancer = thread.server.balancer
         assert balancer is not None and balancer.passed > 0  # the frontend did TLS on passed connections
