@@ -20,12 +20,12 @@ import pytest
 
 _DEFAULT_GRACE_S = 120.0
 
+_STATUS = pytest.StashKey[int]()
+"""The session's exit status, kept from ``pytest_sessionfinish`` for the watchdog."""
+
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.config.stash[_STATUS] = int(exitstatus)
-
-
-_STATUS = pytest.StashKey[int]()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
