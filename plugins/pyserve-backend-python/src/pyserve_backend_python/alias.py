@@ -23,15 +23,14 @@ from pyserve import ModelContext
 from pyserve_backend_python import context
 
 _lock = threading.RLock()
-"""Guards ``_modules`` and ``_registered``. Reentrant: a model whose version failed is forgotten by a
+"""Guards ``_modules``. Reentrant: a model whose version failed is forgotten by a
 ``weakref.finalize`` (``pyserve_model_auto_complete``), which the garbage collector may run on
 any allocation, also on a thread that holds this lock already."""
-_modules: weakref.WeakKeyDictionary[ModelContext, ModuleType] = weakref.WeakKeyDictionary()
-_registered: dict[int, tuple[weakref.ref[ModelContext], ModuleType]] = {}
+_modules: dict[int, tuple[weakref.ref[ModelContext], ModuleType]] = {}
 """``id(module)`` → (the model it was registered for, the module), until it is forgotten: a
-plain dict, so that ``forget`` finds its entry without iterating, and a snapshot of it
-(``list`` of a dict's values allocates nothing while it iterates) is never changed under its
-reader by a collection that runs a finalizer."""
+plain dict, so that ``forget`` pops its entry without iterating, and readers iterate a
+snapshot (``list`` of its values allocates nothing while it copies) that a collection running
+a finalizer cannot change under them."""
 
 
 class OwnModule(ModuleType):
@@ -44,12 +43,13 @@ class OwnModule(ModuleType):
     def _target(self) -> ModuleType:
         stem = ModuleType.__getattribute__(self, "__name__")
         model = context.current_model()
-        module = _modules.get(model) if model is not None else None
-        if module is not None and _stem(module) == stem:
-            return module
         with _lock:
-            entries = list(_registered.values())
-        candidates = [m for owner, m in entries if _stem(m) == stem and _is_current(owner, m)]
+            entries = list(_modules.values())
+        if model is not None:
+            for owner, module in entries:
+                if owner() is model and _stem(module) == stem:
+                    return module
+        candidates = [m for owner, m in entries if _stem(m) == stem and owner() is not None]
         if len(candidates) == 1:
             return candidates[0]
         raise AttributeError(
@@ -70,11 +70,6 @@ class OwnModule(ModuleType):
         return dir(self._target())
 
 
-def _is_current(owner: weakref.ref[ModelContext], module: ModuleType) -> bool:
-    model = owner()
-    return model is not None and _modules.get(model) is module
-
-
 def _stem(module: ModuleType) -> str:
     return module.__name__.rpartition(".")[2]
 
@@ -86,8 +81,7 @@ def register(model: ModelContext, module: ModuleType) -> None:
     which appends the version directory to ``sys.path``, would import it too)."""
     stem = _stem(module)
     with _lock:
-        _modules[model] = module
-        _registered[id(module)] = (weakref.ref(model), module)
+        _modules[id(module)] = (weakref.ref(model), module)
         if stem not in sys.modules:
             sys.modules[stem] = OwnModule(stem, f"the calling Python model's own {stem}.py")
 
@@ -95,7 +89,4 @@ def register(model: ModelContext, module: ModuleType) -> None:
 def forget(module: ModuleType) -> None:
     """The model module is unloaded: ``import <stem>`` no longer reaches it."""
     with _lock:
-        entry = _registered.pop(id(module), None)  # the entry holds its module: no other has this id
-        model = entry[0]() if entry is not None else None
-        if model is not None and _modules.get(model) is module:
-            del _modules[model]
+        _modules.pop(id(module), None)  # the entry holds its module: no other module has this id

@@ -11,7 +11,6 @@ None and every request is answered through its sender.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import weakref
@@ -146,30 +145,21 @@ class _Releaser:
 
     ``ended`` only puts on a ``queue.SimpleQueue`` (safe in a finalizer: it takes no lock a
     thread could hold); ``start`` (from execute) starts the thread once per process, and again
-    in a forked child, where the parent's thread does not exist."""
+    in a forked child, where the parent's thread is not alive."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[str, InferRequest]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
 
     def start(self) -> None:
-        thread = self._thread
-        if thread is not None and thread.is_alive():
-            return
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="pyserve-python-release", daemon=True)
-                self._thread.start()
+        """Start the thread unless it runs. Two executes that start it at once may start two:
+        both take from the one queue, each request once."""
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="pyserve-python-release", daemon=True)
+            self._thread.start()
 
     def ended(self, model_name: str, request: InferRequest) -> None:
         self._queue.put((model_name, request))
-
-    def after_fork(self) -> None:
-        """In a forked child: the parent's queue and lock may be mid-use; start afresh."""
-        self._queue = queue.SimpleQueue()
-        self._thread = None
-        self._lock = threading.Lock()
 
     def _run(self) -> None:
         while True:
@@ -181,7 +171,6 @@ class _Releaser:
 
 
 _RELEASER = _Releaser()
-os.register_at_fork(after_in_child=_RELEASER.after_fork)
 
 
 def _release(model_name: str, request: InferRequest) -> None:
