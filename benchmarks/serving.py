@@ -470,23 +470,28 @@ def _children_cpu() -> float:
 
 
 def _load_command(server: Server, spec: CellSpec, files: RequestFiles, duration: float,
-                  log_file: Path) -> list[str]:
+                  log_file: Path, threads: int = 1) -> list[str]:
+    threads = max(1, min(threads, spec.concurrency))
     if spec.protocol == "http":
         assert files.script is not None
-        return ["wrk", "-t1", f"-c{spec.concurrency}", f"-d{max(1, round(duration))}s", "--timeout", "30s",
+        return ["wrk", f"-t{threads}", f"-c{spec.concurrency}", f"-d{max(1, round(duration))}s", "--timeout", "30s",
                 "-s", str(files.script), f"http://127.0.0.1:{server.http_port}/v2/models/{MODEL}/infer"]
-    command = ["h2load", "-t1", f"-c{spec.concurrency}", "-m1", f"-D{max(1, round(duration))}",
+    command = ["h2load", f"-t{threads}", f"-c{spec.concurrency}", "-m1", f"-D{max(1, round(duration))}",
                "-d", str(files.body), "--log-file", str(log_file)]
     for name, value in files.headers.items():
         command += ["-H", f"{name}: {value}"]
     return command + [f"http://127.0.0.1:{server.grpc_port}{GRPC_PATH}"]
 
 
-def measure(server: Server, spec: CellSpec, files: RequestFiles, duration: float, work: Path) -> Measurement:
+def measure(server: Server, spec: CellSpec, files: RequestFiles, duration: float, work: Path,
+            load_prefix: tuple[str, ...] = (), threads: int = 1) -> Measurement:
+    """One load run of ``spec`` against ``server``: ``load_prefix`` goes before the load
+    generator's command (e.g. ``("taskset", "-c", "0")`` to pin it), ``threads`` is its thread
+    count (at most one per connection)."""
     log_file = work / "h2load.log"
     with suppress(FileNotFoundError):
         log_file.unlink()
-    command = _load_command(server, spec, files, duration, log_file)
+    command = [*load_prefix, *_load_command(server, spec, files, duration, log_file, threads)]
     cpu_before, load_before, start = server.cpu_seconds(), _children_cpu(), time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
