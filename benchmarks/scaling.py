@@ -49,9 +49,8 @@ from serving import (  # noqa: E402
 )
 
 
-def _cpu_sets(counts: list[int]) -> list[tuple[int, str]]:
-    """``(count, taskset list)`` for each count the affinity mask can give."""
-    available = sorted(os.sched_getaffinity(0))
+def _cpu_sets(counts: list[int], available: list[int]) -> list[tuple[int, str]]:
+    """``(count, taskset list)`` for each count the affinity mask (``available``) can give."""
     return [(n, ",".join(str(c) for c in available[:n])) for n in counts if n <= len(available)]
 
 
@@ -69,13 +68,11 @@ def load_placement(choice: str, available: list[int], largest: int) -> str:
     return choice
 
 
-def load_cpus(placement: str, server_cpus: str, available: list[int], largest: int) -> list[int] | None:
+def load_cpus(placement: str, server_cpus: str, spare: list[int]) -> list[int] | None:
     """The CPUs the load generator is pinned to for one count (None: unpinned)."""
     if placement == "same":
         return [int(c) for c in server_cpus.split(",")]
-    if placement == "spare":
-        return available[largest:]
-    return None
+    return spare if placement == "spare" else None
 
 
 def start(cpus: str, repository: Path, work: Path, timeout: float) -> Server:
@@ -101,12 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"needs {', '.join(missing)} (apt-get install util-linux wrk nghttp2-client)")
         return 0
-    sets = _cpu_sets([int(n) for n in args.cpus.split(",")])
+    available = sorted(os.sched_getaffinity(0))
+    sets = _cpu_sets([int(n) for n in args.cpus.split(",")], available)
     if not sets:
         print(f"none of the CPU counts {args.cpus} fits this affinity mask")
         return 0
-    available = sorted(os.sched_getaffinity(0))
     largest = max(count for count, _ in sets)
+    spare = available[largest:]
     try:
         placement = load_placement(args.load_cpus, available, largest)
     except ValueError as error:
@@ -121,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         for round_number in range(args.rounds):
             for count, cpus in sets:
                 server = start(cpus, repository, work, args.start_timeout)
-                pinned = load_cpus(placement, cpus, available, largest)
+                pinned = load_cpus(placement, cpus, spare)
                 prefix = ("taskset", "-c", ",".join(map(str, pinned))) if pinned else ()
                 threads = min(max(1, count // 2), len(pinned) if pinned else len(available))
                 try:
@@ -140,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"cores, load {m.load_cpu:.2f}", file=sys.stderr, flush=True)
                 finally:
                     server.stop()
-    where = {"same": "on the server's CPUs", "spare": f"on CPUs {available[largest:]} (spare)",
+    where = {"same": "on the server's CPUs", "spare": f"on CPUs {spare} (spare)",
              "any": "unpinned"}[placement]
     print(f"Load generator {where}; medians of {args.rounds} rounds.\n")
     columns = "req/s | vs 1 CPU | server cores | req/s per server core | load-gen cores"

@@ -271,12 +271,14 @@ class QueuedStream:
         self.client.close()
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
-    """Poll ``condition`` every 10 ms until it holds; AssertionError naming ``what`` after ``timeout`` s."""
+def wait_for(condition: Callable[[], bool], timeout: float = 60.0, what: str = "condition",
+             detail: Callable[[], str] | None = None) -> None:
+    """Poll ``condition`` every 10 ms until it holds; AssertionError naming ``what`` after ``timeout`` s
+    (followed by ``detail()``, e.g. a server's log, read when it fails)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what}" + (f":\n{detail()}" if detail else ""))
         time.sleep(0.01)
 
 

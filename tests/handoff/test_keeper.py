@@ -106,7 +106,7 @@ def test_a_crash_in_a_frontend_names_the_model(servers: list[RunningServer], tmp
     # the frontend reports its ready replicas just after the start; until then it hands requests
     # to the owner, where the crash would restart the whole server (the verbose log shows the report)
     wait_for(lambda: re.search(r"frontend \d+ answers 2 model version\(s\) with its own replicas", server.stderr)
-             is not None, timeout=120, what="the frontend's report of its replicas")
+             is not None, timeout=120, what="the frontend's report of its replicas", detail=lambda: server.stderr)
     clients = [httpclient.InferenceServerClient(url, network_timeout=60) for _ in range(2)]
     try:  # the second connection is the frontend's (the owner wins ties); its replica crashes
         tensor = httpclient.InferInput("INPUT0", [1], "FP32")
@@ -118,11 +118,9 @@ def test_a_crash_in_a_frontend_names_the_model(servers: list[RunningServer], tmp
     finally:
         for client in clients:
             client.close()
-    try:
-        wait_for(lambda: "exited with status 7; it was executing model 'crash' version 1 instance 'crash_0'; "
-                 "starting it again" in server.stderr, timeout=60, what="the frontend's crash in the log")
-    except AssertionError as error:
-        raise AssertionError(f"{error}:\n{server.stderr}") from None
+    wait_for(lambda: "exited with status 7; it was executing model 'crash' version 1 instance 'crash_0'; "
+             "starting it again" in server.stderr, timeout=60, what="the frontend's crash in the log",
+             detail=lambda: server.stderr)
     np.testing.assert_array_equal(_infer(url, "crash", 4.0), [4.0])
     assert server.server_pid == owner, "the owner itself was restarted"
     assert server.stop(timeout=60) == 0, server.stderr
