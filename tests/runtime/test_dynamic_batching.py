@@ -262,7 +262,10 @@ def test_identity_reports_the_batch_it_was_in(start_server: StartServer, make_re
     output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
     dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: NEVER }
     parameters { key: "report_batch_size" value: { string_value: "true" } }
+    parameters { key: "pyserve_replicate" value: { string_value: "false" } }
     """.replace("NEVER", str(NEVER_US))
+    # one batcher for the four connections: a frontend's replica (once ready, a moment after the
+    # start) would batch only the connections it holds, and never reach the preferred size
     server = start_server(make_repo({"ident": identity}))
     outcomes = run(server, *(req("ident", f"r{i}") for i in range(4)))  # within RUN_TIMEOUT: not the delay
     ok(outcomes)
