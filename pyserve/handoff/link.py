@@ -165,11 +165,11 @@ class OwnerLink(asyncio.Protocol):
         with contextlib.suppress(InferError):
             self._send(wire.frame(Kind.READY, request_id, {"n": not_ready}))
 
-    def announce_replicas(self, generations: list[int], unloading: list[list[Any]]) -> None:
-        """Tell the owner which of its versions this frontend now answers itself, and which
-        ``[name, version]`` replicas still unload."""
+    def announce_replicas(self, generations: list[int], unloading: list[list[Any]], syncing: bool) -> None:
+        """Tell the owner which of its versions this frontend now answers itself, which
+        ``[name, version]`` replicas still unload, and whether loads or unloads are under way."""
         with contextlib.suppress(InferError):
-            self._send(wire.frame(Kind.REPLICAS, 0, {"g": generations, "u": unloading}))
+            self._send(wire.frame(Kind.REPLICAS, 0, {"g": generations, "u": unloading, "s": syncing}))
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, model: RemoteModel, request: InferRequest) -> tuple[int, asyncio.Future[Any]]:

@@ -200,6 +200,12 @@ class HandoffServer:
             self._replicable[version] = chosen
         return chosen
 
+    def replicas_placed(self, pid: int) -> bool:
+        """Whether frontend ``pid`` said HELLO and its replicas hold what its last snapshot
+        asked for (loaded, or failed and left to the owner); True for a frontend without
+        replicas once it said HELLO."""
+        return any(c.pid == pid and c.hello_received and not c.replicas_syncing for c in list(self.connections))
+
     async def collect_stats(self, timeout: float = 2.0) -> None:
         """Pull the counters of every frontend's replicas into the owner's statistics.
 
@@ -278,6 +284,10 @@ class _FrontendConnection(asyncio.Protocol):
         self.next_pull = 1
         self.hello_received = False
         self.pid = 0
+        self.replicas_syncing = False
+        """Whether the frontend's replicas are still loading or unloading what the last
+        snapshot asked for (its REPLICAS reports say)."""
+        self._early_report: dict[str, Any] | None = None  # a REPLICAS report sent before HELLO
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.writer = wire.FrameWriter(self.loop, transport)  # type: ignore[arg-type]
@@ -296,6 +306,7 @@ class _FrontendConnection(asyncio.Protocol):
                 waiter.set_result(None)
         self.server.replicas.pop(self.pid, None)
         self.server._set_unloading(self.pid, None)
+        self._spawn(0, self._announce())  # a supervisor waiting for this frontend looks again
 
     def _waiter(self) -> tuple[int, asyncio.Future[Any]]:
         """A new pull or sync id and the future its answer resolves (``_answered``)."""
@@ -383,17 +394,31 @@ class _FrontendConnection(asyncio.Protocol):
             self._answered(request_id, [int(g) for g in header["n"]])
         elif kind == Kind.REPLICAS:
             header, _ = wire.split_payload(payload)
-            self.server.replicas[self.pid] = list(header["g"])
-            self.server._set_unloading(self.pid, {(str(n), int(v)) for n, v in header.get("u", ())})
-            log.debug("frontend %d answers %d model version(s) with its own replicas", self.pid, len(header["g"]))
+            if self.hello_received:
+                self._take_report(header)
+            else:  # its first snapshot came before HELLO: filed under its pid once that is known
+                self._early_report = header
         elif kind == Kind.HELLO:
             header, _ = wire.split_payload(payload)
             self.pid = int(header.get("pid", 0))
             self.hello_received = True
             self.server.ready_pids.add(self.pid)
+            if self._early_report is not None:
+                self._take_report(self._early_report)
+                self._early_report = None
             self._spawn(0, self._announce())
         else:
             raise ValueError(f"unexpected frame kind {kind} from a frontend")
+
+    def _take_report(self, header: dict[str, Any]) -> None:
+        self.server.replicas[self.pid] = list(header["g"])
+        self.server._set_unloading(self.pid, {(str(n), int(v)) for n, v in header.get("u", ())})
+        syncing = bool(header.get("s", False))
+        if self.replicas_syncing and not syncing:
+            self._spawn(0, self._announce())  # the supervisor may be waiting for these replicas
+        self.replicas_syncing = syncing
+        log.debug("frontend %d answers %d model version(s) with its own replicas%s", self.pid, len(header["g"]),
+                  " (loading more)" if syncing else "")
 
     def _answered(self, request_id: int, answer: Any) -> None:
         waiter = self.waiters.pop(request_id, None)

@@ -176,12 +176,17 @@ class ReplicaSet:
         self._sent: dict[int, dict[str, Any]] = {}
         self._unsent: list[list[Any]] = []
         self._retired: list[ModelVersion] = []  # replicas the owner no longer serves, until drained
-        self._reported: tuple[list[int], list[list[Any]]] | None = None
+        self._reported: tuple[list[int], list[list[Any]], bool] | None = None
         self._watching = False
         self._syncing = False  # a sync is due or running: a retired READY replica is still to unload
         self.on_change: Any = None
-        """Called (on the loop) with the READY generations and ``unloading()`` whenever either
-        changed: after a snapshot retired replicas, after each sync, once a drain ends."""
+        """Called (on the loop) with the READY generations, ``unloading()`` and ``syncing``
+        whenever one changed: as a snapshot starts a sync, after each sync, once a drain ends."""
+
+    @property
+    def syncing(self) -> bool:
+        """Whether replicas of the latest snapshot are still to load or unload."""
+        return self._syncing
 
     def local_for(self, generation: int) -> ModelVersion | None:
         """The READY replica of owner version ``generation``, or None."""
@@ -209,13 +214,17 @@ class ReplicaSet:
             self._again = True
 
     async def _run_sync(self) -> None:
-        while True:
-            self._again = False
-            await self._apply(dict(self._wanted))
-            if not self._again:
-                break
-        self._syncing = False
-        self._report()
+        try:
+            while True:
+                self._again = False
+                await self._apply(dict(self._wanted))
+                if not self._again:
+                    break
+        except Exception:  # noqa: BLE001 - a bug in a load: the frontend hands those requests off
+            log.exception("frontend: replicas could not follow the owner's models")
+        finally:
+            self._syncing = False
+            self._report()
 
     def unloading(self) -> list[list[Any]]:
         """``[name, version]`` of every replica the owner no longer serves that has not finished
@@ -228,7 +237,7 @@ class ReplicaSet:
     def _report(self) -> None:
         """Call ``on_change`` if what it was last told changed; while replicas unload, look
         again every ``_DRAIN_POLL_S`` (a drain ends on a thread of its own)."""
-        report = (sorted(self.by_generation), self.unloading())
+        report = (sorted(self.by_generation), self.unloading(), self._syncing)
         if report != self._reported:
             self._reported = report
             if self.on_change is not None:

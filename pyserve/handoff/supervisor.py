@@ -93,26 +93,41 @@ class FrontendSupervisor:
         """The process ids of the running frontends."""
         return [s.process.pid for s in self.slots if s.process is not None and s.process.poll() is None]
 
-    async def start(self, timeout: float = 60.0) -> None:
-        """Start every frontend and wait until each listens.
+    async def start(self, timeout: float = 60.0, replicas_timeout: float = 60.0) -> None:
+        """Start every frontend and wait until each listens and its model replicas are loaded.
 
-        :raises FrontendStartError: one exited or did not report ready within ``timeout``.
+        A frontend whose replicas are still loading after another ``replicas_timeout`` s serves
+        anyway, handing those models' requests to the owner until they are (a warning says so).
+
+        :raises FrontendStartError: one exited, or did not report listening within ``timeout``.
         """
         self._loop = asyncio.get_running_loop()
         for slot in self.slots:
             self._spawn(slot)
+        handoff = self.handoff
+        if not await self._wait_all(lambda pid: pid in handoff.ready_pids, timeout):
+            raise FrontendStartError(f"frontend processes did not report ready within {timeout:.0f} s")
+        if not await self._wait_all(handoff.replicas_placed, replicas_timeout):
+            log.warning("frontend processes still load model replicas after %.0f s; they hand those models' "
+                        "requests to the model owner until the replicas are ready", replicas_timeout)
+
+    async def _wait_all(self, done: Any, timeout: float) -> bool:
+        """Wait until ``done(pid)`` holds for every frontend; False: ``timeout`` passed first.
+
+        :raises FrontendStartError: a frontend exited meanwhile.
+        """
         hello = self.handoff.hello
 
         def settled() -> bool:
             if any(s.process is not None and s.process.poll() is not None for s in self.slots):
                 return True
-            return all(s.process is not None and s.process.pid in self.handoff.ready_pids for s in self.slots)
+            return all(s.process is not None and done(s.process.pid) for s in self.slots)
 
         try:
             async with hello:
                 await asyncio.wait_for(hello.wait_for(settled), timeout)
         except asyncio.TimeoutError:
-            raise FrontendStartError(f"frontend processes did not report ready within {timeout:.0f} s") from None
+            return False
         for slot in self.slots:
             assert slot.process is not None
             status = slot.process.poll()
@@ -120,6 +135,7 @@ class FrontendSupervisor:
                 raise FrontendStartError(
                     f"frontend process {slot.index} exited with status {status} while starting (see its log above)"
                 )
+        return True
 
     def _spawn(self, slot: _Slot) -> None:
         slot.restart = None

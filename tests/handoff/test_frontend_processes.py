@@ -38,6 +38,7 @@ from suite_support import (
 )
 from tritonclient.utils import InferenceServerException
 
+from pyserve.handoff.supervisor import FrontendSupervisor
 from pyserve.server.core import Server, ServerThread, StartupError
 from pyserve.testing import serve, write_model
 
@@ -113,8 +114,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     with serve(
         repo, frontend_processes=1, replicate_models="auto", model_control_mode="explicit", load_models=["*"],
         allow_metrics=True,
-    ) as thread:
-        _wait_for_replicas(thread, 2)  # echo and pyecho (their default and numbered entries share one)
+    ) as thread:  # ready: echo and pyecho are replicated (their default and numbered entries share one)
         yield thread
 
 
@@ -407,6 +407,86 @@ def test_not_ready_until_the_frontends_listen(tmp_path: Path, monkeypatch: pytes
             assert client.is_server_ready()
 
 
+SLOW_START_PY = """
+import json
+import os
+import time
+from pathlib import Path
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        parameters = json.loads(args["model_config"]).get("parameters", {})
+        marker = Path(args["model_repository"]) / "owner.pid"
+        if not marker.exists():  # the owner loads first; frontends load their replicas later
+            marker.write_text(str(os.getpid()))
+            time.sleep(float(parameters["owner_sleep_s"]["string_value"]))
+        elif marker.read_text() != str(os.getpid()):
+            time.sleep(float(parameters["replica_sleep_s"]["string_value"]))
+
+    def execute(self, requests):
+        import triton_python_backend_utils as pb_utils
+
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())]) for r in requests]
+"""
+"""An echo whose ``initialize`` sleeps: ``owner_sleep_s`` in the owner, ``replica_sleep_s`` in a frontend."""
+
+
+def _slow_start_repository(root: Path, owner_sleep_s: float, replica_sleep_s: float) -> Path:
+    repo = root / "repo"
+    parameters = (f'parameters {{ key: "owner_sleep_s" value {{ string_value: "{owner_sleep_s}" }} }}\n'
+                  f'parameters {{ key: "replica_sleep_s" value {{ string_value: "{replica_sleep_s}" }} }}')
+    write_model(repo, "slow", python_echo_config("slow", parameters), {"1/model.py": SLOW_START_PY})
+    write_model(repo, "echo", ECHO)
+    return repo
+
+
+def test_ready_only_once_the_frontends_answer_with_their_replicas(tmp_path: Path) -> None:
+    """READY (and the start's return) comes after each frontend loaded its replicas: a client
+    that waits for ready finds every process answering with its own copies, and the owner files
+    each frontend's replicas under its pid (the report sent before HELLO included)."""
+    with serve(_slow_start_repository(tmp_path, 0.0, 1.5), frontend_processes=1, replicate_models="auto") as thread:
+        handoff = thread.server._handoff
+        assert handoff is not None
+        pids = _pids(thread)
+        assert sorted(handoff.replicas) == pids  # no entry filed before the frontend said who it is
+        assert len(handoff.replicas[pids[0]]) == 2  # slow and echo, already at READY
+        values = np.ones((1, 3), dtype=np.float32)
+        before = handoff.requests
+        for _ in range(CONNECTIONS // 2):
+            with _http_pair(thread) as clients:
+                for client in clients:
+                    assert np.array_equal(client.infer("slow", [_fp32(values)]).as_numpy("OUTPUT0"), values)
+        assert handoff.requests == before, "a replicated model's request was handed to the owner"
+
+
+def test_replicas_that_load_too_long_do_not_hold_up_the_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Past the replicas' wait the server serves anyway (a warning says so): the frontend hands
+    the model's requests to the owner until its replica is ready, then answers them itself."""
+    start = FrontendSupervisor.start
+
+    async def short_wait(self: FrontendSupervisor, timeout: float = 60.0, replicas_timeout: float = 60.0) -> None:
+        await start(self, timeout, replicas_timeout=1.0)
+
+    monkeypatch.setattr(FrontendSupervisor, "start", short_wait)
+    caplog.set_level("WARNING", logger="pyserve.handoff")
+    with serve(_slow_start_repository(tmp_path, 0.0, 8.0), frontend_processes=1, replicate_models="auto") as thread:
+        handoff = thread.server._handoff
+        assert handoff is not None
+        assert "still load model replicas after 1 s" in caplog.text
+        pid = _pids(thread)[0]
+        assert len(handoff.replicas.get(pid, ())) < 2
+        values = np.ones((1, 3), dtype=np.float32)
+        for _ in range(CONNECTIONS // 2):  # whichever process takes it, the owner's copy answers
+            with _http_pair(thread) as clients:
+                for client in clients:
+                    assert np.array_equal(client.infer("slow", [_fp32(values)]).as_numpy("OUTPUT0"), values)
+        _wait_for_replicas(thread, 2)
+        assert sorted(handoff.replicas) == [pid]
+
+
 def test_handoff_without_replicas(tmp_path: Path) -> None:
     repo = _repository(tmp_path)
     with serve(repo, frontend_processes=1) as thread:
@@ -627,8 +707,6 @@ def test_classification_labels_reach_the_frontends(tmp_path: Path) -> None:
     expected = [f"{scores[0, i]:f}:{i}:{labels[i]}" for i in (3, 1)]
     for replicate in ("none", "auto"):
         with serve(repo, frontend_processes=1, replicate_models=replicate) as thread:
-            if replicate == "auto":
-                _wait_for_replicas(thread, 1)
             for _ in range(CONNECTIONS):
                 with _http(thread) as client:
                     tensor = httpclient.InferInput("INPUT0", [1, 5], "FP32")
