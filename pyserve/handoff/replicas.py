@@ -35,6 +35,7 @@ mode for that model, within the structural rules.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -139,8 +140,6 @@ class ReplicaSet:
     """
 
     def __init__(self, settings: dict[str, Any], prepared: Any = None) -> None:
-        import asyncio
-
         from pyserve import __version__
         from pyserve.dataplane.bls import ServerHandle
         from pyserve.dataplane.plane import DataPlane
@@ -148,6 +147,8 @@ class ReplicaSet:
         from pyserve.runtime.manager import ModelManager
 
         self.loop = asyncio.get_running_loop()
+        self.load_threads = max(1, int(settings.get("load_threads", 4)))
+        """Replicas loaded at the same time."""
         if prepared is not None:
             self.models = prepared
             self.models.follow_explicitly()  # replicas follow the owner's snapshots
@@ -183,11 +184,6 @@ class ReplicaSet:
         """Called (on the loop) with the READY generations, ``unloading()`` and ``syncing``
         whenever one changed: as a snapshot starts a sync, after each sync, once a drain ends."""
 
-    @property
-    def syncing(self) -> bool:
-        """Whether replicas of the latest snapshot are still to load or unload."""
-        return self._syncing
-
     def local_for(self, generation: int) -> ModelVersion | None:
         """The READY replica of owner version ``generation``, or None."""
         replica = self.by_generation.get(generation)
@@ -207,8 +203,6 @@ class ReplicaSet:
         self._syncing = True
         self._report()  # before the snapshot is acknowledged: the owner knows what still unloads
         if self._sync is None or self._sync.done():
-            import asyncio
-
             self._sync = asyncio.ensure_future(self._run_sync())
         else:
             self._again = True
@@ -261,18 +255,25 @@ class ReplicaSet:
         for name in [n for n in self._loaded_config if n not in wanted]:
             del self._loaded_config[name]
             await loop.run_in_executor(None, self.models.unload_model, name)
-        for name, (config, _, versions) in wanted.items():
-            if self._loaded_config.get(name) != config:
-                message = pb.ModelConfig.FromString(config)
+        slots = asyncio.Semaphore(self.load_threads)
+
+        async def load(name: str, config: bytes) -> None:
+            message = pb.ModelConfig.FromString(config)
+            async with slots:
                 try:
                     if not await loop.run_in_executor(None, self.models.adopt_prepared, name, message):
                         text = orjson.dumps(model_config_to_dict(message)).decode()
                         await loop.run_in_executor(None, self.models.load_model, name, text)
                 except InferError as exc:
                     log.warning("frontend: no replica of model '%s': %s", name, exc.message)
-                    self._loaded_config[name] = config  # do not retry the same config
-                    continue
-                self._loaded_config[name] = config
+                except Exception:  # noqa: BLE001 - a bug in one load: the others go on
+                    log.exception("frontend: no replica of model '%s'", name)
+            self._loaded_config[name] = config  # loaded, or failed: the same config is not retried
+
+        # as the owner loads its models at the start: several at once (``--model-load-thread-count``)
+        await asyncio.gather(*(load(name, config) for name, (config, _, _) in wanted.items()
+                               if self._loaded_config.get(name) != config))
+        for name, (_, _, versions) in wanted.items():
             record = self.models.records.get(name)
             for version, (generation, io) in versions.items():
                 replica = record.versions.get(version) if record is not None else None

@@ -16,6 +16,7 @@ import logging
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pyserve.handoff import affinity
@@ -111,7 +112,7 @@ class FrontendSupervisor:
             log.warning("frontend processes still load model replicas after %.0f s; they hand those models' "
                         "requests to the model owner until the replicas are ready", replicas_timeout)
 
-    async def _wait_all(self, done: Any, timeout: float) -> bool:
+    async def _wait_all(self, done: Callable[[int], bool], timeout: float) -> bool:
         """Wait until ``done(pid)`` holds for every frontend; False: ``timeout`` passed first.
 
         :raises FrontendStartError: a frontend exited meanwhile.

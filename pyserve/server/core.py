@@ -401,6 +401,7 @@ class Server:
             "backend_config": {k: dict(v) for k, v in options.backend_config.items()},
             "backend_directory": options.backend_directory,
             "cpu_threads": self.models.cpu_threads,
+            "load_threads": options.model_load_thread_count,
         }
         self.frontends = FrontendSupervisor(options.frontend_processes, settings, self._handoff, cpus=self._cpus,
                                             preforked=self._preforked)

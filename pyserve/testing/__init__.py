@@ -57,6 +57,12 @@ Helpers
     ``channel_args`` that give a tritonclient gRPC client a connection of its own (grpc's channels
     to one address share one otherwise), for tests that care which process serves a connection.
 
+``KEEP_IN_OWNER``
+    ``config.pbtxt`` text (``pyserve_replicate: "false"``) that keeps a model's executes in the
+    test's own process under a layout with frontend processes: a ``BatchRecorder`` (any server
+    plugin object, which frontend processes do not have) sees all of them, and one batcher takes
+    the requests of every connection.
+
 Conformance suite
 -----------------
 
@@ -132,6 +138,7 @@ from pyserve.testing.client import _Model
 from pyserve.testing.conformance import BackendConformance
 from pyserve.testing.dlpack import DLPackProbe
 from pyserve.testing.helpers import (
+    KEEP_IN_OWNER,
     OWN_GRPC_CONNECTION,
     BatchRecorder,
     ServerFactory,
@@ -147,6 +154,7 @@ if TYPE_CHECKING:
     from pyserve.server.core import ServerThread
 
 __all__ = [
+    "KEEP_IN_OWNER",
     "OWN_GRPC_CONNECTION",
     "BackendConformance",
     "BatchRecorder",

@@ -34,6 +34,12 @@ OWN_GRPC_CONNECTION = [
 """``channel_args`` of a tritonclient gRPC client whose connection is its own: a new connection
 that the server's balancer places as any other."""
 
+KEEP_IN_OWNER = 'parameters { key: "pyserve_replicate" value: { string_value: "false" } }\n'
+"""``config.pbtxt`` text that keeps a model out of the frontend processes' replicas: every execute
+of it runs in the process that called ``serve`` (frontends hand its requests over), where a
+server plugin object such as ``BatchRecorder`` sees it and one batcher takes every connection's
+requests."""
+
 _MOST_CONNECTIONS = 16
 """How many clients ``BatchRecorder.until_on_the_loop`` opens at most to reach the owner."""
 

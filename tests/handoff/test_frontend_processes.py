@@ -422,7 +422,10 @@ class TritonPythonModel:
             marker.write_text(str(os.getpid()))
             time.sleep(float(parameters["owner_sleep_s"]["string_value"]))
         elif marker.read_text() != str(os.getpid()):
+            start = time.monotonic()
             time.sleep(float(parameters["replica_sleep_s"]["string_value"]))
+            with open(marker.parent.parent / "replica_loads.txt", "a") as loads:
+                loads.write(f"{start} {time.monotonic()}\\n")
 
     def execute(self, requests):
         import triton_python_backend_utils as pb_utils
@@ -433,11 +436,13 @@ class TritonPythonModel:
 """An echo whose ``initialize`` sleeps: ``owner_sleep_s`` in the owner, ``replica_sleep_s`` in a frontend."""
 
 
-def _slow_start_repository(root: Path, owner_sleep_s: float, replica_sleep_s: float) -> Path:
+def _slow_start_repository(root: Path, owner_sleep_s: float, replica_sleep_s: float, names: tuple[str, ...] = ("slow",),
+                           ) -> Path:
     repo = root / "repo"
     parameters = (f'parameters {{ key: "owner_sleep_s" value {{ string_value: "{owner_sleep_s}" }} }}\n'
                   f'parameters {{ key: "replica_sleep_s" value {{ string_value: "{replica_sleep_s}" }} }}')
-    write_model(repo, "slow", python_echo_config("slow", parameters), {"1/model.py": SLOW_START_PY})
+    for name in names:
+        write_model(repo, name, python_echo_config(name, parameters), {"1/model.py": SLOW_START_PY})
     write_model(repo, "echo", ECHO)
     return repo
 
@@ -445,13 +450,15 @@ def _slow_start_repository(root: Path, owner_sleep_s: float, replica_sleep_s: fl
 def test_ready_only_once_the_frontends_answer_with_their_replicas(tmp_path: Path) -> None:
     """READY (and the start's return) comes after each frontend loaded its replicas: a client
     that waits for ready finds every process answering with its own copies, and the owner files
-    each frontend's replicas under its pid (the report sent before HELLO included)."""
-    with serve(_slow_start_repository(tmp_path, 0.0, 1.5), frontend_processes=1, replicate_models="auto") as thread:
+    each frontend's replicas under its pid (the report sent before HELLO included). A frontend
+    loads its replicas several at once, as the owner loads its models."""
+    repo = _slow_start_repository(tmp_path, 0.0, 1.5, names=("slow", "slow2"))
+    with serve(repo, frontend_processes=1, replicate_models="auto") as thread:
         handoff = thread.server._handoff
         assert handoff is not None
         pids = _pids(thread)
         assert sorted(handoff.replicas) == pids  # no entry filed before the frontend said who it is
-        assert len(handoff.replicas[pids[0]]) == 2  # slow and echo, already at READY
+        assert len(handoff.replicas[pids[0]]) == 3  # slow, slow2 and echo, already at READY
         values = np.ones((1, 3), dtype=np.float32)
         before = handoff.requests
         for _ in range(CONNECTIONS // 2):
@@ -459,6 +466,9 @@ def test_ready_only_once_the_frontends_answer_with_their_replicas(tmp_path: Path
                 for client in clients:
                     assert np.array_equal(client.infer("slow", [_fp32(values)]).as_numpy("OUTPUT0"), values)
         assert handoff.requests == before, "a replicated model's request was handed to the owner"
+    loads = [tuple(map(float, line.split())) for line in (repo / "replica_loads.txt").read_text().splitlines()]
+    assert len(loads) == 2
+    assert max(start for start, _ in loads) < min(end for _, end in loads), f"replicas loaded one by one: {loads}"
 
 
 def test_replicas_that_load_too_long_do_not_hold_up_the_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

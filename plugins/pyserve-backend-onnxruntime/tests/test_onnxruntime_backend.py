@@ -23,6 +23,7 @@ from pyserve.repository.model_config import gpu_count
 from pyserve.runtime.scheduling import AdaptiveBatcher, AdaptiveScheduler, DynamicBatcher
 from pyserve.server.core import ServerThread
 from pyserve.testing import (
+    KEEP_IN_OWNER,
     OWN_GRPC_CONNECTION,
     BatchRecorder,
     ServerFactory,
@@ -66,7 +67,8 @@ def recorder() -> BatchRecorder:
 def server(tmp_path_factory: pytest.TempPathFactory, recorder: BatchRecorder) -> Iterator[ServerThread]:
     repo = tmp_path_factory.mktemp("ort_repo")
     mlp, conv = ort_models.mlp(), ort_models.convnet()
-    write_model(repo, "mlp", MLP_CONFIG, {"1/model.onnx": mlp})
+    # the models whose executes ``recorder`` counts stay in this process (one batcher for every connection)
+    write_model(repo, "mlp", MLP_CONFIG + KEEP_IN_OWNER, {"1/model.onnx": mlp})
     write_model(repo, "conv", CONV_CONFIG, {"1/model.onnx": conv})
     write_model(repo, "mlp_auto", None, {"1/model.onnx": mlp})  # no config.pbtxt at all
     write_model(repo, "conv_auto", 'platform: "onnxruntime_onnx"\n', {"1/model.onnx": conv})
@@ -98,7 +100,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, recorder: BatchRecorder) ->
         'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
         'input [ { name: "text", data_type: TYPE_STRING, dims: [ 2 ] } ]\n'
         'output [ { name: "echo", data_type: TYPE_STRING, dims: [ 2 ] } ]\n'
-        'dynamic_batching { max_queue_delay_microseconds: 300000 }\n',
+        'dynamic_batching { max_queue_delay_microseconds: 300000 }\n' + KEEP_IN_OWNER,
         {"1/model.onnx": ort_models.strings()},
     )
     write_model(repo, "bad_arena", MLP_CONFIG + 'parameters { key: "memory.enable_memory_arena_shrinkage" '

@@ -23,6 +23,7 @@ from pyserve.api.backend_support import ProcessWideSettings
 from pyserve.runtime.scheduling import AdaptiveScheduler, DynamicBatcher
 from pyserve.server.core import ServerThread
 from pyserve.testing import (
+    KEEP_IN_OWNER,
     OWN_GRPC_CONNECTION,
     BatchRecorder,
     ServerFactory,
@@ -128,7 +129,8 @@ def server(
     pt_models.save_exported(modules["mlp"], torch.zeros(2, 4), files / "mlp.pt2")
     mlp, conv, two = ((files / f"{n}.pt").read_bytes() for n in ("mlp", "conv", "two"))
     repo = tmp_path_factory.mktemp("pt_repo")
-    write_model(repo, "mlp", MLP_CONFIG, {"1/model.pt": mlp})
+    # the models whose executes ``recorder`` counts stay in this process (one batcher for every connection)
+    write_model(repo, "mlp", MLP_CONFIG + KEEP_IN_OWNER, {"1/model.pt": mlp})
     write_model(repo, "conv", CONV_CONFIG, {"1/model.pt": conv})
     write_model(repo, "two", TWO_CONFIG, {"1/model.pt": two})
     write_model(repo, "exported", EXPORTED_CONFIG, {"1/model.pt2": (files / "mlp.pt2").read_bytes()})
@@ -157,7 +159,7 @@ def server(
     shout, echo, tensor_for_strings = ((files / f"{n}.pt").read_bytes() for n in ("shout", "echo", "tensor_for_strings"))
     write_model(repo, "shout", SHOUT_CONFIG, {"1/model.pt": shout})
     write_model(repo, "echo", ECHO_CONFIG, {"1/model.pt": echo})
-    write_model(repo, "echo_slow", ECHO_CONFIG.replace("20000", "300000"), {"1/model.pt": echo})
+    write_model(repo, "echo_slow", ECHO_CONFIG.replace("20000", "300000") + KEEP_IN_OWNER, {"1/model.pt": echo})
     write_model(repo, "bad_string_dims", _broken(SHOUT_CONFIG, "TYPE_STRING, dims: [ -1 ] }", "TYPE_STRING, dims: [ 2, -1 ] }"),
                 {"1/model.pt": shout})
     write_model(repo, "bad_batched_string", _broken(ECHO_CONFIG, ', reshape: { shape: [ ] } } ]\noutput', " } ]\noutput"),

@@ -25,6 +25,7 @@ import tritonclient.http as httpclient
 from pyserve.runtime.scheduling import AdaptiveBatcher, DynamicBatcher
 from pyserve.server.core import ServerThread
 from pyserve.testing import (
+    KEEP_IN_OWNER,
     OWN_GRPC_CONNECTION,
     BatchRecorder,
     ServerFactory,
@@ -93,7 +94,8 @@ def server(
     upper = {f"1/model.savedmodel/{k}": v for k, v in _tree(files / "upper").items()}
     graphdef = {"1/model.graphdef": (files / "mlp.graphdef").read_bytes()}
     repo = tmp_path_factory.mktemp("tf_repo")
-    write_model(repo, "mlp", MLP_CONFIG, mlp)
+    # the models whose executes ``recorder`` counts stay in this process (one batcher for every connection)
+    write_model(repo, "mlp", MLP_CONFIG + KEEP_IN_OWNER, mlp)
     write_model(repo, "mlp_auto", None, mlp)  # no config.pbtxt at all
     # the batcher without a queue delay, and a generous limit for "short" (a slow test machine)
     write_model(repo, "mlp_loop", _broken(MLP_CONFIG, "max_queue_delay_microseconds: 20000", "")
@@ -103,7 +105,7 @@ def server(
     write_model(repo, "upper_batched", 'backend: "tensorflow"\nmax_batch_size: 8\n'
                 'input [ { name: "text", data_type: TYPE_STRING, dims: [ 1 ], reshape: { shape: [ ] } } ]\n'
                 'output [ { name: "upper", data_type: TYPE_STRING, dims: [ 1 ], reshape: { shape: [ ] } } ]\n'
-                'dynamic_batching { max_queue_delay_microseconds: 300000 }\n', upper)
+                'dynamic_batching { max_queue_delay_microseconds: 300000 }\n' + KEEP_IN_OWNER, upper)
     write_model(repo, "graphdef", GRAPHDEF_CONFIG, graphdef)
     write_model(repo, "bad_name", _broken(MLP_CONFIG, 'name: "x"', 'name: "input"'), mlp)
     write_model(repo, "bad_type", _broken(MLP_CONFIG, "TYPE_FP32, dims: [ 4 ]", "TYPE_FP16, dims: [ 4 ]"), mlp)
