@@ -26,17 +26,24 @@ What a replica changes, and why the rules below exist:
 * GPU instance groups are not replicated by ``auto`` (one copy of the weights per process), nor
   are Python models with their own environment (``EXECUTION_ENV_PATH``, or a requirements file:
   they run in worker processes already);
+* a server plugin object handed to an embedded server (``PluginHost(server_plugins=...)``)
+  that wraps ``pyserve_execute`` exists in the owner only (a forked frontend holds a copy whose
+  state the owner never sees): while one is registered, ``auto`` replicates nothing, so the
+  plugin sees every execute; plugins read from entry points load in every process and do not
+  hold replication back;
 * statistics and ``nv_inference_*`` metrics stay whole: the owner pulls each replica's
   counters (``counters_delta``) before it answers a statistics request or a metrics scrape.
 
 A model's config parameter ``pyserve_replicate`` (``"true"`` / ``"false"``) overrides the
-mode for that model, within the structural rules.
+mode for that model, within the structural rules; so does naming it in ``--replicate-models``
+(an in-process execute wrapper then runs on the frontend's copy for that model's replica).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +61,14 @@ REPLICATE_PARAMETER = "pyserve_replicate"
 class ReplicationMode:
     """``--replicate-models``: ``none``, ``auto``, or a comma-separated list of model names.
 
+    :param execute_wrappers: returns the names of the in-process server plugins that wrap
+        ``pyserve_execute`` (``PluginHost.in_process_execute_wrappers``); while it names one,
+        ``auto`` replicates nothing. Called whenever a version's placement is decided.
     :raises ValueError: an empty name in the list.
     """
 
-    def __init__(self, value: str) -> None:
+    def __init__(self, value: str, execute_wrappers: Callable[[], list[str]] | None = None) -> None:
+        self.execute_wrappers = execute_wrappers
         self.value = value.strip()
         self.auto = self.value == "auto"
         self.none = self.value in ("none", "")
@@ -114,6 +125,11 @@ def replicable(version: ModelVersion, mode: ReplicationMode, repositories: Any =
         return True, ""
     if not mode.auto:
         return False, "not selected by --replicate-models"
+    wrappers = mode.execute_wrappers() if mode.execute_wrappers is not None else []
+    if wrappers:
+        plural = len(wrappers) > 1
+        return False, (f"the in-process server plugin{'s' if plural else ''} {', '.join(wrappers)} "
+                       f"wrap{'' if plural else 's'} pyserve_execute and would not see a frontend's executes")
     reason = _auto_reason(version)
     return (False, reason) if reason is not None else (True, "")
 

@@ -222,6 +222,7 @@ class PluginHost:
         self.server_plugins: list[object] = []
         self._server_plugin_names: list[str | None] = []
         self._server_plugin_infos: list[ServerPluginInfo] = []
+        self._loaded_everywhere: set[int] = set()  # ids of the plugins read from entry points
         if use_entry_points:
             self._read_entry_points()
         for plugin in server_plugins:
@@ -237,6 +238,7 @@ class PluginHost:
             try:
                 plugin = _as_plugin(ep.load())
                 self.add_server_plugin(plugin, name=f"{ep.name} ({_dist_label(ep)})")
+                self._loaded_everywhere.add(id(plugin))
             except Exception as exc:  # a broken optional plugin must not stop the server
                 log.error("server plugin '%s' from %s failed to load: %s", ep.name, _dist_label(ep), exc)
                 continue
@@ -265,6 +267,22 @@ class PluginHost:
             for loaded in self._loaded.values():
                 loaded.manager.register(plugin, name=name)
                 loaded.hooks.refresh()
+
+    def in_process_execute_wrappers(self) -> list[str]:
+        """The server plugins handed to this host as objects (``server_plugins=``,
+        ``add_server_plugin``) that wrap ``pyserve_execute``, by name (the class name when
+        registered without one).
+
+        Such a plugin lives in this process only: an execute in a frontend process's replica
+        would run past it (or past a forked copy whose state this process never sees), so
+        ``--replicate-models auto`` keeps every model in the owner while one is registered.
+        Plugins read from entry points are not listed: every process loads its own.
+        """
+        with self._lock:
+            wrappers = {id(impl.plugin) for impl in self.pm.hook.pyserve_execute.get_hookimpls()}
+            return [name or type(plugin).__name__
+                    for plugin, name in zip(self.server_plugins, self._server_plugin_names)
+                    if id(plugin) in wrappers and id(plugin) not in self._loaded_everywhere]
 
     def platform_backend(self, platform: str) -> str | None:
         """The backend name that serves a config ``platform``, if any."""

@@ -274,7 +274,7 @@ class Server:
             return frontend.run_forked(settings, models)
 
         self._preforked = prefork.prepare_and_fork(models, options.frontend_processes, options.replicate_models,
-                                                   serve_child)
+                                                   serve_child, self.plugins.in_process_execute_wrappers)
 
     async def start(self) -> None:
         """Load the models, then start listening.
@@ -340,7 +340,7 @@ class Server:
             raise StartupError("--frontend-processes needs --http-server pyserve")
         self._handoff_dir = tempfile.mkdtemp(prefix="pyserve-handoff-")  # mode 0700: this user only
         try:
-            replication = ReplicationMode(self.options.replicate_models)
+            replication = ReplicationMode(self.options.replicate_models, self.plugins.in_process_execute_wrappers)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         if self.options.frontend_balance not in FRONTEND_BALANCE:

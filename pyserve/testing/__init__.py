@@ -46,8 +46,10 @@ Helpers
 
 ``BatchRecorder``
     A server plugin recording how many requests each execute of a model received and on which
-    thread it ran; ``until_on_the_loop(model, connect, call)`` calls until a compute-only model
-    executes on the loop, opening clients until one's connection reaches the recording process.
+    thread it ran. A plugin object lives in the test's process, so while one wraps execute,
+    ``--replicate-models auto`` replicates nothing and it sees every execute.
+    ``until_on_the_loop(model, connect, call)`` calls until a compute-only model executes on the
+    loop, opening clients until one's connection reaches the recording process.
 
 ``require_owner_connections(thread)``
     Skips the calling test when every connection of ``thread`` goes to a frontend process
@@ -56,12 +58,6 @@ Helpers
 ``OWN_GRPC_CONNECTION``
     ``channel_args`` that give a tritonclient gRPC client a connection of its own (grpc's channels
     to one address share one otherwise), for tests that care which process serves a connection.
-
-``KEEP_IN_OWNER``
-    ``config.pbtxt`` text (``pyserve_replicate: "false"``) that keeps a model's executes in the
-    test's own process under a layout with frontend processes: a ``BatchRecorder`` (any server
-    plugin object, which frontend processes do not have) sees all of them, and one batcher takes
-    the requests of every connection.
 
 Conformance suite
 -----------------
@@ -138,7 +134,6 @@ from pyserve.testing.client import _Model
 from pyserve.testing.conformance import BackendConformance
 from pyserve.testing.dlpack import DLPackProbe
 from pyserve.testing.helpers import (
-    KEEP_IN_OWNER,
     OWN_GRPC_CONNECTION,
     BatchRecorder,
     ServerFactory,
@@ -154,7 +149,6 @@ if TYPE_CHECKING:
     from pyserve.server.core import ServerThread
 
 __all__ = [
-    "KEEP_IN_OWNER",
     "OWN_GRPC_CONNECTION",
     "BackendConformance",
     "BatchRecorder",

@@ -34,12 +34,6 @@ OWN_GRPC_CONNECTION = [
 """``channel_args`` of a tritonclient gRPC client whose connection is its own: a new connection
 that the server's balancer places as any other."""
 
-KEEP_IN_OWNER = 'parameters { key: "pyserve_replicate" value: { string_value: "false" } }\n'
-"""``config.pbtxt`` text that keeps a model out of the frontend processes' replicas: every execute
-of it runs in the process that called ``serve`` (frontends hand its requests over), where a
-server plugin object such as ``BatchRecorder`` sees it and one batcher takes every connection's
-requests."""
-
 _MOST_CONNECTIONS = 16
 """How many clients ``BatchRecorder.until_on_the_loop`` opens at most to reach the owner."""
 
@@ -160,7 +154,15 @@ def require_owner_connections(thread: ServerThread) -> None:
 
 class BatchRecorder:
     """A server plugin that records how many requests each execute of a model received, and
-    on which thread it ran."""
+    on which thread it ran.
+
+    Given to ``serve(..., server_plugins=[recorder])`` it lives in the test's process: while it
+    is registered, ``--replicate-models auto`` replicates nothing (frontend processes hand every
+    request to this process), so it sees every execute, and one batcher per model takes the
+    requests of every connection. A model replicated all the same (named in
+    ``--replicate-models``, or ``pyserve_replicate: "true"``) executes unseen in a frontend.
+    Its lists are appended to on the instance threads and the event loop; read them from the
+    test's thread between calls."""
 
     def __init__(self) -> None:
         self.sizes: dict[str, list[int]] = {}
@@ -185,9 +187,10 @@ class BatchRecorder:
         ``connect()`` opens a client with a connection of its own (for gRPC, ``channel_args=
         OWN_GRPC_CONNECTION``); it is closed at the end. This plugin sees only the executes of the
         process it was given to. When a call's execute does not show here, the balancer placed
-        its connection on a frontend process: another client is opened while the earlier stay
-        open, and since the balancer gives a new connection to the process with the fewest, the
-        owner first among equals, a later one lands here.
+        its connection on a frontend process whose replica answered it (a model replicated by
+        name): another client is opened while the earlier stay open, and since the balancer
+        gives a new connection to the process with the fewest, the owner first among equals, a
+        later one lands here.
 
         :returns: the number of calls it took.
         :raises AssertionError: it did not happen within ``timeout`` seconds.

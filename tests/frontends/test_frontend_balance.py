@@ -159,8 +159,8 @@ def test_a_dead_frontend_leaves_its_connections_to_the_owner(server: ServerThrea
 
 def test_the_recorder_reaches_the_owner_past_a_connection_it_holds(tmp_path: Path) -> None:
     """``BatchRecorder.until_on_the_loop`` sees the owner's executes only: with a connection held
-    open on the owner, its first connection goes to the frontend (whose replica answers unseen),
-    so it opens another, which the balancer gives to the owner."""
+    open on the owner, its first connection goes to the frontend (whose replica, asked for by
+    name, answers unseen), so it opens another, which the balancer gives to the owner."""
     write_model(tmp_path / "repo", "pyecho", python_echo_config("pyecho"), {"1/model.py": ECHO_MODEL_PY})
     recorder = BatchRecorder()
     values = np.arange(2, dtype=np.float32).reshape(1, 2)
@@ -170,7 +170,7 @@ def test_the_recorder_reaches_the_owner_past_a_connection_it_holds(tmp_path: Pat
         tensor.set_data_from_numpy(values)
         assert np.array_equal(client.infer("pyecho", [tensor]).as_numpy("OUTPUT0"), values)
 
-    with serve(tmp_path / "repo", frontend_processes=1, replicate_models="auto", server_plugins=[recorder],
+    with serve(tmp_path / "repo", frontend_processes=1, replicate_models="pyecho", server_plugins=[recorder],
                frontend_balance="connections") as server:
         handoff = server.server._handoff
         assert handoff is not None

@@ -144,6 +144,25 @@ def test_replication_rules(config: str, mode: str, expected: bool, reason: str) 
     assert chosen is expected and reason in why
 
 
+def test_auto_replicates_nothing_while_an_in_process_plugin_wraps_execute() -> None:
+    """An execute wrapper living in the owner (``PluginHost.in_process_execute_wrappers``) holds
+    ``auto`` back, named in the reason; naming the model or ``pyserve_replicate: "true"`` still
+    replicates it, and once no wrapper is registered ``auto`` replicates again."""
+    wrappers = ["BatchRecorder", "audit"]
+    version = _version('name: "a" backend: "identity"')
+    chosen, why = replicable(version, ReplicationMode("auto", lambda: wrappers))
+    assert not chosen and why == ("the in-process server plugins BatchRecorder, audit wrap pyserve_execute "
+                                  "and would not see a frontend's executes")
+    wrappers.pop()
+    assert "plugin BatchRecorder wraps pyserve_execute" in replicable(version, ReplicationMode("auto", lambda: wrappers))[1]
+    assert replicable(version, ReplicationMode("a", lambda: wrappers)) == (True, "")
+    forced = _version('name: "a" backend: "identity" parameters { key: "pyserve_replicate" value { string_value: "true" } }')
+    assert replicable(forced, ReplicationMode("auto", lambda: wrappers)) == (True, "")
+    decoupled = _version('name: "a" backend: "identity" model_transaction_policy { decoupled: true }')
+    assert replicable(decoupled, ReplicationMode("auto", lambda: wrappers))[1].startswith("it is decoupled")
+    wrappers.clear()
+    assert replicable(version, ReplicationMode("auto", lambda: wrappers)) == (True, "")
+
 def test_a_backend_can_keep_a_model_in_the_owner(tmp_path: Path) -> None:
     """``ModelContext.single_process_reason`` (a model that calls the server or keeps custom
     metrics, as its backend knows): never replicated by ``auto``, and the reason is the backend's."""

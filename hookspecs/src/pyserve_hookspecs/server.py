@@ -7,6 +7,13 @@ A server plugin is registered in every model's scoped hook caller, so it can imp
 ``pyserve_execute`` as a pluggy wrapper (``@hookimpl(wrapper=True)``) to observe or time
 every execute of every model, whatever backend owns it. It must not return a result of its
 own from ``pyserve_execute`` (only wrappers are allowed there for server plugins).
+
+With frontend processes (``pyserve run``'s default on more than one CPU) each process loads
+the entry-point plugins, so a wrapper sees the executes of its own process: those of the
+models the frontends replicate are spread over the processes. A plugin object handed to an
+embedded server instead (``PluginHost(server_plugins=...)``) exists in that process only;
+while one wraps ``pyserve_execute``, ``--replicate-models auto`` replicates no model, so it
+sees every execute.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ from pyserve.repository.model_config import gpu_count
 from pyserve.runtime.scheduling import AdaptiveBatcher, AdaptiveScheduler, DynamicBatcher
 from pyserve.server.core import ServerThread
 from pyserve.testing import (
-    KEEP_IN_OWNER,
     OWN_GRPC_CONNECTION,
     BatchRecorder,
     ServerFactory,
@@ -52,6 +51,13 @@ output [
 ]
 """
 
+STRINGS_BATCHED_CONFIG = (
+    'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
+    'input [ { name: "text", data_type: TYPE_STRING, dims: [ 2 ] } ]\n'
+    'output [ { name: "echo", data_type: TYPE_STRING, dims: [ 2 ] } ]\n'
+    'dynamic_batching { max_queue_delay_microseconds: 300000 }\n'
+)
+
 
 def _broken(config: str, old: str, new: str) -> str:
     assert old in config
@@ -64,11 +70,26 @@ def recorder() -> BatchRecorder:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, recorder: BatchRecorder) -> Iterator[ServerThread]:
+def recorded(tmp_path_factory: pytest.TempPathFactory, recorder: BatchRecorder) -> Iterator[ServerThread]:
+    """A server of its own for the tests that count executes: while ``recorder`` (a plugin
+    object of this process) wraps execute, ``auto`` replicates nothing, so it sees every execute
+    and one batcher takes the requests of every connection."""
+    repo = tmp_path_factory.mktemp("ort_recorded")
+    mlp = ort_models.mlp()
+    write_model(repo, "mlp", MLP_CONFIG, {"1/model.onnx": mlp})
+    write_model(repo, "mlp_auto", None, {"1/model.onnx": mlp})
+    write_model(repo, "mlp_fixed", None, {"1/model.onnx": ort_models.mlp(batch=2)})
+    write_model(repo, "strings_batched", STRINGS_BATCHED_CONFIG, {"1/model.onnx": ort_models.strings()})
+    with serve(repo, backends=BACKENDS, server_plugins=(recorder,), use_entry_points=False) as thread:
+        yield thread
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    """The models as users get them: replicated in the frontend processes of the test layout."""
     repo = tmp_path_factory.mktemp("ort_repo")
     mlp, conv = ort_models.mlp(), ort_models.convnet()
-    # the models whose executes ``recorder`` counts stay in this process (one batcher for every connection)
-    write_model(repo, "mlp", MLP_CONFIG + KEEP_IN_OWNER, {"1/model.onnx": mlp})
+    write_model(repo, "mlp", MLP_CONFIG, {"1/model.onnx": mlp})
     write_model(repo, "conv", CONV_CONFIG, {"1/model.onnx": conv})
     write_model(repo, "mlp_auto", None, {"1/model.onnx": mlp})  # no config.pbtxt at all
     write_model(repo, "conv_auto", 'platform: "onnxruntime_onnx"\n', {"1/model.onnx": conv})
@@ -92,15 +113,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, recorder: BatchRecorder) ->
         'platform: "onnxruntime_onnx"\nmax_batch_size: 4\n'
         'input [ { name: "text", data_type: TYPE_STRING, dims: [ 2 ] } ]\n'
         'output [ { name: "echo", data_type: TYPE_STRING, dims: [ 2 ] } ]\n',
-        {"1/model.onnx": ort_models.strings()},
-    )
-    write_model(
-        repo,
-        "strings_batched",
-        'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
-        'input [ { name: "text", data_type: TYPE_STRING, dims: [ 2 ] } ]\n'
-        'output [ { name: "echo", data_type: TYPE_STRING, dims: [ 2 ] } ]\n'
-        'dynamic_batching { max_queue_delay_microseconds: 300000 }\n' + KEEP_IN_OWNER,
         {"1/model.onnx": ort_models.strings()},
     )
     write_model(repo, "bad_arena", MLP_CONFIG + 'parameters { key: "memory.enable_memory_arena_shrinkage" '
@@ -128,7 +140,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, recorder: BatchRecorder) ->
         MLP_CONFIG + 'parameters [ { key: "intra_op_thread_count", value: { string_value: "many" } } ]\n',
         {"1/model.onnx": mlp},
     )
-    with serve(repo, backends=BACKENDS, server_plugins=(recorder,), use_entry_points=False) as thread:
+    with serve(repo, backends=BACKENDS, use_entry_points=False) as thread:
         yield thread
 
 
@@ -224,7 +236,7 @@ def test_strings_round_trip(server: ServerThread) -> None:
     assert result.as_numpy("echo").tolist() == text.tolist()
 
 
-def test_non_utf8_string_fails_only_its_own_request_of_a_batch(server: ServerThread, recorder: BatchRecorder) -> None:
+def test_non_utf8_string_fails_only_its_own_request_of_a_batch(recorded: ServerThread, recorder: BatchRecorder) -> None:
     """onnxruntime takes strings as text: a request with other bytes gets 400 naming the input,
     and the requests batched with it still get their results (HTTP and gRPC)."""
     good = [np.array([[f"row{i}".encode(), "wörld".encode()]], dtype=object) for i in range(3)]
@@ -235,8 +247,8 @@ def test_non_utf8_string_fails_only_its_own_request_of_a_batch(server: ServerThr
         protocol, text = args
         try:
             if protocol == "http":
-                return http_infer(server.url, "strings_batched", {"text": text}, "BYTES").as_numpy("echo")
-            return grpc_infer(server.grpc_url, "strings_batched", {"text": text}, "BYTES").as_numpy("echo")
+                return http_infer(recorded.url, "strings_batched", {"text": text}, "BYTES").as_numpy("echo")
+            return grpc_infer(recorded.grpc_url, "strings_batched", {"text": text}, "BYTES").as_numpy("echo")
         except InferenceServerException as exc:
             return exc
 
@@ -295,13 +307,13 @@ def test_tensorrt_accelerator_parameters_use_onnxruntime_names() -> None:
         tensorrt_options({"workspace": "1"})
 
 
-def test_dynamic_batching_gives_the_rows_of_single_calls(server: ServerThread, recorder: BatchRecorder) -> None:
+def test_dynamic_batching_gives_the_rows_of_single_calls(recorded: ServerThread, recorder: BatchRecorder) -> None:
     rows = np.random.default_rng(5).standard_normal((16, 1, 4)).astype(np.float32)
     expected = [direct(ort_models.mlp(), {"x": row})[0] for row in rows]
     before = len(recorder.sizes.get("mlp", []))
 
     def call(row: np.ndarray) -> np.ndarray:
-        return grpc_infer(server.grpc_url, "mlp", {"x": row}).as_numpy("y")
+        return grpc_infer(recorded.grpc_url, "mlp", {"x": row}).as_numpy("y")
 
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(call, rows))
@@ -312,11 +324,11 @@ def test_dynamic_batching_gives_the_rows_of_single_calls(server: ServerThread, r
     assert max(sizes) > 1, f"the dynamic batcher never joined requests: {sizes}"
 
 
-def test_one_client_gets_its_executes_on_the_event_loop(server: ServerThread, recorder: BatchRecorder) -> None:
+def test_one_client_gets_its_executes_on_the_event_loop(recorded: ServerThread, recorder: BatchRecorder) -> None:
     """ONNX models are compute-only: once one client alone sends requests, their short executes
     run on the server's event loop (no thread hand-off), with the same results."""
-    require_owner_connections(server)
-    schedulers = {name: type(server.server.models.get(name).scheduler) for name in ("mlp", "mlp_auto", "mlp_fixed")}
+    require_owner_connections(recorded)
+    schedulers = {name: type(recorded.server.models.get(name).scheduler) for name in ("mlp", "mlp_auto", "mlp_fixed")}
     assert schedulers == {"mlp": DynamicBatcher, "mlp_auto": AdaptiveBatcher, "mlp_fixed": AdaptiveScheduler}
     x = np.random.default_rng(11).standard_normal((1, 4)).astype(np.float32)
     want = direct(ort_models.mlp(), {"x": x})[0]
@@ -324,7 +336,7 @@ def test_one_client_gets_its_executes_on_the_event_loop(server: ServerThread, re
     tensor.set_data_from_numpy(x)
     recorder.until_on_the_loop(
         "mlp_auto",
-        lambda: grpcclient.InferenceServerClient(server.grpc_url, channel_args=OWN_GRPC_CONNECTION),
+        lambda: grpcclient.InferenceServerClient(recorded.grpc_url, channel_args=OWN_GRPC_CONNECTION),
         lambda client: np.testing.assert_allclose(
             client.infer("mlp_auto", [tensor]).as_numpy("y"), want, rtol=1e-5, atol=1e-6),
     )

@@ -23,7 +23,6 @@ from pyserve.api.backend_support import ProcessWideSettings
 from pyserve.runtime.scheduling import AdaptiveScheduler, DynamicBatcher
 from pyserve.server.core import ServerThread
 from pyserve.testing import (
-    KEEP_IN_OWNER,
     OWN_GRPC_CONNECTION,
     BatchRecorder,
     ServerFactory,
@@ -95,6 +94,14 @@ output [ { name: "OUTPUT__0", data_type: TYPE_STRING, dims: [ 1 ], reshape: { sh
 dynamic_batching { max_queue_delay_microseconds: 20000 }
 """
 
+TRITON_FLAGS_CONFIG = (
+    MLP_CONFIG.replace("dynamic_batching { max_queue_delay_microseconds: 20000 }",
+                       "instance_group [ { count: 2 kind: KIND_CPU } ]")
+    + 'parameters [ { key: "DISABLE_OPTIMIZED_EXECUTION", value: { string_value: "true" } },'
+    ' { key: "ENABLE_WEIGHT_SHARING", value: { string_value: "true" } },'
+    ' { key: "ENABLE_CACHE_CLEANING", value: { string_value: "true" } } ]\n'
+)
+
 
 def _broken(config: str, old: str, new: str) -> str:
     assert old in config
@@ -119,9 +126,27 @@ def recorder() -> BatchRecorder:
 
 
 @pytest.fixture(scope="module")
-def server(
+def recorded(
     tmp_path_factory: pytest.TempPathFactory, modules: dict[str, torch.nn.Module], recorder: BatchRecorder
 ) -> Iterator[ServerThread]:
+    """A server of its own for the tests that count executes: while ``recorder`` (a plugin
+    object of this process) wraps execute, ``auto`` replicates nothing, so it sees every execute
+    and one batcher takes the requests of every connection."""
+    files = tmp_path_factory.mktemp("pt_recorded_files")
+    pt_models.save_traced(modules["mlp"], torch.zeros(2, 4), files / "mlp.pt")
+    pt_models.save_scripted(modules["echo"], files / "echo.pt")
+    mlp, echo = (files / "mlp.pt").read_bytes(), (files / "echo.pt").read_bytes()
+    repo = tmp_path_factory.mktemp("pt_recorded")
+    write_model(repo, "mlp", MLP_CONFIG, {"1/model.pt": mlp})
+    write_model(repo, "triton_flags", TRITON_FLAGS_CONFIG, {"1/model.pt": mlp})
+    write_model(repo, "echo_slow", ECHO_CONFIG.replace("20000", "300000"), {"1/model.pt": echo})
+    with serve(repo, backends=BACKENDS, server_plugins=(recorder,), use_entry_points=False) as thread:
+        yield thread
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, modules: dict[str, torch.nn.Module]) -> Iterator[ServerThread]:
+    """The models as users get them: replicated in the frontend processes of the test layout."""
     files = tmp_path_factory.mktemp("pt_files")
     pt_models.save_traced(modules["mlp"], torch.zeros(2, 4), files / "mlp.pt")
     pt_models.save_scripted(modules["conv"], files / "conv.pt")
@@ -129,8 +154,7 @@ def server(
     pt_models.save_exported(modules["mlp"], torch.zeros(2, 4), files / "mlp.pt2")
     mlp, conv, two = ((files / f"{n}.pt").read_bytes() for n in ("mlp", "conv", "two"))
     repo = tmp_path_factory.mktemp("pt_repo")
-    # the models whose executes ``recorder`` counts stay in this process (one batcher for every connection)
-    write_model(repo, "mlp", MLP_CONFIG + KEEP_IN_OWNER, {"1/model.pt": mlp})
+    write_model(repo, "mlp", MLP_CONFIG, {"1/model.pt": mlp})
     write_model(repo, "conv", CONV_CONFIG, {"1/model.pt": conv})
     write_model(repo, "two", TWO_CONFIG, {"1/model.pt": two})
     write_model(repo, "exported", EXPORTED_CONFIG, {"1/model.pt2": (files / "mlp.pt2").read_bytes()})
@@ -147,11 +171,7 @@ def server(
                 {"1/model.pt": mlp})
     write_model(repo, "bad_threads", MLP_CONFIG + 'parameters [ { key: "INTRA_OP_THREAD_COUNT", '
                 'value: { string_value: "-2" } } ]\n', {"1/model.pt": mlp})
-    write_model(repo, "triton_flags", MLP_CONFIG.replace("dynamic_batching { max_queue_delay_microseconds: 20000 }",
-                                                         "instance_group [ { count: 2 kind: KIND_CPU } ]")
-                + 'parameters [ { key: "DISABLE_OPTIMIZED_EXECUTION", value: { string_value: "true" } },'
-                ' { key: "ENABLE_WEIGHT_SHARING", value: { string_value: "true" } },'
-                ' { key: "ENABLE_CACHE_CLEANING", value: { string_value: "true" } } ]\n', {"1/model.pt": mlp})
+    write_model(repo, "triton_flags", TRITON_FLAGS_CONFIG, {"1/model.pt": mlp})
     write_model(repo, "bad_flag", MLP_CONFIG + 'parameters [ { key: "ENABLE_WEIGHT_SHARING", '
                 'value: { string_value: "sometimes" } } ]\n', {"1/model.pt": mlp})
     for name in ("shout", "echo", "tensor_for_strings"):
@@ -159,14 +179,13 @@ def server(
     shout, echo, tensor_for_strings = ((files / f"{n}.pt").read_bytes() for n in ("shout", "echo", "tensor_for_strings"))
     write_model(repo, "shout", SHOUT_CONFIG, {"1/model.pt": shout})
     write_model(repo, "echo", ECHO_CONFIG, {"1/model.pt": echo})
-    write_model(repo, "echo_slow", ECHO_CONFIG.replace("20000", "300000") + KEEP_IN_OWNER, {"1/model.pt": echo})
     write_model(repo, "bad_string_dims", _broken(SHOUT_CONFIG, "TYPE_STRING, dims: [ -1 ] }", "TYPE_STRING, dims: [ 2, -1 ] }"),
                 {"1/model.pt": shout})
     write_model(repo, "bad_batched_string", _broken(ECHO_CONFIG, ', reshape: { shape: [ ] } } ]\noutput', " } ]\noutput"),
                 {"1/model.pt": echo})
     write_model(repo, "bad_string_output", ECHO_CONFIG.replace("INPUT__0", "words").replace("dynamic_batching", "#"),
                 {"1/model.pt": tensor_for_strings})
-    with serve(repo, backends=BACKENDS, server_plugins=(recorder,), use_entry_points=False) as thread:
+    with serve(repo, backends=BACKENDS, use_entry_points=False) as thread:
         yield thread
 
 
@@ -294,13 +313,13 @@ def test_exported_program_with_torch_compile(server: ServerThread, modules: dict
 
 
 def test_dynamic_batching_gives_the_rows_of_single_calls(
-    server: ServerThread, modules: dict[str, Any], recorder: BatchRecorder
+    recorded: ServerThread, modules: dict[str, Any], recorder: BatchRecorder
 ) -> None:
     rows = np.random.default_rng(5).standard_normal((16, 1, 4)).astype(np.float32)
     expected = [call(modules["mlp"], row).numpy() for row in rows]
     before = len(recorder.sizes.get("mlp", []))
     with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda row: infer(server, "grpc", "mlp", {"INPUT__0": row}).as_numpy("OUTPUT__0"), rows))
+        results = list(pool.map(lambda row: infer(recorded, "grpc", "mlp", {"INPUT__0": row}).as_numpy("OUTPUT__0"), rows))
     for got, want in zip(results, expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     sizes = recorder.sizes["mlp"][before:]
@@ -309,20 +328,20 @@ def test_dynamic_batching_gives_the_rows_of_single_calls(
 
 
 def test_one_client_gets_its_executes_on_the_event_loop(
-    server: ServerThread, modules: dict[str, Any], recorder: BatchRecorder
+    recorded: ServerThread, modules: dict[str, Any], recorder: BatchRecorder
 ) -> None:
     """TorchScript models are compute-only: once one client alone sends requests, their short
     executes run on the server's event loop (no thread hand-off), with the same results."""
-    require_owner_connections(server)
-    assert type(server.server.models.get("mlp").scheduler) is DynamicBatcher  # it has a queue delay
-    assert type(server.server.models.get("triton_flags").scheduler) is AdaptiveScheduler  # two instances
+    require_owner_connections(recorded)
+    assert type(recorded.server.models.get("mlp").scheduler) is DynamicBatcher  # it has a queue delay
+    assert type(recorded.server.models.get("triton_flags").scheduler) is AdaptiveScheduler  # two instances
     x = np.random.default_rng(11).standard_normal((1, 4)).astype(np.float32)
     want = call(modules["mlp"], x).numpy()
     recorder.until_on_the_loop(
         "triton_flags",
-        lambda: grpcclient.InferenceServerClient(server.grpc_url, channel_args=OWN_GRPC_CONNECTION),
+        lambda: grpcclient.InferenceServerClient(recorded.grpc_url, channel_args=OWN_GRPC_CONNECTION),
         lambda client: np.testing.assert_allclose(
-            infer(server, "grpc", "triton_flags", {"INPUT__0": x}, client=client).as_numpy("OUTPUT__0"),
+            infer(recorded, "grpc", "triton_flags", {"INPUT__0": x}, client=client).as_numpy("OUTPUT__0"),
             want, rtol=1e-5, atol=1e-6),
     )
 
@@ -464,11 +483,11 @@ def test_string_input_that_is_not_utf8_is_refused(server: ServerThread, protocol
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_non_utf8_string_fails_only_its_own_request_of_a_batch(server: ServerThread, recorder: BatchRecorder,
-                                                               protocol: str) -> None:
+def test_non_utf8_string_fails_only_its_own_request_of_a_batch(recorded: ServerThread, recorder: BatchRecorder,
+                                                                 protocol: str) -> None:
     """The bad request alone gets 400 / INVALID_ARGUMENT; the requests batched with it run."""
     module = httpclient if protocol == "http" else grpcclient
-    url = server.url if protocol == "http" else server.grpc_url
+    url = recorded.url if protocol == "http" else recorded.grpc_url
     sent = [[b"alpha"], [b"beta"], [b"gamma"], [b"\xff broken"]]
     before = len(recorder.sizes.get("echo_slow", []))
 

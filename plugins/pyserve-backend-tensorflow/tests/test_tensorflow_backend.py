@@ -25,7 +25,6 @@ import tritonclient.http as httpclient
 from pyserve.runtime.scheduling import AdaptiveBatcher, DynamicBatcher
 from pyserve.server.core import ServerThread
 from pyserve.testing import (
-    KEEP_IN_OWNER,
     OWN_GRPC_CONNECTION,
     BatchRecorder,
     ServerFactory,
@@ -70,6 +69,18 @@ def _tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
+# the batcher without a queue delay, and a generous limit for "short" (a slow test machine)
+MLP_LOOP_CONFIG = (_broken(MLP_CONFIG, "max_queue_delay_microseconds: 20000", "")
+                   + _parameters(pyserve_inline_max_us="100000"))
+
+UPPER_BATCHED_CONFIG = (
+    'backend: "tensorflow"\nmax_batch_size: 8\n'
+    'input [ { name: "text", data_type: TYPE_STRING, dims: [ 1 ], reshape: { shape: [ ] } } ]\n'
+    'output [ { name: "upper", data_type: TYPE_STRING, dims: [ 1 ], reshape: { shape: [ ] } } ]\n'
+    'dynamic_batching { max_queue_delay_microseconds: 300000 }\n'
+)
+
+
 @pytest.fixture(scope="module")
 def modules() -> dict[str, tf.Module]:
     return {"mlp": tf_models.MLP(), "conv": tf_models.ConvNet(), "upper": tf_models.Upper()}
@@ -81,9 +92,29 @@ def recorder() -> BatchRecorder:
 
 
 @pytest.fixture(scope="module")
-def server(
+def recorded(
     tmp_path_factory: pytest.TempPathFactory, modules: dict[str, tf.Module], recorder: BatchRecorder
 ) -> Iterator[ServerThread]:
+    """A server of its own for the tests that count executes: while ``recorder`` (a plugin
+    object of this process) wraps execute, ``auto`` replicates nothing, so it sees every execute
+    and one batcher takes the requests of every connection."""
+    files = tmp_path_factory.mktemp("tf_recorded_files")
+    tf_models.save(modules["mlp"], files / "mlp")
+    tf_models.save(modules["upper"], files / "upper")
+    mlp = {f"1/model.savedmodel/{k}": v for k, v in _tree(files / "mlp").items()}
+    upper = {f"1/model.savedmodel/{k}": v for k, v in _tree(files / "upper").items()}
+    repo = tmp_path_factory.mktemp("tf_recorded")
+    write_model(repo, "mlp", MLP_CONFIG, mlp)
+    write_model(repo, "mlp_auto", None, mlp)
+    write_model(repo, "mlp_loop", MLP_LOOP_CONFIG, mlp)
+    write_model(repo, "upper_batched", UPPER_BATCHED_CONFIG, upper)
+    with serve(repo, backends=BACKENDS, server_plugins=(recorder,), use_entry_points=False) as thread:
+        yield thread
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, modules: dict[str, tf.Module]) -> Iterator[ServerThread]:
+    """The models as users get them: replicated in the frontend processes of the test layout."""
     files = tmp_path_factory.mktemp("tf_files")
     tf_models.save(modules["mlp"], files / "mlp")
     tf_models.save(modules["conv"], files / "conv", signature="predict")
@@ -94,18 +125,10 @@ def server(
     upper = {f"1/model.savedmodel/{k}": v for k, v in _tree(files / "upper").items()}
     graphdef = {"1/model.graphdef": (files / "mlp.graphdef").read_bytes()}
     repo = tmp_path_factory.mktemp("tf_repo")
-    # the models whose executes ``recorder`` counts stay in this process (one batcher for every connection)
-    write_model(repo, "mlp", MLP_CONFIG + KEEP_IN_OWNER, mlp)
+    write_model(repo, "mlp", MLP_CONFIG, mlp)
     write_model(repo, "mlp_auto", None, mlp)  # no config.pbtxt at all
-    # the batcher without a queue delay, and a generous limit for "short" (a slow test machine)
-    write_model(repo, "mlp_loop", _broken(MLP_CONFIG, "max_queue_delay_microseconds: 20000", "")
-                + _parameters(pyserve_inline_max_us="100000"), mlp)
     write_model(repo, "conv", 'platform: "tensorflow_savedmodel"\n' + SIGNATURE, conv)
     write_model(repo, "upper", 'backend: "tensorflow"\nmax_batch_size: 0\n', upper)
-    write_model(repo, "upper_batched", 'backend: "tensorflow"\nmax_batch_size: 8\n'
-                'input [ { name: "text", data_type: TYPE_STRING, dims: [ 1 ], reshape: { shape: [ ] } } ]\n'
-                'output [ { name: "upper", data_type: TYPE_STRING, dims: [ 1 ], reshape: { shape: [ ] } } ]\n'
-                'dynamic_batching { max_queue_delay_microseconds: 300000 }\n' + KEEP_IN_OWNER, upper)
     write_model(repo, "graphdef", GRAPHDEF_CONFIG, graphdef)
     write_model(repo, "bad_name", _broken(MLP_CONFIG, 'name: "x"', 'name: "input"'), mlp)
     write_model(repo, "bad_type", _broken(MLP_CONFIG, "TYPE_FP32, dims: [ 4 ]", "TYPE_FP16, dims: [ 4 ]"), mlp)
@@ -121,7 +144,7 @@ def server(
                                                                                         TF_GRAPH_TAG="serve"), conv)
     write_model(repo, "bad_tag", MLP_CONFIG + _parameters(TF_GRAPH_TAG="train"), mlp)
     write_model(repo, "bad_threads", MLP_CONFIG + _parameters(TF_NUM_INTRA_THREADS="-2"), mlp)
-    with serve(repo, backends=BACKENDS, server_plugins=(recorder,), use_entry_points=False) as thread:
+    with serve(repo, backends=BACKENDS, use_entry_points=False) as thread:
         yield thread
 
 
@@ -239,15 +262,15 @@ def test_strings_one_scalar_per_row(server: ServerThread) -> None:
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_non_utf8_strings_in_a_batch_are_raw_bytes(server: ServerThread, recorder: BatchRecorder,
-                                                   protocol: str) -> None:
+def test_non_utf8_strings_in_a_batch_are_raw_bytes(recorded: ServerThread, recorder: BatchRecorder,
+                                                     protocol: str) -> None:
     """tf.string holds raw bytes: a request with bytes that are not UTF-8 runs, batched with others."""
     sent = [b"alpha", b"beta", b"\xff\xfe raw", b"gamma"]
     before = len(recorder.sizes.get("upper_batched", []))
 
     def one(word: bytes) -> list[bytes]:
         text = np.array([[word]], dtype=object)
-        return infer(server, protocol, "upper_batched", {"text": text}, "BYTES").as_numpy("upper").reshape(-1).tolist()
+        return infer(recorded, protocol, "upper_batched", {"text": text}, "BYTES").as_numpy("upper").reshape(-1).tolist()
 
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(one, sent))
@@ -256,13 +279,13 @@ def test_non_utf8_strings_in_a_batch_are_raw_bytes(server: ServerThread, recorde
 
 
 def test_dynamic_batching_gives_the_rows_of_single_calls(
-    server: ServerThread, modules: dict[str, Any], recorder: BatchRecorder
+    recorded: ServerThread, modules: dict[str, Any], recorder: BatchRecorder
 ) -> None:
     rows = np.random.default_rng(5).standard_normal((16, 1, 4)).astype(np.float32)
     expected = [modules["mlp"](tf.constant(row))["y"].numpy() for row in rows]
     before = len(recorder.sizes.get("mlp", []))
     with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda row: infer(server, "grpc", "mlp", {"x": row}).as_numpy("y"), rows))
+        results = list(pool.map(lambda row: infer(recorded, "grpc", "mlp", {"x": row}).as_numpy("y"), rows))
     for got, want in zip(results, expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     sizes = recorder.sizes["mlp"][before:]
@@ -271,21 +294,21 @@ def test_dynamic_batching_gives_the_rows_of_single_calls(
 
 
 def test_one_client_gets_its_executes_on_the_event_loop(
-    server: ServerThread, modules: dict[str, Any], recorder: BatchRecorder
+    recorded: ServerThread, modules: dict[str, Any], recorder: BatchRecorder
 ) -> None:
     """SavedModels are compute-only: once one client alone sends requests, their short executes
     run on the server's event loop (no thread hand-off), with the same results."""
-    require_owner_connections(server)
-    assert type(server.server.models.get("mlp").scheduler) is DynamicBatcher  # it has a queue delay
-    assert type(server.server.models.get("mlp_auto").scheduler) is AdaptiveBatcher  # dynamic_batching { }
-    assert type(server.server.models.get("mlp_loop").scheduler) is AdaptiveBatcher
+    require_owner_connections(recorded)
+    assert type(recorded.server.models.get("mlp").scheduler) is DynamicBatcher  # it has a queue delay
+    assert type(recorded.server.models.get("mlp_auto").scheduler) is AdaptiveBatcher  # dynamic_batching { }
+    assert type(recorded.server.models.get("mlp_loop").scheduler) is AdaptiveBatcher
     x = np.random.default_rng(11).standard_normal((1, 4)).astype(np.float32)
     want = modules["mlp"](tf.constant(x))["y"].numpy()
     recorder.until_on_the_loop(
         "mlp_loop",
-        lambda: grpcclient.InferenceServerClient(server.grpc_url, channel_args=OWN_GRPC_CONNECTION),
+        lambda: grpcclient.InferenceServerClient(recorded.grpc_url, channel_args=OWN_GRPC_CONNECTION),
         lambda client: np.testing.assert_allclose(
-            infer(server, "grpc", "mlp_loop", {"x": x}, client=client).as_numpy("y"), want, rtol=1e-5, atol=1e-5),
+            infer(recorded, "grpc", "mlp_loop", {"x": x}, client=client).as_numpy("y"), want, rtol=1e-5, atol=1e-5),
     )
 
 
