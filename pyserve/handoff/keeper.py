@@ -30,9 +30,12 @@ The server notices a keeper that died (``PR_SET_PDEATHSIG``) and stops. The keep
 child subreaper of the processes below it, so frontends orphaned by a crash are reaped here.
 Linux only; elsewhere ``pyserve run`` is the server itself.
 
-This module imports nothing of the server (only ``pyserve.logs``, ``pyserve.frontends.tcp`` and
-``pyserve.runtime.execution_board``, which are standard-library only), so that the small keeper
-stays small.
+A server that dies cannot remove its hand-off folder (the Unix sockets of its frontends); the
+keeper removes it once it has reaped that server (``pyserve.handoff.rundir``).
+
+This module imports nothing of the server (only ``pyserve.logs``, ``pyserve.frontends.tcp``,
+``pyserve.handoff.rundir`` and ``pyserve.runtime.execution_board``, which are standard-library
+only), so that the small keeper stays small.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from typing import Any
 
 from pyserve import logs
 from pyserve.frontends import tcp
+from pyserve.handoff import rundir
 from pyserve.handoff.forked import exit_forked, flush_output, python_command
 from pyserve.runtime import execution_board, startup_gc
 
@@ -170,6 +174,8 @@ class Keeper:
         try:
             while True:
                 code = self._wait(self.child)
+                for folder in rundir.remove_left_by(self.child):  # a server that stops removes its own
+                    log.debug("removed the hand-off folder %s of the server process (pid %d)", folder, self.child)
                 ready, busy = execution_board.read(self.board)
                 if self.stopping or code == 0 or not ready:
                     if code < 0 and not ready and not self.stopping:  # an exit says why itself; a signal does not

@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import threading
 from collections.abc import Generator
 from pathlib import Path
@@ -35,7 +34,7 @@ from pyserve.frontends.http.native_infer import InferHttpServer
 from pyserve.frontends.http.openai import OpenAIMetrics
 from pyserve.frontends.http.server import HttpServer
 from pyserve.frontends.tcp import bind_tcp
-from pyserve.handoff import affinity
+from pyserve.handoff import affinity, rundir
 from pyserve.handoff.owner import HandoffServer
 from pyserve.handoff.prefork import Preforked
 from pyserve.handoff.replicas import ReplicationMode
@@ -338,7 +337,7 @@ class Server:
             raise StartupError("--frontend-processes needs the HTTP or the gRPC service")
         if self.options.allow_http and self.options.http_server != "pyserve":
             raise StartupError("--frontend-processes needs --http-server pyserve")
-        self._handoff_dir = tempfile.mkdtemp(prefix="pyserve-handoff-")  # mode 0700: this user only
+        self._handoff_dir = rundir.make()  # mode 0700: this user only
         try:
             replication = ReplicationMode(self.options.replicate_models, self.plugins.in_process_execute_wrappers)
         except ValueError as exc:

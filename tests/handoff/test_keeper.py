@@ -12,6 +12,7 @@ import re
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,8 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from suite_support import RunningServer, wait_for, write_model
+
+from pyserve.handoff import rundir
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the keeper runs on Linux")
 
@@ -200,15 +203,16 @@ def test_the_keepers_program_imports_no_server_module() -> None:
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
     assert set(loaded.stdout.split()) == {
         "pyserve", "pyserve.logs", "pyserve.frontends", "pyserve.frontends.tcp", "pyserve.handoff",
-        "pyserve.handoff.forked", "pyserve.handoff.keeper", "pyserve.runtime", "pyserve.runtime.execution_board",
-        "pyserve.runtime.startup_gc"}, loaded.stdout
+        "pyserve.handoff.forked", "pyserve.handoff.keeper", "pyserve.handoff.rundir", "pyserve.runtime",
+        "pyserve.runtime.execution_board", "pyserve.runtime.startup_gc"}, loaded.stdout
 
 
 def test_the_keeper_is_small_and_starts_the_default_layout_again(servers: list[RunningServer],
                                                                 tmp_path: Path) -> None:
     """Under the default layout (owner and a frontend), the keeper is the small program (no
     numpy, no gRPC, no models in its memory); an owner killed with -9 is started again as a
-    fresh ``pyserve run`` on the same port, with its frontend."""
+    fresh ``pyserve run`` on the same port, with its frontend; the keeper removes the hand-off
+    folder the killed owner left, and the new owner removes its own when it stops."""
     server = RunningServer(["--model-repository", str(_repository(tmp_path, "exit")), "--frontend-processes", "1"])
     servers.append(server)
     url = server.wait_started(timeout=120)
@@ -219,15 +223,24 @@ def test_the_keeper_is_small_and_starts_the_default_layout_again(servers: list[R
     mapped = Path(f"/proc/{keeper}/maps").read_text()
     assert "_multiarray_umath" not in mapped and "cygrpc" not in mapped, "the keeper holds the server's modules"
     np.testing.assert_array_equal(_infer(url, "calm", 1.0), [1.0])
+    assert len(_handoff_folders(owner)) == 1
     os.kill(owner, signal.SIGKILL)
     wait_for(lambda: server.starts == 2, timeout=120, what="the second 'Started HTTPService'")
-    assert server.server_pid not in (owner, keeper)
+    second = server.server_pid
+    assert second is not None and second not in (owner, keeper)
+    assert _handoff_folders(owner) == [] and len(_handoff_folders(second)) == 1
     for value in (2.0, 3.0, 4.0):  # new connections, spread over the new owner and its frontend
         np.testing.assert_array_equal(_infer(url, "calm", value), [value])
     assert server.stderr.count("Started 1 frontend process(es)") == 2, server.stderr
     assert (f"the server process (pid {owner}) was killed by SIGKILL; no model was executing. "
             "Starting it again in 1 s") in server.stderr, server.stderr
     assert server.stop(timeout=60) == 0, server.stderr
+    assert _handoff_folders(second) == []
+
+
+def _handoff_folders(pid: int) -> list[Path]:
+    """The hand-off folders of the owner ``pid`` (``pyserve.handoff.rundir``)."""
+    return sorted(Path(tempfile.gettempdir()).glob(f"{rundir.PREFIX}{pid}-*"))
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -364,3 +377,17 @@ def test_a_stop_asked_at_once_is_honoured(servers: list[RunningServer], tmp_path
     code = server.process.wait(120)
     assert code in (0, 128 + signal.SIGTERM, -signal.SIGTERM), server.stderr
     wait_for(lambda: not _alive_with(str(repo)), timeout=60, what="every process of pyserve run to exit")
+
+
+def test_only_the_folders_of_the_exited_process_are_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mine = Path(rundir.make())
+    assert mine.parent == tmp_path and mine.name.startswith(f"{rundir.PREFIX}{os.getpid()}-")
+    (mine / "handoff.sock").write_bytes(b"")
+    other = tmp_path / f"{rundir.PREFIX}{os.getpid()}1-abc"  # another pid with the same digits first
+    other.mkdir()
+    stray = tmp_path / f"{rundir.PREFIX}{os.getpid()}-file"  # not a folder
+    stray.write_bytes(b"")
+    assert rundir.remove_left_by(os.getpid() + 7) == []
+    assert rundir.remove_left_by(os.getpid()) == [str(mine)]
+    assert not mine.exists() and other.is_dir() and stray.is_file()
