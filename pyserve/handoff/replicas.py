@@ -30,7 +30,8 @@ What a replica changes, and why the rules below exist:
   that wraps ``pyserve_execute`` exists in the owner only (a forked frontend holds a copy whose
   state the owner never sees): while one is registered, ``auto`` replicates nothing, so the
   plugin sees every execute; plugins read from entry points load in every process and do not
-  hold replication back;
+  hold replication back (a replica's load and unload are not reported to them: the owner
+  reports its versions');
 * statistics and ``nv_inference_*`` metrics stay whole: the owner pulls each replica's
   counters (``counters_delta``) before it answers a statistics request or a metrics scrape.
 
@@ -181,6 +182,7 @@ class ReplicaSet:
                 unload_wait_secs=float(settings.get("exit_timeout_secs", 30.0)),
                 server_handle=ServerHandle(None, self.loop),
             )
+        self.models.plugins.observes_models = False  # the owner reports its versions' loads and unloads
         self.dataplane = DataPlane(self.models, "pyserve", __version__)
         self.dataplane.live = self.dataplane.accepting = True
         self.models.server_handle.bind(self.dataplane, self.loop)

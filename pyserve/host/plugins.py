@@ -223,6 +223,11 @@ class PluginHost:
         self._server_plugin_names: list[str | None] = []
         self._server_plugin_infos: list[ServerPluginInfo] = []
         self._loaded_everywhere: set[int] = set()  # ids of the plugins read from entry points
+        self.observes_models = True
+        """Whether the server plugins' ``pyserve_model_ready`` / ``pyserve_model_unloaded`` are
+        called. False in a frontend process: its replicas stand for the owner's versions, whose
+        loads and unloads the owner reports, so a plugin hears of each version once, as from
+        one process."""
         if use_entry_points:
             self._read_entry_points()
         for plugin in server_plugins:

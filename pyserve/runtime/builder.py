@@ -487,7 +487,10 @@ class VersionBuilder:
             log.exception("model '%s' version %d failed to finalize", version.name, version.version)
 
     def notify(self, hook_name: str, context: ModelContext) -> None:
-        """Call the server plugins' ``hook_name`` hook for a model; their errors are logged."""
+        """Call the server plugins' ``hook_name`` hook for a model (not where the host does not
+        observe models: a frontend's replicas); their errors are logged."""
+        if not self.host.observes_models:
+            return
         try:
             self.host.server_hook(hook_name)(model=context)
         except Exception:

@@ -118,6 +118,7 @@ class ModelManager:
         )
         self._registry = registry if registry is not None else ModelRegistry()
         self._loop = LoopRunner()
+        self._host = host
         builder = VersionBuilder(host, self._settings, self._registry.get)
         self._loader = ModelLoader(self._registry, builder, self._loop, repositories, unload_wait_secs)
         self._control = ModelControl(self._registry, self._loader, ControlSettings(
@@ -157,6 +158,11 @@ class ModelManager:
         self._control.follow_explicitly()
 
     # -- what the server reads -----------------------------------------------------------------
+    @property
+    def plugins(self) -> PluginHost:
+        """The plugin host the versions are built with."""
+        return self._host
+
     @property
     def records(self) -> dict[str, ModelRecord]:
         """The live model records by name (``ModelRegistry.records``); read only."""

@@ -10,10 +10,11 @@ own from ``pyserve_execute`` (only wrappers are allowed there for server plugins
 
 With frontend processes (``pyserve run``'s default on more than one CPU) each process loads
 the entry-point plugins, so a wrapper sees the executes of its own process: those of the
-models the frontends replicate are spread over the processes. A plugin object handed to an
-embedded server instead (``PluginHost(server_plugins=...)``) exists in that process only;
-while one wraps ``pyserve_execute``, ``--replicate-models auto`` replicates no model, so it
-sees every execute.
+models the frontends replicate are spread over the processes. The model observers
+(``pyserve_model_ready``, ``pyserve_model_unloaded``) are called in the owner only, once per
+version, as in one process. A plugin object handed to an embedded server instead
+(``PluginHost(server_plugins=...)``) exists in that process only; while one wraps
+``pyserve_execute``, ``--replicate-models auto`` replicates no model, so it sees every execute.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ if TYPE_CHECKING:
 def pyserve_model_ready(model: ModelContext) -> None:
     """Observe a model version that just became READY.
 
-    When: after all instances of the version were created, before it serves requests.
+    When: after all instances of the version were created, before it serves requests; once
+    per version, in the owner process (not again for the frontend processes' replicas).
     Thread: the model-loading thread. Keep it short.
 
     :param model: the ready model's context.
@@ -44,7 +46,8 @@ def pyserve_model_ready(model: ModelContext) -> None:
 def pyserve_model_unloaded(model: ModelContext) -> None:
     """Observe a model version that was finalized (unloaded or at shutdown).
 
-    When: after ``pyserve_model_finalize`` of the version.
+    When: after ``pyserve_model_finalize`` of the version, in the owner process (not for the
+    frontend processes' replicas).
     Thread: the unloading thread.
 
     :param model: the context of the version that was unloaded.
