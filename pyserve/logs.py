@@ -7,7 +7,9 @@ Triton's default format: ``<L><MMDD> <hh:mm:ss.uuuuuu> <pid> <file>:<line>] <mes
 The settings (``--log-info``, ``--log-warning``, ``--log-error``, ``--log-verbose``,
 ``--log-format``, ``--log-file``) live in the process-wide :data:`SETTINGS`, read by the
 handler's filter and formatter on every record, so ``update_settings`` (the logging
-extension, ``POST /v2/logging`` and gRPC ``LogSettings``) takes effect at once.
+extension, ``POST /v2/logging`` and gRPC ``LogSettings``) takes effect at once. Whoever must
+repeat an update elsewhere (the owner, to its frontend processes) registers with
+``add_update_listener``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -45,6 +47,7 @@ SETTINGS = LogSettings()
 """The process-wide settings every pyserve log handler consults."""
 
 _lock = threading.Lock()
+_listeners: list[Callable[[dict[str, Any]], None]] = []
 _configured = False
 """Whether ``configure`` installed pyserve's handlers (only then are logger levels managed)."""
 
@@ -210,7 +213,35 @@ def update_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
         for key, value in staged.items():
             setattr(SETTINGS, key, value)
         _apply_levels()
-    return get_settings()
+        listeners = list(_listeners)
+    settings = get_settings()
+    for listener in listeners:
+        try:
+            listener(changeable_settings())
+        except Exception:  # a listener's failure is not the update's
+            logging.getLogger("pyserve.logs").exception("passing on the logging settings failed")
+    return settings
+
+
+def changeable_settings() -> dict[str, Any]:
+    """The settings ``update_settings`` may change (all but ``log_file``), as its argument."""
+    settings = get_settings()
+    del settings["log_file"]
+    return settings
+
+
+def add_update_listener(listener: Callable[[dict[str, Any]], None]) -> None:
+    """Call ``listener(changeable_settings())`` after every ``update_settings``, on the thread
+    that updated (the event loop's, for the logging extension). It should not block."""
+    with _lock:
+        _listeners.append(listener)
+
+
+def remove_update_listener(listener: Callable[[dict[str, Any]], None]) -> None:
+    """Stop calling ``listener`` (nothing happens if it is not registered)."""
+    with _lock:
+        if listener in _listeners:
+            _listeners.remove(listener)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

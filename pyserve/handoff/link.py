@@ -14,6 +14,7 @@ import logging
 import os
 from typing import Any
 
+from pyserve import logs
 from pyserve import protocol as pb
 from pyserve.api.errors import ErrorCode, InferError
 from pyserve.api.inference import InferRequest, InferResponse
@@ -94,6 +95,13 @@ class OwnerLink(asyncio.Protocol):
             return
         if kind == Kind.STATS_PULL:
             self.send_stats(request_id)
+            return
+        if kind == Kind.LOG_SETTINGS:
+            header, _ = wire.split_payload(payload)
+            try:
+                logs.update_settings(header)
+            except Exception:  # noqa: BLE001 - the owner checked them; keep the link whatever happens
+                log.exception("frontend: the owner's logging settings could not be applied")
             return
         if kind == Kind.READY_PULL:
             header, _ = wire.split_payload(payload)

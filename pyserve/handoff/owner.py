@@ -28,6 +28,7 @@ import os
 import weakref
 from typing import Any
 
+from pyserve import logs
 from pyserve.api.errors import ErrorCode, InferError
 from pyserve.api.inference import FutureSender, InferRequest
 from pyserve.dataplane.plane import DataPlane
@@ -52,6 +53,14 @@ log = logging.getLogger("pyserve.handoff")
 
 _REQUEST_KINDS = frozenset((Kind.INFER, Kind.RAW_HTTP, Kind.RAW_GRPC))
 """Frames that start a request (``client_activity``: each may come from another client)."""
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether the calling thread runs ``loop``."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 class HandoffServer:
@@ -97,13 +106,31 @@ class HandoffServer:
         self._loop = asyncio.get_running_loop()
         self._server = await self._loop.create_unix_server(lambda: _FrontendConnection(self), path)
         os.chmod(path, 0o600)
+        logs.add_update_listener(self._log_settings_changed)
 
     async def close(self) -> None:
         """Stop listening and close every frontend connection."""
+        logs.remove_update_listener(self._log_settings_changed)
         if self._server is not None:
             self._server.close()
         for connection in list(self.connections):
             connection.close()
+
+    def _log_settings_changed(self, settings: dict[str, Any]) -> None:
+        """The logging extension changed this process's settings: frontends apply them too
+        (each connection is sent them as it opens, so a restarted frontend has them)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            if _on_loop(loop):
+                self._send_log_settings(settings)
+            else:
+                loop.call_soon_threadsafe(self._send_log_settings, settings)
+
+    def _send_log_settings(self, settings: dict[str, Any]) -> None:
+        for connection in list(self.connections):
+            connection.send_log_settings(settings)
 
     # -- model snapshots -------------------------------------------------------------------
     def models_changed(self) -> None:
@@ -292,6 +319,7 @@ class _FrontendConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.writer = wire.FrameWriter(self.loop, transport)  # type: ignore[arg-type]
         self.server.connections.add(self)
+        self.send_log_settings(logs.changeable_settings())  # changed since the frontend's start, maybe
         self.send_snapshot()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -334,6 +362,11 @@ class _FrontendConnection(asyncio.Protocol):
     def close(self) -> None:
         if self.writer is not None:
             self.writer.transport.close()
+
+    def send_log_settings(self, settings: dict[str, Any]) -> None:
+        """Send the logging settings for the frontend to apply (``update_settings``)."""
+        if self.writer is not None:
+            self.writer.send(wire.frame(Kind.LOG_SETTINGS, 0, settings))
 
     def send_snapshot(self, wait: bool = False) -> asyncio.Future[None] | None:
         """Send the current snapshot; with ``wait``, a future resolved once it is applied."""

@@ -52,6 +52,7 @@ class Kind(enum.IntEnum):
     SNAPSHOT_APPLIED = 13  # F: the SNAPSHOT with this id is in use (sent for ids other than 0)
     READY_PULL = 14  # O: ``{"g": [generation, ...]}``: run these replicas' readiness checks now
     READY = 15  # F: ``{"n": [generation, ...]}``: those of the pull ``id`` whose replica is not ready
+    LOG_SETTINGS = 16  # O: the logging extension's settings to apply (``logs.changeable_settings``)
 
 
 def frame(kind: Kind, request_id: int, header: Any = None, data: Sequence[bytes | memoryview] = ()) -> list[Any]:

@@ -74,15 +74,6 @@ def _uvicorn_server(config: Any) -> Any:
     return NoSignalUvicorn(config)
 
 
-def _log_settings() -> dict[str, object]:
-    """``logs.configure`` arguments repeating this process's log settings (for frontends)."""
-    current = logs.SETTINGS
-    return {
-        "verbose": current.log_verbose_level, "info": current.log_info, "warning": current.log_warning,
-        "error": current.log_error, "log_format": current.log_format, "log_file": current.log_file or None,
-    }
-
-
 class StartupError(RuntimeError):
     """The server could not start (e.g. ``--exit-on-error`` with a model that failed)."""
 
@@ -392,7 +383,7 @@ class Server:
             "max_tensor_elements": options.max_tensor_elements,
             "http_header_forward_pattern": options.http_header_forward_pattern,
             "exit_timeout_secs": options.exit_timeout_secs,
-            "log": _log_settings(),
+            "log": logs.configuration(),  # at the start; the hand-off passes on later changes
             "replicate": options.replicate_models,
             "busy_poll_us": options.busy_poll_us,
             "repositories": [str(Path(p).resolve()) for p in options.model_repositories],

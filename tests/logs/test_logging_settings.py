@@ -14,6 +14,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from pyserve import logs
+from pyserve.api.errors import InferError
 from pyserve.cli.main import build_parser, cmd_run
 from pyserve.server.core import ServerThread
 
@@ -163,3 +164,28 @@ def test_cli_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str
         ["run", "--log-info", "false", "--log-format", "ISO8601", "--log-file", str(tmp_path / "x.log")]
     )
     assert parsed.log_info is False and parsed.log_format == "ISO8601"
+
+
+def test_update_listeners_get_every_changeable_setting_and_cannot_fail_an_update() -> None:
+    """What the owner passes on to its frontend processes (``add_update_listener``)."""
+    heard: list[dict[str, object]] = []
+
+    def broken(settings: dict[str, object]) -> None:
+        raise RuntimeError("a listener's bug")
+
+    before = logs.changeable_settings()
+    assert "log_file" not in before and "log_info" in before and "log_format" in before
+    logs.add_update_listener(broken)
+    logs.add_update_listener(heard.append)
+    try:
+        assert logs.update_settings({"log_verbose_level": 2})["log_verbose_level"] == 2
+        assert heard == [{**before, "log_verbose_level": 2}]
+        with pytest.raises(InferError):
+            logs.update_settings({"log_info": "yes"})  # refused: nothing to pass on
+        assert len(heard) == 1
+    finally:
+        logs.remove_update_listener(broken)
+        logs.remove_update_listener(heard.append)
+    logs.remove_update_listener(heard.append)  # not registered any more: nothing happens
+    logs.update_settings({"log_verbose_level": 0})
+    assert len(heard) == 1
