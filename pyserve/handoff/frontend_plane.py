@@ -3,7 +3,10 @@ and gRPC servicer call (``pyserve.dataplane.interface.InferencePlane``).
 
 Models come from the owner's snapshot; a request runs on a local replica when the frontend
 has one for its version, else it is handed to the owner over the link. What only the owner
-can do (shared-memory regions, tracing decisions) sends the request to the owner undecoded.
+can do (shared-memory regions, tracing decisions) sends the request to the owner undecoded;
+while the owner's trace settings may trace a model, its requests are handed to the owner (which
+samples them by ``trace_rate`` and ``trace_count`` as one process would) instead of answered
+by the replica.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ class FrontendDataPlane:
         if model is None:
             raise NeedsOwner
         replicas = self.link.replicas
-        if replicas is not None:
+        if replicas is not None and not self.link.may_trace(name):  # the owner samples traced models
             local = replicas.local_for(model.generation)
             if local is not None:
                 return local

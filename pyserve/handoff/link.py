@@ -52,6 +52,9 @@ class OwnerLink(asyncio.Protocol):
         self.snapshot_received = asyncio.Event()
         self.lost = asyncio.Event()
         self.replicas: ReplicaSet | None = None
+        self.trace_all = False  # the owner's TRACING state: its global scope traces
+        self.traced: frozenset[str] = frozenset()  # models with settings of their own that trace
+        self.untraced: frozenset[str] = frozenset()  # ... that do not
         """The frontend's own replicas, which follow each snapshot (None: no replicas)."""
         self._tasks: set[asyncio.Task[None]] = set()  # readiness answers under way
 
@@ -80,6 +83,12 @@ class OwnerLink(asyncio.Protocol):
         """Tell the owner this frontend listens and takes requests."""
         self._send(wire.frame(Kind.HELLO, 0, {"pid": os.getpid()}))
 
+    def may_trace(self, model: str) -> bool:
+        """Whether the owner may trace requests of ``model`` now (they must go to the owner)."""
+        if model in self.traced:
+            return True
+        return self.trace_all and model not in self.untraced
+
     def _send(self, parts: list[Any]) -> None:
         if self.writer is None or self.lost.is_set():
             raise InferError(OWNER_GONE, ErrorCode.UNAVAILABLE)
@@ -95,6 +104,11 @@ class OwnerLink(asyncio.Protocol):
             return
         if kind == Kind.STATS_PULL:
             self.send_stats(request_id)
+            return
+        if kind == Kind.TRACING:
+            header, _ = wire.split_payload(payload)
+            self.trace_all = bool(header["g"])
+            self.traced, self.untraced = frozenset(header["on"]), frozenset(header["off"])
             return
         if kind == Kind.LOG_SETTINGS:
             header, _ = wire.split_payload(payload)

@@ -107,10 +107,13 @@ class HandoffServer:
         self._server = await self._loop.create_unix_server(lambda: _FrontendConnection(self), path)
         os.chmod(path, 0o600)
         logs.add_update_listener(self._log_settings_changed)
+        self.dataplane.tracing.change_listeners.append(self._tracing_changed)
 
     async def close(self) -> None:
         """Stop listening and close every frontend connection."""
         logs.remove_update_listener(self._log_settings_changed)
+        with contextlib.suppress(ValueError):
+            self.dataplane.tracing.change_listeners.remove(self._tracing_changed)
         if self._server is not None:
             self._server.close()
         for connection in list(self.connections):
@@ -131,6 +134,29 @@ class HandoffServer:
     def _send_log_settings(self, settings: dict[str, Any]) -> None:
         for connection in list(self.connections):
             connection.send_log_settings(settings)
+
+    def tracing_frame(self) -> list[Any]:
+        """The TRACING frame of the owner's trace settings now."""
+        traced, on, off = self.dataplane.tracing.traced_models()
+        return wire.frame(Kind.TRACING, 0, {"g": traced, "on": on, "off": off})
+
+    def _tracing_changed(self) -> None:
+        """Which models are traced changed (any thread): frontends send those models' requests
+        to the owner, whose sampling and trace file every traced request must pass through."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            if _on_loop(loop):
+                self._send_tracing()
+            else:
+                loop.call_soon_threadsafe(self._send_tracing)
+
+    def _send_tracing(self) -> None:
+        frame = self.tracing_frame()
+        for connection in list(self.connections):
+            if connection.writer is not None:
+                connection.writer.send(frame)
 
     # -- model snapshots -------------------------------------------------------------------
     def models_changed(self) -> None:
@@ -320,6 +346,7 @@ class _FrontendConnection(asyncio.Protocol):
         self.writer = wire.FrameWriter(self.loop, transport)  # type: ignore[arg-type]
         self.server.connections.add(self)
         self.send_log_settings(logs.changeable_settings())  # changed since the frontend's start, maybe
+        self.writer.send(self.server.tracing_frame())  # before the snapshot: no replica answers untraced
         self.send_snapshot()
 
     def connection_lost(self, exc: Exception | None) -> None:

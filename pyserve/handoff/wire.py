@@ -53,6 +53,8 @@ class Kind(enum.IntEnum):
     READY_PULL = 14  # O: ``{"g": [generation, ...]}``: run these replicas' readiness checks now
     READY = 15  # F: ``{"n": [generation, ...]}``: those of the pull ``id`` whose replica is not ready
     LOG_SETTINGS = 16  # O: the logging extension's settings to apply (``logs.changeable_settings``)
+    TRACING = 17  # O: ``{"g": bool, "on": [model, ...], "off": [...]}``: which models the owner may
+    # trace now (``TraceManager.traced_models``); their requests go to the owner, which samples
 
 
 def frame(kind: Kind, request_id: int, header: Any = None, data: Sequence[bytes | memoryview] = ()) -> list[Any]:

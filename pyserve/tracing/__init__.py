@@ -42,7 +42,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pyserve.api.errors import InferError
@@ -244,20 +244,34 @@ class _TracingSender:
 _SETTING_KEYS = ("trace_level", "trace_rate", "trace_count", "log_frequency", "trace_file")
 
 
+class _TraceFile:
+    """The traces still to be written to one ``trace_file``, and the index of its next
+    ``<file>.<index>`` (``log_frequency``). One per path, shared by every scope writing there,
+    and kept across settings updates, so an update neither drops the traces collected so far
+    nor starts the numbered files again at 0."""
+
+    __slots__ = ("index", "path", "pending")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.index = 0
+        self.pending: list[dict[str, Any]] = []
+
+
 class _Scope:
     """Effective settings for the global scope or one model with overrides, plus counters."""
 
-    __slots__ = ("count", "counter", "file", "index", "levels", "log_frequency", "pending", "rate")
+    __slots__ = ("count", "counter", "file", "levels", "log_frequency", "rate", "sink")
 
-    def __init__(self, levels: list[str], rate: int, count: int, log_frequency: int, file: str) -> None:
+    def __init__(self, levels: list[str], rate: int, count: int, log_frequency: int, file: str,
+                 sink: _TraceFile | None = None) -> None:
         self.levels = levels
         self.rate = rate
         self.count = count
         self.log_frequency = log_frequency
         self.file = file
         self.counter = 0
-        self.index = 0
-        self.pending: list[dict[str, Any]] = []
+        self.sink = sink
 
     @property
     def on(self) -> bool:
@@ -287,18 +301,25 @@ class TraceManager:
         self._global: dict[str, Any] = _initial_settings(self.config)
         self._overrides: dict[str, dict[str, Any]] = {}
         self._scopes: dict[str, _Scope] = {}
+        self._files: dict[str, _TraceFile] = {}
         self._global_scope = self._make_scope(self._global)
         self._lock = threading.Lock()
         self._provider: Any = None
         self._tracer: Any = None
         self.active = False
+        self.change_listeners: list[Callable[[], None]] = []
+        """Called (under the manager's lock, on the thread that changed them: keep them short)
+        whenever which models are traced may have changed: a settings update, or a count that
+        ran out. ``traced_models`` says the new state."""
         self._refresh()
 
     # -- settings ------------------------------------------------------------------------------
     def _make_scope(self, values: Mapping[str, Any]) -> _Scope:
+        path = values["trace_file"]
+        sink = self._files.setdefault(path, _TraceFile(path)) if path else None
         return _Scope(
             list(values["trace_level"]), values["trace_rate"], values["trace_count"],
-            values["log_frequency"], values["trace_file"],
+            values["log_frequency"], path, sink,
         )
 
     def _refresh(self) -> None:
@@ -307,6 +328,22 @@ class TraceManager:
         }
         self.active = self._global_scope.on or any(s.on for s in self._scopes.values())
         TRACING.set(self, self.active)
+        self._tell_listeners()
+
+    def _tell_listeners(self) -> None:
+        for listener in self.change_listeners:
+            try:
+                listener()
+            except Exception:  # a listener's failure is not the update's
+                log.exception("a trace-settings listener failed")
+
+    def traced_models(self) -> tuple[bool, list[str], list[str]]:
+        """Which requests may be traced now: ``(global, on, off)``, where a model named in
+        ``on`` (``off``) has settings of its own that trace (do not trace), and every other
+        model follows ``global``."""
+        on = sorted(name for name, scope in self._scopes.items() if scope.on)
+        off = sorted(name for name, scope in self._scopes.items() if not scope.on)
+        return self._global_scope.on, on, off
 
     def settings(self, model: str | None = None) -> dict[str, Any]:
         """The effective settings (global, or for ``model``) in the extension's JSON form."""
@@ -406,6 +443,7 @@ class TraceManager:
                     target["trace_count"] = 0
         self.active = self._global_scope.on or any(s.on for s in self._scopes.values())
         TRACING.set(self, self.active)
+        self._tell_listeners()
 
     def complete(self, trace: RequestTrace, failed: bool) -> None:
         """Record a finished trace (file or OpenTelemetry)."""
@@ -415,15 +453,16 @@ class TraceManager:
         scope = trace.scope
         assert scope is not None  # set when the trace began
         entry = trace.to_json()
-        if not scope.file:
+        sink = scope.sink
+        if sink is None:
             log.debug("trace %s", json.dumps(entry))
             return
         with self._lock:
-            scope.pending.append(entry)
-            if scope.log_frequency and len(scope.pending) >= scope.log_frequency:
-                batch, scope.pending = scope.pending, []
-                path = f"{scope.file}.{scope.index}"
-                scope.index += 1
+            sink.pending.append(entry)
+            if scope.log_frequency and len(sink.pending) >= scope.log_frequency:
+                batch, sink.pending = sink.pending, []
+                path = f"{sink.path}.{sink.index}"
+                sink.index += 1
             else:
                 return
         _write_json(path, batch)
@@ -431,13 +470,12 @@ class TraceManager:
     def flush(self) -> None:
         """Write what is pending (``log_frequency`` 0 writes at shutdown) and flush exporters."""
         with self._lock:
-            scopes = [self._global_scope, *self._scopes.values()]
+            numbered = {scope.file for scope in (self._global_scope, *self._scopes.values()) if scope.log_frequency}
             work = []
-            for scope in scopes:
-                if scope.pending and scope.file:
-                    path = f"{scope.file}.{scope.index}" if scope.log_frequency else scope.file
-                    work.append((path, scope.pending))
-                    scope.pending = []
+            for sink in self._files.values():
+                if sink.pending:
+                    work.append((f"{sink.path}.{sink.index}" if sink.path in numbered else sink.path, sink.pending))
+                    sink.pending = []
         for path, batch in work:
             _write_json(path, batch)
         if self._provider is not None:

@@ -170,6 +170,33 @@ def test_rate_and_count(serve: Callable[..., ServerThread], client_for: Any, tmp
     assert len(traces) == 2
 
 
+
+@pytest.mark.parametrize("log_frequency", [0, 2])
+def test_settings_updates_keep_the_traces_collected_so_far(serve: Callable[..., ServerThread], client_for: Any,
+                                                           tmp_path: Path, log_frequency: int) -> None:
+    """Every update makes new effective settings; the traces collected under the old ones are
+    written all the same (one file at the stop, or numbered files that go on counting), also
+    those of a model with settings of its own writing to the same file."""
+    path = tmp_path / "t.json"
+    server = serve(trace_config=TraceConfig(level=["TIMESTAMPS"], rate=1, log_frequency=log_frequency, file=str(path)))
+    http = client_for(server)
+    for _ in range(3):
+        infer(http)
+    assert http.post("/v2/trace/setting", json={"trace_rate": "1", "trace_count": "-1"}).status_code == 200
+    infer(http, "other")
+    assert http.post("/v2/models/ident/trace/setting", json={"trace_count": "10"}).status_code == 200
+    for _ in range(2):
+        infer(http)
+    assert http.post("/v2/models/ident/trace/setting", json={"trace_count": None}).status_code == 200
+    infer(http)
+    server.stop()
+    files = [path] if not log_frequency else sorted(tmp_path.glob("t.json.*"), key=lambda f: int(f.suffix[1:]))
+    traces = [trace for file in files for trace in json.loads(file.read_text())]
+    assert [t["model_name"] for t in traces] == ["ident"] * 3 + ["other"] + ["ident"] * 3
+    assert [t["id"] for t in traces] == sorted(t["id"] for t in traces)
+    if log_frequency:
+        assert [f.name for f in files] == ["t.json.0", "t.json.1", "t.json.2", "t.json.3"]
+
 def test_opentelemetry_spans(serve: Callable[..., ServerThread], client_for: Any) -> None:
     server = serve(trace_config=parse_trace_config(
         ["mode=opentelemetry", "level=TIMESTAMPS", "rate=1", "opentelemetry,resource=service.name=test-svc"]
