@@ -35,7 +35,6 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -187,13 +186,11 @@ def _refusal(mode: ReplicationMode, repositories: list[Path]) -> Any:
     return refuse
 
 
-def prepare_and_fork(models: ModelManager, count: int, replicate: str, serve_child: Any,
-                     execute_wrappers: Callable[[], list[str]] | None = None) -> Preforked | None:
+def prepare_and_fork(models: ModelManager, count: int, replicate: str, serve_child: Any) -> Preforked | None:
     """Load the models frontends will replicate, then fork ``count`` frontend processes.
 
     :param serve_child: called in each child with its settings (a dict) once the owner sends
         them; returns the child's exit status. The child never returns from here.
-    :param execute_wrappers: as ``ReplicationMode``'s (in-process plugins that hold ``auto`` back).
     :returns: the waiting children, or None when nothing was forked (the reason is logged).
     """
     reason = fork_possible()
@@ -201,7 +198,7 @@ def prepare_and_fork(models: ModelManager, count: int, replicate: str, serve_chi
         log.info("frontend processes are started afresh, each loading its own replicas: %s", reason)
         return None
     try:
-        mode = ReplicationMode(replicate, execute_wrappers)
+        mode = ReplicationMode(replicate, models.plugins)
         rules = Preparing(_refusal(mode, models.repositories), _config_refusal(mode), os_threads)
         sources = models.startup_sources()
     except Exception as exc:  # a bad --replicate-models or repository: the normal start says so

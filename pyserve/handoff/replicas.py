@@ -31,7 +31,9 @@ What a replica changes, and why the rules below exist:
   state the owner never sees): while one is registered, ``auto`` replicates nothing, so the
   plugin sees every execute; plugins read from entry points load in every process and do not
   hold replication back (a replica's load and unload are not reported to them: the owner
-  reports its versions');
+  reports its versions'); a backend object handed to an embedded server
+  (``PluginHost(extra_backends=...)``) that is not also installed cannot be loaded by a
+  frontend started afresh, so ``auto`` leaves its models with the owner;
 * statistics and ``nv_inference_*`` metrics stay whole: the owner pulls each replica's
   counters (``counters_delta``) before it answers a statistics request or a metrics scrape.
 
@@ -44,11 +46,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyserve.runtime.versions import ModelState, ModelVersion
+
+if TYPE_CHECKING:
+    from pyserve.host.plugins import PluginHost
 
 log = logging.getLogger("pyserve.handoff")
 
@@ -62,14 +66,15 @@ REPLICATE_PARAMETER = "pyserve_replicate"
 class ReplicationMode:
     """``--replicate-models``: ``none``, ``auto``, or a comma-separated list of model names.
 
-    :param execute_wrappers: returns the names of the in-process server plugins that wrap
-        ``pyserve_execute`` (``PluginHost.in_process_execute_wrappers``); while it names one,
-        ``auto`` replicates nothing. Called whenever a version's placement is decided.
+    :param plugins: the owner's ``PluginHost``, asked whenever a version's placement is
+        decided: while an in-process server plugin wraps ``pyserve_execute``
+        (``in_process_execute_wrappers``), ``auto`` replicates nothing, and it does not
+        replicate a model whose backend only this process has (``in_process_only_backend``).
     :raises ValueError: an empty name in the list.
     """
 
-    def __init__(self, value: str, execute_wrappers: Callable[[], list[str]] | None = None) -> None:
-        self.execute_wrappers = execute_wrappers
+    def __init__(self, value: str, plugins: PluginHost | None = None) -> None:
+        self.plugins = plugins
         self.value = value.strip()
         self.auto = self.value == "auto"
         self.none = self.value in ("none", "")
@@ -126,11 +131,16 @@ def replicable(version: ModelVersion, mode: ReplicationMode, repositories: Any =
         return True, ""
     if not mode.auto:
         return False, "not selected by --replicate-models"
-    wrappers = mode.execute_wrappers() if mode.execute_wrappers is not None else []
-    if wrappers:
-        plural = len(wrappers) > 1
-        return False, (f"the in-process server plugin{'s' if plural else ''} {', '.join(wrappers)} "
-                       f"wrap{'' if plural else 's'} pyserve_execute and would not see a frontend's executes")
+    if mode.plugins is not None:
+        wrappers = mode.plugins.in_process_execute_wrappers()
+        if wrappers:
+            plural = len(wrappers) > 1
+            return False, (f"the in-process server plugin{'s' if plural else ''} {', '.join(wrappers)} "
+                           f"wrap{'' if plural else 's'} pyserve_execute and would not see a frontend's executes")
+        backend = version.context.backend.name if version.context is not None else ""
+        if backend and mode.plugins.in_process_only_backend(backend):
+            return False, (f"its backend '{backend}' was handed to this server as an object, which frontend "
+                           "processes started afresh do not have")
     reason = _auto_reason(version)
     return (False, reason) if reason is not None else (True, "")
 

@@ -289,6 +289,11 @@ class PluginHost:
                     for plugin, name in zip(self.server_plugins, self._server_plugin_names)
                     if id(plugin) in wrappers and id(plugin) not in self._loaded_everywhere]
 
+    def in_process_only_backend(self, name: str) -> bool:
+        """Whether backend ``name`` was handed to this host as an object (``extra_backends``)
+        and is not installed: another process reading the entry points has no such backend."""
+        return name in self._extra and name not in self._entry_points
+
     def platform_backend(self, platform: str) -> str | None:
         """The backend name that serves a config ``platform``, if any."""
         return self._platforms.get(platform)

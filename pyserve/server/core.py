@@ -264,7 +264,7 @@ class Server:
             return frontend.run_forked(settings, models)
 
         self._preforked = prefork.prepare_and_fork(models, options.frontend_processes, options.replicate_models,
-                                                   serve_child, self.plugins.in_process_execute_wrappers)
+                                                   serve_child)
 
     async def start(self) -> None:
         """Load the models, then start listening.
@@ -330,7 +330,7 @@ class Server:
             raise StartupError("--frontend-processes needs --http-server pyserve")
         self._handoff_dir = rundir.make()  # mode 0700: this user only
         try:
-            replication = ReplicationMode(self.options.replicate_models, self.plugins.in_process_execute_wrappers)
+            replication = ReplicationMode(self.options.replicate_models, self.plugins)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         if self.options.frontend_balance not in FRONTEND_BALANCE:

@@ -147,21 +147,45 @@ def test_replication_rules(config: str, mode: str, expected: bool, reason: str) 
 def test_auto_replicates_nothing_while_an_in_process_plugin_wraps_execute() -> None:
     """An execute wrapper living in the owner (``PluginHost.in_process_execute_wrappers``) holds
     ``auto`` back, named in the reason; naming the model or ``pyserve_replicate: "true"`` still
-    replicates it, and once no wrapper is registered ``auto`` replicates again."""
-    wrappers = ["BatchRecorder", "audit"]
+    replicates it, and without a wrapper registered ``auto`` replicates."""
+    from pyserve.host.plugins import PluginHost
+    from pyserve.testing import BatchRecorder
+
     version = _version('name: "a" backend: "identity"')
-    chosen, why = replicable(version, ReplicationMode("auto", lambda: wrappers))
+    both = PluginHost(server_plugins=[BatchRecorder()], use_entry_points=False)
+    both.add_server_plugin(BatchRecorder(), name="audit")
+    chosen, why = replicable(version, ReplicationMode("auto", both))
     assert not chosen and why == ("the in-process server plugins BatchRecorder, audit wrap pyserve_execute "
                                   "and would not see a frontend's executes")
-    wrappers.pop()
-    assert "plugin BatchRecorder wraps pyserve_execute" in replicable(version, ReplicationMode("auto", lambda: wrappers))[1]
-    assert replicable(version, ReplicationMode("a", lambda: wrappers)) == (True, "")
+    one = PluginHost(server_plugins=[BatchRecorder()], use_entry_points=False)
+    assert "plugin BatchRecorder wraps pyserve_execute" in replicable(version, ReplicationMode("auto", one))[1]
+    assert replicable(version, ReplicationMode("a", one)) == (True, "")
     forced = _version('name: "a" backend: "identity" parameters { key: "pyserve_replicate" value { string_value: "true" } }')
-    assert replicable(forced, ReplicationMode("auto", lambda: wrappers)) == (True, "")
+    assert replicable(forced, ReplicationMode("auto", one)) == (True, "")
     decoupled = _version('name: "a" backend: "identity" model_transaction_policy { decoupled: true }')
-    assert replicable(decoupled, ReplicationMode("auto", lambda: wrappers))[1].startswith("it is decoupled")
-    wrappers.clear()
-    assert replicable(version, ReplicationMode("auto", lambda: wrappers)) == (True, "")
+    assert replicable(decoupled, ReplicationMode("auto", one))[1].startswith("it is decoupled")
+    assert replicable(version, ReplicationMode("auto", PluginHost(use_entry_points=False))) == (True, "")
+
+
+def test_auto_leaves_models_of_a_backend_only_this_process_has_with_the_owner(tmp_path: Path) -> None:
+    """A backend object handed to the server that is not installed: a frontend started afresh
+    reads the entry points and has no such backend. An installed name given as an object
+    (a test handing the installed package's module) is replicated."""
+    from pyserve.api.backend import BackendContext, ModelContext
+    from pyserve.host.plugins import PluginHost
+
+    def version_of(backend: str) -> ModelVersion:
+        version = _version(f'name: "a" backend: "{backend}"')
+        version.context = ModelContext(name="a", version=1, config=version.config, path=tmp_path,
+                                       backend=BackendContext(name=backend))
+        return version
+
+    host = PluginHost(extra_backends={"mine": object(), "python": object()})
+    assert host.in_process_only_backend("mine") and not host.in_process_only_backend("python")
+    chosen, why = replicable(version_of("mine"), ReplicationMode("auto", host))
+    assert not chosen and "backend 'mine' was handed to this server as an object" in why
+    assert replicable(version_of("python"), ReplicationMode("auto", host)) == (True, "")
+    assert replicable(version_of("mine"), ReplicationMode("a", host)) == (True, "")  # asked for by name
 
 def test_a_backend_can_keep_a_model_in_the_owner(tmp_path: Path) -> None:
     """``ModelContext.single_process_reason`` (a model that calls the server or keeps custom
