@@ -52,10 +52,10 @@ class OwnerLink(asyncio.Protocol):
         self.snapshot_received = asyncio.Event()
         self.lost = asyncio.Event()
         self.replicas: ReplicaSet | None = None
+        """The frontend's own replicas, which follow each snapshot (None: no replicas)."""
         self.trace_all = False  # the owner's TRACING state: its global scope traces
         self.traced: frozenset[str] = frozenset()  # models with settings of their own that trace
         self.untraced: frozenset[str] = frozenset()  # ... that do not
-        """The frontend's own replicas, which follow each snapshot (None: no replicas)."""
         self._tasks: set[asyncio.Task[None]] = set()  # readiness answers under way
 
     # -- connection ------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from pyserve import logs
@@ -55,7 +56,7 @@ _REQUEST_KINDS = frozenset((Kind.INFER, Kind.RAW_HTTP, Kind.RAW_GRPC))
 """Frames that start a request (``client_activity``: each may come from another client)."""
 
 
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+def _running(loop: asyncio.AbstractEventLoop) -> bool:
     """Whether the calling thread runs ``loop``."""
     try:
         return asyncio.get_running_loop() is loop
@@ -119,17 +120,22 @@ class HandoffServer:
         for connection in list(self.connections):
             connection.close()
 
-    def _log_settings_changed(self, settings: dict[str, Any]) -> None:
-        """The logging extension changed this process's settings: frontends apply them too
-        (each connection is sent them as it opens, so a restarted frontend has them)."""
+    def _on_loop(self, callback: Callable[..., None], *args: Any) -> None:
+        """Run ``callback(*args)`` now when called on the owner's loop (so that what it sends
+        precedes the answer being written), else soon on the loop; not once the loop closed."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            if _on_loop(loop):
-                self._send_log_settings(settings)
+            if _running(loop):
+                callback(*args)
             else:
-                loop.call_soon_threadsafe(self._send_log_settings, settings)
+                loop.call_soon_threadsafe(callback, *args)
+
+    def _log_settings_changed(self, settings: dict[str, Any]) -> None:
+        """The logging extension changed this process's settings (any thread): frontends apply
+        them too (each connection is sent them as it opens, so a restarted frontend has them)."""
+        self._on_loop(self._send_log_settings, settings)
 
     def _send_log_settings(self, settings: dict[str, Any]) -> None:
         for connection in list(self.connections):
@@ -143,14 +149,7 @@ class HandoffServer:
     def _tracing_changed(self) -> None:
         """Which models are traced changed (any thread): frontends send those models' requests
         to the owner, whose sampling and trace file every traced request must pass through."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            if _on_loop(loop):
-                self._send_tracing()
-            else:
-                loop.call_soon_threadsafe(self._send_tracing)
+        self._on_loop(self._send_tracing)
 
     def _send_tracing(self) -> None:
         frame = self.tracing_frame()
