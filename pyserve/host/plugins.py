@@ -291,8 +291,11 @@ class PluginHost:
 
     def in_process_only_backend(self, name: str) -> bool:
         """Whether backend ``name`` was handed to this host as an object (``extra_backends``)
-        and is not installed: another process reading the entry points has no such backend."""
-        return name in self._extra and name not in self._entry_points
+        and is not installed (whether or not this host reads the entry points): another
+        process reading them has no such backend."""
+        if name not in self._extra or name in self._entry_points:
+            return False
+        return not metadata.entry_points(group=BACKEND_ENTRY_POINT_GROUP, name=name)
 
     def platform_backend(self, platform: str) -> str | None:
         """The backend name that serves a config ``platform``, if any."""

@@ -180,8 +180,9 @@ def test_auto_leaves_models_of_a_backend_only_this_process_has_with_the_owner(tm
                                        backend=BackendContext(name=backend))
         return version
 
-    host = PluginHost(extra_backends={"mine": object(), "python": object()})
-    assert host.in_process_only_backend("mine") and not host.in_process_only_backend("python")
+    host = PluginHost(extra_backends={"mine": object(), "python": object()}, use_entry_points=False)
+    assert host.in_process_only_backend("mine") and not host.in_process_only_backend("python")  # python is installed
+    assert not host.in_process_only_backend("onnxruntime")  # not handed over at all
     chosen, why = replicable(version_of("mine"), ReplicationMode("auto", host))
     assert not chosen and "backend 'mine' was handed to this server as an object" in why
     assert replicable(version_of("python"), ReplicationMode("auto", host)) == (True, "")

@@ -175,6 +175,25 @@ def test_execute_raising_fails_the_request_and_names_the_model(broken_server: Se
     assert _reasons(broken_server)["exec_error"][0] == "READY"  # the instance keeps serving
 
 
+
+def test_a_failed_execute_is_logged_once_with_the_models_traceback(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """One error record per failed execute (as Triton's one line), whose traceback reaches the
+    line of model.py that raised."""
+    repo = tmp_path / "repo"
+    write_python_model(repo, "exec_error", CONFIG, SOURCES["exec_error"])
+    caplog.set_level("ERROR")
+    server = start(repo, frontend_processes=0)
+    try:
+        with pytest.raises(InferenceServerException, match="execute exploded"):
+            _infer(server, "exec_error", [1])
+    finally:
+        server.stop()
+    [record] = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert "execute failed" in record.getMessage() and "execute exploded" in record.getMessage()
+    assert record.exc_info is not None and type(record.exc_info[1]).__name__ == "TritonModelException"
+    assert 'exec_error/1/model.py", line ' in caplog.text
+
 def test_wrong_length_list_fails_the_batch_with_a_clear_error(broken_server: ServerThread) -> None:
     with pytest.raises(InferenceServerException, match=r"returned 2 response\(s\) for 1 request\(s\)"):
         _infer(broken_server, "wrong_length", [1])

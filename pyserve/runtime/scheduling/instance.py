@@ -205,8 +205,11 @@ class InstanceWorker:
         self.last_execute_ns = end_ns - start_ns  # a slow failure is slow too
         if stats is not None:  # an execution all the same (Triton counts it and its batch)
             stats.executed(live, start_ns, end_ns, failed=True)
+        # One record per failed execute: with the traceback of what the model raised (a
+        # backend's InferError carries it as its cause), none for an InferError of its own.
+        cause = exc.__cause__ if isinstance(exc, InferError) else exc
         log.error("model '%s' instance '%s': execute failed: %s: %s",
-                  self._model_name, self.instance.name, type(exc).__name__, exc)
+                  self._model_name, self.instance.name, type(exc).__name__, exc, exc_info=cause)
         error = error_response(exc, self._model_name)
         for request in live:
             if not request.final_sent:

@@ -166,10 +166,8 @@ class ThreadRunner:
                     future.add_done_callback(lambda f: self._async_done(f, requests))
                     return None
                 outcome = self._event_loop().run(_await(outcome))
-        except Exception as exc:
-            log.error("Python model '%s' instance '%s': execute() raised", model.name, self._instance.name,
-                      exc_info=exc)
-            raise results.execute_failure(model.name, self._instance.name, exc) from None
+        except Exception as exc:  # the server logs it once, with this traceback (the cause)
+            raise results.execute_failure(model.name, self._instance.name, exc) from exc
         finally:
             context.leave(token)
         _report_compute(requests, compute_start, time.monotonic_ns())
