@@ -35,7 +35,9 @@ What a replica changes, and why the rules below exist:
   (``PluginHost(extra_backends=...)``) that is not also installed cannot be loaded by a
   frontend started afresh, so ``auto`` leaves its models with the owner;
 * statistics and ``nv_inference_*`` metrics stay whole: the owner pulls each replica's
-  counters (``counters_delta``) before it answers a statistics request or a metrics scrape.
+  counters (``counters_delta``) before it answers a statistics request or a metrics scrape;
+  latency summaries (``--metrics-config summary_latencies=true``) keep each request's samples,
+  which are not pulled, so with them ``auto`` replicates nothing.
 
 A model's config parameter ``pyserve_replicate`` (``"true"`` / ``"false"``) overrides the
 mode for that model, within the structural rules; so does naming it in ``--replicate-models``
@@ -70,11 +72,14 @@ class ReplicationMode:
         decided: while an in-process server plugin wraps ``pyserve_execute``
         (``in_process_execute_wrappers``), ``auto`` replicates nothing, and it does not
         replicate a model whose backend only this process has (``in_process_only_backend``).
+    :param owner_only: why ``auto`` replicates no model of this server ("": it may), e.g.
+        latency summaries, whose samples are kept in one process.
     :raises ValueError: an empty name in the list.
     """
 
-    def __init__(self, value: str, plugins: PluginHost | None = None) -> None:
+    def __init__(self, value: str, plugins: PluginHost | None = None, owner_only: str = "") -> None:
         self.plugins = plugins
+        self.owner_only = owner_only
         self.value = value.strip()
         self.auto = self.value == "auto"
         self.none = self.value in ("none", "")
@@ -131,6 +136,8 @@ def replicable(version: ModelVersion, mode: ReplicationMode, repositories: Any =
         return True, ""
     if not mode.auto:
         return False, "not selected by --replicate-models"
+    if mode.owner_only:
+        return False, mode.owner_only
     if mode.plugins is not None:
         wrappers = mode.plugins.in_process_execute_wrappers()
         if wrappers:

@@ -178,6 +178,8 @@ class Server:
             raise StartupError(str(exc)) from None
         registry = ModelRegistry()
         self.metrics = ServerMetrics(registry.records, metrics_settings)
+        self._owner_only = ("--metrics-config summary_latencies=true (the summaries' samples are kept in one "
+                            "process)" if metrics_settings.summary_latencies else "")
         """The server's metrics registry (per server: two servers never share counts)."""
         server_handle = ServerHandle(None, None)  # bound to the data plane below, to the loop in start
         self.models = ModelManager(
@@ -264,7 +266,7 @@ class Server:
             return frontend.run_forked(settings, models)
 
         self._preforked = prefork.prepare_and_fork(models, options.frontend_processes, options.replicate_models,
-                                                   serve_child)
+                                                   serve_child, self._owner_only)
 
     async def start(self) -> None:
         """Load the models, then start listening.
@@ -330,7 +332,7 @@ class Server:
             raise StartupError("--frontend-processes needs --http-server pyserve")
         self._handoff_dir = rundir.make()  # mode 0700: this user only
         try:
-            replication = ReplicationMode(self.options.replicate_models, self.plugins)
+            replication = ReplicationMode(self.options.replicate_models, self.plugins, self._owner_only)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         if self.options.frontend_balance not in FRONTEND_BALANCE:

@@ -415,6 +415,40 @@ def test_summary_latencies(make_repo: Callable[..., Path], start_server: StartSe
         MetricsSettings.from_config({"summary_quantiles": "1.5:0.1"})
 
 
+
+def test_summary_latencies_count_every_request_under_frontend_processes(tmp_path: Path,
+                                                                        start_server: StartServer) -> None:
+    """A replica's samples are not pulled into the owner's summaries, so with summaries on
+    ``auto`` replicates nothing: the frontend's connections are answered by the owner, and the
+    summaries count every request, as ``nv_inference_request_success`` does."""
+    import tritonclient.http as httpclient
+    from suite_support import ECHO_MODEL_PY, python_echo_config
+
+    write_model(tmp_path / "repo", "pyecho", python_echo_config("pyecho"), {"1/model.py": ECHO_MODEL_PY})
+    server = start_server(tmp_path / "repo", frontend_processes=1, replicate_models="auto",
+                          frontend_balance="connections", metrics_config={"summary_latencies": "true"},
+                          allow_cpu_metrics=False)
+    balancer, handoff = server.server.balancer, server.server._handoff
+    assert balancer is not None and handoff is not None
+    wait_for(lambda: len(balancer.peers) == 1, what="the frontend is connected")
+    passed = balancer.passed
+    clients = [httpclient.InferenceServerClient(server.url) for _ in range(4)]
+    values = np.arange(3, dtype=np.float32).reshape(1, 3)
+    try:
+        for _ in range(2):
+            for client in clients:
+                tensor = httpclient.InferInput("INPUT0", [1, 3], "FP32")
+                tensor.set_data_from_numpy(values)
+                client.infer("pyecho", [tensor])
+    finally:
+        for client in clients:
+            client.close()
+    assert balancer.passed > passed and not any(handoff.replicas.values())
+    page = scrape(server)
+    labels = {"model": "pyecho", "version": "1"}
+    assert page.value("nv_inference_request_success", **labels) == 8
+    assert page.value("nv_inference_request_summary_us_count", **labels) == 8
+
 def test_decoupled_first_response_histogram(make_repo: Callable[..., Path], start_server: StartServer) -> None:
     import tritonclient.grpc as grpcclient
 
