@@ -215,9 +215,10 @@ def update_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
         _apply_levels()
         listeners = list(_listeners)
     settings = get_settings()
+    passed_on = changeable_settings()
     for listener in listeners:
         try:
-            listener(changeable_settings())
+            listener(dict(passed_on))
         except Exception:  # a listener's failure is not the update's
             logging.getLogger("pyserve.logs").exception("passing on the logging settings failed")
     return settings

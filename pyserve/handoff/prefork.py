@@ -186,13 +186,14 @@ def _refusal(mode: ReplicationMode, repositories: list[Path]) -> Any:
     return refuse
 
 
-def prepare_and_fork(models: ModelManager, count: int, replicate: str, serve_child: Any,
-                     owner_only: str = "") -> Preforked | None:
+def prepare_and_fork(models: ModelManager, count: int, mode: ReplicationMode | None,
+                     serve_child: Any) -> Preforked | None:
     """Load the models frontends will replicate, then fork ``count`` frontend processes.
 
+    :param mode: which models frontends replicate (None: a bad ``--replicate-models``, which the
+        normal start reports; nothing is prepared).
     :param serve_child: called in each child with its settings (a dict) once the owner sends
         them; returns the child's exit status. The child never returns from here.
-    :param owner_only: as ``ReplicationMode``'s (why ``auto`` replicates no model).
     :returns: the waiting children, or None when nothing was forked (the reason is logged).
     """
     reason = fork_possible()
@@ -200,7 +201,8 @@ def prepare_and_fork(models: ModelManager, count: int, replicate: str, serve_chi
         log.info("frontend processes are started afresh, each loading its own replicas: %s", reason)
         return None
     try:
-        mode = ReplicationMode(replicate, models.plugins, owner_only)
+        if mode is None:
+            raise ValueError("--replicate-models")
         rules = Preparing(_refusal(mode, models.repositories), _config_refusal(mode), os_threads)
         sources = models.startup_sources()
     except Exception as exc:  # a bad --replicate-models or repository: the normal start says so

@@ -102,7 +102,29 @@ def _structural_reason(version: ModelVersion) -> str | None:
     return None
 
 
-def _auto_reason(version: ModelVersion) -> str | None:
+def _server_reason(version: ModelVersion, mode: ReplicationMode) -> str | None:
+    """Why ``auto`` keeps ``version`` with the owner because of this server, not the model."""
+    if mode.owner_only:
+        return mode.owner_only
+    if mode.plugins is None:
+        return None
+    wrappers = mode.plugins.in_process_execute_wrappers()
+    if wrappers:
+        plural = len(wrappers) > 1
+        return (f"the in-process server plugin{'s' if plural else ''} {', '.join(wrappers)} "
+                f"wrap{'' if plural else 's'} pyserve_execute and would not see a frontend's executes")
+    backend = version.context.backend.name if version.context is not None else ""
+    if backend and mode.plugins.in_process_only_backend(backend):
+        return (f"its backend '{backend}' was handed to this server as an object, which frontend "
+                "processes started afresh do not have")
+    return None
+
+
+def _auto_reason(version: ModelVersion, mode: ReplicationMode) -> str | None:
+    """Why ``auto`` keeps ``version`` with the owner (None: it replicates it)."""
+    server = _server_reason(version, mode)
+    if server is not None:
+        return server
     config = version.config
     if any(group.kind == 1 for group in config.instance_group):  # KIND_GPU
         return "it has GPU instances"
@@ -136,19 +158,7 @@ def replicable(version: ModelVersion, mode: ReplicationMode, repositories: Any =
         return True, ""
     if not mode.auto:
         return False, "not selected by --replicate-models"
-    if mode.owner_only:
-        return False, mode.owner_only
-    if mode.plugins is not None:
-        wrappers = mode.plugins.in_process_execute_wrappers()
-        if wrappers:
-            plural = len(wrappers) > 1
-            return False, (f"the in-process server plugin{'s' if plural else ''} {', '.join(wrappers)} "
-                           f"wrap{'' if plural else 's'} pyserve_execute and would not see a frontend's executes")
-        backend = version.context.backend.name if version.context is not None else ""
-        if backend and mode.plugins.in_process_only_backend(backend):
-            return False, (f"its backend '{backend}' was handed to this server as an object, which frontend "
-                           "processes started afresh do not have")
-    reason = _auto_reason(version)
+    reason = _auto_reason(version, mode)
     return (False, reason) if reason is not None else (True, "")
 
 

@@ -265,8 +265,18 @@ class Server:
         def serve_child(settings: dict[str, Any]) -> int:
             return frontend.run_forked(settings, models)
 
-        self._preforked = prefork.prepare_and_fork(models, options.frontend_processes, options.replicate_models,
-                                                   serve_child, self._owner_only)
+        try:
+            mode: ReplicationMode | None = self._replication()
+        except ValueError:
+            mode = None  # start() refuses it
+        self._preforked = prefork.prepare_and_fork(models, options.frontend_processes, mode, serve_child)
+
+    def _replication(self) -> ReplicationMode:
+        """``--replicate-models`` with what of this server holds ``auto`` back.
+
+        :raises ValueError: a bad ``--replicate-models``.
+        """
+        return ReplicationMode(self.options.replicate_models, self.plugins, self._owner_only)
 
     async def start(self) -> None:
         """Load the models, then start listening.
@@ -332,7 +342,7 @@ class Server:
             raise StartupError("--frontend-processes needs --http-server pyserve")
         self._handoff_dir = rundir.make()  # mode 0700: this user only
         try:
-            replication = ReplicationMode(self.options.replicate_models, self.plugins, self._owner_only)
+            replication = self._replication()
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         if self.options.frontend_balance not in FRONTEND_BALANCE:
