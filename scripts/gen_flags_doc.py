@@ -51,8 +51,9 @@ the `/v1` routes, [scaling-out.md](scaling-out.md) for `ray-deploy`, and
 [triton-tools.md](triton-tools.md) for `bench` beside perf_analyzer.
 
 On SIGINT or SIGTERM `pyserve run` stops accepting, lets in-flight requests finish (up to
-`--exit-timeout-secs`), then finalizes instances, models and backends in reverse order; when the
-timeout leaves requests, executions or loads running it exits at once with status 1, as Triton.
+`--exit-timeout-secs`), then finalizes instances, models and backends in reverse order (a
+`finalize` gets until that timeout, or 5 s when less is left); when the timeout leaves requests,
+executions, loads or a `finalize` running it exits at once with status 1, as Triton.
 """
 
 COMMAND_ORDER = ("run", "validate", "backends", "new-backend", "bench", "ray-deploy")

@@ -40,6 +40,10 @@ __all__ = ["ModelLoader", "Preparing"]
 
 log = logging.getLogger("pyserve.runtime")
 
+#: At shutdown, finalizes may run this long past the exit timeout (so that idle models are
+#: finalized also with ``--exit-timeout-secs 0``); one still running then is left to its thread.
+FINALIZE_GRACE_SECS = 5.0
+
 
 @dataclass
 class _Swap:
@@ -295,18 +299,20 @@ class ModelLoader:
             log.info("model '%s' unloaded", record.name)
         self._ensembles.recheck(record.name)
 
-    def unload_version(self, version: ModelVersion, deadline: float | None = None) -> bool:
+    def unload_version(self, version: ModelVersion, deadline: float | None = None,
+                       finalize_by: float | None = None) -> bool:
         """Stop a version's workers after queued work, then finalize instances and model.
 
         :param deadline: ``time.monotonic()`` value after which running executes are not
             waited for any more; ``None`` waits for them.
-        :returns: False if an instance was still executing at the deadline; the version is
-            then not finalized.
+        :param finalize_by: the same for a finalize (it is then left to its own thread).
+        :returns: False if an instance was still executing at the deadline, or the finalize
+            at ``finalize_by``; the version is then not (fully) finalized.
         """
         if version.state is not ModelState.READY:
             return True
         self._loop.call(lambda: self._retire(version))
-        return self._drain(version, deadline)
+        return self._drain(version, deadline, finalize_by)
 
     def _retire(self, version: ModelVersion) -> None:
         """Stop a READY version taking requests and let its workers finish what is queued.
@@ -323,19 +329,40 @@ class ModelLoader:
             with contextlib.suppress(ValueError):
                 self._load_order.remove(version)
 
-    def _drain(self, version: ModelVersion, deadline: float | None = None) -> bool:
+    def _drain(self, version: ModelVersion, deadline: float | None = None,
+               finalize_by: float | None = None) -> bool:
         """Wait for a retired version's workers, then finalize its instances and model.
 
-        :returns: False if an instance was still executing at the deadline (not finalized).
+        :param finalize_by: ``time.monotonic()`` value after which a finalize still running is
+            left to its thread (shutdown); ``None`` waits for it.
+        :returns: False if an instance was still executing at the deadline (not finalized), or
+            the finalize was still running at ``finalize_by``.
         """
         if not join_workers(version, deadline):
             return False
         if version.backend is not None:  # ensembles have no backend
-            self._builder.finalize(version)
+            if finalize_by is None:
+                self._builder.finalize(version)
+            elif not self._finalize_before(version, finalize_by):
+                return False
         version.state = ModelState.UNAVAILABLE
         version.reason = "unloaded"
         if version.context is not None:
             self._builder.notify("pyserve_model_unloaded", version.context)
+        return True
+
+    def _finalize_before(self, version: ModelVersion, finalize_by: float) -> bool:
+        """Finalize ``version`` on a thread of its own and wait for it until ``finalize_by``;
+        False (logged) if it is still running then: a ``finalize`` that never returns must not
+        hold the server's exit past its timeout."""
+        thread = threading.Thread(target=self._builder.finalize, args=(version,),
+                                  name=f"pyserve-finalize-{version.name}", daemon=True)
+        thread.start()
+        thread.join(max(finalize_by - time.monotonic(), 0.0))
+        if thread.is_alive():
+            log.error("model '%s' version %d: finalize still running at the exit timeout",
+                      version.name, version.version)
+            return False
         return True
 
     def _drain_retired(self, name: str, versions: list[ModelVersion], then: Callable[[], None]) -> bool:
@@ -390,8 +417,10 @@ class ModelLoader:
             self._load_order.clear()
         unfinished: list[str] = []
         stuck: set[str] = set()
+        # idle models are finalized also when the exit timeout is spent (or 0), in a short window
+        finalize_by = None if deadline is None else max(deadline, time.monotonic() + FINALIZE_GRACE_SECS)
         for version in order:
-            if not self.unload_version(version, deadline) and version.backend is not None:
+            if not self.unload_version(version, deadline, finalize_by) and version.backend is not None:
                 stuck.add(version.backend.info.name)
                 unfinished.append(f"model '{version.name}' version {version.version}")
         with self._lock:

@@ -412,8 +412,18 @@ class TritonPythonModel:
             time.sleep(3600)
 
     def execute(self, requests):
-        (pathlib.Path(__file__).parent.parent / "execute.started").write_text(str(os.getpid()))
+        model = pathlib.Path(__file__).parent.parent
+        if (model / "hang_in_finalize").exists():  # answers; its finalize is what hangs
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", r.inputs()[0].as_numpy())])
+                    for r in requests]
+        (model / "execute.started").write_text(str(os.getpid()))
         time.sleep(3600)
+
+    def finalize(self):
+        model = pathlib.Path(__file__).parent.parent
+        if (model / "hang_in_finalize").exists():
+            (model / "finalize.started").touch()
+            time.sleep(3600)
 """
 STUCK_CONFIG = """
 backend: "python"
@@ -423,11 +433,13 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
 """
 
 
-def _stuck_repo(tmp_path: Path, hang_in_initialize: bool = False) -> Path:
+def _stuck_repo(tmp_path: Path, hang_in_initialize: bool = False, hang_in_finalize: bool = False) -> Path:
     repo = tmp_path / "stuck_repo"
     model = write_model(repo, "stuck", STUCK_CONFIG, files={"1/model.py": STUCK_PY})
     if hang_in_initialize:
         (model / "hang_in_initialize").touch()
+    if hang_in_finalize:
+        (model / "hang_in_finalize").touch()
     return repo
 
 
@@ -467,6 +479,22 @@ def test_exit_timeout_bounds_shutdown_with_a_stuck_execute(run_server: Any, tmp_
     assert "Exit timeout expired. Exiting immediately." in server.stderr
     assert "exit timeout reached with 1 request(s) still in flight" in server.stderr
     assert "still executing at the exit timeout; not finalized" in server.stderr
+
+
+def test_exit_timeout_bounds_shutdown_with_a_finalize_that_never_returns(run_server: Any, tmp_path: Path) -> None:
+    """A model whose ``finalize`` waits for threads that died (Triton's ``decoupled_bls`` on a
+    machine without CUDA) no longer holds the process after "Shutting down" for ever."""
+    repo = _stuck_repo(tmp_path, hang_in_finalize=True)
+    server = run_server("--model-repository", str(repo), "--exit-timeout-secs", "1")
+    url = server.wait_started()
+    assert _infer_fp32(url, "stuck", [3.0]).tolist() == [[3.0]]  # idle when the shutdown begins
+    code = server.stop(timeout=120)
+    assert (repo / "stuck" / "finalize.started").exists()
+    assert code == 1, server.stderr
+    assert "model 'stuck' version 1: finalize still running at the exit timeout" in server.stderr
+    assert "still running at the exit timeout: model 'stuck' version 1" in server.stderr
+    assert "backend 'python' not finalized" in server.stderr
+    assert "Exit timeout expired. Exiting immediately." in server.stderr
 
 
 def test_exit_timeout_with_a_stuck_execute_in_a_frontend_process(run_server: Any, tmp_path: Path) -> None:
