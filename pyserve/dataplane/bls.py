@@ -10,6 +10,7 @@ passed by reference.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -58,6 +59,7 @@ class ServerHandle:
         self._dataplane = dataplane
         self._loop: Any = loop
         self._metrics = metrics
+        self._pid = os.getpid()
 
     def bind(
         self, dataplane: Any, loop: asyncio.AbstractEventLoop | None, metrics: Callable[[], bytes] | None = None
@@ -67,6 +69,7 @@ class ServerHandle:
         given, renders the ``/metrics`` page ``metrics_text`` returns."""
         self._dataplane = dataplane
         self._loop = loop
+        self._pid = os.getpid()
         if metrics is not None:
             self._metrics = metrics
 
@@ -138,7 +141,23 @@ class ServerHandle:
         """
         self._blocking_call(self._dataplane.unload_model(name, unload_dependents), timeout)
 
+    def _forked_error(self) -> InferError | None:
+        """An error when called from a process forked off the server's (a model's
+        ``multiprocessing`` pool): the server's event loop does not run there, so the call would
+        wait for ever."""
+        if os.getpid() == self._pid:
+            return None
+        return InferError(
+            f"in-process server calls (BLS, model control) cannot be made from process {os.getpid()}, "
+            f"which was forked off the server's process {self._pid}: the server does not run there. "
+            "Make them from the model's own threads (e.g. concurrent.futures.ThreadPoolExecutor)",
+            ErrorCode.INTERNAL)
+
     def _blocking_call(self, coroutine: Any, timeout: float | None) -> None:
+        forked = self._forked_error()
+        if forked is not None:
+            coroutine.close()
+            raise forked
         if _on_loop(self._loop):
             coroutine.close()
             raise InferError("blocking in-process calls cannot be made on the server's event loop", ErrorCode.INTERNAL)
@@ -162,6 +181,10 @@ class ServerHandle:
         self._submit(request, sender)
 
     def _submit(self, request: InferRequest, sender: Any) -> None:
+        forked = self._forked_error()
+        if forked is not None:
+            sender.send(forked, True)
+            return
         version = None if request.model_version in (-1, 0) else str(request.model_version)
 
         def submit() -> None:

@@ -352,3 +352,25 @@ def test_a_released_request_is_ended_off_the_thread_that_freed_its_sender() -> N
     assert final and isinstance(error, InferError) and error.code is ErrorCode.INTERNAL
     assert "released it without sending a response" in error.message
     assert server_request.stats.fail_count == 1
+
+
+@pytest.mark.parametrize(("parameters", "message"), [
+    ([], "to be a dict, got <class 'list'>"),
+    ({1: "one"}, "Expect parameters keys to have type str, found type <class 'int'>"),
+    ({"f": 0.5}, "Expect parameters values to have type bool/int/str, found type <class 'float'>"),
+    ({"n": None}, "Expect parameters values to have type bool/int/str, found type <class 'NoneType'>"),
+    ({"l": [1]}, "Expect parameters values to have type bool/int/str, found type <class 'list'>"),
+])
+def test_response_and_request_parameters_are_checked_as_triton_checks_them(parameters: object, message: str) -> None:
+    """As Triton's stub (its response_parameters QA model): str keys, bool/int/str values only."""
+    with pytest.raises(pb_utils.TritonModelException) as caught:
+        pb_utils.InferenceResponse(output_tensors=[], parameters=parameters)
+    assert message in str(caught.value)
+    with pytest.raises(pb_utils.TritonModelException) as caught:
+        pb_utils.InferenceRequest(model_name="m", inputs=[], requested_output_names=[], parameters=parameters)
+    assert message in str(caught.value)
+
+
+def test_parameters_of_the_accepted_types_are_kept() -> None:
+    response = pb_utils.InferenceResponse(output_tensors=[], parameters={"b": True, "i": 2, "s": "x"})
+    assert json.loads(response.parameters()) == {"b": True, "i": 2, "s": "x"}

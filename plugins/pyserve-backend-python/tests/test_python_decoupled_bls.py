@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from python_backend_helpers import PROCESS_MODE as PROCESS
 from tritonclient.utils import InferenceServerException
 
 from pyserve.server.core import ServerThread
@@ -125,3 +126,73 @@ def test_bls_reads_every_response_of_a_decoupled_model(python_server: ServerThre
         result = client.infer("bls_decoupled", inputs)
     assert int(result.as_numpy("SUM")[0]) == 12
     assert int(result.as_numpy("COUNT")[0]) == 3
+
+
+FORKING_BLS_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "MESSAGE" data_type: TYPE_STRING dims: [ 1 ] } ]
+"""
+FORKING_BLS_SOURCE = """
+import multiprocessing
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+def call_target(value):
+    request = pb_utils.InferenceRequest(model_name="target", requested_output_names=["OUT"],
+                                        inputs=[pb_utils.Tensor("IN", np.array([value], dtype=np.int32))])
+    try:
+        response = request.exec()
+    except pb_utils.TritonModelException as exc:  # execution_mode "process" raises
+        return str(exc)
+    if response.has_error():
+        return response.error().message()
+    return str(int(pb_utils.get_output_tensor_by_name(response, "OUT").as_numpy()[0]))
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            value = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            with multiprocessing.get_context("fork").Pool(2) as pool:  # as Triton's own bls QA model
+                from_children = pool.map(call_target, [value, value])
+            here = call_target(value)  # the model's own process still calls the server
+            out.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("OUT", np.array([int(here)], dtype=np.int32)),
+                pb_utils.Tensor("MESSAGE", np.array([from_children[0].encode()], dtype=np.object_))]))
+        return out
+"""
+TARGET_SOURCE = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() + 100)])
+                for r in requests]
+"""
+TARGET_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_bls_from_a_process_the_model_forked_is_an_error_not_a_hang(serve: Any, mode: str) -> None:
+    """Triton's bls QA model maps BLS calls over a forked ``multiprocessing.Pool``; the model
+    runs in the server's process (or its worker's), whose event loop (pipe reader) a forked
+    child does not have: the child's call fails naming the fork (it used to wait for ever)."""
+    config = FORKING_BLS_CONFIG + (PROCESS if mode == "process" else "")
+    server = serve({"forking": (config, FORKING_BLS_SOURCE), "target": (TARGET_CONFIG, TARGET_SOURCE)})
+    client = httpclient.InferenceServerClient(server.url, network_timeout=120)
+    try:
+        result = client.infer("forking", [_input("IN", np.array([7], dtype=np.int32), "INT32", httpclient)])
+    finally:
+        client.close()
+    assert result.as_numpy("OUT").tolist() == [107]
+    message = result.as_numpy("MESSAGE")[0].decode()
+    assert "cannot be made from process" in message or "cannot be called from process" in message
+    assert ("forked off the server's process" if mode == "thread" else "forked off its worker") in message

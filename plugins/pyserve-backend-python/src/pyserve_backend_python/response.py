@@ -17,9 +17,11 @@ from pyserve_backend_python.tensor import Tensor, output_array, server_array
 
 
 def parse_parameters(parameters: Mapping[str, Any] | str | None, what: str) -> dict[str, Any]:
-    """Parameters given as a dict or a JSON object string, checked for KServe value types.
+    """Parameters given as a dict (or a JSON object string), checked as Triton's stub checks
+    them: str keys, bool/int/str values (no floats, None or nesting), with its messages.
 
-    :raises TritonModelException: not a JSON object, or a value that is not bool/int/float/str.
+    :raises TritonModelException: not a dict (or JSON object), a key that is not a str, or a
+        value that is not bool/int/str.
     """
     if parameters is None or parameters == "":
         return {}
@@ -29,13 +31,14 @@ def parse_parameters(parameters: Mapping[str, Any] | str | None, what: str) -> d
         except json.JSONDecodeError as exc:
             raise TritonModelException(f"{what} parameters are not valid JSON: {exc}") from None
     if not isinstance(parameters, Mapping):
-        raise TritonModelException(f"{what} parameters must be a dict or a JSON object string")
+        raise TritonModelException(f"Expect {what} parameters to be a dict, got {type(parameters)}")
     checked: dict[str, Any] = {}
     for key, value in parameters.items():
-        if not isinstance(key, str) or not isinstance(value, (bool, int, float, str)):
+        if not isinstance(key, str):
+            raise TritonModelException(f"Expect parameters keys to have type str, found type {type(key)}")
+        if not isinstance(value, (bool, int, str)):
             raise TritonModelException(
-                f"{what} parameter {key!r}: keys must be str and values bool, int, float or str"
-            )
+                f"Expect parameters values to have type bool/int/str, found type {type(value)}")
         checked[key] = value
     return checked
 

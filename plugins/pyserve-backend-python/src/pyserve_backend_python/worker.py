@@ -33,6 +33,11 @@ from typing import Any
 def main(conn: Any, spec: dict[str, Any], out_prefix: str) -> None:
     """The worker's loop: serve the parent's messages until ``stop`` or the pipe closes."""
     import logging
+    import multiprocessing
+
+    # started as a daemon so that it ends with the server; the model may still start processes
+    # of its own (a multiprocessing.Pool), as in Triton's stub
+    multiprocessing.current_process().daemon = False
 
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [{spec['name']} worker %(process)d] %(message)s")

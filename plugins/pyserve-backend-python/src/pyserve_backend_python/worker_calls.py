@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 from typing import Any
 
@@ -47,6 +48,15 @@ class RemoteCalls:
         self._counter = counter
         self.executing = threading.Event()
         """Set while ``execute`` runs: BLS is allowed only then."""
+        self._pid = os.getpid()
+
+    def _refuse_forked(self) -> None:
+        """A process the model forked (``multiprocessing``) has no reader of the pipe: its call
+        would wait for ever."""
+        if os.getpid() != self._pid:
+            raise TritonModelException(
+                f"BLS and model control cannot be called from process {os.getpid()}, which model "
+                f"'{self._model_name}' forked off its worker {self._pid}; call them from the model's own threads")
 
     def install(self, model_decoupled: bool) -> None:
         """Make the ``pb_utils`` calls go to the parent (and, for a model that is not
@@ -73,6 +83,7 @@ class RemoteCalls:
 
         :raises TritonModelException: called outside ``execute``, or the parent went away.
         """
+        self._refuse_forked()
         if not self.executing.is_set():
             raise TritonModelException(f"BLS outside execute() is not supported in execution_mode 'process' "
                                        f"(model '{self._model_name}')")
@@ -114,6 +125,7 @@ class RemoteCalls:
 
         :raises TritonModelException: it failed (its message), or the parent went away.
         """
+        self._refuse_forked()
         reply = self._pipe.call(("control", operation, args))
         if reply is None:
             raise TritonModelException("the server process went away during a model control call")
