@@ -469,3 +469,28 @@ def test_iterative_sequences_reschedule_requests_until_answered(start_server: St
     tensor.set_data_from_numpy(np.array([[2]], dtype=np.int32))
     with pytest.raises(InferenceServerException, match="iterative_sequence"):
         httpclient.InferenceServerClient(server.url).infer("plain", [tensor], sequence_id=7, sequence_start=True)
+
+
+class AnswersAndReschedules(Countdown):
+    """Asks for rescheduling and answers the request in the same execute."""
+
+    def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse | None]:
+        for r in requests:
+            self.runs.setdefault(r.correlation_id, []).append((0, len(requests)))
+            r.reschedule()
+        value = np.array([[1]], dtype=np.int32)
+        return [InferResponse({"OUTPUT": value, "STATE_OUT": value}) for _ in requests]
+
+
+def test_a_request_both_rescheduled_and_answered_fails_once(start_server: StartServer, make_repo: MakeRepo) -> None:
+    """It is not run again in every later iteration (it used to loop for ever)."""
+    text = config("oldest { max_candidate_sequences: 4 }", max_batch_size=4)
+    text = text.replace("sequence_batching {", "sequence_batching {\n  iterative_sequence: true")
+    backend = AnswersAndReschedules()
+    server = start_server(make_repo({"both": text}), backends={"accum": backend}, use_entry_points=False)
+    tensor = httpclient.InferInput("INPUT", [1, 1], "INT32")
+    tensor.set_data_from_numpy(np.array([[2]], dtype=np.int32))
+    client = httpclient.InferenceServerClient(server.url, network_timeout=60)
+    with pytest.raises(InferenceServerException, match="returned a response for a request of model 'both' it rescheduled"):
+        client.infer("both", [tensor], sequence_id=9, sequence_start=True, sequence_end=True)
+    assert backend.runs[9] == [(0, 1)]

@@ -146,3 +146,33 @@ def test_rescheduling_where_it_cannot_work_is_a_clear_error(serve: Serve, config
         _generate(server, "generate", 2)
     assert message in str(failure.value)
     assert _generate(server, "generate", 1)[0]  # the model keeps serving (its own state aside)
+
+
+ANSWERS_AND_RESCHEDULES = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("SIZES", request.inputs()[0].as_numpy())]))
+        return out
+"""
+
+
+def test_a_response_returned_for_a_rescheduled_request_is_an_error(serve: Serve) -> None:
+    """As Triton's wrong_return_type QA model: the request fails with the stub's message (it
+    used to be re-executed for ever)."""
+    server = serve({"both": (ITERATIVE, ANSWERS_AND_RESCHEDULES)})
+    client = httpclient.InferenceServerClient(server.url, network_timeout=120)
+    try:
+        steps = httpclient.InferInput("STEPS", [1, 1], "INT32")
+        steps.set_data_from_numpy(np.array([[3]], dtype=np.int32))
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("both", [steps], sequence_id=5, sequence_start=True, sequence_end=True)
+        assert "Expected a None object in the execute function return list for reschduled request" in str(caught.value)
+        statistics = client.get_inference_statistics("both")["model_stats"][0]
+        assert int(statistics["execution_count"]) == 1
+    finally:
+        client.close()

@@ -190,12 +190,22 @@ class InstanceWorker:
             self._results_missing(live, results, stats, start_ns, end_ns)
             return
         # compute output: the responses are checked first, counted, then sent
-        finished = [(request, self._finish(request, result)) for request, result in zip(live, results)
-                    if not request.rescheduled]  # a rescheduled one comes back in a later batch
+        finished = [(request, self._finish(request, result) if not request.rescheduled else self._answered_rescheduled())
+                    for request, result in zip(live, results)
+                    if not request.rescheduled or result is not None]  # a rescheduled one comes back later
         if stats is not None:
             stats.executed(live, start_ns, end_ns, ready_ns=time.monotonic_ns())
         for request, answer in finished:
             request.reply(answer)
+
+    def _answered_rescheduled(self) -> InferError:
+        """The error for a request the backend both rescheduled and answered: it is not run again
+        (it would come back, answered, in every later iteration)."""
+        return InferError(
+            f"backend '{self.instance.model.backend.name}' returned a response for a request of model "
+            f"'{self._model_name}' it rescheduled; a rescheduled request is answered in a later iteration",
+            ErrorCode.INTERNAL,
+        )
 
     def _execute_failed(
         self, live: list[InferRequest], stats: ModelStats | None, start_ns: int, exc: Exception

@@ -57,8 +57,9 @@ def convert(
     ``execute`` received, when it ran in this process).
 
     :raises InferError: the return value is unusable for the whole batch (not a list, wrong
-        length, not None in decoupled mode, or a response returned for a request whose sender
-        already sent one); every unanswered request gets the error.
+        length, not None in decoupled mode, a response returned for a request whose sender
+        already sent one, or for a request the model rescheduled); every unanswered request gets
+        the error.
     """
     if decoupled:
         if result is not None:
@@ -86,6 +87,13 @@ def convert(
             f"{len(requests)} request(s); it must return exactly one InferenceResponse per request",
             ErrorCode.INTERNAL,
         )
+    for request, item in zip(requests, result):
+        if request.rescheduled and item is not None:  # Triton's stub fails the execute (its wording)
+            raise InferError(
+                "Expected a None object in the execute function return list for reschduled request, "
+                f"found type '{type(item)}'.",
+                ErrorCode.INTERNAL,
+            )
     converted: list[InferResponse | InferError | None] = [_one(model_name, item) for item in result]
     if all(item is not None for item in converted) and not any(r.sender_taken for r in requests):
         return converted  # type: ignore[return-value]
