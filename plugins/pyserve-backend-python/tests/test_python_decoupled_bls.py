@@ -196,3 +196,96 @@ def test_bls_from_a_process_the_model_forked_is_an_error_not_a_hang(serve: Any, 
     message = result.as_numpy("MESSAGE")[0].decode()
     assert "cannot be made from process" in message or "cannot be called from process" in message
     assert ("forked off the server's process" if mode == "thread" else "forked off its worker") in message
+
+
+DECOUPLED_IO = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+model_transaction_policy { decoupled: true }
+"""
+WAITS_FOR_GO_SOURCE = """
+import pathlib
+import threading
+import time
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.go = pathlib.Path(args["model_repository"]).parent / "go"
+
+    def execute(self, requests):
+        for request in requests:
+            threading.Thread(target=self.answer, args=(request,), daemon=True).start()
+        return None
+
+    def answer(self, request):
+        sender = request.get_response_sender()
+        for _ in range(1200):  # until the caller's other coroutine says go (60 s at most)
+            if self.go.exists():
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", request.inputs()[0].as_numpy())]))
+                break
+            time.sleep(0.05)
+        else:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("no go")))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+AWAITING_CALLER_SOURCE = """
+import asyncio
+import pathlib
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.go = pathlib.Path(args["model_repository"]).parent / "go"
+
+    async def streamed(self, request):
+        call = pb_utils.InferenceRequest(model_name="waits_for_go", requested_output_names=["OUT"],
+                                         inputs=[request.inputs()[0]])
+        responses = await call.async_exec(decoupled=True)
+        for response in responses:  # a plain for, as Triton's async_execute_decouple_bls model
+            if response.has_error():
+                return response.error().message()
+            if response.output_tensors():
+                return int(pb_utils.get_output_tensor_by_name(response, "OUT").as_numpy()[0])
+        return "no response"
+
+    async def says_go(self):
+        ping = pb_utils.InferenceRequest(model_name="ping", requested_output_names=["OUT"],
+                                         inputs=[pb_utils.Tensor("IN", np.array([0], dtype=np.int32))])
+        await ping.async_exec()  # needs this event loop free while the other coroutine waits
+        self.go.touch()
+
+    async def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            value, _ = await asyncio.gather(self.streamed(request), self.says_go())
+            if isinstance(value, str):
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(value)))
+            else:
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([value], dtype=np.int32))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+def test_awaited_decoupled_bls_lets_the_other_coroutines_run(serve: Any) -> None:
+    """``await async_exec(decoupled=True)`` ends once the first response is there (as Triton),
+    so iterating it with a plain ``for`` does not hold the model's event loop while that
+    response is awaited: the model's other coroutine (whose own BLS call lets the first one
+    be answered) runs meanwhile."""
+    server = serve({"waits_for_go": (DECOUPLED_IO, WAITS_FOR_GO_SOURCE), "caller": (DECOUPLED_IO, AWAITING_CALLER_SOURCE),
+                    "ping": (TARGET_CONFIG, TARGET_SOURCE)})
+    results: queue.Queue[Any] = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put(error if error is not None else result))
+    try:
+        client.async_stream_infer("caller", [_input("IN", np.array([5], dtype=np.int32), "INT32")])
+        item = results.get(timeout=120)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert not isinstance(item, Exception), item
+    assert item.as_numpy("OUT").tolist() == [5]

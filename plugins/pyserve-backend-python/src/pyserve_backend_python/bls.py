@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pyserve import ErrorCode, InferError, InferResponse
@@ -56,12 +57,16 @@ class _OneResponse:
 class _IteratorSender:
     """Feeds a ``ResponseIterator`` from the server's threads."""
 
-    def __init__(self, iterator: ResponseIterator) -> None:
+    def __init__(self, iterator: ResponseIterator, on_first: Callable[[], None] | None = None) -> None:
         self._iterator = iterator
+        self._on_first = on_first
 
     def send(self, response: InferResponse | InferError | None, final: bool) -> None:
         converted = InferenceResponse.from_server(response) if response is not None else None
         self._iterator.put(converted, final)
+        if self._on_first is not None:  # the server sends a request's responses one at a time
+            on_first, self._on_first = self._on_first, None
+            on_first()
 
     def is_cancelled(self) -> bool:
         return self._iterator.cancelled
@@ -97,20 +102,23 @@ async def async_exec_request(request: InferenceRequest, decoupled: bool) -> Infe
     """Awaitable BLS call on the running event loop; see ``InferenceRequest.async_exec``."""
     server = _server()
     server_request = request._to_server()
-    if decoupled:
-        iterator = ResponseIterator(server_request)
-        server.submit(server_request, _IteratorSender(iterator))
-        return iterator
     loop = asyncio.get_running_loop()
     finished: asyncio.Future[None] = loop.create_future()
-    sender = _OneResponse()
-    sender.on_done = lambda: loop.call_soon_threadsafe(_set_done, finished)
+    if decoupled:  # as Triton: awaited until the first response (or the end) is there, so that
+        # iterating it with a plain ``for`` does not block the event loop the model's coroutines share
+        iterator = ResponseIterator(server_request)
+        sender: Any = _IteratorSender(iterator, lambda: loop.call_soon_threadsafe(_set_done, finished))
+    else:
+        sender = _OneResponse()
+        sender.on_done = lambda: loop.call_soon_threadsafe(_set_done, finished)
     server.submit(server_request, sender)
     try:
         await finished
     except asyncio.CancelledError:
         server_request.cancel()
         raise
+    if decoupled:
+        return iterator
     return sender.response(request.model_name())
 
 

@@ -113,11 +113,10 @@ class RemoteCalls:
         return _one_answer(call.model_name, answers)
 
     def async_exec(self, request: Any, decoupled: bool = False) -> Any:
-        """``async_exec`` in the worker: a task on the running loop (``RuntimeError`` without one)."""
-        async def call() -> Any:
-            return self.exec(request, decoupled)
-
-        return asyncio.get_running_loop().create_task(call())
+        """``async_exec`` in the worker: a future on the running loop (``RuntimeError`` without
+        one); the blocking call runs on an executor thread, as Triton's stub runs it, so that
+        the model's other coroutines go on meanwhile."""
+        return asyncio.get_running_loop().run_in_executor(None, self.exec, request, decoupled)
 
     def control(self, operation: str, *args: Any) -> Any:
         """Model control from the worker: the server process runs it (``model_control.run_on``);
