@@ -140,7 +140,10 @@ class DataPlane:
             served = self.models.get(name, version)
         except (InferError, ValueError):  # unknown, not READY, or not a version number
             return False
-        return await self.readiness.version_ready(served) and not await self._replicas_not_ready([served])
+        # both at once: a question joins (or starts) the checks in flight here and in the replicas,
+        # so a slow is_ready() is not waited for twice, one after the other
+        own, failed = await asyncio.gather(self.readiness.version_ready(served), self._replicas_not_ready([served]))
+        return own and not failed
 
     async def check_server_ready(self) -> bool:
         """What the server ready endpoints answer: ``is_ready``, and with strict readiness every
@@ -150,8 +153,9 @@ class DataPlane:
         if not self.strict_readiness:
             return True
         versions = [v for record in list(self.models.records.values()) for v in list(record.versions.values()) if v.ready]
-        return (all(await asyncio.gather(*(self.readiness.version_ready(v) for v in versions)))
-                and not await self._replicas_not_ready(versions))
+        own, failed = await asyncio.gather(asyncio.gather(*(self.readiness.version_ready(v) for v in versions)),
+                                           self._replicas_not_ready(versions))
+        return all(own) and not failed
 
     async def _replicas_not_ready(self, versions: list[ModelVersion]) -> set[ModelVersion]:
         """Of ``versions``, those whose backend checks readiness and whose replicas elsewhere

@@ -797,3 +797,49 @@ def test_exit_timeout_must_be_a_number_of_seconds(value: str) -> None:
     result = pyserve("run", "--http-port", "0", f"--exit-timeout-secs={value}")
     assert result.returncode == 2
     assert "--exit-timeout-secs must be a number of seconds >= 0" in result.stderr
+
+
+SLOW_READY_PY = """
+import os
+import pathlib
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model = pathlib.Path(args["model_repository"])
+
+    def is_ready(self):
+        (self.model / f"ready.{os.getpid()}").touch()
+        for _ in range(1200):  # until the test releases it (60 s at most)
+            if (self.model / "release").exists():
+                break
+            time.sleep(0.05)
+        return True
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", r.inputs()[0].as_numpy())]) for r in requests]
+"""
+
+
+def test_a_model_ready_question_checks_the_owner_and_its_replicas_at_once(run_server: Any, tmp_path: Path) -> None:
+    """A slow ``is_ready()`` in a model replicated in a frontend process: the owner's check and
+    the replica's run at the same time (Triton's test_is_ready_takes_long_time: one after the
+    other, a later question found no check in flight in the replica and waited for a new one)."""
+    repo = tmp_path / "repo"
+    model = write_model(repo, "slow_ready", STUCK_CONFIG, files={"1/model.py": SLOW_READY_PY})
+    server = run_server("--model-repository", str(repo), "--frontend-processes", "1", "--replicate-models", "auto")
+    url = server.wait_started()
+    answers: list[int] = []
+    asked = threading.Thread(target=lambda: answers.append(_request(url, "GET", "/v2/models/slow_ready/ready")[0]),
+                             daemon=True)
+    asked.start()
+    try:
+        wait_for(lambda: len(list(model.glob("ready.*"))) == 2, what="is_ready() running in both processes",
+                 detail=lambda: server.stderr)
+    finally:
+        (model / "release").touch()
+    asked.join(60)
+    assert answers == [200]  # both checks passed within the readiness timeout

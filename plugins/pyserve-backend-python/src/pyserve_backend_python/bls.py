@@ -57,7 +57,7 @@ class _OneResponse:
 class _IteratorSender:
     """Feeds a ``ResponseIterator`` from the server's threads."""
 
-    def __init__(self, iterator: ResponseIterator, on_first: Callable[[], None] | None = None) -> None:
+    def __init__(self, iterator: ResponseIterator, on_first: Callable[[], object] | None = None) -> None:
         self._iterator = iterator
         self._on_first = on_first
 
