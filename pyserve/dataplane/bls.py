@@ -18,7 +18,12 @@ from typing import Any
 from pyserve.api import datatypes
 from pyserve.api.errors import ErrorCode, InferError
 from pyserve.api.inference import InferRequest, InferResponse, ResponseSender
-from pyserve.repository.tensor_checks import check_input, check_outputs_requested, finish_inputs
+from pyserve.repository.tensor_checks import (
+    check_input,
+    check_input_count,
+    check_outputs_requested,
+    finish_inputs,
+)
 
 _DONE = object()
 
@@ -168,7 +173,8 @@ class ServerHandle:
             future.cancel()
             raise InferError.unavailable("the model control call did not finish in time") from None
 
-    def submit(self, request: InferRequest, sender: ResponseSender) -> None:
+    def submit(self, request: InferRequest, sender: ResponseSender,
+               rejected: Callable[[InferError], InferError] | None = None) -> None:
         """Send a request without waiting; its responses go to ``sender`` (any thread).
 
         The building block for callers that need more than ``infer`` / ``stream`` offer
@@ -177,10 +183,13 @@ class ServerHandle:
         responses, then exactly one call with ``final=True`` (with or without a response).
         Errors (unknown model, invalid inputs) arrive the same way, as an ``InferError``
         with ``final=True``. Safe to call from any thread, the event loop included.
+        ``rejected``, when given, rewrites the error of a request refused before it was queued
+        (unknown model, invalid inputs) before it is sent (e.g. a caller's own prefix).
         """
-        self._submit(request, sender)
+        self._submit(request, sender, rejected)
 
-    def _submit(self, request: InferRequest, sender: Any) -> None:
+    def _submit(self, request: InferRequest, sender: Any,
+                rejected: Callable[[InferError], InferError] | None = None) -> None:
         forked = self._forked_error()
         if forked is not None:
             sender.send(forked, True)
@@ -195,18 +204,20 @@ class ServerHandle:
                 request.attach_sender(_Finishing(sender, request, self._loop))
                 self._dataplane.submit(model, request)
             except InferError as exc:
-                sender.send(exc, True)
+                sender.send(rejected(exc) if rejected is not None else exc, True)
 
         if _on_loop(self._loop):
             submit()
         else:
             self._loop.call_soon_threadsafe(submit)
 
-    def stream(self, request: InferRequest, timeout: float | None = None) -> Iterator[InferResponse | InferError]:
+    def stream(self, request: InferRequest, timeout: float | None = None,
+               rejected: Callable[[InferError], InferError] | None = None) -> Iterator[InferResponse | InferError]:
         """Send a request and yield its responses as they come (decoupled models: 0..N).
 
         :param timeout: seconds to wait for each response; on expiry the request is cancelled
             and an UNAVAILABLE error is yielded.
+        :param rejected: as for ``submit``.
         """
         if _on_loop(self._loop):
             raise InferError(
@@ -216,7 +227,7 @@ class ServerHandle:
                 ErrorCode.INTERNAL,
             )
         sender = _QueueSender()
-        self._submit(request, sender)
+        self._submit(request, sender, rejected)
         while True:
             try:
                 item = sender.queue.get(timeout=timeout)
@@ -307,6 +318,7 @@ def _validate(request: InferRequest, model: Any) -> None:
     """
     io = model.io
     shapes = {}
+    check_input_count(model.name, io, len(request.inputs), lambda: request.inputs)
     for name, array in request.inputs.items():
         spec = io.inputs.get(name)
         if spec is None:

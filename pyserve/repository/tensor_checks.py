@@ -10,7 +10,7 @@ the input and the model.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -186,6 +186,21 @@ def missing_inputs(model_name: str, io: ModelIO, given: Iterable[str], missing: 
         f"Got input(s) {_name_list(names)}, but missing required input(s) {_name_list(missing)}. "
         "Please provide all required input(s)."
     )
+
+
+def check_input_count(model_name: str, io: ModelIO, given: int, names: Callable[[], Iterable[object]]) -> None:
+    """Triton's first check of a request's inputs, made before their datatypes and shapes: with
+    fewer than the config's inputs (``given``), the required ones not among ``names()`` (called
+    only then; names that are not str are ignored) make ``missing_inputs``' error.
+
+    :raises InferError: a required input is missing.
+    """
+    if given >= len(io.inputs):  # every input given (too many or unknown ones are named later)
+        return
+    present = {n for n in names() if isinstance(n, str)}
+    missing = [n for n, s in io.inputs.items() if n not in present and not s.optional]
+    if missing:
+        raise missing_inputs(model_name, io, present, missing)
 
 
 def _name_list(names: Iterable[str]) -> str:

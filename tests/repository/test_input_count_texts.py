@@ -34,13 +34,13 @@ def server(start_server: Callable[..., ServerThread], make_repo: Callable[..., P
     return start_server(make_repo({"all_required": _config(False), "with_optional": _config(True)}))
 
 
-def _errors(server: ServerThread, model: str, names: list[str]) -> list[str]:
+def _errors(server: ServerThread, model: str, names: list[str], datatype: str = "FP32") -> list[str]:
     messages = []
     for module, url in ((httpclient, server.url), (grpcclient, server.grpc_url)):
         inputs = []
         for name in names:
-            tensor = module.InferInput(name, [1], "FP32")
-            tensor.set_data_from_numpy(np.ones(1, dtype=np.float32))
+            tensor = module.InferInput(name, [1], datatype)
+            tensor.set_data_from_numpy(np.ones(1, dtype=np.float32 if datatype == "FP32" else np.float64))
             inputs.append(tensor)
         with module.InferenceServerClient(url) as client, pytest.raises(InferenceServerException) as caught:
             client.infer(model, inputs)
@@ -63,3 +63,11 @@ def test_the_form_with_optional_inputs(server: ServerThread) -> None:
                 "['INPUT0','INPUT3'], but missing required input(s) ['INPUT1','INPUT2']. Please provide all "
                 "required input(s).")
     assert _errors(server, "with_optional", ["INPUT3", "INPUT0"]) == [expected, expected]
+
+
+def test_the_count_is_checked_before_the_datatypes(server: ServerThread) -> None:
+    """As Triton (its bls QA model sends add_sub one FP64 input of two FP32 ones): the missing
+    input is reported, not the datatype."""
+    expected = ("expected 3 inputs but got 1 inputs for model 'all_required'. Got input(s) ['INPUT0'], but missing "
+                "required input(s) ['INPUT1','INPUT2']. Please provide all required input(s).")
+    assert _errors(server, "all_required", ["INPUT0"], "FP64") == [expected, expected]

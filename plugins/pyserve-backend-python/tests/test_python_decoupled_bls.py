@@ -289,3 +289,50 @@ def test_awaited_decoupled_bls_lets_the_other_coroutines_run(serve: Any) -> None
         client.close()
     assert not isinstance(item, Exception), item
     assert item.as_numpy("OUT").tolist() == [5]
+
+
+REFUSED_CALLER_SOURCE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        unknown = pb_utils.InferenceRequest(model_name="non_existent_model", inputs=[], requested_output_names=[])
+        short = pb_utils.InferenceRequest(model_name="two_inputs", requested_output_names=["OUT"],
+                                          inputs=[pb_utils.Tensor("A", np.ones(2, dtype=np.float64))])
+        messages = [call.exec().error().message() for call in (unknown, short)]
+        messages.append(next(iter(unknown.exec(decoupled=True))).error().message())
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("MESSAGE", np.array([m.encode() for m in messages], dtype=np.object_))])
+                for _ in requests]
+"""
+REFUSED_CALLER_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "MESSAGE" data_type: TYPE_STRING dims: [ 3 ] } ]
+"""
+TWO_INPUTS_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "A" data_type: TYPE_FP32 dims: [ 2 ] }, { name: "B" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] } ]
+"""
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_refused_bls_request_is_reported_in_tritons_words(serve: Any, mode: str) -> None:
+    """As Triton's bls QA model expects: a request the server refuses before queueing it says
+    "Model <name> - Error when running inference: <reason>", and a missing input is reported
+    before a wrong datatype."""
+    config = REFUSED_CALLER_CONFIG + (PROCESS if mode == "process" else "")
+    server = serve({"refused": (config, REFUSED_CALLER_SOURCE), "two_inputs": (TWO_INPUTS_CONFIG, TARGET_SOURCE)})
+    client = httpclient.InferenceServerClient(server.url, network_timeout=120)
+    try:
+        result = client.infer("refused", [_input("IN", np.array([1], dtype=np.int32), "INT32", httpclient)])
+    finally:
+        client.close()
+    unknown, short, unknown_decoupled = (m.decode() for m in result.as_numpy("MESSAGE"))
+    assert unknown == unknown_decoupled == ("Model non_existent_model - Error when running inference: "
+                                            "Request for unknown model: 'non_existent_model' is not found")
+    assert short.startswith("Model two_inputs - Error when running inference: expected 2 inputs but got 1 inputs "
+                            "for model 'two_inputs'")

@@ -29,6 +29,7 @@ from pyserve.repository.tensor_checks import (
     RequestOptions,
     byte_size_mismatch,
     check_input,
+    check_input_count,
     check_outputs_requested,
     decode_bytes_elements,
     element_count,
@@ -196,6 +197,7 @@ def _decode_inputs(
         )
     raw_index = 0
     regions: list[Region] | None = None
+    check_input_count(name, io, len(tensors), lambda: (t.name for t in tensors))
     for tensor, region in zip(tensors, in_region):
         spec, shape = check_input(name, io, tensor.name, tensor.datatype, tensor.shape[:])
         if spec.name in inputs:

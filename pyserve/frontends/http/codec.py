@@ -28,6 +28,7 @@ from pyserve.repository.model_config import ModelIO, TensorSpec
 from pyserve.repository.tensor_checks import (
     byte_size_mismatch,
     check_input,
+    check_input_count,
     check_outputs_requested,
     decode_bytes_elements,
     element_count,
@@ -142,9 +143,10 @@ def _decode_header(
     shapes: dict[str, tuple[int, ...]] = {}
     offset = 0
     regions: list[Region] = []  # the shared-memory regions the request uses
+    if not all(isinstance(entry, dict) for entry in raw_inputs):
+        raise InferError.invalid("each entry of 'inputs' must be a JSON object")
+    check_input_count(name, io, len(raw_inputs), lambda: (entry.get("name") for entry in raw_inputs))
     for entry in raw_inputs:
-        if not isinstance(entry, dict):
-            raise InferError.invalid("each entry of 'inputs' must be a JSON object")
         spec, shape = check_input(name, io, entry.get("name"), entry.get("datatype"), entry.get("shape"))
         if spec.name in inputs:
             raise InferError.invalid(f"input '{spec.name}' is given more than once for model '{name}'")

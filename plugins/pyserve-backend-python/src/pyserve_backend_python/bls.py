@@ -72,6 +72,13 @@ class _IteratorSender:
         return self._iterator.cancelled
 
 
+def refused(model_name: str) -> Callable[[InferError], InferError]:
+    """How a BLS request to ``model_name`` the server refused before queueing it (unknown model,
+    invalid inputs) is reported, in the words of Triton's stub: "Model <name> - Error when
+    running inference: <message>"."""
+    return lambda error: InferError(f"Model {model_name} - Error when running inference: {error.message}", error.code)
+
+
 def _server() -> Any:
     try:
         return context.current_server()
@@ -85,10 +92,10 @@ def exec_request(request: InferenceRequest, decoupled: bool) -> InferenceRespons
     server_request = request._to_server()
     if decoupled:
         iterator = ResponseIterator(server_request)
-        server.submit(server_request, _IteratorSender(iterator))
+        server.submit(server_request, _IteratorSender(iterator), refused(server_request.model_name))
         return iterator
     sender = _OneResponse()
-    server.submit(server_request, sender)
+    server.submit(server_request, sender, refused(server_request.model_name))
     timeout = request.timeout() / 1e6 if request.timeout() > 0 else None
     if not sender.done.wait(timeout):
         server_request.cancel()
@@ -111,7 +118,7 @@ async def async_exec_request(request: InferenceRequest, decoupled: bool) -> Infe
     else:
         sender = _OneResponse()
         sender.on_done = lambda: loop.call_soon_threadsafe(_set_done, finished)
-    server.submit(server_request, sender)
+    server.submit(server_request, sender, refused(server_request.model_name))
     try:
         await finished
     except asyncio.CancelledError:

@@ -57,6 +57,7 @@ from pyserve import (
 )
 from pyserve.tracing import child_trace
 from pyserve_backend_python import metrics, model_control, results
+from pyserve_backend_python.bls import refused
 from pyserve_backend_python.environment import ExecutionEnvironment
 from pyserve_backend_python.environment_worker import STOP_TIMEOUT_S, start_in_environment
 from pyserve_backend_python.errors import TritonModelException
@@ -358,7 +359,7 @@ class ProcessRunner:
             if parent is not None and parent.trace is not None:
                 request.trace = child_trace(parent.trace, request)
             timeout = request.timeout_us / 1e6 if request.timeout_us > 0 else None
-            answers = list(self._instance.model.server.stream(request, timeout))
+            answers = list(self._instance.model.server.stream(request, timeout, refused(request.model_name)))
         except InferError as exc:
             answers = [exc]
         except Exception as exc:  # noqa: BLE001 - reported to the calling model as an error response
