@@ -96,6 +96,8 @@ class _Link:
         self._send_lock = threading.Lock()
         self._on_send, self._on_bls, self._on_eof, self._on_metrics = on_send, on_bls, on_eof, on_metrics
         self._on_ready = on_ready
+        self.closed = threading.Event()
+        """Set once the worker's end of the pipe closed (it exited, or is exiting)."""
         self._thread = threading.Thread(target=self._read, name="pyserve-python-link", daemon=True)
         self._thread.start()
 
@@ -104,6 +106,7 @@ class _Link:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):
+                self.closed.set()  # before the requests left open are ended: their clients may retry at once
                 self.replies.put(_EOF)
                 self._on_eof()
                 return
@@ -423,11 +426,15 @@ class ProcessRunner:
 
     def execute(self, requests: Sequence[InferRequest]) -> results.ServerResults:
         with self._lock:
-            if self._process is None or not self._process.is_alive():
+            gone = self._link is not None and self._link.closed.is_set()  # may not be reaped yet
+            if self._process is None or gone or not self._process.is_alive():
                 if self._process is not None:
+                    self._process.join(STOP_TIMEOUT_S if gone else 1.0)
+                    if self._process.is_alive():  # closed its pipe but does not end
+                        self._process.kill()
+                        self._process.join(1.0)
                     log.warning("worker of model '%s' instance '%s' exited with code %s; restarting",
                                 self._model_name, self._instance.name, self._process.exitcode)
-                    self._process.join(1.0)
                     self._reap()
                 try:
                     self._start()
