@@ -17,6 +17,25 @@ PROCESS_MODE = 'parameters { key: "execution_mode" value { string_value: "proces
 """Config text that runs a Python model in a worker process (``execution_mode: "process"``)."""
 
 
+ADD_100_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+"""Config of a model with one INT32 input ``IN`` and output ``OUT`` of shape [1], unbatched."""
+
+ADD_100_SOURCE = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() + 100)])
+                for r in requests]
+"""
+"""model.py answering ``OUT = IN + 100`` for each request (a target for BLS and model control)."""
+
+
 def copy_models(repo: Path, names: list[str] | None = None) -> Path:
     """Copy models from ``models/`` into ``repo`` (all of them by default)."""
     repo.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from python_backend_helpers import ADD_100_CONFIG, ADD_100_SOURCE
 from python_backend_helpers import PROCESS_MODE as PROCESS
 from tritonclient.utils import InferenceServerException
 
@@ -164,20 +165,6 @@ class TritonPythonModel:
                 pb_utils.Tensor("MESSAGE", np.array([from_children[0].encode()], dtype=np.object_))]))
         return out
 """
-TARGET_SOURCE = """
-import triton_python_backend_utils as pb_utils
-
-class TritonPythonModel:
-    def execute(self, requests):
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() + 100)])
-                for r in requests]
-"""
-TARGET_CONFIG = """
-backend: "python"
-max_batch_size: 0
-input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
-output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
-"""
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
@@ -186,7 +173,7 @@ def test_bls_from_a_process_the_model_forked_is_an_error_not_a_hang(serve: Any, 
     runs in the server's process (or its worker's), whose event loop (pipe reader) a forked
     child does not have: the child's call fails naming the fork (it used to wait for ever)."""
     config = FORKING_BLS_CONFIG + (PROCESS if mode == "process" else "")
-    server = serve({"forking": (config, FORKING_BLS_SOURCE), "target": (TARGET_CONFIG, TARGET_SOURCE)})
+    server = serve({"forking": (config, FORKING_BLS_SOURCE), "target": (ADD_100_CONFIG, ADD_100_SOURCE)})
     client = httpclient.InferenceServerClient(server.url, network_timeout=120)
     try:
         result = client.infer("forking", [_input("IN", np.array([7], dtype=np.int32), "INT32", httpclient)])
@@ -277,7 +264,7 @@ def test_awaited_decoupled_bls_lets_the_other_coroutines_run(serve: Any) -> None
     response is awaited: the model's other coroutine (whose own BLS call lets the first one
     be answered) runs meanwhile."""
     server = serve({"waits_for_go": (DECOUPLED_IO, WAITS_FOR_GO_SOURCE), "caller": (DECOUPLED_IO, AWAITING_CALLER_SOURCE),
-                    "ping": (TARGET_CONFIG, TARGET_SOURCE)})
+                    "ping": (ADD_100_CONFIG, ADD_100_SOURCE)})
     results: queue.Queue[Any] = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: results.put(error if error is not None else result))
@@ -325,7 +312,7 @@ def test_a_refused_bls_request_is_reported_in_tritons_words(serve: Any, mode: st
     "Model <name> - Error when running inference: <reason>", and a missing input is reported
     before a wrong datatype."""
     config = REFUSED_CALLER_CONFIG + (PROCESS if mode == "process" else "")
-    server = serve({"refused": (config, REFUSED_CALLER_SOURCE), "two_inputs": (TWO_INPUTS_CONFIG, TARGET_SOURCE)})
+    server = serve({"refused": (config, REFUSED_CALLER_SOURCE), "two_inputs": (TWO_INPUTS_CONFIG, ADD_100_SOURCE)})
     client = httpclient.InferenceServerClient(server.url, network_timeout=120)
     try:
         result = client.infer("refused", [_input("IN", np.array([1], dtype=np.int32), "INT32", httpclient)])

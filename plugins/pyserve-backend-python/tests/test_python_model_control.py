@@ -9,24 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from python_backend_helpers import start, write_python_model
+from python_backend_helpers import ADD_100_CONFIG, ADD_100_SOURCE, PROCESS_MODE, start, write_python_model
 from tritonclient.utils import InferenceServerException
-
-IO = """
-backend: "python"
-max_batch_size: 0
-input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
-output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
-"""
-
-TARGET_SOURCE = """
-import triton_python_backend_utils as pb_utils
-
-class TritonPythonModel:
-    def execute(self, requests):
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() + 100)])
-                for r in requests]
-"""
 
 CONTROL_SOURCE = """
 import json
@@ -65,9 +49,9 @@ def _call(client: httpclient.InferenceServerClient, action: int, **parameters: s
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_a_model_loads_and_unloads_another(tmp_path: Path, mode: str) -> None:
     repo = tmp_path / "repo"
-    config = IO + f'parameters {{ key: "execution_mode" value {{ string_value: "{mode}" }} }}\n'
+    config = ADD_100_CONFIG + f'parameters {{ key: "execution_mode" value {{ string_value: "{mode}" }} }}\n'
     write_python_model(repo, "control", config, CONTROL_SOURCE)
-    write_python_model(repo, "target", IO, TARGET_SOURCE)
+    write_python_model(repo, "target", ADD_100_CONFIG, ADD_100_SOURCE)
     server = start(repo, model_control_mode="explicit", load_models=["control"])
     try:
         with httpclient.InferenceServerClient(server.url) as client:
@@ -92,8 +76,8 @@ def test_a_model_loads_and_unloads_another(tmp_path: Path, mode: str) -> None:
 
 def test_loading_needs_explicit_mode(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
-    write_python_model(repo, "control", IO, CONTROL_SOURCE)
-    write_python_model(repo, "target", IO, TARGET_SOURCE)
+    write_python_model(repo, "control", ADD_100_CONFIG, CONTROL_SOURCE)
+    write_python_model(repo, "target", ADD_100_CONFIG, ADD_100_SOURCE)
     server = start(repo)  # model control mode "none"
     try:
         with httpclient.InferenceServerClient(server.url) as client:
@@ -106,9 +90,9 @@ def test_loading_needs_explicit_mode(tmp_path: Path) -> None:
 
 def test_process_mode_reports_refusals_as_the_models_exception(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
-    process = IO + 'parameters { key: "execution_mode" value { string_value: "process" } }\n'
+    process = ADD_100_CONFIG + PROCESS_MODE
     write_python_model(repo, "control", process, CONTROL_SOURCE)
-    write_python_model(repo, "target", IO, TARGET_SOURCE)
+    write_python_model(repo, "target", ADD_100_CONFIG, ADD_100_SOURCE)
     server = start(repo)  # model control mode "none": loading is refused, readiness answered
     try:
         with httpclient.InferenceServerClient(server.url) as client:
