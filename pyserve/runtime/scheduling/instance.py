@@ -190,13 +190,24 @@ class InstanceWorker:
             self._results_missing(live, results, stats, start_ns, end_ns)
             return
         # compute output: the responses are checked first, counted, then sent
-        finished = [(request, self._finish(request, result) if not request.rescheduled else self._answered_rescheduled())
-                    for request, result in zip(live, results)
-                    if not request.rescheduled or result is not None]  # a rescheduled one comes back later
+        finished = self._answers(live, results)
         if stats is not None:
             stats.executed(live, start_ns, end_ns, ready_ns=time.monotonic_ns())
         for request, answer in finished:
             request.reply(answer)
+
+    def _answers(
+        self, live: list[InferRequest], results: Sequence[object]
+    ) -> list[tuple[InferRequest, InferResponse | InferError]]:
+        """Each request's checked response or error, in batch order; a request the backend
+        rescheduled without answering it has none (it comes back in a later iteration)."""
+        finished: list[tuple[InferRequest, InferResponse | InferError]] = []
+        for request, result in zip(live, results):
+            if not request.rescheduled:
+                finished.append((request, self._finish(request, result)))
+            elif result is not None:
+                finished.append((request, self._answered_rescheduled()))
+        return finished
 
     def _answered_rescheduled(self) -> InferError:
         """The error for a request the backend both rescheduled and answered: it is not run again
