@@ -323,3 +323,71 @@ def test_a_refused_bls_request_is_reported_in_tritons_words(serve: Any, mode: st
                                             "Request for unknown model: 'non_existent_model' is not found")
     assert short.startswith("Model two_inputs - Error when running inference: expected 2 inputs but got 1 inputs "
                             "for model 'two_inputs'")
+
+
+MARKS_THEN_ANSWERS_SOURCE = """
+import pathlib
+import threading
+import time
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sent = pathlib.Path(args["model_repository"]).parent / "sent"
+
+    def execute(self, requests):
+        for request in requests:
+            threading.Thread(target=self.answer, args=(request,), daemon=True).start()
+        return None
+
+    def answer(self, request):
+        time.sleep(0.3)  # the caller's exec() would long have returned if it did not wait
+        self.sent.touch()
+        sender = request.get_response_sender()
+        sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", request.inputs()[0].as_numpy() + 1)]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+BLOCKING_CALLER_SOURCE = """
+import pathlib
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sent = pathlib.Path(args["model_repository"]).parent / "sent"
+
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            call = pb_utils.InferenceRequest(model_name="marks_then_answers", requested_output_names=["OUT"],
+                                             inputs=[request.inputs()[0]])
+            responses = call.exec(decoupled=True)
+            sent_when_returned = self.sent.exists()
+            values = [int(pb_utils.get_output_tensor_by_name(r, "OUT").as_numpy()[0])
+                      for r in responses if r.output_tensors()]
+            out.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("OUT", np.array([int(sent_when_returned)] + values, dtype=np.int32))]))
+        return out
+"""
+BLOCKING_CALLER_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ -1 ] } ]
+"""
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_blocking_decoupled_bls_returns_once_the_first_response_is_there(serve: Any, mode: str) -> None:
+    """``exec(decoupled=True)`` blocks until the first response (or the end) is there, as
+    Triton's stub does: the target marks a file just before it sends, and the caller finds
+    the mark as soon as ``exec`` returns."""
+    config = BLOCKING_CALLER_CONFIG + (PROCESS if mode == "process" else "")
+    server = serve({"marks_then_answers": (DECOUPLED_IO, MARKS_THEN_ANSWERS_SOURCE),
+                    "blocking_caller": (config, BLOCKING_CALLER_SOURCE)})
+    client = httpclient.InferenceServerClient(server.url, network_timeout=120)
+    try:
+        result = client.infer("blocking_caller", [_input("IN", np.array([7], dtype=np.int32), "INT32", httpclient)])
+    finally:
+        client.close()
+    assert result.as_numpy("OUT").tolist() == [1, 8]

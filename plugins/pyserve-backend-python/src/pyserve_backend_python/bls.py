@@ -90,9 +90,11 @@ def exec_request(request: InferenceRequest, decoupled: bool) -> InferenceRespons
     """Blocking BLS call; see ``InferenceRequest.exec``."""
     server = _server()
     server_request = request._to_server()
-    if decoupled:
+    if decoupled:  # as Triton's stub: returns once the first response (or the end) is there
         iterator = ResponseIterator(server_request)
-        server.submit(server_request, _IteratorSender(iterator), refused(server_request.model_name))
+        first = threading.Event()
+        server.submit(server_request, _IteratorSender(iterator, first.set), refused(server_request.model_name))
+        first.wait(request.timeout() / 1e6 if request.timeout() > 0 else None)
         return iterator
     sender = _OneResponse()
     server.submit(server_request, sender, refused(server_request.model_name))
