@@ -144,7 +144,8 @@ class ModelStats:
         """An instance starts executing ``requests`` (they leave the queue)."""
         for request in requests:
             request.exec_start_ns = start_ns
-            request.compute_ns = None  # an iterative sequence's request comes back: a new execute
+            request.exec_end_ns = 0  # a rescheduled (iterative sequence) request comes back: a new execute
+            request.compute_ns = None
         with self.lock:
             self.dequeued += len(requests)
 

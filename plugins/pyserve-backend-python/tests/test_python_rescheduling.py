@@ -176,3 +176,27 @@ def test_a_response_returned_for_a_rescheduled_request_is_an_error(serve: Serve)
         assert int(statistics["execution_count"]) == 1
     finally:
         client.close()
+
+
+def test_statistics_of_rescheduled_requests_count_each_iteration_once(serve: Serve) -> None:
+    """Every iteration of a rescheduled request is a new execute: the statistics count one
+    execution per iteration, one inference per request, and no duration below zero (an
+    earlier iteration's end once made a later one's compute input negative)."""
+    server = serve({"generate": (ITERATIVE, GENERATE)})
+    assert len(_generate(server, "generate", 3)[0]) == 3
+    with ThreadPoolExecutor(3) as pool:
+        assert [len(sizes) for sizes, _ in pool.map(lambda steps: _generate(server, "generate", steps), [2, 3, 4])] == [2, 3, 4]
+    client = httpclient.InferenceServerClient(server.url, network_timeout=60)
+    try:
+        statistics = client.get_inference_statistics("generate")["model_stats"][0]
+    finally:
+        client.close()
+    durations = statistics["inference_stats"]
+    assert int(durations["success"]["count"]) == 4
+    for name in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
+        assert int(durations[name]["ns"]) >= 0, (name, durations)
+    for batch in statistics["batch_stats"]:
+        for name in ("compute_input", "compute_infer", "compute_output"):
+            assert int(batch[name]["ns"]) >= 0, (name, batch)
+    assert int(statistics["inference_count"]) == sum(int(b["batch_size"]) * int(b["compute_infer"]["count"])
+                                                     for b in statistics["batch_stats"])
