@@ -391,3 +391,79 @@ def test_blocking_decoupled_bls_returns_once_the_first_response_is_there(serve: 
     finally:
         client.close()
     assert result.as_numpy("OUT").tolist() == [1, 8]
+
+
+PAIRS_UP_SOURCE = """
+import threading
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.lock = threading.Lock()
+        self.waiting = []
+
+    def execute(self, requests):
+        with self.lock:
+            self.waiting.extend(requests)
+            if len(self.waiting) < 2:  # answered with the next one, or after 60 s without it
+                timer = threading.Timer(60, self.give_up, args=(requests[0],))
+                timer.daemon = True
+                timer.start()
+                return None
+            pair, self.waiting = self.waiting, []
+        for request in pair:
+            sender = request.get_response_sender()
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([len(pair)], dtype=np.int32))]),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+
+    def give_up(self, request):
+        with self.lock:
+            if request not in self.waiting:
+                return
+            self.waiting.remove(request)
+        request.get_response_sender().send(pb_utils.InferenceResponse(error=pb_utils.TritonError("alone")),
+                                           flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+TWO_THREADS_CALLER_SOURCE = """
+import threading
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def call(self, request, answers, index):
+        call = pb_utils.InferenceRequest(model_name="pairs_up", requested_output_names=["OUT"],
+                                         inputs=[request.inputs()[0]])
+        for response in call.exec(decoupled=True):
+            if response.has_error():
+                answers[index] = -1
+            elif response.output_tensors():
+                answers[index] = int(pb_utils.get_output_tensor_by_name(response, "OUT").as_numpy()[0])
+
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            answers = [0, 0]
+            threads = [threading.Thread(target=self.call, args=(request, answers, i)) for i in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array(answers, dtype=np.int32))]))
+        return out
+"""
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_bls_calls_from_two_threads_are_in_flight_together(serve: Any, mode: str) -> None:
+    """Two threads of one execute call a target that answers only once both calls are in:
+    in process mode too, the worker's calls do not wait for each other on its pipe."""
+    config = BLOCKING_CALLER_CONFIG + (PROCESS if mode == "process" else "")
+    server = serve({"pairs_up": (DECOUPLED_IO, PAIRS_UP_SOURCE), "caller": (config, TWO_THREADS_CALLER_SOURCE)})
+    client = httpclient.InferenceServerClient(server.url, network_timeout=120)
+    try:
+        result = client.infer("caller", [_input("IN", np.array([1], dtype=np.int32), "INT32", httpclient)])
+    finally:
+        client.close()
+    assert result.as_numpy("OUT").tolist() == [2, 2]

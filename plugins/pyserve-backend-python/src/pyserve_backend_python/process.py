@@ -266,16 +266,14 @@ class ProcessRunner:
         """A BLS or model-control call of the worker: run it on a pool thread, answer on the pipe."""
         link = self._link
         if self._bls_pool is None:
-            self._bls_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pyserve-python-bls")
+            self._bls_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="pyserve-python-bls")
 
         def run() -> None:
-            if message[0] == "control":
-                reply = self._control(message[1], message[2])
-            else:
-                reply = self._bls(message[1], message[2])
+            kind, call_id, first, second = message
+            reply = self._control(first, second) if kind == "control" else self._bls(first, second)
             if link is not None:
                 try:
-                    link.send(reply)
+                    link.send((reply[0], call_id, reply[1]))
                 except (OSError, ValueError):
                     pass  # the worker is gone
 

@@ -7,12 +7,14 @@ config dict or None)`` or ``("error", message)``). Replies: ``("ok",)`` / ``("er
 finalize; ``("results", segment_name, segment_size, responses)`` or
 ``("batch_error", message, code)`` for exec.
 
-While it executes a batch, the worker may send ``("bls", request fields, decoupled)``; the parent
-runs that request on the server and answers ``("bls_result", responses)`` (BLS from
-``execute``; tensors travel both ways in shared-memory segments, ``segments.share_arrays`` /
+While it executes a batch, the worker may send ``("bls", call id, request fields, decoupled)``;
+the parent runs that request on the server and answers ``("bls_result", call id, responses)``
+(BLS from ``execute``; several calls may be in flight at once, each answered under its id;
+tensors travel both ways in shared-memory segments, ``segments.share_arrays`` /
 ``take_arrays``: the receiver maps and unlinks each one). ``pb_utils.load_model`` /
-``unload_model`` / ``is_model_ready`` send ``("control", operation, args)`` the same way and get
-``("bls_result", ("ok", value))`` or ``("bls_result", ("error", message))``. A decoupled model's response
+``unload_model`` / ``is_model_ready`` send ``("control", call id, operation, args)`` the same
+way and get ``("bls_result", call id, ("ok", value))`` or ``("bls_result", call id, ("error",
+message))``. A decoupled model's response
 senders send ``("send", request key, response or None, final)`` at any time, from any thread.
 Before a reply, the worker sends ``("metrics", families)`` when its custom metrics changed. The
 parent sends ``("cancel", request key)`` when a request's client went away (``is_cancelled()``),

@@ -2,8 +2,8 @@
 
 ``RemoteCalls.install`` points ``pb_utils.InferenceRequest.exec`` / ``async_exec`` and
 ``pb_utils.load_model`` / ``unload_model`` / ``is_model_ready`` at the pipe to the parent
-(messages ``("bls", request fields, decoupled)`` and ``("control", operation, args)``, see
-``pyserve_backend_python.worker``). Input tensors of a BLS request and the tensors of its
+(messages ``("bls", call id, request fields, decoupled)`` and ``("control", call id, operation,
+args)``, see ``pyserve_backend_python.worker``; calls from several threads are in flight at once). Input tensors of a BLS request and the tensors of its
 responses travel in shared-memory segments (``segments.share_arrays`` / ``take_arrays``).
 """
 

@@ -1,8 +1,8 @@
 """The worker's end of the pipe to the server process, and the server requests it stands for.
 
 ``WorkerPipe`` sorts what the parent sends on a reader thread (the messages are those of
-``pyserve_backend_python.worker``): answers to BLS and model-control calls go to the waiting
-``call``, cancellations into ``cancelled``, readiness questions to a thread of their own, and
+``pyserve_backend_python.worker``): answers to BLS and model-control calls go to the ``call``
+waiting for that call id, cancellations into ``cancelled``, readiness questions to a thread of their own, and
 everything else into ``inbox`` for the worker's main loop. Any thread may ``send``.
 
 ``WorkerRequest`` is what ``pb_utils.InferenceResponseSender`` needs of a server request, in
@@ -11,6 +11,7 @@ the worker: its ``PipeSender`` sends each response to the parent as it comes.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from collections.abc import Callable
@@ -32,8 +33,10 @@ class WorkerPipe:
         self._conn = conn
         self._on_ready = on_ready
         self._send_lock = threading.Lock()  # the main loop, BLS calls and response senders all send
-        self._call_lock = threading.Lock()  # one BLS or control call on the pipe at a time
-        self._replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._calls_lock = threading.Lock()
+        self._call_ids = itertools.count(1)
+        self._waiting: dict[int, queue.SimpleQueue[Any]] = {}  # call id -> where its answer goes
+        self._gone = False  # the parent went away: calls answer None at once
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         """The main loop's messages; None once the parent went away."""
         self.cancelled: set[int] = set()
@@ -49,11 +52,23 @@ class WorkerPipe:
             self._conn.send(message)
 
     def call(self, message: tuple[Any, ...]) -> Any:
-        """Send a BLS or model-control call and wait for its ``("bls_result", ...)`` answer;
-        None when the parent went away. Calls from several threads take turns."""
-        with self._call_lock:
-            self.send(message)
-            return self._replies.get()
+        """Send a BLS or model-control call, ``(kind, *fields)``, as ``(kind, call id, *fields)``
+        and wait for its answer ``("bls_result", call id, payload)``; returns
+        ``("bls_result", payload)``, or None when the parent went away. Calls from several
+        threads are in flight at once (the parent runs each on a thread of its own)."""
+        answer: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        with self._calls_lock:
+            if self._gone:
+                return None
+            call_id = next(self._call_ids)
+            self._waiting[call_id] = answer
+        try:
+            self.send((message[0], call_id, *message[1:]))
+        except (OSError, ValueError):
+            with self._calls_lock:
+                self._waiting.pop(call_id, None)
+            return None
+        return answer.get()
 
     def _read(self) -> None:
         while True:
@@ -61,11 +76,18 @@ class WorkerPipe:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 self.inbox.put(None)
-                self._replies.put(None)
+                with self._calls_lock:
+                    self._gone = True
+                    waiting, self._waiting = self._waiting, {}
+                for waiter in waiting.values():
+                    waiter.put(None)
                 return
             kind = message[0]
             if kind == "bls_result":
-                self._replies.put(message)
+                with self._calls_lock:
+                    answer = self._waiting.pop(message[1], None)
+                if answer is not None:
+                    answer.put((kind, message[2]))
             elif kind == "cancel":
                 self.cancelled.add(message[1])
             elif kind == "ready":
