@@ -22,7 +22,8 @@ What a replica changes, and why the rules below exist:
 * a dynamic batcher with a queue delay batches what its own process receives: split over
   processes, each batches about its share of the requests, and the replicas' instances run at
   the same time, which answers more than one batcher in the owner (``benchmarks/README.md``,
-  ``batching.py``);
+  ``batching.py``); ``auto`` does so only for queue delays up to ``LONG_QUEUE_DELAY_US``, as
+  a longer one is there to fill batches from every client;
 * GPU instance groups are not replicated by ``auto`` (one copy of the weights per process), nor
   are Python models with their own environment (``EXECUTION_ENV_PATH``, or a requirements file:
   they run in worker processes already);
@@ -120,6 +121,13 @@ def _server_reason(version: ModelVersion, mode: ReplicationMode) -> str | None:
     return None
 
 
+LONG_QUEUE_DELAY_US = 1000
+"""A dynamic batcher whose ``max_queue_delay_microseconds`` is above this is not replicated by
+``auto``: its config trades latency for full batches, and split over processes each batcher
+would wait out the delay with its share of the requests (Triton's ``python_test.py`` batches 4
+requests of 2 under a 12 s delay and a preferred size of 8 as one execute)."""
+
+
 def _auto_reason(version: ModelVersion, mode: ReplicationMode) -> str | None:
     """Why ``auto`` keeps ``version`` with the owner (None: it replicates it)."""
     server = _server_reason(version, mode)
@@ -130,6 +138,10 @@ def _auto_reason(version: ModelVersion, mode: ReplicationMode) -> str | None:
         return "it has GPU instances"
     if config.response_cache.enable:
         return "it uses the response cache"
+    delay = config.dynamic_batching.max_queue_delay_microseconds if config.HasField("dynamic_batching") else 0
+    if delay > LONG_QUEUE_DELAY_US:
+        return (f"its dynamic batcher waits up to {delay} us to fill a batch, which one batcher fills "
+                "from every connection")
     if any(group.rate_limiter.resources for group in config.instance_group):
         return "its instances take rate-limiter resources (counted in one process)"
     if version.context is not None and version.context.single_process_reason:

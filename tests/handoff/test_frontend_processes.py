@@ -500,6 +500,30 @@ def test_replicas_that_load_too_long_do_not_hold_up_the_start(tmp_path: Path, mo
         assert sorted(handoff.replicas) == [pid]
 
 
+def test_a_long_queue_delay_batches_every_connection_in_one_process(tmp_path: Path) -> None:
+    """A batcher that waits up to a minute for a preferred batch of 8 is left with the owner by
+    ``auto``: four requests of 2, on connections spread over both processes, execute as one
+    batch of 8 at once (split, each process would wait out the delay with half of them)."""
+    write_model(tmp_path / "repo", "patient", echo_config().replace('name: "echo"', 'name: "patient"').replace(
+        "dynamic_batching { }", "dynamic_batching { preferred_batch_size: [ 8 ] max_queue_delay_microseconds: 60000000 }"))
+    with serve(tmp_path / "repo", frontend_processes=1, replicate_models="auto") as thread:
+        values = np.arange(6, dtype=np.float32).reshape(2, 3)
+        clients = [httpclient.InferenceServerClient(thread.url, network_timeout=120) for _ in range(4)]
+        try:
+            for client in clients:  # open the four connections first, so the balancer spreads them
+                assert client.is_server_live()
+            pending = [client.async_infer("patient", [_fp32(values)]) for client in clients]
+            answers = [request.get_result() for request in pending]
+            assert all(np.array_equal(answer.as_numpy("OUTPUT0"), values) for answer in answers)
+            stats = clients[0].get_inference_statistics("patient")["model_stats"][0]
+        finally:
+            for client in clients:
+                client.close()
+        assert stats["execution_count"] == 1 and stats["inference_count"] == 8
+        handoff = thread.server._handoff
+        assert handoff is not None and handoff.requests > 0, "no request came through the frontend"
+
+
 def test_handoff_without_replicas(tmp_path: Path) -> None:
     repo = _repository(tmp_path)
     with serve(repo, frontend_processes=1) as thread:
