@@ -41,7 +41,7 @@ from pyserve.frontends.grpc.server import GrpcOptions
 from pyserve.frontends.http.codec import DecodedRequest
 from pyserve.frontends.http.fast_infer import (
     Headers,
-    check_declared_length,
+    declared_infer_body,
     error_reply,
     submit_request,
 )
@@ -84,12 +84,8 @@ class FrontendHttpProtocol(InferHttpProtocol):
             super()._check_infer(request)
         except NeedsOwner:
             request.model = _RAW
-            declared = None
-            for name, value in request.headers:
-                if name == b"content-length":
-                    declared = value
             try:
-                check_declared_length(declared, self.server.max_input_size)
+                request.body_limit = declared_infer_body(dict(request.headers), self.server.max_input_size)
             except InferError as exc:
                 request.early = error_reply(exc)
                 request.discard_body = True

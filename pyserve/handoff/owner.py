@@ -37,7 +37,7 @@ from pyserve.frontends.grpc.codec import WireParts, encode_infer_wire, parse_inf
 from pyserve.frontends.grpc.codec import decode_infer as grpc_decode
 from pyserve.frontends.grpc.servicer import infer_model as grpc_infer_model
 from pyserve.frontends.http.fast_infer import (
-    check_declared_length,
+    declared_infer_body,
     decode_soon,
     encode_reply,
     error_reply,
@@ -555,7 +555,7 @@ class _FrontendConnection(asyncio.Protocol):
         request: InferRequest | None = None
         try:
             model = infer_model(dataplane, header["n"], header["v"])
-            check_declared_length(headers.get(b"content-length"), self.server.max_input_size)
+            declared_infer_body(headers, self.server.max_input_size)
             decoded, decode_ns = await decode_soon(dataplane, model, bytes(body), headers, self.server.max_input_size)
             request = decoded.request
             future = submit_request(dataplane, model, request, self.loop)

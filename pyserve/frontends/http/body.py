@@ -2,11 +2,15 @@
 
 The cap (``--http-max-input-size``) is enforced from ``Content-Length`` before anything is
 read, while streaming for chunked bodies, and on the decompressed size for gzip/deflate, so
-an oversized or zip-bomb body is refused without the memory being allocated.
+an oversized or zip-bomb body is refused without the memory being allocated. As in Triton,
+the cap is on the JSON of an infer request: the binary tensor data that follows a JSON header
+(``Inference-Header-Content-Length``) is bounded by this machine's memory instead
+(``infer_body_limit``).
 """
 
 from __future__ import annotations
 
+import os
 import zlib
 
 from starlette.requests import ClientDisconnect, Request
@@ -17,34 +21,80 @@ DEFAULT_MAX_INPUT_SIZE = 64 * 1024 * 1024
 """Triton's default ``--http-max-input-size`` (64 MiB)."""
 
 
-def too_large(limit: int) -> InferError:
+def _machine_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+BINARY_DATA_LIMIT = _machine_memory()
+"""The most binary tensor bytes an HTTP infer request may carry: the machine's memory (a
+larger one could never be held)."""
+
+
+def too_large(limit: int, json_limit: int | None = None) -> InferError:
+    """The error for a body over ``limit``; ``json_limit`` (``--http-max-input-size``) when
+    ``limit`` is an infer body's that binary data raised above it (``infer_body_limit``)."""
+    if json_limit is not None and limit > json_limit:
+        return InferError.invalid(
+            f"request body is larger than {limit} bytes: its binary data may not exceed this machine's "
+            f"memory ({BINARY_DATA_LIMIT} bytes)"
+        )
     return InferError.invalid(
         f"request body is larger than the server's limit of {limit} bytes (--http-max-input-size)"
     )
 
 
-async def read_body(request: Request, limit: int) -> bytes | bytearray:
+def infer_body_limit(header_length: bytes | None, content_encoding: bytes | None, limit: int) -> int:
+    """The most bytes the body of an infer request may have, from its headers.
+
+    ``limit`` (``--http-max-input-size``) caps its JSON: the whole body, or, with
+    ``Inference-Header-Content-Length``, the JSON header, while the binary data after it may
+    be up to ``BINARY_DATA_LIMIT``. A compressed body is capped as a whole (its decompressed
+    size too). A header length that is not an integer leaves ``limit`` (the codec refuses it).
+
+    :raises InferError: the JSON header alone is over ``limit``.
+    """
+    if header_length is None or (content_encoding and content_encoding.strip().lower() not in (b"", b"identity")):
+        return limit
+    try:
+        json_length = int(header_length)
+    except ValueError:
+        return limit
+    if json_length > limit:
+        raise InferError.invalid(
+            f"request JSON header of {json_length} bytes is larger than the server's limit of {limit} bytes "
+            "(--http-max-input-size)"
+        )
+    return max(limit, json_length + BINARY_DATA_LIMIT)
+
+
+async def read_body(request: Request, limit: int, body_limit: int | None = None) -> bytes | bytearray:
     """The request body, decompressed if ``Content-Encoding`` says so.
 
+    :param limit: ``--http-max-input-size``: the body's cap, and its decompressed size's.
+    :param body_limit: the body's cap when it is not ``limit`` (``infer_body_limit``).
     :raises InferError: over the limit, bad Content-Length, unknown encoding or corrupt data,
         or the client went away before the body ended (nobody reads that answer; it is not a
         server error and is not logged as one).
     """
+    cap = limit if body_limit is None else body_limit
     length_header = request.headers.get("content-length")
     if length_header is not None:
         try:
             declared = int(length_header)
         except ValueError:
             raise InferError.invalid("Content-Length must be an integer") from None
-        if declared > limit:
-            raise too_large(limit)
+        if declared > cap:
+            raise too_large(cap, limit)
     chunks: list[bytes] = []
     received = 0
     try:
         async for chunk in request.stream():
             received += len(chunk)
-            if received > limit:
-                raise too_large(limit)
+            if received > cap:
+                raise too_large(cap, limit)
             chunks.append(chunk)
     except ClientDisconnect:
         raise InferError.invalid("the client disconnected before the request body ended") from None

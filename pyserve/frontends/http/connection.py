@@ -311,9 +311,9 @@ class HttpProtocol(asyncio.Protocol):
             return
         request.buffered += len(body)
         if request.target is not None:
-            limit = self.server.max_input_size
+            limit = request.body_limit or self.server.max_input_size
             if request.buffered > limit:  # a chunked body over the cap: refuse, stop reading
-                request.early = error_reply(too_large(limit))
+                request.early = error_reply(too_large(limit, self.server.max_input_size))
                 request.discard_body = True
                 request.close_after = True
                 request.chunks.clear()

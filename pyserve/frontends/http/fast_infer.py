@@ -23,7 +23,7 @@ from pyserve.api.errors import InferError
 from pyserve.api.inference import FutureSender, InferRequest, InferResponse
 from pyserve.dataplane.interface import InferencePlane
 from pyserve.frontends.http import offload
-from pyserve.frontends.http.body import compress, decode_content, too_large
+from pyserve.frontends.http.body import compress, decode_content, infer_body_limit, too_large
 from pyserve.frontends.http.codec import (
     JSON_TYPE,
     DecodedRequest,
@@ -77,17 +77,30 @@ def infer_model(dataplane: InferencePlane, name: str, version: str | None) -> Mo
     return model
 
 
-def check_declared_length(declared: bytes | None, limit: int) -> None:
+def check_declared_length(declared: bytes | None, limit: int, json_limit: int | None = None) -> None:
     """Refuse a body whose ``Content-Length`` is over ``limit`` before reading any of it.
 
+    :param json_limit: ``--http-max-input-size`` when ``limit`` is an infer body's
+        (``body.infer_body_limit``), for the error's words.
     :raises InferError: over the limit, or not an integer.
     """
     if declared is not None:
         try:
             if int(declared) > limit:
-                raise too_large(limit)
+                raise too_large(limit, json_limit)
         except ValueError:
             raise InferError.invalid("Content-Length must be an integer") from None
+
+
+def declared_infer_body(headers: Headers, limit: int) -> int:
+    """Check an infer request's declared body length against its cap before reading any of
+    it; returns the cap for the body as it streams in (``body.infer_body_limit``).
+
+    :raises InferError: over the cap, or a bad Content-Length.
+    """
+    cap = infer_body_limit(headers.get(b"inference-header-content-length"), headers.get(b"content-encoding"), limit)
+    check_declared_length(headers.get(b"content-length"), cap, limit)
+    return cap
 
 
 def decode_request(
@@ -220,15 +233,14 @@ class InferFastPath:
         await _send(send, *reply)
 
     async def _read(self, receive: Any, headers: dict[bytes, bytes]) -> bytes | bytearray | None:
-        limit = self.max_input_size
-        check_declared_length(headers.get(b"content-length"), limit)
+        limit = declared_infer_body(headers, self.max_input_size)
         message = await receive()
         if message["type"] == "http.disconnect":
             return None
         body: bytes = message.get("body", b"")
         if not message.get("more_body", False):
             if len(body) > limit:
-                raise too_large(limit)
+                raise too_large(limit, self.max_input_size)
             return body
         chunks = [body]
         received = len(body)
@@ -239,7 +251,7 @@ class InferFastPath:
             chunk = message.get("body", b"")
             received += len(chunk)
             if received > limit:
-                raise too_large(limit)
+                raise too_large(limit, self.max_input_size)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return bytearray().join(chunks)  # one copy either way; its tensors are writeable views

@@ -34,7 +34,7 @@ from starlette.responses import Response
 from pyserve.api.errors import InferError
 from pyserve.api.inference import InferResponse
 from pyserve.dataplane.interface import InferencePlane
-from pyserve.frontends.http.body import read_body
+from pyserve.frontends.http.body import infer_body_limit, read_body
 from pyserve.frontends.http.codec import DecodedRequest, encode_infer
 from pyserve.frontends.http.errors import error_response
 from pyserve.frontends.http.fast_infer import (
@@ -66,7 +66,8 @@ def stream_format(accept: str | None) -> tuple[str, Callable[[bytes], bytes]]:
 
 async def _decode(request: Request, dataplane: InferencePlane, model: ModelVersion, limit: int) -> tuple[DecodedRequest, int]:
     headers: Headers = dict(request.scope["headers"])
-    body = await read_body(request, limit)  # decompressed here: decode_soon must not again
+    cap = infer_body_limit(headers.get(b"inference-header-content-length"), headers.get(b"content-encoding"), limit)
+    body = await read_body(request, limit, cap)  # decompressed here: decode_soon must not again
     headers.pop(b"content-encoding", None)
     return await decode_soon(dataplane, model, body, headers, limit)
 

@@ -31,7 +31,7 @@ from pyserve.frontends.http.connection import HttpProtocol
 from pyserve.frontends.http.errors import JSON_HEADERS, Reply, error_body, error_reply
 from pyserve.frontends.http.fast_infer import (
     Headers,
-    check_declared_length,
+    declared_infer_body,
     decode_request,
     encode_reply,
     route,
@@ -74,12 +74,8 @@ class InferHttpProtocol(HttpProtocol):
             request.target = None
             return
         request.model = model
-        declared = None
-        for name, value in request.headers:
-            if name == b"content-length":
-                declared = value
         try:
-            check_declared_length(declared, server.max_input_size)
+            request.body_limit = declared_infer_body(dict(request.headers), server.max_input_size)
         except InferError as exc:  # refused before reading: the body stays unread
             request.early = error_reply(exc)
             request.discard_body = True

@@ -24,7 +24,7 @@ class ParsedRequest:
     __slots__ = (
         "method", "url", "headers", "http_version", "keep_alive", "expect_continue", "target",
         "chunks", "buffered", "complete", "early", "close_after", "model", "discard_body",
-        "started", "waiter", "asgi", "infer_request", "future", "bad", "url_parts",
+        "started", "waiter", "asgi", "infer_request", "future", "bad", "url_parts", "body_limit",
     )
 
     def __init__(self) -> None:
@@ -49,6 +49,7 @@ class ParsedRequest:
         self.infer_request: Any = None
         self.future: asyncio.Future[Any] | None = None
         self.bad = False  # a malformed request: answer 400 (or ``early``) and close
+        self.body_limit = 0  # a native infer body's cap (``body.infer_body_limit``); 0: the server's
 
     def wake(self) -> None:
         """Resume the ASGI ``receive()`` waiting for this request's body, if one waits."""

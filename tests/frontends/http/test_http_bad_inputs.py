@@ -85,13 +85,16 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def servers(repo: Any) -> Iterator[dict[str, httpx.Client]]:
     main = _start(repo)
     small = _start(repo, http_max_input_size=SMALL_LIMIT)
+    small_uvicorn = _start(repo, http_max_input_size=SMALL_LIMIT, http_server="uvicorn")
     clients = {
         "main": httpx.Client(base_url=f"http://{main.url}", timeout=30),
         "small": httpx.Client(base_url=f"http://{small.url}", timeout=30),
+        "small-uvicorn": httpx.Client(base_url=f"http://{small_uvicorn.url}", timeout=30),
     }
     yield clients
     for c in clients.values():
         c.close()
+    small_uvicorn.stop()
     small.stop()
     main.stop()
 
@@ -466,3 +469,65 @@ def test_server_still_healthy_after_the_table(servers: dict[str, httpx.Client]) 
         "/v2/models/f32/infer", content=packed, headers={"Content-Encoding": "gzip"}
     )
     assert small.status_code == 200
+
+
+def _binary_request(values: np.ndarray, pad: int = 0) -> tuple[bytes, dict[str, str]]:
+    """An infer body of ``f32``: a JSON header (padded with ``pad`` spaces), then the binary data."""
+    header = orjson.dumps({
+        "inputs": [{"name": "IN", "datatype": "FP32", "shape": [values.size],
+                    "parameters": {"binary_data_size": values.nbytes}}],
+        "outputs": [{"name": "OUT", "parameters": {"binary_data": True}}],
+    }) + b" " * pad
+    return header + values.tobytes(), {"Inference-Header-Content-Length": str(len(header))}
+
+
+def _binary_output(response: httpx.Response) -> bytes:
+    assert response.status_code == 200, response.text
+    return response.content[int(response.headers["inference-header-content-length"]):]
+
+
+@pytest.mark.parametrize("server", ["small", "small-uvicorn"])
+def test_binary_data_past_the_json_limit_is_served(servers: dict[str, httpx.Client], server: str) -> None:
+    """As in Triton, --http-max-input-size caps the JSON of an infer request: 4,000 bytes of
+    binary tensor data after a small JSON header pass a 1,024-byte limit, whole or chunked."""
+    values = np.arange(1000, dtype=np.float32)
+    content, headers = _binary_request(values)
+    assert len(content) > SMALL_LIMIT
+    assert _binary_output(servers[server].post("/v2/models/f32/infer", content=content, headers=headers)) == values.tobytes()
+
+    def chunks() -> Iterator[bytes]:
+        for start in range(0, len(content), 512):
+            yield content[start:start + 512]
+
+    chunked = servers[server].post("/v2/models/f32/infer", content=chunks(), headers=headers)
+    assert _binary_output(chunked) == values.tobytes()
+
+
+@pytest.mark.parametrize("server", ["small", "small-uvicorn"])
+def test_a_json_header_over_the_limit_is_refused_unread(servers: dict[str, httpx.Client], server: str) -> None:
+    content, headers = _binary_request(np.ones(4, dtype=np.float32), pad=SMALL_LIMIT)
+    response = servers[server].post("/v2/models/f32/infer", content=content, headers=headers)
+    assert_error_body(response, 400, f"is larger than the server's limit of {SMALL_LIMIT} bytes (--http-max-input-size)")
+    assert "request JSON header of" in response.json()["error"]
+
+
+def test_binary_data_larger_than_the_machine_is_refused_unread(servers: dict[str, httpx.Client]) -> None:
+    """A Content-Length past the machine's memory is answered from the headers alone (the
+    client sends no body at all)."""
+    import socket
+
+    from pyserve.frontends.http.body import BINARY_DATA_LIMIT
+
+    url = httpx.URL(str(servers["small"].base_url))
+    head = (f"POST /v2/models/f32/infer HTTP/1.1\r\nHost: x\r\nInference-Header-Content-Length: 100\r\n"
+            f"Content-Length: {BINARY_DATA_LIMIT + 1000}\r\n\r\n").encode()
+    with socket.create_connection((url.host, url.port), timeout=30) as sock:
+        sock.sendall(head)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 400"), answer
+    assert b"its binary data may not exceed this machine's memory" in answer
