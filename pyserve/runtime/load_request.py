@@ -72,19 +72,40 @@ def _override_problem(relative: str, files: Mapping[str, bytes]) -> str:
     return ""
 
 
+def _inside_model_directory(name: str, files: Mapping[str, bytes]) -> dict[str, str]:
+    """Each file override's path inside the model directory, by its key's path: a leading
+    ``/`` is dropped as Triton, which joins the path to the model directory, reads
+    ``file:/1/model.py`` as ``file:1/model.py``.
+
+    :raises InferError: two keys name the same file that way.
+    """
+    inside: dict[str, str] = {}
+    for relative in files:
+        path = relative.lstrip("/")
+        if path in inside.values():
+            raise InferError.invalid(
+                f"failed to load '{name}': file overrides '{FILE_PREFIX}{relative}' and "
+                f"'{FILE_PREFIX}{next(k for k, v in inside.items() if v == path)}' name the same file"
+            )
+        inside[relative] = path
+    return inside
+
+
 def write_override(name: str, files: Mapping[str, bytes]) -> Path:
     """Write the files of a load's override model directory into a new private directory.
 
     :returns: the directory holding ``<name>/`` (removed by the caller when done with it).
     :raises InferError: INVALID_ARG for a model name or a file path that would leave the model
-        directory (absolute, ``..``, through a link), that is too long, ends with ``/`` or uses a
-        file as a directory, before anything is written; also (still INVALID_ARG, and without
+        directory (``..``, through a link; a leading ``/`` is the model directory's), that is
+        too long, ends with ``/`` or uses a file as a directory, before anything is written; also (still INVALID_ARG, and without
         the private directory's path) for a file the system refuses to write.
     """
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
         raise InferError.invalid(f"failed to load '{name}': invalid model name for a file override")
     if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
         raise InferError.invalid(f"failed to load model: the name is longer than {NAME_MAX} bytes")
+    paths = _inside_model_directory(name, files)
+    inside = {paths[relative]: content for relative, content in files.items()}
     root = Path(tempfile.mkdtemp(prefix="pyserve-override-"))
     try:
         model_dir = root / name
@@ -92,10 +113,10 @@ def write_override(name: str, files: Mapping[str, bytes]) -> Path:
         targets: list[tuple[str, Path, bytes]] = []
         for relative, content in files.items():
             try:
-                problem = _override_problem(relative, files)
+                problem = _override_problem(paths[relative], inside)
                 if problem:
                     raise ValueError(problem)
-                targets.append((relative, contained_path(model_dir, relative), content))
+                targets.append((relative, contained_path(model_dir, paths[relative]), content))
             except ValueError as exc:
                 raise InferError.invalid(
                     f"failed to load '{name}': invalid file override '{FILE_PREFIX}{relative}': {exc}"
