@@ -226,11 +226,11 @@ class ModelLoader:
         roots = self._repositories
         for version in failures:
             full = version.detail or version.reason
-            log.error("model '%s' version %d is UNAVAILABLE: %s", name, version.version, full)
+            log.error("failed to load '%s' version %d: %s", name, version.version, full)  # Triton's words
             version.reason, version.detail = load_reasons.public(version.reason, roots), full
         error_detail = built.error
         if built.error:
-            log.error("model '%s' is UNAVAILABLE: %s", name, built.error)
+            log.error("failed to load '%s': %s", name, built.error)
             built.error = load_reasons.public(built.error, roots)
         return error_detail
 

@@ -27,7 +27,8 @@ EXPECTED = {
               "(at syntax/1/model.py:3)",
     "imports": "failed to load 'model.py' of model 'imports' version 1: ModuleNotFoundError: "
                "No module named 'no_such_module_for_pyserve' (at imports/1/model.py:2)",
-    "missing": "model 'missing' version 1: file 'missing/1/model.py' not found",
+    "missing": "Failed to preinitialize Python stub: Python model file not found in 'missing/1/model.py'",
+    "noclass": "'model.py' of model 'noclass' defines no class 'TritonPythonModel'",
 }
 
 
@@ -39,6 +40,7 @@ def broken(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningSe
     write_model(repo, "imports", 'backend: "python"' + TENSORS,
                 {"1/model.py": "import numpy\nimport no_such_module_for_pyserve\n"})
     write_model(repo, "missing", 'backend: "python"' + TENSORS)
+    write_model(repo, "noclass", 'backend: "python"' + TENSORS, {"1/model.py": "x = 1\n"})
     server = RunningServer(["--model-repository", str(repo), "--exit-on-error", "false", "--grpc-port", "0"])
     try:
         server.wait_started(60)
@@ -96,16 +98,19 @@ def test_the_startup_table_has_one_line_per_model_and_the_full_text_below(broken
     lines = table.group(1).splitlines()
     assert all(line.startswith(("|", "+")) for line in lines), lines
     assert len({len(line) for line in lines}) == 1 and len(lines[0]) < 200, lines
-    rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ") and "Model" not in line}
-    assert sorted(rows) == ["fine", "imports", "missing", "syntax"]
+    cells = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ")}
+    rows = {name: line for name, line in cells.items() if name != "Model"}
+    assert sorted(rows) == ["fine", "imports", "missing", "noclass", "syntax"]
     assert "| READY " in rows["fine"]
-    assert f"UNAVAILABLE: {EXPECTED['missing']}" in rows["missing"]  # short enough to show whole
+    assert f"UNAVAILABLE: {EXPECTED['missing'][:77]}... " in rows["missing"]  # cut too
     assert f"UNAVAILABLE: {EXPECTED['syntax'][:77]}... " in rows["syntax"]  # cut
     after = log[table.end():]  # the reasons the table cut, in full, with their tracebacks
     assert "model 'syntax' version 1: failed to load 'model.py' of model 'syntax' version 1:" in after
     assert "Traceback (most recent call last)" in after and "SyntaxError: invalid syntax" in after
     assert f'File "{repo / "syntax" / "1" / "model.py"}", line 3' in after
-    assert "model 'missing' version 1:" not in after  # shown whole: not repeated
+    assert f"UNAVAILABLE: {EXPECTED['noclass']} " in rows["noclass"]  # short enough to show whole
+    assert "model 'missing' version 1: Failed to preinitialize Python stub: Python model file not found in" in after
+    assert "model 'noclass' version 1:" not in after  # shown whole: not repeated
 
 
 # -- the pieces ------------------------------------------------------------------------------------

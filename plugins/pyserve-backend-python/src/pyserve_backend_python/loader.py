@@ -114,7 +114,7 @@ def load_module(model: ModelContext) -> ModuleType:
     """
     path = model_file(model)
     if not path.is_file():
-        raise ModelFileMissing(f"model '{model.name}' version {model.version}: file '{path}' not found")
+        raise ModelFileMissing(f"Failed to preinitialize Python stub: Python model file not found in '{path}'")
     safe = re.sub(r"\W", "_", model.name)
     package_name = f"{_PREFIX}{next(_counter)}_{safe}_{model.version}"
     package = ModuleType(package_name)
