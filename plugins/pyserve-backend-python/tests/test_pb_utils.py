@@ -276,14 +276,15 @@ def test_metrics_kinds_and_registry() -> None:
     histogram_family = pb_utils.MetricFamily("pyserve_unit_hist", "a histogram", pb_utils.MetricFamily.HISTOGRAM)
     with pytest.raises(pb_utils.TritonModelException, match="buckets"):
         histogram_family.Metric()
-    histogram = histogram_family.Metric(labels={"k": "v"}, buckets=[1, 10])
+    histogram = histogram_family.Metric(labels={"k": "v"}, buckets=[1, 2.5, 10])
     for value in (0.5, 5, 50):
         histogram.observe(value)
     with pytest.raises(pb_utils.TritonModelException, match="value"):
         histogram.value()
     sample = pb_utils.REGISTRY.get_sample_value
-    assert sample("pyserve_unit_hist_bucket", {"k": "v", "le": "1.0"}) == 1
-    assert sample("pyserve_unit_hist_bucket", {"k": "v", "le": "10.0"}) == 2
+    assert sample("pyserve_unit_hist_bucket", {"k": "v", "le": "1"}) == 1  # Triton's words: not "1.0"
+    assert sample("pyserve_unit_hist_bucket", {"k": "v", "le": "2.5"}) == 1
+    assert sample("pyserve_unit_hist_bucket", {"k": "v", "le": "10"}) == 2
     assert sample("pyserve_unit_hist_bucket", {"k": "v", "le": "+Inf"}) == 3
     assert sample("pyserve_unit_hist_sum", {"k": "v"}) == 55.5
     with pytest.raises(pb_utils.TritonModelException, match="already exists"):

@@ -375,7 +375,7 @@ def test_custom_metrics_of_workers_reach_the_server(serve: Serve) -> None:
         list(pool.map(lambda n: _infer(server, "metrics_proc", list(range(n % 6 + 1))), range(24)))
     assert REGISTRY.get_sample_value("pyserve_proc_requests", {"model": "metrics_proc"}) == 24
     assert REGISTRY.get_sample_value("pyserve_proc_sizes_count", {}) == 24
-    assert REGISTRY.get_sample_value("pyserve_proc_sizes_bucket", {"le": "1.0"}) == 4  # sizes 1 of 1..6
+    assert REGISTRY.get_sample_value("pyserve_proc_sizes_bucket", {"le": "1"}) == 4  # sizes 1 of 1..6
     server.stop()
     assert REGISTRY.get_sample_value("pyserve_proc_requests", {"model": "metrics_proc"}) is None  # unloaded
 

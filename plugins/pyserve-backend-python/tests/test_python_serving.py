@@ -111,8 +111,8 @@ def test_request_parameters_response_parameters_and_metrics(python_server: Serve
     registry = pb_utils.REGISTRY
     assert registry.get_sample_value("pyserve_test_requests", labels) == before + 2
     assert registry.get_sample_value("pyserve_test_last_sum", labels) == 1.0
-    assert registry.get_sample_value("pyserve_test_input_size_bucket", {**labels, "le": "1.0"}) >= 1
-    assert registry.get_sample_value("pyserve_test_input_size_bucket", {**labels, "le": "4.0"}) >= 2
+    assert registry.get_sample_value("pyserve_test_input_size_bucket", {**labels, "le": "1"}) >= 1
+    assert registry.get_sample_value("pyserve_test_input_size_bucket", {**labels, "le": "4"}) >= 2
     assert registry.get_sample_value("pyserve_test_input_size_count", labels) >= 2
 
 

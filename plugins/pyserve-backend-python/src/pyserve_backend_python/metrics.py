@@ -112,7 +112,11 @@ class _Collector:
 
 
 def _le(bound: float) -> str:
-    return "+Inf" if math.isinf(bound) else repr(float(bound))
+    """A bucket bound as Triton's metrics page writes it: ``1``, ``2.5``, ``+Inf``."""
+    if math.isinf(bound):
+        return "+Inf" if bound > 0 else "-Inf"
+    text = repr(float(bound))
+    return text[:-2] if text.endswith(".0") else text
 
 
 _COLLECTOR = _Collector()
