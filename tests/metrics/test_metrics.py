@@ -527,9 +527,9 @@ def test_python_backend_metric_families_appear(make_repo: Callable[..., Path], s
 
         class TritonPythonModel:
             def initialize(self, args):
-                family = pb_utils.MetricFamily(
+                self.family = pb_utils.MetricFamily(
                     "pyserve_test_py_requests", "Requests seen by model.py", pb_utils.MetricFamily.COUNTER)
-                self.requests = family.Metric(labels={"model": "pymetrics"})
+                self.requests = self.family.Metric(labels={"model": "pymetrics"})
 
             def execute(self, requests):
                 responses = []

@@ -269,7 +269,8 @@ def test_metrics_kinds_and_registry() -> None:
         metric.increment(-1)
     with pytest.raises(pb_utils.TritonModelException, match="set"):
         metric.set(1)
-    gauge = pb_utils.MetricFamily("pyserve_unit_gauge", "a gauge", pb_utils.MetricFamily.GAUGE).Metric()
+    gauge_family = pb_utils.MetricFamily("pyserve_unit_gauge", "a gauge", pb_utils.MetricFamily.GAUGE)
+    gauge = gauge_family.Metric()
     gauge.set(5)
     gauge.increment(-2)
     assert gauge.value() == 3
@@ -291,6 +292,38 @@ def test_metrics_kinds_and_registry() -> None:
         pb_utils.MetricFamily("pyserve_unit_counter", "again", pb_utils.MetricFamily.GAUGE)
     with pytest.raises(pb_utils.TritonModelException, match="invalid metric family name"):
         pb_utils.MetricFamily("bad name", "", pb_utils.MetricFamily.GAUGE)
+
+
+def test_a_metric_family_lives_as_long_as_an_object_for_it() -> None:
+    """As Triton's custom_metrics QA model checks: once the last ``MetricFamily`` object of a
+    family is deleted, the family leaves the page and its metrics refuse every operation;
+    a second object for the same family keeps it alive."""
+    message = "Invalid metric operation as the corresponding 'MetricFamily' has been deleted."
+    for kind in (pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE):
+        family = pb_utils.MetricFamily("pyserve_unit_lifetime", "lifetime", kind)
+        metric = family.Metric(labels={"k": "v"})
+        metric.increment(3)
+        assert pb_utils.REGISTRY.get_sample_value("pyserve_unit_lifetime", {"k": "v"}) == 3
+        del family
+        assert pb_utils.REGISTRY.get_sample_value("pyserve_unit_lifetime", {"k": "v"}) is None
+        calls: list[tuple[str, tuple[int, ...]]] = [("increment", (1,)), ("value", ())]
+        if kind == pb_utils.MetricFamily.GAUGE:
+            calls.append(("set", (1,)))
+        for operation, arguments in calls:
+            with pytest.raises(pb_utils.TritonModelException) as caught:
+                getattr(metric, operation)(*arguments)
+            assert message in str(caught.value)
+    first = pb_utils.MetricFamily("pyserve_unit_shared", "shared", pb_utils.MetricFamily.COUNTER)
+    second = pb_utils.MetricFamily("pyserve_unit_shared", "shared", pb_utils.MetricFamily.COUNTER)
+    metric = second.Metric()
+    del first
+    metric.increment(2)  # the second object keeps the family
+    assert metric.value() == 2
+    del second
+    with pytest.raises(pb_utils.TritonModelException, match="has been deleted"):
+        metric.value()
+    again = pb_utils.MetricFamily("pyserve_unit_shared", "shared", pb_utils.MetricFamily.COUNTER)
+    assert again.Metric().value() == 0  # a new family starts from zero
 
 
 def test_logger_writes_to_python_logging(caplog: pytest.LogCaptureFixture) -> None:

@@ -351,10 +351,10 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def initialize(self, args):
-        family = pb_utils.MetricFamily("pyserve_proc_requests", "requests seen", pb_utils.MetricFamily.COUNTER)
-        self.requests = family.Metric(labels={"model": args["model_name"]})
-        sizes = pb_utils.MetricFamily("pyserve_proc_sizes", "input sizes", pb_utils.MetricFamily.HISTOGRAM)
-        self.sizes = sizes.Metric(labels={}, buckets=[1.0, 4.0])
+        self.family = pb_utils.MetricFamily("pyserve_proc_requests", "requests seen", pb_utils.MetricFamily.COUNTER)
+        self.requests = self.family.Metric(labels={"model": args["model_name"]})
+        self.sizes_family = pb_utils.MetricFamily("pyserve_proc_sizes", "input sizes", pb_utils.MetricFamily.HISTOGRAM)
+        self.sizes = self.sizes_family.Metric(labels={}, buckets=[1.0, 4.0])
 
     def execute(self, requests):
         out = []
@@ -378,6 +378,35 @@ def test_custom_metrics_of_workers_reach_the_server(serve: Serve) -> None:
     assert REGISTRY.get_sample_value("pyserve_proc_sizes_bucket", {"le": "1"}) == 4  # sizes 1 of 1..6
     server.stop()
     assert REGISTRY.get_sample_value("pyserve_proc_requests", {"model": "metrics_proc"}) is None  # unloaded
+
+
+DROPPING_SOURCE = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.family = pb_utils.MetricFamily("pyserve_proc_dropped", "dropped later", pb_utils.MetricFamily.COUNTER)
+        self.seen = self.family.Metric()
+
+    def execute(self, requests):
+        for request in requests:
+            if pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0] < 0:
+                self.family = None  # its last MetricFamily object: the family is deleted
+            else:
+                self.seen.increment(1)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", r.inputs()[0].as_numpy())]) for r in requests]
+"""
+
+
+def test_a_family_a_worker_deletes_leaves_the_servers_page(serve: Serve) -> None:
+    from pyserve_backend_python.metrics import REGISTRY
+
+    server = serve({"dropping": (IO + PROCESS, DROPPING_SOURCE)})
+    for _ in range(2):
+        _infer(server, "dropping", [1])
+    assert REGISTRY.get_sample_value("pyserve_proc_dropped", {}) == 2
+    _infer(server, "dropping", [-1])
+    assert REGISTRY.get_sample_value("pyserve_proc_dropped", {}) is None
 
 
 CANCEL_SOURCE = """

@@ -10,7 +10,11 @@ model gave (as Triton does: no ``_total`` suffix on counter samples; note that
 A family belongs to the models that created it: when the last of them is unloaded, the family
 and its values are dropped, so a reloaded model starts from zero, as a new Triton stub would.
 Creating a family whose name exists returns the same underlying family (same kind required);
-asking it for a ``Metric`` with labels that exist returns the same values.
+asking it for a ``Metric`` with labels that exist returns the same values. As in Triton, the
+family lives as long as a ``MetricFamily`` object for it does: once the last one is deleted
+(garbage collected), the family leaves the metrics page, and a ``Metric`` of it that is still
+used raises ``TritonModelException`` ("Invalid metric operation as the corresponding
+'MetricFamily' has been deleted.").
 """
 
 from __future__ import annotations
@@ -51,12 +55,14 @@ class _Values:
 
 
 class _Family:
-    __slots__ = ("description", "kind", "metrics", "name", "owners", "remote")
+    __slots__ = ("deleted", "description", "handles", "kind", "metrics", "name", "owners", "remote")
 
     def __init__(self, name: str, description: str, kind: int) -> None:
         self.name = name
         self.description = description
         self.kind = kind
+        self.handles = 0  # the live ``MetricFamily`` objects standing for it
+        self.deleted = False  # dropped: its ``Metric`` objects refuse every operation
         self.metrics: dict[tuple[tuple[str, str], ...], _Values] = {}
         self.owners: set[tuple[str, int]] = set()
         self.remote: dict[str, dict[tuple[tuple[str, str], ...], tuple[Any, ...]]] = {}
@@ -67,7 +73,7 @@ class _Collector:
     """Turns the families into prometheus_client metrics on each scrape."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entrant: a ``MetricFamily`` may be collected while it is held
         self.families: dict[str, _Family] = {}
 
     def collect(self) -> Iterator[_PromMetric]:
@@ -104,11 +110,17 @@ class _Collector:
 
     def release(self, owner: tuple[str, int]) -> None:
         with self.lock:
-            for name, family in list(self.families.items()):
+            for family in list(self.families.values()):
                 if owner in family.owners:
                     family.owners.discard(owner)
                     if not family.owners:
-                        del self.families[name]
+                        self.drop(family)
+
+    def drop(self, family: _Family) -> None:
+        """Take ``family`` off the page for good (under the lock)."""
+        family.deleted = True
+        if self.families.get(family.name) is family:
+            del self.families[family.name]
 
 
 def _le(bound: float) -> str:
@@ -142,6 +154,11 @@ def mirror(source: str, owner: tuple[str, int], report: list[tuple[Any, ...]]) -
     """Show the families a worker reported (``snapshot``), replacing its previous report; a
     family name taken by another kind keeps its own and the report's values are ignored."""
     with _COLLECTOR.lock:
+        reported = {entry[0] for entry in report}
+        for gone in list(_COLLECTOR.families.values()):  # deleted in the worker since its last report
+            if gone.name not in reported and gone.remote.pop(source, None) is not None:
+                if not gone.remote and not gone.handles and not gone.metrics:
+                    _COLLECTOR.drop(gone)
         for name, description, kind, values in report:
             family = _COLLECTOR.families.get(name)
             if family is None:
@@ -198,7 +215,17 @@ class MetricFamily:
                 )
             if model is not None:
                 family.owners.add((model.name, model.version))
+            family.handles += 1
         self._family = family
+
+    def __del__(self) -> None:
+        family = getattr(self, "_family", None)
+        if family is None:
+            return
+        with _COLLECTOR.lock:
+            family.handles -= 1
+            if family.handles <= 0:
+                _COLLECTOR.drop(family)
 
     def Metric(self, labels: Mapping[str, str] | None = None, buckets: Sequence[float] | None = None) -> Metric:  # noqa: N802
         """The metric of this family with the given labels (created at zero if new).
@@ -241,6 +268,8 @@ class Metric:
         self._values = values
 
     def _require(self, operation: str, *kinds: int) -> None:
+        if self._family.deleted:
+            raise TritonModelException("Invalid metric operation as the corresponding 'MetricFamily' has been deleted.")
         if self._family.kind not in kinds:
             raise TritonModelException(
                 f"{operation}() is not supported by {_KIND_NAMES[self._family.kind]} metric '{self._family.name}'"
