@@ -89,11 +89,17 @@ def _ray(*args: str, env: dict[str, str]) -> None:
 
 
 class Cluster:
-    def __init__(self, address: str, http: int, grpc: int, repo: Path) -> None:
+    def __init__(self, address: str, http: int, grpc: int, repo: Path, deploy: list[str], cwd: Path) -> None:
         self.address = address
         self.repo = repo
         self.http = f"127.0.0.1:{http}"
         self.grpc = f"127.0.0.1:{grpc}"
+        self.deploy = deploy  # the per-model ray-deploy command the cluster started with
+        self.cwd = cwd
+
+    def run_deploy(self, command: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(command or self.deploy, env=dict(os.environ, **RAY_ENV), capture_output=True,
+                              text=True, timeout=300, cwd=self.cwd)
 
 
 @pytest.fixture(scope="module")
@@ -113,15 +119,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         _ray("start", "--address", address, "--num-cpus", "1", "--resources", json.dumps({"second_node": 1}),
              "--object-store-memory", str(100 * 1024 * 1024), "--disable-usage-stats", env=env)
         http, grpc = _free_port(), _free_port()
-        deploy = subprocess.run(
-            [str(BIN / "pyserve"), "ray-deploy", "--model-repository", str(repo), "--address", address,
-             "--http-host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc), "--timeout", "240"],
-            env=env, capture_output=True, text=True, timeout=300, cwd=elsewhere,
-        )
+        command = [str(BIN / "pyserve"), "ray-deploy", "--model-repository", str(repo), "--address", address,
+                   "--http-host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc), "--timeout", "240"]
+        started = Cluster(address, http, grpc, repo, command, elsewhere)
+        deploy = started.run_deploy()
         assert deploy.returncode == 0, deploy.stdout + deploy.stderr
         assert "RUNNING" in deploy.stdout
         ray.init(address=address, namespace="serve", log_to_driver=False)
-        yield Cluster(address, http, grpc, repo)
+        yield started
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -139,6 +144,20 @@ def _replica_actors(deployment: str) -> list[dict[str, str]]:
         if a.get("State") == "ALIVE" and a.get("Name", "").startswith("SERVE_REPLICA::")
         and f"#{deployment}#" in a["Name"]
     ]
+
+
+@pytest.fixture
+def per_model(cluster: Cluster) -> Cluster:
+    """The cluster serving one deployment per model, with two replicas of each (deployed
+    again if ``--per-repository`` replaced it, so that no test depends on the order)."""
+    if len(_replica_actors("pyserve-echo")) < 2:
+        deploy = cluster.run_deploy()
+        assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (
+                len(_replica_actors("pyserve-echo")) == 2 and len(_replica_actors("pyserve-accumulate")) == 2):
+            time.sleep(1)
+    return cluster
 
 
 def _fp32(values: np.ndarray, module: object) -> object:
@@ -177,9 +196,10 @@ def test_tritonclient_over_serve_http_and_grpc(cluster: Cluster) -> None:
         grpc.close()
 
 
-def test_an_ensemble_runs_in_the_ingress_and_reserves_no_cpu(cluster: Cluster) -> None:
+def test_an_ensemble_runs_in_the_ingress_and_reserves_no_cpu(per_model: Cluster) -> None:
     """Its steps go to the echo deployment; it has no deployment of its own (the cluster's two
     CPUs are echo's)."""
+    cluster = per_model
     assert not _replica_actors("pyserve-pipeline")
     values = np.arange(4, dtype=np.float32).reshape(1, 4)
     with httpclient.InferenceServerClient(cluster.http) as http:
@@ -226,13 +246,14 @@ def test_a_repository_too_big_for_the_cluster_is_refused_with_the_numbers(cluste
     assert not _replica_actors("pyserve-big") and not _replica_actors("pyserve-a")  # nothing was deployed
 
 
-def test_replicas_run_on_both_nodes(cluster: Cluster) -> None:
+def test_replicas_run_on_both_nodes(per_model: Cluster) -> None:
     replicas = _replica_actors("pyserve-echo")
     assert len(replicas) == 2, replicas
     assert len({r["node"] for r in replicas}) == 2, replicas
 
 
-def test_a_sequence_stays_on_one_replica(cluster: Cluster) -> None:
+def test_a_sequence_stays_on_one_replica(per_model: Cluster) -> None:
+    cluster = per_model
     assert len(_replica_actors("pyserve-accumulate")) == 2
     for sequence_id in (101, 202, 303, 404):
         sums = []
@@ -256,7 +277,8 @@ def test_a_sequence_stays_on_one_replica(cluster: Cluster) -> None:
         assert sums == [1, 3, 6, 10, 15, 21], (sequence_id, sums)
 
 
-def test_requests_keep_succeeding_when_a_replica_is_killed(cluster: Cluster) -> None:
+def test_requests_keep_succeeding_when_a_replica_is_killed(per_model: Cluster) -> None:
+    cluster = per_model
     stop = threading.Event()
     outcomes = {"ok": 0, "retried": 0, "failed": 0}
     values = np.ones((1, 4), dtype=np.float32)
@@ -279,17 +301,19 @@ def test_requests_keep_succeeding_when_a_replica_is_killed(cluster: Cluster) -> 
                 outcomes["failed"] += 1
         client.close()
 
-    threads = [threading.Thread(target=load) for _ in range(3)]
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(3)]
     for thread in threads:
         thread.start()
-    time.sleep(1.5)
-    before = outcomes["ok"]
-    victim = _replica_actors("pyserve-echo")[0]["name"]
-    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
-    time.sleep(4)
-    stop.set()
-    for thread in threads:
-        thread.join(60)
+    try:
+        time.sleep(1.5)
+        before = outcomes["ok"]
+        victim = _replica_actors("pyserve-echo")[0]["name"]
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        time.sleep(4)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
     assert outcomes["failed"] == 0, outcomes
     assert outcomes["ok"] > before + 10, outcomes
     deadline = time.monotonic() + 120
@@ -303,16 +327,9 @@ def test_requests_keep_succeeding_when_a_replica_is_killed(cluster: Cluster) -> 
 
 
 def test_one_deployment_for_the_whole_repository(cluster: Cluster) -> None:
-    """``--per-repository`` (run last: it replaces the application) serves every model from
-    one deployment."""
-    env = dict(os.environ, **RAY_ENV)
-    http_port, grpc_port = (int(a.rsplit(":", 1)[1]) for a in (cluster.http, cluster.grpc))
-    deploy = subprocess.run(
-        [str(BIN / "pyserve"), "ray-deploy", "--model-repository", str(cluster.repo), "--address", cluster.address,
-         "--per-repository", "--http-host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port",
-         str(grpc_port), "--timeout", "240"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
+    """``--per-repository`` serves every model from one deployment (it replaces the per-model
+    application; the tests that need that one deploy it again, ``per_model``)."""
+    deploy = cluster.run_deploy([*cluster.deploy, "--per-repository"])
     assert deploy.returncode == 0, deploy.stdout + deploy.stderr
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (_replica_actors("pyserve-echo") or not _replica_actors("pyserve-repository")):
