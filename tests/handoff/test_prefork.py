@@ -48,6 +48,8 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse([pb_utils.Tensor("PID", pid)]) for _ in requests]
 
     def finalize(self):
+        with open(os.path.join(HERE, "finalized.txt"), "a") as log:
+            log.write(f"{os.getpid()}\\n")
         if self.thread is not None:
             self.stop.set()
             self.thread.join()
@@ -66,8 +68,8 @@ def _repository(root: Path, starts_thread: bool = False) -> Path:
     return repo
 
 
-def _initialized(repo: Path) -> list[int]:
-    path = repo / "pid" / "1" / "initialized.txt"
+def _initialized(repo: Path, what: str = "initialized") -> list[int]:
+    path = repo / "pid" / "1" / f"{what}.txt"
     return [int(line) for line in path.read_text().split()] if path.exists() else []
 
 
@@ -133,6 +135,8 @@ def test_the_replica_is_the_model_loaded_before_the_fork(start: object, tmp_path
     # the weights are the owner's pages: the frontend holds far less than them of its own
     assert _private_kib(frontend) < WEIGHTS_MIB * 1024 / 2, _private_kib(frontend)
     assert server.stop(timeout=60) == 0, server.stderr
+    # finalize() runs where initialize() ran, once: the frontend drops its forked copy without it
+    assert _initialized(repo, "finalized") == [owner]
 
 
 def test_a_model_whose_load_starts_threads_loads_in_each_process(start: object, tmp_path: Path) -> None:
@@ -153,6 +157,7 @@ def test_a_model_whose_load_starts_threads_loads_in_each_process(start: object, 
         for client in clients:
             client.close()
     assert server.stop(timeout=60) == 0, server.stderr
+    assert sorted(_initialized(repo, "finalized")) == sorted([owner, owner, frontend])  # one per initialize
 
 
 def test_a_killed_frontend_comes_back_with_a_replica_of_its_own(start: object, tmp_path: Path) -> None:

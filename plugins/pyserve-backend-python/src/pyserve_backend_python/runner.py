@@ -15,6 +15,7 @@ import concurrent.futures
 import inspect
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -122,6 +123,7 @@ class ThreadRunner:
         self._object: Any = None
         self._loop: EventLoopThread | None = None
         self._loop_lock = threading.Lock()
+        self._initialized_in = 0  # the process that ran initialize() (a forked frontend inherits it)
 
     def _event_loop(self) -> EventLoopThread:
         with self._loop_lock:
@@ -143,6 +145,7 @@ class ThreadRunner:
                 initialize = getattr(self._object, "initialize", None)
                 if initialize is not None:
                     self._settle(initialize(initialize_args(self._instance)))
+            self._initialized_in = os.getpid()
         except Exception as exc:
             self._stop_loop()
             raise PythonModelError(format_failure(
@@ -210,8 +213,14 @@ class ThreadRunner:
         return answer
 
     def finalize(self) -> None:
+        """Call the model's ``finalize()`` in the process that ran its ``initialize()`` only: a
+        frontend forked with the instance (``pyserve.handoff.prefork``) drops its copy without
+        it, so a model's clean-up (files, connections) runs once per ``initialize()``, as in
+        Triton, and not under the feet of the process still serving."""
         model = self._model
         finalize = getattr(self._object, "finalize", None)
+        if self._initialized_in != os.getpid():
+            finalize = None
         try:
             if finalize is not None:
                 with context.calling(model):
