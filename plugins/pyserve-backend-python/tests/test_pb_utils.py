@@ -70,8 +70,36 @@ def test_dlpack_with_torch() -> None:
     back[0] = 7.0
     assert source[0].item() == 7.0
     bf16 = pb_utils.Tensor.from_dlpack("H", torch.ones(3, dtype=torch.bfloat16))
-    assert bf16.as_numpy().dtype == ml_dtypes.bfloat16
+    assert bf16.triton_dtype() == 14
     assert torch.utils.dlpack.from_dlpack(pb_utils.Tensor("N", np.ones(2, np.int32)).to_dlpack()).tolist() == [1, 1]
+
+
+def test_bf16_goes_through_dlpack_as_in_triton() -> None:
+    """Triton's identity_bf16 QA model: ``as_numpy()`` refuses BF16, ``to_dlpack()`` hands it
+    to torch and ``from_dlpack()`` takes torch's capsule back, all sharing one buffer."""
+    torch = pytest.importorskip("torch")
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)
+    tensor = pb_utils.Tensor("B", values.astype(ml_dtypes.bfloat16))
+    with pytest.raises(pb_utils.TritonModelException, match="Tensor dtype is BF16 and cannot be converted to NumPy"):
+        tensor.as_numpy()
+    from_capsule = torch.utils.dlpack.from_dlpack(tensor.to_dlpack())
+    assert from_capsule.dtype == torch.bfloat16 and from_capsule.float().numpy().tolist() == values.tolist()
+    from_capsule[0, 0] = 9  # one buffer
+    assert torch.from_dlpack(tensor)[0, 0].item() == 9
+    back = pb_utils.Tensor.from_dlpack("O", torch.utils.dlpack.to_dlpack(from_capsule * 2))
+    assert back.triton_dtype() == 14 and back.shape() == [2, 3]
+    assert torch.from_dlpack(back).float().numpy().tolist() == [[18, 2, 4], [6, 8, 10]]
+    again = pb_utils.Tensor.from_dlpack("A", tensor.to_dlpack())  # our own capsule
+    assert torch.from_dlpack(again)[0, 0].item() == 9
+    assert pb_utils.Tensor.from_dlpack("T", tensor).shape() == [2, 3]
+    from pyserve_backend_python import dlpack_bf16
+
+    del from_capsule, back, again
+    tensor.to_dlpack()  # a capsule nobody consumes frees its tensor when dropped
+    import gc
+
+    gc.collect()
+    assert not dlpack_bf16._exported
 
 
 def test_type_helpers() -> None:

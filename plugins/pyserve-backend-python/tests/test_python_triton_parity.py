@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import httpx
 import numpy as np
@@ -350,3 +351,50 @@ def test_triton_error_codes_are_enum_members_that_equal_their_numbers() -> None:
     assert code == pb_utils.TritonError.NOT_FOUND and code == 2 and code.name == "NOT_FOUND"
     assert pb_utils.TritonError("x").code().name == "INTERNAL"
     assert pb_utils.TritonError("odd", 42).code() == 42
+
+
+BF16_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_BF16 dims: [ -1 ] } ]
+output [ { name: "OUT" data_type: TYPE_BF16 dims: [ -1 ] } ]
+"""
+BF16_SOURCE = """
+import torch
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            tensor = pb_utils.get_input_tensor_by_name(request, "IN")
+            try:
+                tensor.as_numpy()
+            except pb_utils.TritonModelException:
+                pass
+            else:
+                raise RuntimeError("as_numpy() of a BF16 tensor should have failed")
+            doubled = torch.utils.dlpack.from_dlpack(tensor.to_dlpack()) * 2
+            out.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor.from_dlpack("OUT", torch.utils.dlpack.to_dlpack(doubled))]))
+        return out
+"""
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_bf16_through_dlpack_and_torch(serve: Any, mode: str) -> None:
+    """A model in the manner of Triton's identity_bf16: BF16 in, through torch by DLPack, out."""
+    pytest.importorskip("torch")
+    import ml_dtypes
+
+    config = BF16_CONFIG + (PROCESS_MODE if mode == "process" else "")
+    server = serve({"bf16_torch": (config, BF16_SOURCE)})
+    values = np.array([1.5, -2.0, 3.25], dtype=ml_dtypes.bfloat16)
+    item = httpclient.InferInput("IN", [3], "BF16")
+    item.set_data_from_numpy(values, binary_data=True)
+    client = httpclient.InferenceServerClient(server.url, network_timeout=120)
+    try:
+        result = client.infer("bf16_torch", [item])
+    finally:
+        client.close()
+    assert result.as_numpy("OUT").astype(np.float32).tolist() == [3.0, -4.0, 6.5]

@@ -22,6 +22,7 @@ import numpy as np
 
 from pyserve.api import datatypes
 from pyserve.api.inference import read_only
+from pyserve_backend_python import dlpack_bf16
 from pyserve_backend_python.errors import TritonModelException
 
 _DLPACK_CPU = 1  # kDLCPU
@@ -222,8 +223,15 @@ class Tensor:
     def as_numpy(self) -> np.ndarray:
         """The tensor as a numpy array: the array itself, not a copy, except for a read-only
         array the server handed over, which is copied on the first call so that the model may
-        write into it (every later call returns that same copy)."""
+        write into it (every later call returns that same copy).
+
+        :raises TritonModelException: a BF16 tensor, as in Triton (use ``to_dlpack()``).
+        """
         array = self._array
+        if array.dtype == ml_dtypes.bfloat16:
+            raise TritonModelException(
+                "Tensor dtype is BF16 and cannot be converted to NumPy. Use to_dlpack() and from_dlpack() instead."
+            )
         if self._received and not array.flags.writeable:
             array = self._array = array.copy()
         return array
@@ -251,6 +259,8 @@ class Tensor:
             raise TritonModelException(f"tensor '{self._name}': BYTES tensors cannot be exported through DLPack")
         if not self._array.flags.writeable or not self._array.flags.c_contiguous:
             self._array = np.ascontiguousarray(self._array).copy()
+        if dlpack_bf16.is_bf16(self._array):  # numpy cannot export bfloat16
+            return dlpack_bf16.export(self._array)
         try:
             return self._array.__dlpack__(stream=stream, **kwargs)
         except TypeError:  # an older numpy without the versioned protocol keywords
@@ -268,6 +278,12 @@ class Tensor:
             non-contiguous data).
         """
         if not hasattr(dlpack, "__dlpack__"):
+            try:
+                bf16 = dlpack_bf16.import_capsule(dlpack)
+            except ValueError as exc:
+                raise TritonModelException(f"tensor '{name}': cannot import DLPack data: {exc}") from exc
+            if bf16 is not None:
+                return Tensor(name, bf16)
             dlpack = _Capsule(dlpack)
         elif hasattr(dlpack, "__dlpack_device__") and dlpack.__dlpack_device__()[0] != _DLPACK_CPU:
             to_host = getattr(dlpack, "cpu", None)  # torch tensors; other frameworks: copy first
@@ -275,17 +291,29 @@ class Tensor:
                 raise TritonModelException(f"tensor '{name}': only host (CPU) DLPack tensors are supported")
             dlpack = to_host()
         array = _import_torch_bf16(dlpack)
+        if array is None and isinstance(dlpack, Tensor) and dlpack_bf16.is_bf16(dlpack._array):
+            array = dlpack._array  # numpy would refuse the capsule: share the array itself
         if array is None:
             try:
                 array = np.from_dlpack(dlpack)
             except (BufferError, TypeError, ValueError, RuntimeError) as exc:
-                raise TritonModelException(f"tensor '{name}': cannot import DLPack data: {exc}") from exc
+                array = _import_bf16_producer(dlpack)  # numpy has no bfloat16
+                if array is None:
+                    raise TritonModelException(f"tensor '{name}': cannot import DLPack data: {exc}") from exc
         if not array.flags.c_contiguous:
             raise TritonModelException(f"tensor '{name}': DLPack tensors must be C-contiguous")
         return Tensor(name, array)
 
     def __repr__(self) -> str:
         return f"Tensor({self._name!r}, shape={self.shape()}, dtype={self._array.dtype})"
+
+
+def _import_bf16_producer(producer: Any) -> np.ndarray | None:
+    """The array of a DLPack producer whose capsule holds BF16 data (None: other data)."""
+    try:
+        return dlpack_bf16.import_capsule(producer.__dlpack__())
+    except (BufferError, TypeError, ValueError, RuntimeError):
+        return None
 
 
 def _import_torch_bf16(obj: Any) -> np.ndarray | None:
