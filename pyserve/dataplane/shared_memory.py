@@ -59,6 +59,9 @@ from pyserve.api.errors import ErrorCode, InferError
 
 SHM_DIRECTORY = "/dev/shm"
 """Where POSIX shared-memory objects live (``shm_open`` names) on Linux."""
+CLIENT_SHM_DISABLED = "Client shared memory is disabled. Start the server with '--allow-client-shm=true' to enable."
+"""Triton's answer to a shared-memory registration while client shared memory is off."""
+
 RESERVED_PREFIXES = ("pyserve_py_", "sem.", "psm_", "torch_", "__KMP_REGISTERED_LIB")
 """Names of objects a client may not register: other programs' and pyserve's own memory."""
 MAX_REGIONS = 4096
@@ -306,13 +309,21 @@ class SharedMemoryManager:
     def __init__(self) -> None:
         self._regions: dict[str, Region] = {}
         self._lock = threading.Lock()
+        self.allow_client = True
+        """``--allow-client-shm``: False refuses every registration and unregistration."""
+
+    def _check_allowed(self) -> None:
+        if not self.allow_client:
+            raise InferError(CLIENT_SHM_DISABLED, ErrorCode.UNSUPPORTED)
 
     # -- registration ----------------------------------------------------------------------------
     def register_system(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Map ``/dev/shm/<key>`` from ``offset`` for ``byte_size`` bytes under ``name``.
 
-        :raises InferError: bad arguments, an object that cannot be opened, or the name taken.
+        :raises InferError: bad arguments, an object that cannot be opened, or the name taken;
+            UNSUPPORTED with ``--allow-client-shm false``.
         """
+        self._check_allowed()
         _check_name(name)
         if not isinstance(key, str) or _invalid_key(key):
             raise InferError.invalid(f"invalid shared memory key '{key}': expected a POSIX shared memory name")
@@ -333,8 +344,10 @@ class SharedMemoryManager:
         The arguments are checked first (a ``raw_handle`` of other than ``CUDA_IPC_HANDLE_SIZE``
         bytes is INVALID_ARG before CUDA sees it), then whether CUDA can be used.
 
-        :raises InferError: bad arguments; UNSUPPORTED without cupy/a GPU; the name taken.
+        :raises InferError: bad arguments; UNSUPPORTED without cupy/a GPU, or with
+            ``--allow-client-shm false``; the name taken.
         """
+        self._check_allowed()
         _check_name(name)
         if not isinstance(raw_handle, (bytes, bytearray)) or len(raw_handle) != CUDA_IPC_HANDLE_SIZE:
             size = len(raw_handle) if isinstance(raw_handle, (bytes, bytearray)) else type(raw_handle).__name__
@@ -349,6 +362,7 @@ class SharedMemoryManager:
 
     def register_cuda_json(self, name: str, body: dict[str, Any]) -> None:
         """``register_cuda`` from the HTTP body ``{"raw_handle": {"b64": ...}, "device_id", "byte_size"}``."""
+        self._check_allowed()
         handle = body.get("raw_handle")
         if not isinstance(handle, dict) or not isinstance(handle.get("b64"), str):
             raise InferError.invalid("'raw_handle' must be an object with a base64 'b64' string")
@@ -365,8 +379,10 @@ class SharedMemoryManager:
 
         :raises InferError: INTERNAL, as Triton 2.51: "Cannot unregister shared memory region
             'r', it is currently in use."; for all regions, "Failed to unregister the following
-            system shared memory regions: a ,b ," naming those in use (the others are gone).
+            system shared memory regions: a ,b ," naming those in use (the others are gone);
+            UNSUPPORTED with ``--allow-client-shm false``.
         """
+        self._check_allowed()
         with self._lock:
             if name:
                 region = self._regions.get(name)

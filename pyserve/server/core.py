@@ -206,6 +206,7 @@ class Server:
         server_handle.bind(self.dataplane, None)
         self.dataplane.tracing = TraceManager(options.trace_config)
         self.dataplane.strict_readiness = options.strict_readiness
+        self.dataplane.shared_memory.allow_client = options.allow_client_shm
         if options.cache_config is not None:
             try:
                 self.dataplane.cache = create_cache(*options.cache_config)

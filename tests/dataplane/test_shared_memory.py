@@ -373,3 +373,38 @@ def test_cuda_shared_memory_without_a_gpu(http: httpx.Client) -> None:
     assert http.post("/v2/cudasharedmemory/unregister").status_code == 200
     assert "cuda_shared_memory" not in http.get("/v2").json()["extensions"]
     assert "system_shared_memory" in http.get("/v2").json()["extensions"]
+
+
+def test_client_shared_memory_can_be_turned_off(
+    start_server: Callable[..., ServerThread], make_repo: Callable[..., Path], backend: AddSub
+) -> None:
+    """``--allow-client-shm false`` (Triton 2.69's default): registering and unregistering
+    system and CUDA regions is UNSUPPORTED with Triton's words, over HTTP and gRPC; status
+    still answers; nothing is mapped."""
+    server = start_server(make_repo({"addsub": ADDSUB}), backends={"shmtest": backend}, allow_client_shm=False)
+    message = "Client shared memory is disabled. Start the server with '--allow-client-shm=true' to enable."
+    key = f"/pyserve_test_off_{uuid.uuid4().hex[:8]}"
+    handle = shm.create_shared_memory_region("off", key, 64)
+    http = httpclient.InferenceServerClient(server.url)
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        calls: list[Callable[[], object]] = [
+            lambda: http.register_system_shared_memory("off", key, 64),
+            lambda: grpc.register_system_shared_memory("off", key, 64),
+            lambda: http.unregister_system_shared_memory("off"),
+            lambda: grpc.unregister_system_shared_memory(),
+            lambda: http.register_cuda_shared_memory("off", b"\0" * 64, 0, 64),
+            lambda: grpc.register_cuda_shared_memory("off", b"\0" * 64, 0, 64),
+            lambda: http.unregister_cuda_shared_memory(),
+        ]
+        for call in calls:
+            with pytest.raises(InferenceServerException) as caught:
+                call()
+            assert message in caught.value.message()
+            assert caught.value.status() in ("501", "StatusCode.UNIMPLEMENTED"), caught.value.status()
+        assert http.get_system_shared_memory_status() == []
+        assert list(grpc.get_system_shared_memory_status().regions) == []
+    finally:
+        http.close()
+        grpc.close()
+        shm.destroy_shared_memory_region(handle)

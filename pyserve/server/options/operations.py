@@ -1,4 +1,4 @@
-"""Tracing, the response cache and the input tensor limit."""
+"""Tracing, the response cache, client shared memory and the input tensor limit."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 @dataclass(kw_only=True)
 class OperationsOptions:
-    """What is traced, what is cached, and how large an input tensor may be."""
+    """What is traced, what is cached, whether clients may use shared memory, and how large an
+    input tensor may be."""
 
     trace_config: TraceConfig | None = setting(
         flag("--trace-config", action="append", metavar="[MODE,]KEY=VALUE", group=OPERATIONS,
@@ -27,6 +28,12 @@ class OperationsOptions:
         flag("--cache-config", action="append", type=values.backend_setting, metavar="CACHE,KEY=VALUE",
              group=OPERATIONS, help="response cache (repeatable): local,size=BYTES or redis,host=H / redis,port=P"),
         default=None, convert=values.cache_config,
+    )
+    allow_client_shm: bool = setting(  # Triton 2.69 added the flag, default false; 2.51 allows it
+        flag("--allow-client-shm", type=values.boolean, metavar="BOOL", group=OPERATIONS,
+             help="let clients register and unregister system and CUDA shared-memory regions "
+                  "(default true, as Triton 2.51; false refuses them as Triton 2.69+ does by default)"),
+        default=True,
     )
     max_tensor_elements: int = setting(  # elements per input tensor; 0 = no limit
         flag("--max-tensor-elements", type=int, metavar="N", group=OPERATIONS,
