@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from python_backend_helpers import start, write_python_model
+from python_backend_helpers import ADD_100_CONFIG, ADD_100_SOURCE, start, write_python_model
 from tritonclient.utils import InferenceServerException
 
 from pyserve.server.core import ServerThread
@@ -266,3 +266,20 @@ class TritonPythonModel:
         server.stop()
     left = [n for n in sys.modules if re.match(r"_pyserve_python_model_\d+_(first|second)_1(\.|$)", n)]
     assert not left  # unloaded with their helper modules
+
+
+@pytest.mark.parametrize("name", ["model(test)", "model;test", "model$test", 'model"test', "model!test"])
+def test_a_name_triton_refuses_for_a_python_model_is_refused(tmp_path: Path, name: str) -> None:
+    """Triton's Python backend refuses model names with shell characters; so does this one,
+    so that a repository loading here loads under Triton too (its model_control QA test)."""
+    repo = tmp_path / "repo"
+    write_python_model(repo, name, ADD_100_CONFIG, ADD_100_SOURCE)
+    write_python_model(repo, "fine", ADD_100_CONFIG, ADD_100_SOURCE)
+    server = start(repo)
+    try:
+        reasons = _reasons(server)
+    finally:
+        server.stop()
+    assert reasons["fine"][0] == "READY"
+    state, reason = reasons[name]
+    assert state == "UNAVAILABLE" and "Invalid stub name: contains invalid characters" in reason, reason

@@ -123,6 +123,21 @@ def _environment(model: ModelContext) -> ExecutionEnvironment | None:
     return prepared
 
 
+INVALID_NAME_CHARACTERS = ";|&$`<>()[]{}\\\"'*?~#!"
+"""Characters Triton's Python backend refuses in a model's name (its stub's)."""
+
+
+def _check_name(model: ModelContext) -> None:
+    """Refuse a name Triton's Python backend refuses, so a repository that loads here loads
+    there too. :raises PythonModelError: the name has such a character."""
+    if any(character in INVALID_NAME_CHARACTERS for character in model.name):
+        _preloaded.pop(model, None)
+        raise PythonModelError(
+            f"Invalid stub name: contains invalid characters: model name '{model.name}' may not contain "
+            f"any of {INVALID_NAME_CHARACTERS}"
+        )
+
+
 def _load(model: ModelContext) -> ModuleType:
     module = _preloaded.pop(model, None)
     return module if module is not None else loader.load_module(model)
@@ -150,6 +165,7 @@ def pyserve_model_auto_complete(model: ModelContext) -> bool | None:
 
     :raises PythonModelError: the model file fails to import or ``auto_complete_config`` fails.
     """
+    _check_name(model)
     own = _environment(model)
     if own is not None:
         return _auto_complete_in(own, model)
@@ -229,8 +245,10 @@ def pyserve_model_create(model: ModelContext) -> PythonModelState:
 
     :raises PythonModelError: the file is missing, fails to import (traceback in the message)
         or has no ``TritonPythonModel``; an unsupported ``execution_mode``; an unusable
-        environment, or one asked for with ``execution_mode: "thread"``.
+        environment, or one asked for with ``execution_mode: "thread"``; a model name with
+        a character Triton's Python backend refuses.
     """
+    _check_name(model)
     mode = model.parameters.get("execution_mode", "")
     if (mode or "thread") not in EXECUTION_MODES:
         _preloaded.pop(model, None)
