@@ -283,3 +283,19 @@ def test_a_name_triton_refuses_for_a_python_model_is_refused(tmp_path: Path, nam
     assert reasons["fine"][0] == "READY"
     state, reason = reasons[name]
     assert state == "UNAVAILABLE" and "Invalid stub name: contains invalid characters" in reason, reason
+
+
+def test_tritons_stub_settings_are_named_as_without_effect(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Triton's L0_backend_python passes ``--backend-config=python,shm-default-byte-size=...``:
+    accepted, and the log says once that it changes nothing here."""
+    repo = tmp_path / "repo"
+    write_python_model(repo, "fine", ADD_100_CONFIG, ADD_100_SOURCE)
+    with caplog.at_level("INFO", logger="pyserve.python_backend"):
+        server = start(repo, backend_config={"python": {"shm-default-byte-size": "5242880", "other": "1"}})
+        try:
+            assert _reasons(server)["fine"][0] == "READY"
+        finally:
+            server.stop()
+    notes = [r.getMessage() for r in caplog.records if "no effect in pyserve" in r.getMessage()]
+    assert notes == ["python backend: --backend-config python,shm-default-byte-size=5242880: no effect in pyserve "
+                     "(models use no stub shared-memory pool)"]

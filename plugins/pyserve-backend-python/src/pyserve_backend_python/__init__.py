@@ -151,11 +151,25 @@ def pyserve_backend_fork_safe(backend: BackendContext) -> bool:
     return True
 
 
+TRITON_STUB_SETTINGS = (
+    "shm-default-byte-size", "shm-growth-byte-size", "shm-region-prefix-name", "shm_message_queue_size",
+    "stub-timeout-seconds",
+)
+"""``--backend-config python,...`` keys of Triton's Python backend that size or time its stub
+processes' shared memory, which models here do not use (they run in the server's process or
+exchange tensors through segments of their own size)."""
+
+
 @hookimpl
 def pyserve_backend_initialize(backend: BackendContext) -> None:
     """Show the Python models' custom metrics (``pb_utils.MetricFamily``, kept in
-    ``metrics.REGISTRY``) on the server's ``/metrics`` page."""
+    ``metrics.REGISTRY``) on the server's ``/metrics`` page; say once which of Triton's stub
+    settings given with ``--backend-config`` have no effect here."""
     backend.metrics.include(metrics.REGISTRY)
+    ignored = [key for key in TRITON_STUB_SETTINGS if key in backend.config]
+    if ignored:
+        log.info("python backend: --backend-config %s: no effect in pyserve (models use no stub "
+                 "shared-memory pool)", ", ".join(f"python,{key}={backend.config[key]}" for key in ignored))
 
 
 @hookimpl
