@@ -299,6 +299,11 @@ class ModelControl:
                     override_config = model_config_from_json(config)
                 except ValueError as exc:
                     raise InferError.invalid(f"failed to load '{name}': the 'config' parameter: {exc}") from None
+                if override_config.name and override_config.name != name:
+                    raise InferError.invalid(
+                        f"failed to load '{name}': the load request's 'config' parameter: field 'name': "
+                        f"'{override_config.name}' does not match the model directory name '{name}'"
+                    )
             if files and override_config is None:
                 raise InferError.invalid(
                     f"failed to load '{name}': file overrides ('{FILE_PREFIX}<path>' parameters) "
