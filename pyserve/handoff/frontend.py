@@ -143,6 +143,9 @@ class FrontendHttpProtocol(InferHttpProtocol):
         except InferError as exc:
             self._write_reply(request, *error_reply(exc))
             return
+        except ValueError as exc:  # a body over the hand-off frame limit (4 GiB)
+            self._write_reply(request, *error_reply(InferError.invalid(str(exc))))
+            return
         request.future = future
         self.handoff_ids[id(request)] = request_id
         future.add_done_callback(lambda done: self._raw_done(request, done))

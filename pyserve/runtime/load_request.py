@@ -97,8 +97,9 @@ def write_override(name: str, files: Mapping[str, bytes]) -> Path:
     :returns: the directory holding ``<name>/`` (removed by the caller when done with it).
     :raises InferError: INVALID_ARG for a model name or a file path that would leave the model
         directory (``..``, through a link; a leading ``/`` is the model directory's), that is
-        too long, ends with ``/`` or uses a file as a directory, before anything is written; also (still INVALID_ARG, and without
-        the private directory's path) for a file the system refuses to write.
+        too long, ends with ``/`` or uses a file as a directory, before anything is written;
+        also (still INVALID_ARG, and without the private directory's path) for a file the
+        system refuses to write.
     """
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
         raise InferError.invalid(f"failed to load '{name}': invalid model name for a file override")
