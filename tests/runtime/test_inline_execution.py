@@ -12,6 +12,8 @@ what is still queued.
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -142,12 +144,66 @@ def _concurrent(url: str, model: str, count: int) -> tuple[list[np.ndarray], flo
     return outputs, time.perf_counter() - start
 
 
+class GatedRecorder(Recorder):
+    """A ``Recorder`` whose first execute holds the event loop until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
+        if not self.started.is_set():
+            self.started.set()
+            self.release.wait(60)
+        return super().execute(instance, requests)
+
+
+def _read_response(sock: socket.socket) -> dict[str, object]:
+    """One HTTP/1.1 response with a Content-Length body, as JSON."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return json.loads(body[:length])
+
+
 def test_dynamic_batching_on_the_event_loop(start_server, make_repo) -> None:  # type: ignore[no-untyped-def]
-    backend = Recorder()
+    """Requests that are there together are batched on the loop: the first execute holds the
+    loop while 23 more requests arrive on connections already open, so they are read in one
+    turn once it returns (whatever the speed of the machine)."""
+    backend = GatedRecorder()
     server = start_server(make_repo({"batched": config(INLINE + " dynamic_batching { }")}),
                           backends={"recorder": backend})
-    outputs, _ = _concurrent(server.url, "batched", 24)
-    assert [float(o[0, 0]) for o in outputs] == [2.0 * i for i in range(24)]
+    host, port = server.url.rsplit(":", 1)
+
+    def request(value: int, path: str = "/v2/models/batched/infer") -> bytes:
+        body = json.dumps({"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 2], "data": [value, value]}]})
+        return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n{body}").encode()
+
+    sockets = [socket.create_connection((host, int(port)), timeout=60) for _ in range(24)]
+    try:
+        for sock in sockets:  # every connection accepted and served once before the loop is held
+            sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        for sock in sockets:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += sock.recv(65536)
+        sockets[0].sendall(request(0))
+        assert backend.started.wait(60), "the first execute did not start"
+        for value, sock in enumerate(sockets[1:], start=1):
+            sock.sendall(request(value))
+        backend.release.set()
+        outputs = [_read_response(sock)["outputs"] for sock in sockets]
+    finally:
+        backend.release.set()
+        for sock in sockets:
+            sock.close()
+    assert [output[0]["data"][0] for output in outputs] == [2.0 * i for i in range(24)]  # type: ignore[index]
     assert set(backend.threads) == {"pyserve-server"}  # every batch ran on the loop thread
     assert sum(backend.sizes) == 24 and max(backend.sizes) > 1 and max(backend.sizes) <= 4
     with httpclient.InferenceServerClient(server.url) as client:
