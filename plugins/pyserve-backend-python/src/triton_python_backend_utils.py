@@ -66,6 +66,20 @@ def get_output_tensor_by_name(inference_response: InferenceResponse, name: str) 
     return None
 
 
+def get_model_dir() -> str:
+    """The version directory of the model whose code is running (Triton's stub function; a
+    Python-based backend's ``model.py`` finds its model's files there, e.g. ``model.json``).
+
+    :raises TritonModelException: no model's code is running in this thread.
+    """
+    from pyserve_backend_python import context
+
+    model = context.current_model() or context.process_model()
+    if model is None:
+        raise TritonModelException("get_model_dir() is available while a model's code runs")
+    return str(model.version_path)
+
+
 __all__ = [
     "REGISTRY",
     "TRITONSERVER_MEMORY_CPU",
@@ -94,6 +108,7 @@ __all__ = [
     "deserialize_bytes_tensor",
     "get_input_config_by_name",
     "get_input_tensor_by_name",
+    "get_model_dir",
     "get_output_config_by_name",
     "get_output_tensor_by_name",
     "is_model_ready",

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 
 from pyserve import ModelContext
-from pyserve_backend_python.loader import MODEL_CLASS
+from pyserve_backend_python.loader import MODEL_CLASS, code_directory
 
 CALLS_THE_SERVER = ("exec(", "async_exec", "InferenceRequest(", "load_model(", "unload_model(")
 """Source text meaning the model calls the server (BLS or model control) from its code."""
@@ -62,7 +62,7 @@ def calls_the_server(version_path: Path) -> bool:
 def single_process_reason(model: ModelContext) -> str:
     """``ModelContext.single_process_reason`` of a thread-mode model: what in its files ties it
     to the process holding every model (BLS, model control, custom metrics), or ""."""
-    marker = mentions(model.version_path, CALLS_THE_SERVER + KEEPS_COUNTS)
+    marker = mentions(code_directory(model), CALLS_THE_SERVER + KEEPS_COUNTS)
     if marker is None:
         return ""
     if marker == "?":
@@ -80,4 +80,4 @@ def only_computes(model: ModelContext, module: ModuleType | None, execution_mode
     execute = getattr(getattr(module, MODEL_CLASS, None), "execute", None)
     if execute is None or inspect.iscoroutinefunction(execute):
         return False
-    return not calls_the_server(model.version_path)
+    return not calls_the_server(code_directory(model))

@@ -24,6 +24,7 @@ _current: contextvars.ContextVar[ModelContext | None] = contextvars.ContextVar(
 )
 _lock = threading.Lock()
 _last_server: Any = None
+_process_model: Any = None  # a worker process's one model (``execution_mode: "process"``)
 
 
 @contextlib.contextmanager
@@ -66,6 +67,17 @@ def set_current(model: ModelContext) -> None:
 def current_model() -> ModelContext | None:
     """The model whose code is running now, if known."""
     return _current.get()
+
+
+def set_process_model(model: Any) -> None:
+    """A worker process serves this one model: ``process_model`` answers it in every thread."""
+    global _process_model
+    _process_model = model
+
+
+def process_model() -> Any:
+    """The model of this worker process (``set_process_model``), or None in the server."""
+    return _process_model
 
 
 def current_server() -> Any:

@@ -22,9 +22,11 @@ import re
 import sys
 import threading
 import traceback
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from pyserve import ModelContext, ModelFileError, ModelFileNotFound
 from pyserve_backend_python import alias
@@ -52,9 +54,38 @@ class ModelFileMissing(ModelFileProblem, ModelFileNotFound):
     """The version has no model file."""
 
 
+_runtime_files: dict[int, Path] = {}
+"""Model (by id) → the ``model.py`` of its Python-based backend (``based``), while it lives."""
+
+
+def use_runtime_file(model: Any, path: Path) -> None:
+    """Serve ``model`` with the ``model.py`` at ``path`` (a Python-based backend's, in the
+    backend directory) instead of a file of its version directory."""
+    key = id(model)
+    if key not in _runtime_files:
+        weakref.finalize(model, _runtime_files.pop, key, None)
+    _runtime_files[key] = path
+
+
+def runtime_file(model: Any) -> Path | None:
+    """The Python-based backend's ``model.py`` serving ``model``, or None."""
+    return _runtime_files.get(id(model))
+
+
 def model_file(model: ModelContext) -> Path:
-    """The Python file of a model version (``default_model_filename``, else model.py)."""
+    """The Python file of a model version (``default_model_filename``, else model.py), or
+    the ``model.py`` of its Python-based backend."""
+    runtime = _runtime_files.get(id(model))
+    if runtime is not None:
+        return runtime
     return model.version_path / (model.config.default_model_filename or DEFAULT_MODEL_FILENAME)
+
+
+def code_directory(model: ModelContext) -> Path:
+    """Where the model's own Python code is: its version directory, or its Python-based
+    backend's directory."""
+    runtime = _runtime_files.get(id(model))
+    return runtime.parent if runtime is not None else model.version_path
 
 
 def check_source(model: ModelContext, compile_it: bool = True) -> list[str]:
@@ -81,6 +112,9 @@ def model_path_scope(model: ModelContext) -> Iterator[None]:
     """Put the model's version and model directories on ``sys.path`` for the block, then
     forget the helper modules imported from them (see the module docstring)."""
     entries = [str(model.version_path), str(model.path)]
+    runtime = _runtime_files.get(id(model))
+    if runtime is not None:  # as Triton's stub, the backend's directory too
+        entries.append(str(runtime.parent))
     before = set(sys.modules)
     for entry in reversed(entries):
         sys.path.insert(0, entry)

@@ -56,7 +56,7 @@ from pyserve import (
     ModelContext,
 )
 from pyserve.tracing import child_trace
-from pyserve_backend_python import metrics, model_control, results
+from pyserve_backend_python import loader, metrics, model_control, results
 from pyserve_backend_python.bls import refused
 from pyserve_backend_python.environment import ExecutionEnvironment
 from pyserve_backend_python.environment_worker import STOP_TIMEOUT_S, start_in_environment
@@ -146,6 +146,7 @@ def worker_spec(model: ModelContext, instance_name: str = "") -> dict[str, Any]:
         "path": str(model.path),
         "version_path": str(model.version_path),
         "default_model_filename": model.config.default_model_filename,
+        "runtime_file": str(runtime) if (runtime := loader.runtime_file(model)) is not None else "",
         "instance_name": instance_name,
         "decoupled": bool(model.config.model_transaction_policy.decoupled),
     }
@@ -576,8 +577,11 @@ def model_stub(spec: dict[str, Any]) -> SimpleNamespace:
     """What ``loader`` needs of a ``ModelContext``, rebuilt in the worker."""
     from pathlib import Path
 
-    return _ModelStub(
+    stub = _ModelStub(
         name=spec["name"], version=spec["version"], path=Path(spec["path"]),
         version_path=Path(spec["version_path"]),
         config=SimpleNamespace(default_model_filename=spec["default_model_filename"]), server=None,
     )
+    if spec.get("runtime_file"):
+        loader.use_runtime_file(stub, Path(spec["runtime_file"]))
+    return stub

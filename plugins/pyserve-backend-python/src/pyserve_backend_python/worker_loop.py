@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pyserve import ErrorCode, InferError
-from pyserve_backend_python import loader, metrics, process, results
+from pyserve_backend_python import context, loader, metrics, process, results
 from pyserve_backend_python.constants import TRITONSERVER_REQUEST_RELEASE_ALL
 from pyserve_backend_python.request import InferenceRequest, InferenceTrace
 from pyserve_backend_python.response import InferenceResponse
@@ -53,6 +53,7 @@ class Worker:
         self._async_loop = asyncio.new_event_loop()  # runs ``async def execute`` (one batch at a time)
         self._reported: list[Any] = []
         self._model = process.model_stub(spec)
+        context.set_process_model(self._model)  # pb_utils.get_model_dir() in every thread
         self._obj: Any = None
         self._arena: mmap.mmap | None = None
         self._arena_name = ""
