@@ -158,7 +158,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, modules: dict[str, torch.nn
     write_model(repo, "conv", CONV_CONFIG, {"1/model.pt": conv})
     write_model(repo, "two", TWO_CONFIG, {"1/model.pt": two})
     write_model(repo, "exported", EXPORTED_CONFIG, {"1/model.pt2": (files / "mlp.pt2").read_bytes()})
-    write_model(repo, "bad_name", _broken(CONV_CONFIG, 'name: "image"', 'name: "picture"'), {"1/model.pt": conv})
+    write_model(repo, "config_order", _broken(CONV_CONFIG, 'name: "image"', 'name: "picture"'), {"1/model.pt": conv})
+    write_model(repo, "bad_name", _broken(CONV_CONFIG, '{ name: "image", data_type: TYPE_FP32, dims: [ 1, 8, 8 ] }',
+                                          '{ name: "picture", data_type: TYPE_FP32, dims: [ 1, 8, 8 ] }, '
+                                          '{ name: "extra", data_type: TYPE_FP32, dims: [ 1 ] }'), {"1/model.pt": conv})
     write_model(repo, "bad_index", _broken(MLP_CONFIG, "INPUT__0", "INPUT__1"), {"1/model.pt": mlp})
     write_model(repo, "bad_dims", _broken(MLP_CONFIG, "dims: [ 3 ]", "dims: [ 5 ]"), {"1/model.pt": mlp})
     write_model(repo, "bad_type", _broken(MLP_CONFIG, "TYPE_FP32, dims: [ 3 ]", "TYPE_FP64, dims: [ 3 ]"), {"1/model.pt": mlp})
@@ -306,6 +309,14 @@ def test_requested_output_only(server: ServerThread, modules: dict[str, Any]) ->
     np.testing.assert_allclose(result.as_numpy("features__1"), call(modules["conv"], image)[1].numpy(), rtol=1e-5)
 
 
+def test_inputs_following_neither_convention_go_in_config_order(server: ServerThread, modules: dict[str, Any]) -> None:
+    """As Triton's STRICT_CONFIG_ORDERING (its python_based_backends QA model names inputs
+    INPUT0/INPUT1 for forward(input0, input1)): 'picture' is forward's first argument."""
+    image = np.random.default_rng(9).standard_normal((1, 1, 8, 8)).astype(np.float32)
+    result = infer(server, "grpc", "config_order", {"picture": image})
+    np.testing.assert_allclose(result.as_numpy("logits__0"), call(modules["conv"], image)[0].numpy(), rtol=1e-5)
+
+
 def test_exported_program_with_torch_compile(server: ServerThread, modules: dict[str, Any]) -> None:
     x = np.random.default_rng(7).standard_normal((3, 4)).astype(np.float32)
     got = infer(server, "grpc", "exported", {"x": x}).as_numpy("OUTPUT__0")
@@ -352,7 +363,7 @@ def test_one_client_gets_its_executes_on_the_event_loop(
 @pytest.mark.parametrize(
     ("model", "fragments"),
     [
-        ("bad_name", ["input 'picture'", "forward(image)", "'<name>__<index>'"]),
+        ("bad_name", ["input 'picture'", "forward(image)", "'<name>__<index>'", "2 input(s) cannot be passed"]),
         ("bad_index", ["INPUT__1", "numbered 0..0"]),
         ("bad_dims", ["output 'OUTPUT__0'", "dims [5]", "[3]"]),
         ("bad_type", ["output 'OUTPUT__0'", "TYPE_FP64", "TYPE_FP32"]),

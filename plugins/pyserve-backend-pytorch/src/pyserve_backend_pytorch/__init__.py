@@ -12,7 +12,8 @@ What callers may rely on:
 * every instance loads its own copy on its device: ``cuda:<gpu>`` for KIND_GPU instances,
   the CPU otherwise;
 * Triton's naming conventions: config inputs named like forward's arguments are passed by
-  keyword, inputs named ``<name>__<index>`` by position; outputs named ``<name>__<index>``
+  keyword, inputs named ``<name>__<index>`` by position, and inputs following neither go in
+  config order (Triton's strict config ordering); outputs named ``<name>__<index>``
   pick that element of forward's result, other outputs are taken in config order (or by key
   when forward returns a dict);
 * forward runs under ``torch.inference_mode`` (parameter ``INFERENCE_MODE``), on tensors that

@@ -451,12 +451,17 @@ class TorchModel(FrameworkModel):
                 return InputBinding(keywords=(), positions=tuple(a for a in loaded.arg_names if a in names))
             return InputBinding(keywords=tuple(names), positions=())
         indices = _indexed(names)
-        if indices is None:
-            stray = next(n for n in names if n not in loaded.arg_names and INDEX_NAME.match(n) is None)
-            raise ValueError(
-                f"input '{stray}' of the config matches no argument of {signature} and does not "
-                "follow the '<name>__<index>' convention"
-            )
+        if indices is None:  # neither convention: config order, as Triton's STRICT_CONFIG_ORDERING
+            if not loaded.required <= len(names) <= len(loaded.arg_names):
+                stray = next(n for n in names if n not in loaded.arg_names and INDEX_NAME.match(n) is None)
+                raise ValueError(
+                    f"input '{stray}' of the config matches no argument of {signature} and does not "
+                    f"follow the '<name>__<index>' convention, and the config's {len(names)} input(s) "
+                    f"cannot be passed in their order ({signature} takes {loaded.required}..{len(loaded.arg_names)})"
+                )
+            log.info("model '%s': inputs %s match neither the arguments of %s nor '<name>__<index>': "
+                     "passed in config order", self.name, names, signature)
+            return InputBinding(keywords=(), positions=tuple(names))
         order = sorted(indices.values())
         if order != list(range(len(order))):
             raise ValueError(
