@@ -85,8 +85,7 @@ class PythonBasedBackend:
         return python_backend.pyserve_instance_ready(instance)
 
 
-def _native_library_placed(name: str, runtime: str, model_path: Path | None, version_paths: Sequence[Path],
-                           folder: Path) -> bool:
+def _native_library_placed(name: str, model_path: Path | None, version_paths: Sequence[Path], folder: Path) -> bool:
     """Whether a ``libtriton_<name>.so`` sits where Triton looks first (it wins, as in Triton)."""
     library = f"libtriton_{name}.so"
     places = [*version_paths, *([model_path] if model_path is not None else []), folder]
@@ -112,7 +111,7 @@ class PythonBasedResolver:
             return None
         folder = Path(backend_directory or DEFAULT_BACKEND_DIRECTORY) / name
         file = folder / RUNTIME
-        if not file.is_file() or _native_library_placed(name, runtime, model_path, version_paths, folder):
+        if not file.is_file() or _native_library_placed(name, model_path, version_paths, folder):
             return None
         resolved = file.resolve()
         backend = self._backends.get(resolved)
