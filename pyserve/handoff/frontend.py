@@ -85,7 +85,7 @@ class FrontendHttpProtocol(InferHttpProtocol):
         except NeedsOwner:
             request.model = _RAW
             try:
-                request.body_limit = declared_infer_body(dict(request.headers), self.server.max_input_size)
+                request.body_limit = declared_infer_body(request.headers, self.server.max_input_size)
             except InferError as exc:
                 request.early = error_reply(exc)
                 request.discard_body = True

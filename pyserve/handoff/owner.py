@@ -555,7 +555,7 @@ class _FrontendConnection(asyncio.Protocol):
         request: InferRequest | None = None
         try:
             model = infer_model(dataplane, header["n"], header["v"])
-            declared_infer_body(headers, self.server.max_input_size)
+            declared_infer_body(headers.items(), self.server.max_input_size)
             decoded, decode_ns = await decode_soon(dataplane, model, bytes(body), headers, self.server.max_input_size)
             request = decoded.request
             future = submit_request(dataplane, model, request, self.loop)

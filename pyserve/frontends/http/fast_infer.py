@@ -16,6 +16,7 @@ without ASGI. A large body is decoded on a decode thread (``pyserve.frontends.ht
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from time import monotonic_ns
 from typing import Any
 
@@ -92,14 +93,23 @@ def check_declared_length(declared: bytes | None, limit: int, json_limit: int | 
             raise InferError.invalid("Content-Length must be an integer") from None
 
 
-def declared_infer_body(headers: Headers, limit: int) -> int:
+def declared_infer_body(headers: Iterable[tuple[bytes, bytes]], limit: int) -> int:
     """Check an infer request's declared body length against its cap before reading any of
     it; returns the cap for the body as it streams in (``body.infer_body_limit``).
 
+    :param headers: the request's (lower-case name, value) pairs, read in one pass.
     :raises InferError: over the cap, or a bad Content-Length.
     """
-    cap = infer_body_limit(headers.get(b"inference-header-content-length"), headers.get(b"content-encoding"), limit)
-    check_declared_length(headers.get(b"content-length"), cap, limit)
+    declared = header_length = encoding = None
+    for name, value in headers:
+        if name == b"content-length":
+            declared = value
+        elif name == b"inference-header-content-length":
+            header_length = value
+        elif name == b"content-encoding":
+            encoding = value
+    cap = infer_body_limit(header_length, encoding, limit)
+    check_declared_length(declared, cap, limit)
     return cap
 
 
@@ -233,7 +243,7 @@ class InferFastPath:
         await _send(send, *reply)
 
     async def _read(self, receive: Any, headers: dict[bytes, bytes]) -> bytes | bytearray | None:
-        limit = declared_infer_body(headers, self.max_input_size)
+        limit = declared_infer_body(headers.items(), self.max_input_size)
         message = await receive()
         if message["type"] == "http.disconnect":
             return None

@@ -75,7 +75,7 @@ class InferHttpProtocol(HttpProtocol):
             return
         request.model = model
         try:
-            request.body_limit = declared_infer_body(dict(request.headers), server.max_input_size)
+            request.body_limit = declared_infer_body(request.headers, server.max_input_size)
         except InferError as exc:  # refused before reading: the body stays unread
             request.early = error_reply(exc)
             request.discard_body = True
