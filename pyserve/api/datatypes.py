@@ -86,3 +86,14 @@ def from_numpy(dtype: np.dtype) -> DataType | None:
     if found is None and dtype.kind in "SU":
         return BY_NAME["BYTES"]
     return found
+
+
+def of_output(array: np.ndarray, declared: DataType | None) -> DataType | None:
+    """The datatype an output array is sent as: the declared one when the array holds it, else
+    the array's own, as Triton sends what a model produced (None: numpy's dtype has no datatype).
+
+    Cheap on the hot path: one dtype comparison when the model produced what its config says.
+    """
+    if declared is not None and (array.dtype == declared.dtype or (declared.is_bytes and array.dtype.kind in "OSU")):
+        return declared
+    return from_numpy(array.dtype)

@@ -1,7 +1,9 @@
-"""What a model returns that its config did not promise, as Triton 2.51 answers it: a missing
-output is left out (200), a numeric output of another width or kind is converted to the
-declared datatype when numpy casts it within its kind, and only what cannot be converted fails
-the request (500 / INTERNAL). Each leniency is logged once per model and output."""
+"""What a model returns that its config did not promise. As Triton 2.51 answers it: a missing
+output is left out (200), and an output of another datatype is answered (200). pyserve converts
+it to the declared datatype when numpy casts it within its kind without wrapping; any other is
+sent as the model produced it, with its own datatype, as Triton sends it. Only an array with no
+tensor datatype (complex) fails the request (500 / INTERNAL). Each leniency is logged once per
+model and output."""
 
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ CONFIG = """
 class SloppyBackend(Backend):
     """Answers by the request parameter ``mode``: ``float64`` / ``int`` (OUT of another
     datatype), ``missing`` (no OUT), ``text`` (OUT as strings), ``wide`` (COUNT as int64 values
-    beyond INT32), else exactly what the config declares."""
+    beyond INT32), ``fraction`` (COUNT as float32), ``complex`` (OUT as complex64), else exactly
+    what the config declares."""
 
     def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
         answers = []
@@ -51,6 +54,11 @@ class SloppyBackend(Backend):
             elif mode == "wide":
                 outputs["OUT"] = values
                 outputs["COUNT"] = np.array([1, 2**40], np.int64)
+            elif mode == "fraction":
+                outputs["OUT"] = values
+                outputs["COUNT"] = np.array([1.5, 2.5], np.float32)
+            elif mode == "complex":
+                outputs["OUT"] = values.astype(np.complex64)
             elif mode != "missing":
                 outputs["OUT"] = values
             answers.append(InferResponse(outputs))
@@ -64,14 +72,22 @@ def server(start_server: StartServer, tmp_path: Path) -> object:
     return start_server(repo, backends={"sloppy": SloppyBackend()})
 
 
-def infer(server: object, mode: str) -> httpclient.InferResult:
+def infer(server: object, mode: str, binary: bool = True) -> httpclient.InferResult:
     client = httpclient.InferenceServerClient(server.url)  # type: ignore[attr-defined]
     try:
         tensor = httpclient.InferInput("IN", [2], "FP32")
         tensor.set_data_from_numpy(np.array([1.5, 2.5], np.float32))
-        return client.infer("sloppy", [tensor], parameters={"mode": mode})
+        outputs = [httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("OUT", "COUNT")]
+        return client.infer("sloppy", [tensor], parameters={"mode": mode}, outputs=outputs)
     finally:
         client.close()
+
+
+def infer_grpc(server: object, mode: str) -> grpcclient.InferResult:
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:  # type: ignore[attr-defined]
+        tensor = grpcclient.InferInput("IN", [2], "FP32")
+        tensor.set_data_from_numpy(np.array([1.5, 2.5], np.float32))
+        return client.infer("sloppy", [tensor], parameters={"mode": mode})
 
 
 @pytest.mark.parametrize(("mode", "expected"), [("float64", [3.0, 5.0]), ("int", [7.0, 8.0])])
@@ -100,12 +116,37 @@ def test_a_missing_output_is_left_out(server: object) -> None:
         assert not answer.outputs
 
 
-@pytest.mark.parametrize(("mode", "message"), [
-    ("text", "model 'sloppy' produced output 'OUT' as BYTES, but its config declares FP32"),
-    ("wide", "model 'sloppy' produced output 'COUNT' as INT64, but its config declares INT32"),
+def plain(array: np.ndarray) -> list[object]:
+    """The values, BYTES elements as text (tritonclient gives ``bytes`` from binary data and
+    ``str`` from JSON)."""
+    return [v.decode() if isinstance(v, bytes) else v for v in array.tolist()]
+
+
+@pytest.mark.parametrize(("mode", "name", "datatype", "expected"), [
+    ("text", "OUT", "BYTES", ["a", "b"]),
+    ("wide", "COUNT", "INT64", [1, 2**40]),
+    ("fraction", "COUNT", "FP32", [1.5, 2.5]),
 ])
-def test_what_cannot_be_converted_fails_the_request(server: object, mode: str, message: str) -> None:
+def test_what_cannot_be_converted_is_sent_as_the_model_produced_it(
+    server: object, mode: str, name: str, datatype: str, expected: list[object],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    for binary in (True, False):
+        result = infer(server, mode, binary)
+        assert result.get_output(name)["datatype"] == datatype
+        assert plain(result.as_numpy(name)) == expected
+    answer = infer_grpc(server, mode)
+    assert answer.get_output(name).datatype == datatype
+    assert plain(answer.as_numpy(name)) == expected
+    warnings = [r.getMessage() for r in caplog.records if "sent as it is" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once per model and output
+    assert f"model 'sloppy' produced output '{name}' as {datatype}; sent as it is" in warnings[0]
+
+
+def test_an_array_with_no_tensor_datatype_fails_the_request(server: object) -> None:
     with pytest.raises(InferenceServerException) as caught:
-        infer(server, mode)
+        infer(server, "complex")
     assert caught.value.status() == "500"
-    assert message in str(caught.value.message())
+    assert "model 'sloppy' produced output 'OUT' of numpy dtype complex64, which is no tensor datatype" in str(
+        caught.value.message())
+    assert infer(server, "").as_numpy("OUT").tolist() == [1.5, 2.5]  # the model still answers

@@ -124,6 +124,11 @@ class TritonPythonModel:
             refused = await asyncio.to_thread(outside_loop)
             flags = [int(isinstance(future, asyncio.Future)), int(done == {future}), int(called == [True]), refused]
             return out("OUT", np.append(got, flags).astype(np.int32))
+        if mode == "fractions":  # FP32 values for the INT32 output: Triton sends them as FP32
+            return out("OUT", np.array([1.5, 2.5], dtype=np.float32))
+        if mode == "bls_fractions":  # a BLS caller sees the callee's FP32 as it was produced
+            got = pb_utils.get_output_tensor_by_name(bls(tensor.as_numpy(), "fractions").exec(), "OUT").as_numpy()
+            return out("OUT", np.append(got, [float(got.dtype == np.float32)]).astype(np.float32))
         if mode == "tme":
             raise pb_utils.TritonModelException("tme boom")
         raise ValueError(f"unknown mode {mode}")
@@ -193,6 +198,15 @@ def test_bytes_outputs_and_bls_inputs_are_serialised_as_triton_does(probe_server
     assert _http(probe_server, "ints", one, output="TEXT_OUT").tolist() == [b"1", b"22"]
     # the callee sees bytes for the str element; the caller sees the callee's ints as b"1", b"22"
     assert _grpc(probe_server, "bls_bytes", one).tolist() == [1, 1, 1]
+
+
+def test_an_output_of_another_datatype_is_sent_as_the_model_produced_it(probe_server: ServerThread) -> None:
+    values = np.array([1], dtype=np.int32)
+    for answer in (_http(probe_server, "fractions", values), _http(probe_server, "fractions", values, binary=False),
+                   _grpc(probe_server, "fractions", values)):
+        assert answer.dtype == np.float32
+        assert answer.tolist() == [1.5, 2.5]
+    assert _http(probe_server, "bls_fractions", values).tolist() == [1.5, 2.5, 1.0]
 
 
 def test_requested_output_names_is_a_set(probe_server: ServerThread) -> None:

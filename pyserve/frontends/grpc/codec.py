@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from pyserve.api import datatypes
 from pyserve.api.errors import InferError
 from pyserve.api.inference import InferRequest, InferResponse, ParameterValue
 from pyserve.dataplane.classification import classify
@@ -494,7 +495,8 @@ def _encode_head(
         if array is None:  # the model did not produce it: left out, as Triton does
             continue
         spec = io.outputs.get(name)
-        datatype = spec.datatype.name if spec else "BYTES"
+        sent = datatypes.of_output(array, spec.datatype if spec else None)  # as produced, as Triton
+        datatype = sent.name if sent is not None else "BYTES"
         k = decoded.classification.get(name)
         if k:
             array = classify(array, k, spec.labels if spec else (), io.batching, name)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from pyserve.api import datatypes
 from pyserve.api.errors import InferError
 from pyserve.api.inference import InferRequest, InferResponse
 from pyserve.dataplane.classification import classify
@@ -459,7 +460,8 @@ def encode_infer(
         if array is None:  # the model did not produce it: left out, as Triton does
             continue
         spec = io.outputs.get(name)
-        datatype = spec.datatype.name if spec else "BYTES"
+        sent = datatypes.of_output(array, spec.datatype if spec else None)  # as produced, as Triton
+        datatype = sent.name if sent is not None else "BYTES"
         if opts.classification:
             labels = spec.labels if spec else ()
             array = classify(array, opts.classification, labels, io.batching, name)

@@ -293,14 +293,15 @@ class InstanceWorker:
 def check_outputs(
     request: InferRequest, response: InferResponse, io: ModelIO, model_name: str
 ) -> InferResponse | InferError:
-    """Keep the requested outputs, as numpy arrays of the datatype the config declares.
+    """Keep the requested outputs, as numpy arrays; lenient where Triton is.
 
-    Lenient where Triton is (its Python backend sends what the model produced): a requested
-    output the model did not produce is left out of the response, and an output of another
-    numeric datatype is converted to the declared one when numpy can cast it within its kind
-    (e.g. float64 to FP32), as is an empty one of any datatype (Triton's generate test model
-    answers ``np.array([])`` for a BYTES output); each is logged once per model and output. An
-    output that cannot be converted (text for a number, floats for integers) fails the request.
+    A requested output the model did not produce is left out of the response. An output of
+    another numeric datatype than its config declares is converted to the declared one when
+    numpy casts it within its kind without wrapping (e.g. float64 to FP32), as is an empty one
+    of any datatype (Triton's generate test model answers ``np.array([])`` for a BYTES output);
+    any other is sent as the model produced it (FP32 values for an INT32 output, text for a
+    number), as Triton's Python backend sends it. Each is logged once per model and output. Only
+    an array whose numpy dtype has no tensor datatype (complex, datetime...) fails the request.
     """
     outputs: dict[str, np.ndarray] = {}
     produced = response.outputs
@@ -313,18 +314,21 @@ def check_outputs(
         spec = io.outputs.get(name)
         if spec is not None:
             actual = datatypes.from_numpy(array.dtype)
-            if actual is None or actual.name != spec.datatype.name:
+            if actual is None:
+                return InferError(
+                    f"model '{model_name}' produced output '{name}' of numpy dtype {array.dtype}, which "
+                    f"is no tensor datatype (its config declares {spec.datatype.name})",
+                    ErrorCode.INTERNAL,
+                )
+            if actual.name != spec.datatype.name:
                 converted = _converted(array, spec.datatype)
                 if converted is None:
-                    got = actual.name if actual else str(array.dtype)
-                    return InferError(
-                        f"model '{model_name}' produced output '{name}' as {got}, but its config "
-                        f"declares {spec.datatype.name}",
-                        ErrorCode.INTERNAL,
-                    )
-                _warn_once(model_name, name, f"produced output '%s' as {actual.name if actual else array.dtype}; "
-                           f"converted to {spec.datatype.name} as its config declares")
-                array = converted
+                    _warn_once(model_name, name, f"produced output '%s' as {actual.name}; sent as it is, "
+                               f"as Triton sends it (its config declares {spec.datatype.name})")
+                else:
+                    _warn_once(model_name, name, f"produced output '%s' as {actual.name}; "
+                               f"converted to {spec.datatype.name} as its config declares")
+                    array = converted
         outputs[name] = array
     response.outputs = outputs
     return response
