@@ -22,18 +22,20 @@ def parse_load_parameters(name: str, parameters: Mapping[str, Any]) -> tuple[str
     """The ``config`` text and ``file:<path>`` contents of a load request.
 
     :param parameters: the request's parameters: HTTP gives base64 text for files, gRPC
-        bytes (``bytes_param``); other keys are ignored.
-    :raises InferError: INVALID_ARG for a ``config`` that is not text or a file that is not
-        valid base64.
+        bytes (``bytes_param``).
+    :raises InferError: INVALID_ARG, in Triton's words, for a key that is neither ``config``
+        nor ``file:<path>`` and for a ``config`` that is not a string (a gRPC ``bytes_param``
+        included, as Triton refuses it); also for a file that is not valid base64.
     """
+    for key in parameters:
+        if key != "config" and not key.startswith(FILE_PREFIX):
+            raise InferError.invalid(f"unrecognized load parameter '{key}'.")
     config = parameters.get("config")
-    if isinstance(config, bytes):
-        try:
-            config = config.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InferError.invalid(f"failed to load '{name}': the 'config' parameter is not UTF-8 text") from None
     if config is not None and not isinstance(config, str):
-        raise InferError.invalid(f"failed to load '{name}': the 'config' parameter must be a string of ModelConfig JSON")
+        raise InferError.invalid(
+            "invalid value type for load parameter 'config', expected string_param. "
+            f"(failed to load '{name}': the 'config' parameter must be a string of ModelConfig JSON)"
+        )
     files: dict[str, bytes] = {}
     for key, value in parameters.items():
         if not key.startswith(FILE_PREFIX):

@@ -16,12 +16,14 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc as grpcio
 import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from suite_support import wait_for, write_model
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 import pyserve
@@ -395,6 +397,36 @@ def test_file_override_requires_config(start_server: StartServer, tmp_path: Path
     response = httpx.post(f"http://{server.url}/v2/repository/models/base/load", json=body)
     assert response.status_code == 400
     assert "require the 'config' parameter" in response.json()["error"]
+
+
+def test_load_parameters_other_than_config_and_files_are_refused_as_triton_refuses_them(
+    start_server: StartServer, tmp_path: Path, scale: Scale
+) -> None:
+    repo = tmp_path / "repo"
+    write_model(repo, "base", scale_config())
+    server = start_server(repo, backends={"scale": scale}, model_control_mode="explicit")
+    url = f"http://{server.url}/v2/repository/models/base/load"
+    for parameters in ({"foo": "1"}, {"config": "{}", "unload_dependents": True}):
+        response = httpx.post(url, json={"parameters": parameters})
+        assert response.status_code == 400
+        unknown = next(k for k in parameters if k != "config")
+        assert response.json()["error"] == f"unrecognized load parameter '{unknown}'."
+    response = httpx.post(url, json={"parameters": {"config": 5}})
+    assert response.status_code == 400
+    assert "invalid value type for load parameter 'config', expected string_param." in response.json()["error"]
+    with grpcio.insecure_channel(server.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for key, parameter in (("foo", service_pb2.ModelRepositoryParameter(string_param="1")),
+                               ("config", service_pb2.ModelRepositoryParameter(bytes_param=b"{}"))):
+            with pytest.raises(grpcio.RpcError) as refused:
+                stub.RepositoryModelLoad(service_pb2.RepositoryModelLoadRequest(
+                    model_name="base", parameters={key: parameter}), timeout=30)
+            assert refused.value.code() == grpcio.StatusCode.INVALID_ARGUMENT
+            expected = ("unrecognized load parameter 'foo'." if key == "foo"
+                        else "invalid value type for load parameter 'config', expected string_param.")
+            assert expected in (refused.value.details() or "")
+    assert scale.created == []  # nothing was loaded by a refused request
+    assert httpx.post(url, json={"parameters": {}}).status_code == 200
 
 
 @pytest.mark.parametrize("path", ["../x", "/../x", "1/../../x", "1/../../../etc/cron.d/x"])
