@@ -30,6 +30,7 @@ from pyserve.runtime.builder import Built
 from pyserve.runtime.load_request import FILE_PREFIX, parse_load_parameters, write_override
 from pyserve.runtime.loader import ModelLoader
 from pyserve.runtime.registry import ModelRegistry, composing
+from pyserve.runtime.versions import ModelState
 
 log = logging.getLogger("pyserve.runtime")
 
@@ -320,6 +321,9 @@ class ModelControl:
                 source = sources[name]
             else:
                 raise InferError(f"failed to load '{name}', failed to poll from model repository", ErrorCode.INTERNAL)
+            if override_config is None and override_dir is None and self._loaded_as_on_disk(name, source):
+                log.debug("model '%s' is loaded and unchanged on disk: nothing to load", name)
+                return
             steps = self._steps_of(override_config) if override_config is not None else self.ensemble_steps(source)
             self._local.loading = {name}
             try:
@@ -331,6 +335,25 @@ class ModelControl:
                 error = self._loader.load(name, source, override_config, override_dir)
             if error:  # Triton 2.51 answers a model that fails to load with 400 / INVALID_ARGUMENT
                 raise InferError(f"load failed for model '{name}': {error}", ErrorCode.INVALID_ARG)
+
+    def _loaded_as_on_disk(self, name: str, source: ModelSource) -> bool:
+        """Whether a plain load of ``name`` would change nothing, so that it is not reloaded, as
+        Triton does not reload it: every version READY, loaded from ``source`` as its files are
+        now, by a load that loaded every version (a config given by an earlier load request is
+        kept, as in Triton, until the files change).
+        """
+        record = self._registry.records.get(name)
+        return (
+            record is not None
+            and record.state is ModelState.READY
+            and bool(record.versions)
+            and all(version.ready for version in record.versions.values())
+            and record.override_dir is None
+            and record.source.path == source.path
+            and record.source.conflict == source.conflict
+            and record.clean_fingerprint is not None
+            and record.clean_fingerprint == fingerprint(source.path)
+        )
 
     def _load_composing(self, name: str, sources: Mapping[str, ModelSource]) -> None:
         """Load a model an ensemble uses, unless it is loaded (or being loaded) already."""

@@ -162,7 +162,7 @@ class ModelLoader:
         :returns: "" on success, else why the load failed (a model-level reason, or the
             reasons of the versions that did not load).
         """
-        built = Built(source, None if override_config is not None else fingerprint(source.path), override_dir)
+        built = Built(source, None if override_dir is not None else fingerprint(source.path), override_dir)
         try:
             self._builder.build(built, override_config)
         except Exception as exc:  # a bug in one model's load must not stop the others
@@ -188,6 +188,7 @@ class ModelLoader:
             log.error("model '%s': the reload failed; the loaded versions keep serving", name)
             assert record is not None
             record.fingerprint = built.fingerprint
+            record.clean_fingerprint = None
             _remove_override(built.override_dir)
             return built.error
         change = self._plan_swap(name, built, record, old, old_ready)
@@ -197,6 +198,7 @@ class ModelLoader:
         def swap() -> None:
             target.source = built.source
             target.fingerprint = built.fingerprint
+            target.clean_fingerprint = built.fingerprint if not (built.error or failures) else None
             target.override_dir = change.record_dir
             target.versions = change.versions
             if built.error:

@@ -112,9 +112,12 @@ class ModelRecord:
     """All versions of one model name, plus a model-level reason when none could load.
 
     :ivar fingerprint: what the model directory looked like when it was last loaded (poll mode
-        reloads the model when it changes); None for a model loaded from an override.
+        reloads the model when it changes); None for a model loaded from file overrides.
     :ivar override_dir: the private directory holding the files of a load with file
         overrides; removed when the versions loaded from it are unloaded.
+    :ivar clean_fingerprint: the fingerprint of the last load when every version of it
+        loaded, else None: a plain load request of a model loaded cleanly from files that have
+        not changed since is not reloaded, as in Triton.
     """
 
     name: str
@@ -125,6 +128,7 @@ class ModelRecord:
     detail: str = ""
     fingerprint: Any = None
     override_dir: Path | None = None
+    clean_fingerprint: Any = None
 
     def fail(self, reason: str, detail: str = "") -> None:
         """Make the model UNAVAILABLE: ``reason`` for clients, ``detail`` (the full text,

@@ -311,7 +311,46 @@ def test_load_with_config_override(start_server: StartServer, tmp_path: Path, sc
     gc.load_model("base", config=json.dumps(override))
     assert infer_out(server, "base") == [7.0, 14.0]
 
-    hc.load_model("base")  # without an override: config.pbtxt again
+    created = len(scale.created)
+    hc.load_model("base")  # without an override, files unchanged: the override stays, as in Triton
+    assert infer_out(server, "base") == [7.0, 14.0]
+    assert len(scale.created) == created
+    write_model(repo, "base", scale_config(3))  # config.pbtxt edited: a plain load reads it
+    hc.load_model("base")
+    assert infer_out(server, "base") == [3.0, 6.0]
+
+
+def test_a_plain_load_of_an_unchanged_model_does_not_reload_it(
+    start_server: StartServer, tmp_path: Path, scale: Scale, clients: list[Any]
+) -> None:
+    """As in Triton: ``load`` of a model loaded from files that have not changed since is a
+    no-op (its instances are not created again); a changed file, or an earlier load that
+    failed, loads it again."""
+    repo = tmp_path / "repo"
+    write_model(repo, "base", scale_config(2))
+    server = start_server(repo, backends={"scale": scale}, model_control_mode="explicit", load_models=["base"])
+    hc, gc = http(server), grpc(server)
+    clients.extend([hc, gc])
+    created = len(scale.created)
+    for client in (hc, gc, hc):
+        client.load_model("base")
+    assert len(scale.created) == created and scale.finalized == []
+    assert infer_out(server, "base") == [2.0, 4.0]
+
+    (repo / "base" / "1" / "factor.txt").write_text("4")  # a new file in the version folder
+    hc.load_model("base")
+    assert len(scale.created) == created + 1
+    assert infer_out(server, "base") == [4.0, 8.0]
+
+    write_model(repo, "base", scale_config(2, 'parameters { key: "fail_create" value: { string_value: "1" } }'))
+    for _ in range(2):  # a reload that failed is tried again, not taken as done
+        with pytest.raises(InferenceServerException, match="this model refuses to load"):
+            hc.load_model("base")
+    assert infer_out(server, "base") == [4.0, 8.0]  # the loaded version keeps serving
+    hc.unload_model("base")
+    write_model(repo, "base", scale_config(2))
+    (repo / "base" / "1" / "factor.txt").unlink()
+    hc.load_model("base")  # unloaded: loaded again
     assert infer_out(server, "base") == [2.0, 4.0]
 
 
