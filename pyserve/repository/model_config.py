@@ -19,7 +19,7 @@ from pyserve.api import datatypes
 from pyserve.api.datatypes import DataType
 from pyserve.api.errors import ModelConfigError
 from pyserve.host.platforms import TRITON_PLATFORMS
-from pyserve.protocol import ModelConfig, data_type_name
+from pyserve.protocol import ModelConfig, ModelQueuePolicy, data_type_name
 from pyserve.repository.devices import gpu_count
 from pyserve.repository.scan import contained_path
 
@@ -338,14 +338,42 @@ def validate(config: Any, model_dir: Path) -> list[str]:
     if config.version_policy.WhichOneof("policy_choice") == "latest" and config.version_policy.latest.num_versions < 1:
         problems.append("field 'version_policy.latest.num_versions' must be >= 1")
     if config.HasField("dynamic_batching"):
-        for size in config.dynamic_batching.preferred_batch_size:
-            if size < 1 or (config.max_batch_size > 0 and size > config.max_batch_size):
-                problems.append(
-                    f"field 'dynamic_batching.preferred_batch_size': {size} must be between 1 "
-                    f"and max_batch_size ({config.max_batch_size})"
-                )
+        problems.extend(_dynamic_batching_problems(config))
     problems.extend(_model_metrics_problems(config))
     problems.extend(_cache_problems(config))
+    return problems
+
+
+def _dynamic_batching_problems(config: Any) -> list[str]:
+    """The rules Triton checks in ``dynamic_batching``, in its words, the field after them:
+    preferred sizes within max_batch_size; with priority levels, the default level and the
+    levels of priority queue policies within them; with ``preserve_ordering``, one level and
+    no DELAY timeout action (responses cannot both keep arrival order and overtake)."""
+    batching = config.dynamic_batching
+    problems: list[str] = []
+    for size in batching.preferred_batch_size:
+        if size < 1:
+            problems.append(f"dynamic batching preferred size must be positive "
+                            f"(field 'dynamic_batching.preferred_batch_size': {size})")
+        elif config.max_batch_size > 0 and size > config.max_batch_size:
+            problems.append(f"dynamic batching preferred size must be <= max batch size (field "
+                            f"'dynamic_batching.preferred_batch_size': {size}, max_batch_size {config.max_batch_size})")
+    levels = batching.priority_levels
+    if levels:
+        if not 1 <= batching.default_priority_level <= levels:
+            problems.append(f"default priority level must be in range [1, {levels}] "
+                            f"(field 'dynamic_batching.default_priority_level': {batching.default_priority_level})")
+        for level in sorted(batching.priority_queue_policy):
+            if not 1 <= level <= levels:
+                problems.append(f"priority queue policy must have priority level in range [1, {levels}] "
+                                f"(field 'dynamic_batching.priority_queue_policy' has level {level})")
+    if batching.preserve_ordering:
+        if levels > 1:
+            problems.append("Only one priority level is allowed when 'preserve_ordering' is true "
+                            f"(field 'dynamic_batching.priority_levels': {levels})")
+        policies = [batching.default_queue_policy, *batching.priority_queue_policy.values()]
+        if any(p.default_timeout_microseconds and p.timeout_action == ModelQueuePolicy.DELAY for p in policies):
+            problems.append("Queue policy can not have DELAY as timeout action when 'preserve_ordering' is true")
     return problems
 
 

@@ -347,6 +347,42 @@ def test_default_instance_group(start_server: StartServer, make_repo: MakeRepo) 
     assert groups[0]["kind"] == ("KIND_GPU" if gpu_count() else "KIND_CPU")
 
 
+DYNAMIC_BATCHING_RULES = {  # the dynamic_batching block → Triton 2.51's refusal ("" loads)
+    "po_levels": ("preserve_ordering: true priority_levels: 2 default_priority_level: 1",
+                  "Only one priority level is allowed when 'preserve_ordering' is true"),
+    "po_delay": ("preserve_ordering: true default_queue_policy { timeout_action: DELAY default_timeout_microseconds: 9 }",
+                 "Queue policy can not have DELAY as timeout action when 'preserve_ordering' is true"),
+    "po_delay_level": ("preserve_ordering: true priority_levels: 1 default_priority_level: 1 priority_queue_policy "
+                       "{ key: 1 value: { timeout_action: DELAY default_timeout_microseconds: 9 } }",
+                       "Queue policy can not have DELAY as timeout action when 'preserve_ordering' is true"),
+    "po_delay_no_timeout": ("preserve_ordering: true default_queue_policy { timeout_action: DELAY }", ""),
+    "level_unset": ("priority_levels: 2", "default priority level must be in range [1, 2]"),
+    "level_above": ("priority_levels: 2 default_priority_level: 3", "default priority level must be in range [1, 2]"),
+    "policy_level": ("priority_levels: 2 default_priority_level: 1 priority_queue_policy { key: 3 value: { max_queue_size: 1 } }",
+                     "priority queue policy must have priority level in range [1, 2]"),
+    "no_levels": ("default_priority_level: 2", ""),
+    "levels": ("priority_levels: 2 default_priority_level: 2", ""),
+    "preferred_zero": ("preferred_batch_size: [ 0 ]", "dynamic batching preferred size must be positive"),
+    "preferred_above": ("preferred_batch_size: [ 9 ]", "dynamic batching preferred size must be <= max batch size"),
+}
+
+
+def test_dynamic_batching_rules_as_triton_checks_them(start_server: StartServer, make_repo: MakeRepo) -> None:
+    configs = {name: identity(f"dynamic_batching {{ {block} }}").replace("max_batch_size: 0", "max_batch_size: 8")
+               .replace("dims: [ 2 ]", "dims: [ -1 ]") for name, (block, _) in DYNAMIC_BATCHING_RULES.items()}
+    repo = make_repo(configs)
+    server = start_server(repo)
+    for name, (_, refusal) in DYNAMIC_BATCHING_RULES.items():
+        found = entry(server, name)
+        if refusal:
+            assert found["state"] == "UNAVAILABLE", name
+            assert refusal in found["reason"], (name, found["reason"])
+        else:
+            assert found["state"] == "READY", (name, found)
+    problems = validate_repositories([repo])
+    assert sorted(p.split(":", 1)[0] for p in problems) == sorted(n for n, (_, r) in DYNAMIC_BATCHING_RULES.items() if r)
+
+
 @pytest.mark.skipif(gpu_count() > 0, reason="this machine has a GPU")
 def test_gpu_instances_without_gpu(start_server: StartServer, make_repo: MakeRepo) -> None:
     repo = make_repo({"gpu": identity("instance_group [ { kind: KIND_GPU } ]"), "ok": identity()})
