@@ -339,6 +339,8 @@ def validate(config: Any, model_dir: Path) -> list[str]:
         problems.append("field 'version_policy.latest.num_versions' must be >= 1")
     if config.HasField("dynamic_batching"):
         problems.extend(_dynamic_batching_problems(config))
+    if config.HasField("sequence_batching"):
+        problems.extend(_sequence_batching_problems(config))
     problems.extend(_model_metrics_problems(config))
     problems.extend(_cache_problems(config))
     return problems
@@ -374,6 +376,53 @@ def _dynamic_batching_problems(config: Any) -> list[str]:
         policies = [batching.default_queue_policy, *batching.priority_queue_policy.values()]
         if any(p.default_timeout_microseconds and p.timeout_action == ModelQueuePolicy.DELAY for p in policies):
             problems.append("Queue policy can not have DELAY as timeout action when 'preserve_ordering' is true")
+    return problems
+
+
+CORRID_TYPES = ("TYPE_UINT64", "TYPE_INT64", "TYPE_UINT32", "TYPE_INT32", "TYPE_STRING")
+"""The datatypes a CONTROL_SEQUENCE_CORRID control may have, in Triton's order."""
+FALSE_TRUE_FIELDS = ("int32_false_true", "fp32_false_true", "bool_false_true")
+
+
+def _sequence_batching_problems(config: Any) -> list[str]:
+    """The rules Triton checks in ``sequence_batching``, in its words, the detail after them:
+    each control kind on one tensor only; a correlation-id control of an integer or string
+    datatype; a start/end/ready control with exactly one of the false/true value pairs, of
+    two values; the oldest strategy's preferred sizes positive and within max_batch_size."""
+    batching = config.sequence_batching
+    problems: list[str] = []
+    seen: set[str] = set()
+    for control_input in batching.control_input:
+        for control in control_input.control:
+            kind = control.DESCRIPTOR.fields_by_name["kind"].enum_type.values_by_number[control.kind].name
+            where = f"(control input '{control_input.name}')"
+            if kind in seen:
+                problems.append(f"sequence batching specifies multiple {kind} tensors {where}")
+            seen.add(kind)
+            if kind == "CONTROL_SEQUENCE_CORRID":
+                datatype = data_type_name(control.data_type)
+                if datatype not in CORRID_TYPES:
+                    problems.append(f"unexpected data type for control {kind}. Allowed data types are "
+                                    f"{', '.join(CORRID_TYPES[:-1])} and {CORRID_TYPES[-1]} {where[:-1]} has {datatype})")
+                continue
+            given = [name for name in FALSE_TRUE_FIELDS if len(getattr(control, name))]
+            if len(given) > 1:
+                problems.append("sequence batching specifies more than one from 'int32_false_true', "
+                                f"'fp32_false_true' and 'bool_false_true' for {kind} {where}")
+            elif not given:
+                problems.append("sequence batching must specify either 'int32_false_true', 'fp32_false_true' "
+                                f"or 'bool_false_true' for {kind} {where}")
+            elif len(getattr(control, given[0])) != 2:
+                problems.append(f"sequence batching control '{given[0]}' must have exactly 2 entries for {kind} {where}")
+    if batching.WhichOneof("strategy_choice") == "oldest":
+        for size in batching.oldest.preferred_batch_size:
+            if size < 1:
+                problems.append(f"sequence batching preferred batch size must be positive "
+                                f"(field 'sequence_batching.oldest.preferred_batch_size': {size})")
+            elif config.max_batch_size > 0 and size > config.max_batch_size:
+                problems.append(f"sequence batching preferred batch size must be <= max batch size (field "
+                                f"'sequence_batching.oldest.preferred_batch_size': {size}, max_batch_size "
+                                f"{config.max_batch_size})")
     return problems
 
 

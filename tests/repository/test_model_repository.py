@@ -383,6 +383,50 @@ def test_dynamic_batching_rules_as_triton_checks_them(start_server: StartServer,
     assert sorted(p.split(":", 1)[0] for p in problems) == sorted(n for n, (_, r) in DYNAMIC_BATCHING_RULES.items() if r)
 
 
+def _controls(*controls: str) -> str:
+    return "control_input [ " + ", ".join(
+        f'{{ name: "C{i}" control [ {{ {c} }} ] }}' for i, c in enumerate(controls)) + " ]"
+
+
+SEQUENCE_BATCHING_RULES = {  # the sequence_batching block → Triton 2.51's refusal ("" loads)
+    "corrid_untyped": (_controls("kind: CONTROL_SEQUENCE_CORRID"),
+                       "unexpected data type for control CONTROL_SEQUENCE_CORRID. Allowed data types are "
+                       "TYPE_UINT64, TYPE_INT64, TYPE_UINT32, TYPE_INT32 and TYPE_STRING"),
+    "corrid_float": (_controls("kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_FP32"),
+                     "unexpected data type for control CONTROL_SEQUENCE_CORRID"),
+    "two_starts": (_controls("kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ]",
+                             "kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ]"),
+                   "sequence batching specifies multiple CONTROL_SEQUENCE_START tensors"),
+    "two_value_pairs": (_controls("kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] fp32_false_true: [ 0, 1 ]"),
+                        "sequence batching specifies more than one from 'int32_false_true', 'fp32_false_true' and "
+                        "'bool_false_true' for CONTROL_SEQUENCE_START"),
+    "no_value_pair": (_controls("kind: CONTROL_SEQUENCE_START data_type: TYPE_INT32"),
+                      "sequence batching must specify either 'int32_false_true', 'fp32_false_true' or "
+                      "'bool_false_true' for CONTROL_SEQUENCE_START"),
+    "three_values": (_controls("kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1, 2 ]"),
+                     "sequence batching control 'int32_false_true' must have exactly 2 entries for CONTROL_SEQUENCE_END"),
+    "oldest_above": ("oldest { max_candidate_sequences: 4 preferred_batch_size: [ 8 ] }",
+                     "sequence batching preferred batch size must be <= max batch size"),
+    "controls": (_controls("kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_STRING",
+                           "kind: CONTROL_SEQUENCE_START bool_false_true: [ false, true ]",
+                           "kind: CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 1 ]"), ""),
+    "oldest": ("oldest { max_candidate_sequences: 4 preferred_batch_size: [ 4 ] }", ""),
+}
+
+
+def test_sequence_batching_rules_as_triton_checks_them(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    for name, (block, _) in SEQUENCE_BATCHING_RULES.items():
+        write_model(repo, name, identity(f"sequence_batching {{ {block} }}").replace("max_batch_size: 0",
+                                                                                 "max_batch_size: 4"))
+    problems = {p.split(":", 1)[0]: p for p in validate_repositories([repo])}
+    for name, (_, refusal) in SEQUENCE_BATCHING_RULES.items():
+        if refusal:
+            assert refusal in problems.get(name, ""), (name, problems.get(name))
+        else:
+            assert name not in problems, problems[name]
+
+
 @pytest.mark.skipif(gpu_count() > 0, reason="this machine has a GPU")
 def test_gpu_instances_without_gpu(start_server: StartServer, make_repo: MakeRepo) -> None:
     repo = make_repo({"gpu": identity("instance_group [ { kind: KIND_GPU } ]"), "ok": identity()})
