@@ -52,6 +52,7 @@ def build_plan(config: Any, io: ModelIO, lookup: ModelLookup) -> list[Step]:
         steps.append(step)
     _raise_problems(problems)
     problems = _input_types(steps, lookup, dtypes) + _ensemble_tensors(steps, io, dtypes, producers)
+    problems += _shape_problems(config.name, steps, io, lookup)
     cycle = _find_cycle(steps, producers)
     if cycle:
         problems.append("the steps form a cycle: " + " -> ".join(f"step {i}" for i in cycle))
@@ -122,6 +123,49 @@ def _input_types(steps: list[Step], lookup: ModelLookup, dtypes: dict[str, str])
                 problems.append(f"step {step.index} (model '{step.model_name}'): input '{step_input}' is "
                                 f"{step_io.inputs[step_input].datatype.name} but ensemble tensor '{tensor}' is {dtypes[tensor]}")
     return problems
+
+
+def _shape_problems(name: str, steps: list[Step], io: ModelIO, lookup: ModelLookup) -> list[str]:
+    """Triton's shape consistency of ensemble tensors, in its words: the shape a tensor's producer
+    declares (the ensemble's input, or a step's output) against each reader's (a step's input, the
+    ensemble's output), each with a leading -1 for a batching model's batch dimension; they must
+    have the same rank and agree where neither is -1. Reshaped tensors are left to the requests."""
+
+    def full(spec: Any, model_io: ModelIO) -> tuple[int, ...]:
+        return ((-1,) if model_io.batching else ()) + tuple(spec.dims)
+
+    written: dict[str, tuple[tuple[int, ...], str]] = {}  # tensor -> full shape, model
+    for tensor, spec in io.inputs.items():
+        if spec.reshape is None:
+            written[tensor] = (full(spec, io), name)
+    readers: list[tuple[str, tuple[int, ...], str, bool]] = []  # tensor, full shape, model, is the ensemble
+    for step in steps:
+        step_io: ModelIO = lookup(step.model_name, step.version).io
+        for step_output, tensor in step.outputs.items():
+            spec = step_io.outputs[step_output]
+            if spec.reshape is None:
+                written[tensor] = (full(spec, step_io), step.model_name)
+        readers += [(tensor, full(step_io.inputs[i], step_io), step.model_name, False)
+                    for i, tensor in step.inputs.items() if step_io.inputs[i].reshape is None]
+    readers += [(tensor, full(spec, io), name, True) for tensor, spec in io.outputs.items() if spec.reshape is None]
+    problems: list[str] = []
+    for tensor, shape, model_name, is_ensemble in readers:
+        producer = written.get(tensor)
+        if producer is None or _same_shape(shape, producer[0]):
+            continue
+        first, second = ((shape, model_name), producer) if is_ensemble else (producer, (shape, model_name))
+        problems.append(f"in ensemble {name}, ensemble tensor {tensor}: inconsistent shape: "
+                        f"{_dims(first[0])} is inferred from model {first[1]} while "
+                        f"{_dims(second[0])} is inferred from model {second[1]}")
+    return problems
+
+
+def _same_shape(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b))
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
 
 
 def _ensemble_tensors(

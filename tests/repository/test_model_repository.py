@@ -427,6 +427,62 @@ def test_sequence_batching_rules_as_triton_checks_them(tmp_path: Path) -> None:
             assert name not in problems, problems[name]
 
 
+def _step_model(batch: int, dims_in: str, dims_out: str) -> str:
+    return (f'backend: "identity"\nmax_batch_size: {batch}\n'
+            f'input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: {dims_in} }} ]\n'
+            f'output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: {dims_out} }} ]\n')
+
+
+def _ensemble(batch: int, dims_in: str, dims_out: str, steps: Sequence[tuple[str, str, str]]) -> str:
+    maps = ", ".join(f'{{ model_name: "{m}" model_version: -1 input_map {{ key: "INPUT0" value: "{a}" }} '
+                     f'output_map {{ key: "OUTPUT0" value: "{b}" }} }}' for m, a, b in steps)
+    return (f'platform: "ensemble"\nmax_batch_size: {batch}\n'
+            f'input [ {{ name: "X" data_type: TYPE_FP32 dims: {dims_in} }} ]\n'
+            f'output [ {{ name: "Y" data_type: TYPE_FP32 dims: {dims_out} }} ]\n'
+            f"ensemble_scheduling {{ step [ {maps} ] }}\n")
+
+
+ENSEMBLE_SHAPES = {  # ensemble → Triton 2.51's refusal ("" loads), checked side by side
+    "e_ok": (_ensemble(0, "[ 4 ]", "[ 4 ]", [("m4", "X", "Y")]), ""),
+    "e_any": (_ensemble(0, "[ -1 ]", "[ -1 ]", [("m4", "X", "Y")]), ""),
+    "e_batch": (_ensemble(8, "[ 4 ]", "[ 4 ]", [("b4", "X", "Y")]), ""),
+    "e_batch_as_dim": (_ensemble(0, "[ 2, 4 ]", "[ 2, 4 ]", [("b4", "X", "Y")]), ""),
+    "e_in": (_ensemble(0, "[ 5 ]", "[ 4 ]", [("m4", "X", "Y")]),
+             "in ensemble e_in, ensemble tensor X: inconsistent shape: [5] is inferred from model e_in "
+             "while [4] is inferred from model m4"),
+    "e_batched_in": (_ensemble(8, "[ 5 ]", "[ 4 ]", [("b4", "X", "Y")]),
+                     "ensemble tensor X: inconsistent shape: [-1,5] is inferred from model e_batched_in while "
+                     "[-1,4] is inferred from model b4"),
+    "e_mid": (_ensemble(0, "[ 4 ]", "[ 4 ]", [("m3", "X", "t"), ("m4", "t", "Y")]),
+              "ensemble tensor t: inconsistent shape: [3] is inferred from model m3 while [4] is inferred from model m4"),
+    "e_out": (_ensemble(0, "[ 4 ]", "[ 4 ]", [("m3", "X", "Y")]),
+              "ensemble tensor Y: inconsistent shape: [4] is inferred from model e_out while [3] is inferred from model m3"),
+    "e_rank": (_ensemble(0, "[ 4 ]", "[ 4 ]", [("m24", "X", "Y")]),
+               "ensemble tensor X: inconsistent shape: [4] is inferred from model e_rank while [2,4] is inferred "
+               "from model m24"),
+}
+
+
+def test_ensemble_tensor_shapes_are_checked_as_triton_checks_them(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    steps = {"m4": _step_model(0, "[ 4 ]", "[ 4 ]"), "m3": _step_model(0, "[ 4 ]", "[ 3 ]"),
+             "b4": _step_model(8, "[ 4 ]", "[ 4 ]"), "m24": _step_model(0, "[ 2, 4 ]", "[ 2, 4 ]")}
+    for name, config in steps.items():
+        write_model(repo, name, config)
+    for name, (config, _) in ENSEMBLE_SHAPES.items():
+        write_model(repo, name, config)
+    problems: dict[str, str] = {}
+    for problem in validate_repositories([repo]):
+        name = problem.split(":", 1)[0]
+        problems[name] = problems.get(name, "") + problem
+    for name, (_, refusal) in ENSEMBLE_SHAPES.items():
+        if refusal:
+            assert refusal in problems.get(name, ""), (name, problems.get(name))
+        else:
+            assert name not in problems, problems[name]
+    assert not set(steps) & set(problems)
+
+
 @pytest.mark.skipif(gpu_count() > 0, reason="this machine has a GPU")
 def test_gpu_instances_without_gpu(start_server: StartServer, make_repo: MakeRepo) -> None:
     repo = make_repo({"gpu": identity("instance_group [ { kind: KIND_GPU } ]"), "ok": identity()})
