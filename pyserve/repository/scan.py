@@ -2,7 +2,7 @@
 
 A repository is a directory of model directories; each holds an optional ``config.pbtxt``
 (or, with ``--model-config-name NAME``, ``configs/NAME.pbtxt`` where that exists) and numeric
-version directories (names that are not numbers, or that start with ``0``,
+version directories (names that are not numbers, or that start with ``0`` other than ``0``,
 are ignored, as Triton does).
 """
 
@@ -106,7 +106,7 @@ def version_numbers(model_dir: Path) -> list[int]:
     versions = []
     for entry in model_dir.iterdir():
         name = entry.name
-        if entry.is_dir() and is_version_number(name) and not (name.startswith("0")):
+        if entry.is_dir() and is_version_number(name) and not (name.startswith("0") and len(name) > 1):
             versions.append(int(name))
     return sorted(versions)
 

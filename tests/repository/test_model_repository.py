@@ -172,11 +172,25 @@ def test_version_policies(start_server: StartServer, tmp_path: Path, pyserve_log
 def test_odd_version_folders_are_ignored(start_server: StartServer, tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     model = write_model(repo, "m", identity("version_policy { all { } }"), versions=(1, 2))
-    for odd in ("01", "0", "abc", "3a", ".5"):
+    for odd in ("01", "00", "abc", "3a", ".5"):
         (model / odd).mkdir()
     (model / "7").write_text("a file, not a folder")
     server = start_server(repo)
     assert [(e["version"], e["state"]) for e in index(server) if e["name"] == "m"] == [("1", "READY"), ("2", "READY")]
+
+
+def test_version_zero_is_a_version(start_server: StartServer, tmp_path: Path) -> None:
+    """As Triton 2.51 (checked side by side): a folder ``0`` is version 0, served and listed;
+    only a leading zero before other digits makes a folder name no version."""
+    repo = tmp_path / "repo"
+    write_model(repo, "zero", identity(), versions=(0,))
+    write_model(repo, "both", identity("version_policy { all { } }"), versions=(0, 1))
+    server = start_server(repo)
+    assert [(e["name"], e["version"], e["state"]) for e in index(server)] == [
+        ("both", "0", "READY"), ("both", "1", "READY"), ("zero", "0", "READY")]
+    out = infer(server, "zero", {"INPUT0": np.array([1, 2], np.float32)}, ["OUTPUT0"])
+    np.testing.assert_array_equal(out["OUTPUT0"], [1, 2])
+    assert version_ready(server, "both", 0) and version_ready(server, "both", 1)
 
 
 def test_model_without_version_folder(start_server: StartServer, make_repo: MakeRepo) -> None:
