@@ -117,12 +117,16 @@ def build_inputs(model_name: str, io: ModelIO, sample: Any, model_dir: Path) -> 
     :returns: the inputs (config reshapes applied) and the batch size.
     :raises InferError: an input the model does not have, a wrong datatype or shape, or a
         missing required input.
-    :raises ValueError: a data file that is missing, too short or outside ``warmup/``.
+    :raises ValueError: an input with no data setting, as Triton refuses it; a data file that
+        is missing, too short or outside ``warmup/``.
     """
     batch = max(int(sample.batch_size), 1) if io.batching else 1
     inputs: dict[str, np.ndarray] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for name, spec in sample.inputs.items():
+        if spec.WhichOneof("input_data_type") is None:  # Triton refuses it rather than sending zeros
+            raise ValueError(f"warmup setting expects input '{name}' to have input_data_type set "
+                             "(zero_data, random_data or input_data_file)")
         datatype = datatypes.from_config_name(data_type_name(spec.data_type))
         if datatype is None:
             raise ValueError(f"input '{name}': invalid data_type {data_type_name(spec.data_type)}")

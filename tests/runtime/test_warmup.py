@@ -147,8 +147,10 @@ def test_warmup_reads_data_files(start_server: StartServer, tmp_path: Path) -> N
          "data-type is 'INT32'"),
         ('inputs { key: "NOPE" value: { data_type: TYPE_FP32 dims: [ 2 ] zero_data: true } }',
          "unexpected inference input 'NOPE'"),
+        ('inputs { key: "IN" value: { data_type: TYPE_FP32 dims: [ 2 ] } }',
+         "warmup setting expects input 'IN' to have input_data_type set"),  # Triton 2.51's words
     ],
-    ids=["backend-error", "missing-file", "escaping-file", "wrong-type", "unknown-input"],
+    ids=["backend-error", "missing-file", "escaping-file", "wrong-type", "unknown-input", "no-data"],
 )
 def test_a_failing_warmup_makes_the_model_unavailable(
     start_server: StartServer, tmp_path: Path, sample: str, message: str
