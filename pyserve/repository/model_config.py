@@ -402,8 +402,9 @@ def _sequence_batching_problems(config: Any) -> list[str]:
             if kind == "CONTROL_SEQUENCE_CORRID":
                 datatype = data_type_name(control.data_type)
                 if datatype not in CORRID_TYPES:
-                    problems.append(f"unexpected data type for control {kind}. Allowed data types are "
-                                    f"{', '.join(CORRID_TYPES[:-1])} and {CORRID_TYPES[-1]} {where[:-1]} has {datatype})")
+                    allowed = f"{', '.join(CORRID_TYPES[:-1])} and {CORRID_TYPES[-1]}"
+                    problems.append(f"unexpected data type for control {kind}. Allowed data types are {allowed} "
+                                    f"(control input '{control_input.name}' has {datatype})")
                 continue
             given = [name for name in FALSE_TRUE_FIELDS if len(getattr(control, name))]
             if len(given) > 1:

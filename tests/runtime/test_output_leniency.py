@@ -36,8 +36,8 @@ CONFIG = """
 class SloppyBackend(Backend):
     """Answers by the request parameter ``mode``: ``float64`` / ``int`` (OUT of another
     datatype), ``missing`` (no OUT), ``text`` (OUT as strings), ``wide`` (COUNT as int64 values
-    beyond INT32), ``fraction`` (COUNT as float32), ``complex`` (OUT as complex64), else exactly
-    what the config declares."""
+    beyond INT32), ``fraction`` (COUNT as float32), ``objects`` (COUNT as Python ints in an object
+    array), ``complex`` (OUT as complex64), else exactly what the config declares."""
 
     def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
         answers = []
@@ -57,6 +57,9 @@ class SloppyBackend(Backend):
             elif mode == "fraction":
                 outputs["OUT"] = values
                 outputs["COUNT"] = np.array([1.5, 2.5], np.float32)
+            elif mode == "objects":
+                outputs["OUT"] = values
+                outputs["COUNT"] = np.array([3, 44], dtype=object)
             elif mode == "complex":
                 outputs["OUT"] = values.astype(np.complex64)
             elif mode != "missing":
@@ -126,6 +129,7 @@ def plain(array: np.ndarray) -> list[object]:
     ("text", "OUT", "BYTES", ["a", "b"]),
     ("wide", "COUNT", "INT64", [1, 2**40]),
     ("fraction", "COUNT", "FP32", [1.5, 2.5]),
+    ("objects", "COUNT", "BYTES", ["3", "44"]),  # an object array goes as BYTES, each element's text
 ])
 def test_what_cannot_be_converted_is_sent_as_the_model_produced_it(
     server: object, mode: str, name: str, datatype: str, expected: list[object],

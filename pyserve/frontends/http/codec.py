@@ -516,6 +516,9 @@ def _to_json_data(array: np.ndarray, datatype: str, name: str) -> Any:
             if isinstance(item, str):
                 data.append(item)
                 continue
+            if not isinstance(item, (bytes, bytearray, memoryview)):  # as the binary form: its text
+                data.append(str(item))
+                continue
             try:
                 data.append(bytes(item).decode("utf-8"))
             except UnicodeDecodeError:
