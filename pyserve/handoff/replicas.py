@@ -23,7 +23,9 @@ What a replica changes, and why the rules below exist:
   processes, each batches about its share of the requests, and the replicas' instances run at
   the same time, which answers more than one batcher in the owner (``benchmarks/README.md``,
   ``batching.py``); ``auto`` does so only for queue delays up to ``LONG_QUEUE_DELAY_US``, as
-  a longer one is there to fill batches from every client;
+  a longer one is there to fill batches from every client, and never for batchers with
+  priority levels, ``preserve_ordering`` or a queue policy (``max_queue_size``, timeouts),
+  which hold within one queue;
 * GPU instance groups are not replicated by ``auto`` (one copy of the weights per process), nor
   are Python models with their own environment (``EXECUTION_ENV_PATH``, or a requirements file:
   they run in worker processes already);
@@ -138,14 +140,35 @@ def _auto_reason(version: ModelVersion, mode: ReplicationMode) -> str | None:
         return "it has GPU instances"
     if config.response_cache.enable:
         return "it uses the response cache"
-    delay = config.dynamic_batching.max_queue_delay_microseconds if config.HasField("dynamic_batching") else 0
-    if delay > LONG_QUEUE_DELAY_US:
-        return (f"its dynamic batcher waits up to {delay} us to fill a batch, which one batcher fills "
-                "from every connection")
+    if config.HasField("dynamic_batching"):
+        reason = _one_queue_reason(config.dynamic_batching)
+        if reason is not None:
+            return reason
     if any(group.rate_limiter.resources for group in config.instance_group):
         return "its instances take rate-limiter resources (counted in one process)"
     if version.context is not None and version.context.single_process_reason:
         return version.context.single_process_reason
+    return None
+
+
+def _one_queue_reason(batching: Any) -> str | None:
+    """Why a dynamic batcher's settings hold only for one queue of the model (None: none do):
+    a long queue delay fills batches from every connection; priorities order, and
+    ``preserve_ordering`` releases, the requests of one queue; a queue policy's
+    ``max_queue_size`` bounds, and its timeouts time, the requests waiting for the model's
+    instances. Split over processes, each would hold for a share of the requests only."""
+    delay = batching.max_queue_delay_microseconds
+    if delay > LONG_QUEUE_DELAY_US:
+        return (f"its dynamic batcher waits up to {delay} us to fill a batch, which one batcher fills "
+                "from every connection")
+    if batching.priority_levels > 1:
+        return "its dynamic batcher orders requests by priority level, which holds within one queue"
+    if batching.preserve_ordering:
+        return "its dynamic batcher preserves the order of responses, which holds within one queue"
+    for policy in (batching.default_queue_policy, *batching.priority_queue_policy.values()):
+        if policy.max_queue_size or policy.default_timeout_microseconds or policy.allow_timeout_override:
+            return ("its queue policy (max_queue_size, timeouts) counts the requests waiting for the "
+                    "model's instances, which holds within one queue")
     return None
 
 

@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -520,6 +521,64 @@ def test_a_long_queue_delay_batches_every_connection_in_one_process(tmp_path: Pa
             for client in clients:
                 client.close()
         assert stats["execution_count"] == 1 and stats["inference_count"] == 8
+        handoff = thread.server._handoff
+        assert handoff is not None and handoff.requests > 0, "no request came through the frontend"
+
+
+BLOCKING_PY = """
+import os
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.folder = args["model_repository"]
+
+    def execute(self, requests):
+        open(os.path.join(self.folder, "started"), "w").close()
+        deadline = time.monotonic() + 300
+        while not os.path.exists(os.path.join(self.folder, "release")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(
+            r, "INPUT0").as_numpy())]) for r in requests]
+"""
+
+
+def test_a_bounded_queue_bounds_the_requests_of_every_connection(tmp_path: Path) -> None:
+    """``max_queue_size`` holds for the model, not per process: ``auto`` keeps a batcher with a
+    queue policy in the owner. While one request executes (held until the test releases it),
+    the requests of every other connection, spread over both processes, find one queue: one
+    waits, every other one is refused with Triton's 'Exceeds maximum queue size'."""
+    model_dir = write_model(tmp_path / "repo", "bounded", python_echo_config(
+        "bounded", "dynamic_batching { default_queue_policy { max_queue_size: 1 } }"), {"1/model.py": BLOCKING_PY})
+    body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 3], "data": [0.0, 1.0, 2.0]}]}
+    with serve(tmp_path / "repo", frontend_processes=1, replicate_models="auto") as thread:
+        clients = [httpx.Client(base_url=f"http://{thread.url}", timeout=300) for _ in range(CONNECTIONS)]
+        try:
+            for client in clients:  # open every connection first, so the balancer spreads them
+                assert client.get("/v2/health/live").status_code == 200
+            with ThreadPoolExecutor(len(clients)) as pool:
+                first = pool.submit(clients[0].post, "/v2/models/bounded/infer", json=body)
+                deadline = time.monotonic() + 120
+                while not (model_dir / "started").exists():
+                    assert time.monotonic() < deadline and not first.done(), "the first request never executed"
+                    time.sleep(0.02)
+                others = [pool.submit(c.post, "/v2/models/bounded/infer", json=body) for c in clients[1:]]
+                deadline = time.monotonic() + 120
+                while sum(f.done() for f in others) < len(others) - 1:
+                    assert time.monotonic() < deadline, f"{sum(f.done() for f in others)} answered while one executes"
+                    time.sleep(0.02)
+                refused = [f.result() for f in others if f.done()]
+                waiting = [f for f in others if not f.done()]
+                assert all(r.status_code == 503 for r in refused), [(r.status_code, r.text) for r in refused]
+                assert all("Exceeds maximum queue size" in r.json()["error"] for r in refused)
+                (model_dir / "release").touch()
+                for future in [first, *waiting]:
+                    assert future.result(timeout=120).json()["outputs"][0]["data"] == [0.0, 1.0, 2.0]
+        finally:
+            for client in clients:
+                client.close()
         handoff = thread.server._handoff
         assert handoff is not None and handoff.requests > 0, "no request came through the frontend"
 

@@ -32,7 +32,8 @@ class ScaleOptions:
         flag("--replicate-models", default=values.AUTO, metavar="auto|none|NAMES", group=TUNING,
              help="models that frontend processes answer themselves from a replica: auto (default: "
                   "every model that can be: no sequence batcher, decoupled, ensemble, GPU instances, "
-                  "response cache, queue delay over 1 ms or BLS / custom metrics in model.py; none while "
+                  "response cache, a dynamic batcher with a queue delay over 1 ms, priority levels, "
+                  "preserve_ordering or a queue policy, or BLS / custom metrics in model.py; none while "
                   "summary_latencies is on), none (every request is "
                   "handed to this process), or comma-separated model names"),
         default="none",
