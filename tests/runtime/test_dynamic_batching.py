@@ -427,8 +427,21 @@ def test_request_timeout_is_ignored_without_override(start_server: StartServer, 
     ok(outcomes[:2])
 
 
+def test_request_timeout_is_ignored_without_a_default_timeout(start_server: StartServer, make_repo: MakeRepo) -> None:
+    """As Triton 2.51 answers it (checked side by side): a request's timeout may only lower the
+    queue policy's default timeout, so with none set it times nothing out."""
+    batching = "default_queue_policy { allow_timeout_override: true }"
+    server, recorder = serve(start_server, make_repo, {"m": config(1, batching)})
+    outcomes = run(server, req("m", "busy", hold=True),
+                   req("m", "short", until=recorder.executed("m", "busy"), timeout=50_000),
+                   releasing(recorder, in_flight(server, 2), then_wait=0.2))  # queued past its 50 ms
+    ok(outcomes[:2])
+    assert recorder.order("m") == ["busy", "short"]
+
+
 def test_timeout_action_delay_runs_timed_out_requests_last(start_server: StartServer, make_repo: MakeRepo) -> None:
-    batching = "default_queue_policy { timeout_action: DELAY allow_timeout_override: true }"
+    batching = ("default_queue_policy { timeout_action: DELAY default_timeout_microseconds: 60000000 "
+                "allow_timeout_override: true }")
     server, recorder = serve(start_server, make_repo, {"m": config(1, batching)})
     busy = recorder.executed("m", "busy")
     outcomes = run(

@@ -58,11 +58,13 @@ class QueuePolicy:
         )
 
     def deadline(self, request: InferRequest) -> int:
-        """The monotonic ns after which the request times out in the queue (0 = never)."""
+        """The monotonic ns after which the request times out in the queue (0 = never).
+
+        As in Triton 2.51, a request's own timeout may only lower a default timeout: with no
+        default (0), ``allow_timeout_override`` times nothing out."""
         timeout = self.default_timeout_ns
-        if self.allow_timeout_override and request.timeout_us:
-            asked = request.timeout_us * 1000
-            timeout = asked if timeout == 0 else min(timeout, asked)
+        if self.allow_timeout_override and request.timeout_us and timeout:
+            timeout = min(timeout, request.timeout_us * 1000)
         return request.arrival_ns + timeout if timeout else 0
 
 
