@@ -332,6 +332,4 @@ def parse_parameters(params: Mapping[str, Any], *, allow: frozenset[str] = froze
             options.custom[key] = value
         else:
             raise invalid_parameter(key, value)
-    if options.flags and options.correlation_id in (0, ""):
-        raise InferError.invalid("sequence_start / sequence_end need a non-zero 'sequence_id'")
-    return options
+    return options  # sequence flags without an id: refused by a sequence batcher only, as in Triton

@@ -16,10 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
+import httpx
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from suite_support import wait_for
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from pyserve import InferRequest, InferResponse, InstanceContext
@@ -264,6 +267,34 @@ def test_missing_correlation_id_is_rejected(start_server: StartServer, make_repo
         assert "correlation ID" in str(error.message())
     finally:
         client.close()
+    assert backend.of("m") == []
+
+
+def test_sequence_flags_without_an_id_are_refused_by_the_sequence_batcher_only(
+    start_server: StartServer, make_repo: MakeRepo
+) -> None:
+    """As Triton 2.51 answers it (checked side by side): ``sequence_start`` with no
+    ``sequence_id`` is refused, in Triton's words, by a model with a sequence batcher; a model
+    without one serves the request (HTTP and gRPC)."""
+    plain = ('backend: "identity"\nmax_batch_size: 0\n'
+             'input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+             'output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]\n')
+    server, backend = serve(start_server, make_repo, {"m": config(), "plain": plain})
+    body = {"inputs": [{"name": "INPUT", "datatype": "INT32", "shape": [1], "data": [5]}],
+            "parameters": {"sequence_start": True}}
+    refused = httpx.post(f"http://{server.url}/v2/models/m/infer", json=body, timeout=30)
+    assert refused.status_code == 400
+    assert ("inference request to model 'm' must specify a non-zero or non-empty correlation ID"
+            in refused.json()["error"])
+    served = httpx.post(f"http://{server.url}/v2/models/plain/infer", json=body, timeout=30)
+    assert served.status_code == 200, served.text
+    assert served.json()["outputs"][0]["data"] == [5]
+    with grpc.insecure_channel(server.grpc_url) as channel:  # tritonclient sends no flags without an id
+        request = service_pb2.ModelInferRequest(model_name="plain")
+        request.parameters["sequence_start"].bool_param = True
+        request.inputs.add(name="INPUT", datatype="INT32", shape=[1]).contents.int_contents.append(5)
+        answer = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
+        assert answer.raw_output_contents[0] == np.array([5], np.int32).tobytes()
     assert backend.of("m") == []
 
 

@@ -336,9 +336,6 @@ CASES: list[Case] = [
          body(tensor("BYTES", [1], ["x"]), outputs=[{"name": "OUT", "parameters": {"classification": 1}}]), 400,
          "classification is not supported for output 'OUT' of this datatype", model="s"),
     # -- parameters
-    Case("sequence-start-without-id", "sequence_start: true and no sequence_id",
-         body(A, B, parameters={"sequence_start": True}), 400,
-         "sequence_start / sequence_end need a non-zero 'sequence_id'"),
     Case("sequence-id-negative", "sequence_id: -1", body(A, B, parameters={"sequence_id": -1}), 400,
          "parameter 'sequence_id' must be an unsigned integer or a string"),
     Case("priority-not-int", "priority: \"high\"", body(A, B, parameters={"priority": "high"}), 400,
