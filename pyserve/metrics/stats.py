@@ -349,6 +349,8 @@ class ModelStats:
             self.fail_count += 1
             self.fail_ns += total
             self.failures[reason] += 1
+            if start > 0:  # it reached an instance: an inference, as Triton's last_inference counts it
+                self.last_inference_ns = now
             if start == 0:
                 self.dequeued += 1
             if reason == _CANCELED:

@@ -110,6 +110,7 @@ def test_an_execute_that_raises_is_still_an_execution(server: ServerThread) -> N
     assert entry["inference_stats"]["fail"]["count"] == 2
     assert entry["execution_count"] == 2 and entry["inference_count"] == 0
     assert sorted(b["batch_size"] for b in entry["batch_stats"]) == [1, 2]
+    assert entry["last_inference"] > 0  # set although every request failed, as Triton sets it
 
 
 def test_statistics_is_a_reported_extension(server: ServerThread) -> None:
