@@ -418,20 +418,14 @@ def test_request_timeout_overrides_downwards(start_server: StartServer, make_rep
     assert "short" not in recorder.order("m")
 
 
-def test_request_timeout_is_ignored_without_override(start_server: StartServer, make_repo: MakeRepo) -> None:
-    batching = "default_queue_policy { default_timeout_microseconds: 10000000 }"
-    server, recorder = serve(start_server, make_repo, {"m": config(1, batching)})
-    outcomes = run(server, req("m", "busy", hold=True),
-                   req("m", "short", until=recorder.executed("m", "busy"), timeout=50_000),
-                   releasing(recorder, in_flight(server, 2), then_wait=0.2))  # queued past its 50 ms
-    ok(outcomes[:2])
-
-
-def test_request_timeout_is_ignored_without_a_default_timeout(start_server: StartServer, make_repo: MakeRepo) -> None:
-    """As Triton 2.51 answers it (checked side by side): a request's timeout may only lower the
-    queue policy's default timeout, so with none set it times nothing out."""
-    batching = "default_queue_policy { allow_timeout_override: true }"
-    server, recorder = serve(start_server, make_repo, {"m": config(1, batching)})
+@pytest.mark.parametrize("policy", [
+    "default_timeout_microseconds: 10000000",  # no override allowed
+    "allow_timeout_override: true",  # no default timeout to lower: as Triton 2.51 (checked side by side)
+])
+def test_request_timeout_is_ignored(start_server: StartServer, make_repo: MakeRepo, policy: str) -> None:
+    """A request's timeout may only lower the queue policy's default timeout, and only where the
+    policy allows an override."""
+    server, recorder = serve(start_server, make_repo, {"m": config(1, f"default_queue_policy {{ {policy} }}")})
     outcomes = run(server, req("m", "busy", hold=True),
                    req("m", "short", until=recorder.executed("m", "busy"), timeout=50_000),
                    releasing(recorder, in_flight(server, 2), then_wait=0.2))  # queued past its 50 ms
