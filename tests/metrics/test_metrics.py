@@ -494,6 +494,48 @@ def test_decoupled_first_response_histogram(make_repo: Callable[..., Path], star
     assert first_ms * 1000 < total_us  # the first response came before the final one
 
 
+@pytest.mark.parametrize("empty_final", [False, True])
+def test_summaries_count_a_stream_request_that_ends_with_a_final_flag_alone(
+    make_repo: Callable[..., Path], start_server: StartServer, empty_final: bool
+) -> None:
+    """A decoupled model that sends its responses, then the final flag with no response (the
+    usual way), over a gRPC stream: the request summary counts the request, as Triton's does,
+    whether or not the client asked for the empty final response."""
+    import tritonclient.grpc as grpcclient
+
+    class ThenFinal(Backend):
+        def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> None:
+            for request in requests:
+                sender = request.response_sender()
+                sender.send(InferResponse({"OUTPUT0": request.inputs["INPUT0"]}))
+                sender.send(None, final=True)
+
+    repo = make_repo({"stream": """
+        backend: "then_final"
+        max_batch_size: 0
+        model_transaction_policy { decoupled: true }
+        input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+        output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+    """})
+    server = start_server(repo, backends={"then_final": ThenFinal()}, use_entry_points=False,
+                          metrics_config={"summary_latencies": "true"}, allow_cpu_metrics=False)
+    received: list[Any] = []
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(lambda result, error: received.append(error or result))
+    tensor = grpcclient.InferInput("INPUT0", [2], "FP32")
+    tensor.set_data_from_numpy(np.ones(2, np.float32))
+    for _ in range(2):
+        client.async_stream_infer("stream", [tensor], enable_empty_final_response=empty_final)
+    labels = {"model": "stream", "version": "1"}
+    wait_for(lambda: scrape(server).value("nv_inference_request_success", **labels) == 2)
+    wait_for(lambda: scrape(server).value("nv_inference_request_summary_us_count", **labels) == 2,
+             what="the request summary counted both requests")
+    client.stop_stream()
+    client.close()
+    assert len(received) == (4 if empty_final else 2) and not any(isinstance(r, Exception) for r in received)
+    assert scrape(server).value("nv_inference_request_summary_us_sum", **labels) > 0
+
+
 def test_response_cache_metrics(make_repo: Callable[..., Path], start_server: StartServer) -> None:
     repo = make_repo({"cached": IDENT + "response_cache { enable: true }\n"})
     server = start_server(repo, backends={"gate": GateBackend()}, use_entry_points=False,

@@ -77,6 +77,8 @@ class _StreamSender:
         if isinstance(response, InferError):
             return self._error(response, final)
         if response is None:
+            if final and request.stats is not None:  # a final flag alone ends the request too
+                request.stats.response_sent(request)
             if not (final and self._empty_final):
                 return None
             infer = error_only_response(request, self._model)
