@@ -449,6 +449,18 @@ def test_summary_latencies_count_every_request_under_frontend_processes(tmp_path
     assert page.value("nv_inference_request_success", **labels) == 8
     assert page.value("nv_inference_request_summary_us_count", **labels) == 8
 
+
+def decoupled_config(backend: str) -> str:
+    """A decoupled model of ``backend``: FP32 ``INPUT0`` [2] → ``OUTPUT0``, no batching."""
+    return f"""
+        backend: "{backend}"
+        max_batch_size: 0
+        model_transaction_policy {{ decoupled: true }}
+        input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+        output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+    """
+
+
 def test_decoupled_first_response_histogram(make_repo: Callable[..., Path], start_server: StartServer) -> None:
     import tritonclient.grpc as grpcclient
 
@@ -460,13 +472,7 @@ def test_decoupled_first_response_histogram(make_repo: Callable[..., Path], star
                 time.sleep(0.05)
                 sender.send(InferResponse({"OUTPUT0": request.inputs["INPUT0"]}), final=True)
 
-    repo = make_repo({"stream": """
-        backend: "twice"
-        max_batch_size: 0
-        model_transaction_policy { decoupled: true }
-        input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-        output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-    """})
+    repo = make_repo({"stream": decoupled_config("twice")})
     server = start_server(repo, backends={"twice": Twice()}, use_entry_points=False,
                           metrics_config={"histogram_latencies": "true"})
     received: list[Any] = []
@@ -510,13 +516,7 @@ def test_summaries_count_a_stream_request_that_ends_with_a_final_flag_alone(
                 sender.send(InferResponse({"OUTPUT0": request.inputs["INPUT0"]}))
                 sender.send(None, final=True)
 
-    repo = make_repo({"stream": """
-        backend: "then_final"
-        max_batch_size: 0
-        model_transaction_policy { decoupled: true }
-        input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-        output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-    """})
+    repo = make_repo({"stream": decoupled_config("then_final")})
     server = start_server(repo, backends={"then_final": ThenFinal()}, use_entry_points=False,
                           metrics_config={"summary_latencies": "true"}, allow_cpu_metrics=False)
     received: list[Any] = []
