@@ -75,8 +75,10 @@ def parse_config(text: str, path: Path | str) -> Any:
     return config
 
 
-def _kind_name(group: Any) -> str:
-    return group.DESCRIPTOR.fields_by_name["kind"].enum_type.values_by_number[group.kind].name
+def kind_name(message: Any) -> str:
+    """The enum name of a message's ``kind`` field (an instance group's ``KIND_CPU``, a sequence
+    control's ``CONTROL_SEQUENCE_START``)."""
+    return message.DESCRIPTOR.fields_by_name["kind"].enum_type.values_by_number[message.kind].name
 
 
 def _kind_value(group: Any, name: str) -> int:
@@ -222,7 +224,7 @@ def _normalize_instance_groups(config: Any, config_file: Path | str) -> None:
             group.name = f"{config.name}_{index}"
         if group.count < 1:  # as Triton: a count below 1 means the default, one instance
             group.count = 1
-        kind = _kind_name(group)
+        kind = kind_name(group)
         if kind == "KIND_AUTO":
             kind = "KIND_GPU" if gpus else "KIND_CPU"
             group.kind = _kind_value(group, kind)
@@ -394,7 +396,7 @@ def _sequence_batching_problems(config: Any) -> list[str]:
     seen: set[str] = set()
     for control_input in batching.control_input:
         for control in control_input.control:
-            kind = control.DESCRIPTOR.fields_by_name["kind"].enum_type.values_by_number[control.kind].name
+            kind = kind_name(control)
             where = f"(control input '{control_input.name}')"
             if kind in seen:
                 problems.append(f"sequence batching specifies multiple {kind} tensors {where}")
@@ -553,7 +555,7 @@ def model_io(config: Any, model_dir: Path) -> ModelIO:
 
 def instance_kind(group: Any) -> str:
     """``"CPU"``, ``"GPU"`` or ``"MODEL"`` for a normalized instance group."""
-    return _kind_name(group).removeprefix("KIND_")
+    return kind_name(group).removeprefix("KIND_")
 
 
 def parameters(config: Any) -> dict[str, str]:

@@ -351,8 +351,9 @@ class ModelControl:
             and record.override_dir is None
             and record.source.path == source.path
             and record.source.conflict == source.conflict
-            and record.clean_fingerprint is not None
-            and record.clean_fingerprint == fingerprint(source.path)
+            and record.clean_load
+            and record.fingerprint is not None
+            and record.fingerprint == fingerprint(source.path)
         )
 
     def _load_composing(self, name: str, sources: Mapping[str, ModelSource]) -> None:

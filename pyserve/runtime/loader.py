@@ -188,7 +188,7 @@ class ModelLoader:
             log.error("model '%s': the reload failed; the loaded versions keep serving", name)
             assert record is not None
             record.fingerprint = built.fingerprint
-            record.clean_fingerprint = None
+            record.clean_load = False
             _remove_override(built.override_dir)
             return built.error
         change = self._plan_swap(name, built, record, old, old_ready)
@@ -198,7 +198,7 @@ class ModelLoader:
         def swap() -> None:
             target.source = built.source
             target.fingerprint = built.fingerprint
-            target.clean_fingerprint = built.fingerprint if not (built.error or failures) else None
+            target.clean_load = not (built.error or failures)
             target.override_dir = change.record_dir
             target.versions = change.versions
             if built.error:

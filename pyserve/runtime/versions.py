@@ -115,9 +115,8 @@ class ModelRecord:
         reloads the model when it changes); None for a model loaded from file overrides.
     :ivar override_dir: the private directory holding the files of a load with file
         overrides; removed when the versions loaded from it are unloaded.
-    :ivar clean_fingerprint: the fingerprint of the last load when every version of it
-        loaded, else None: a plain load request of a model loaded cleanly from files that have
-        not changed since is not reloaded, as in Triton.
+    :ivar clean_load: every version of the last load loaded: a plain load request of such a
+        model whose files have not changed since (``fingerprint``) is not reloaded, as in Triton.
     """
 
     name: str
@@ -128,7 +127,7 @@ class ModelRecord:
     detail: str = ""
     fingerprint: Any = None
     override_dir: Path | None = None
-    clean_fingerprint: Any = None
+    clean_load: bool = False
 
     def fail(self, reason: str, detail: str = "") -> None:
         """Make the model UNAVAILABLE: ``reason`` for clients, ``detail`` (the full text,

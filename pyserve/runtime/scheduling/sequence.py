@@ -48,7 +48,7 @@ from pyserve.api.inference import (
     InferResponse,
 )
 from pyserve.protocol import data_type_name
-from pyserve.repository.model_config import ModelIO
+from pyserve.repository.model_config import ModelIO, kind_name
 from pyserve.runtime.scheduling.dynamic import OrderGate
 from pyserve.runtime.scheduling.instance import STOP, Batch
 
@@ -86,7 +86,7 @@ def _controls(config: Any) -> list[_Control]:
     controls = []
     for control_input in config.sequence_batching.control_input:
         for control in control_input.control:
-            kind = control.DESCRIPTOR.fields_by_name["kind"].enum_type.values_by_number[control.kind].name
+            kind = kind_name(control)
             if kind == "CONTROL_SEQUENCE_CORRID":
                 dtype = datatypes.from_config_name(data_type_name(control.data_type))
                 np_dtype = dtype.dtype if dtype is not None else np.dtype(np.uint64)
