@@ -57,6 +57,23 @@ class ResponseSender(Protocol):
         """Whether the client went away or cancelled the request."""
 
 
+class _NullSender:
+    """Drops what it is sent: the sender of a sequence batcher's null requests."""
+
+    __slots__ = ()
+
+    def send(self, response: InferResponse | InferError | None, final: bool) -> None:
+        """Drop the response."""
+
+    def is_cancelled(self) -> bool:
+        """Never cancelled: nobody waits for the answer."""
+        return False
+
+
+NULL_SENDER: ResponseSender = _NullSender()
+"""The sender of null requests: requests that only hold a batch slot (``InferRequest.is_null``)."""
+
+
 class InferResponse:
     """The answer to one request.
 
@@ -294,6 +311,14 @@ class InferRequest:
         if release is not None:
             self._release = None
             release(self)
+
+    @property
+    def is_null(self) -> bool:
+        """Whether this is a null request: one the sequence batcher (direct strategy) puts in a
+        batch slot that has no request queued, as Triton does, so that every other request sits
+        in its sequence's slot. Its READY control is false and its inputs are zeros; a backend
+        answers it like any request, its answer is dropped and it is counted nowhere."""
+        return self._sender is NULL_SENDER
 
     @property
     def final_sent(self) -> bool:

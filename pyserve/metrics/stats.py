@@ -156,6 +156,7 @@ class ModelStats:
         end_ns: int,
         failed: bool = False,
         ready_ns: int = 0,
+        executed_size: int = 0,
     ) -> None:
         """The execute call of ``requests`` (started at ``start_ns``) returned at ``end_ns`` and
         their responses were checked and ready to send at ``ready_ns`` (0: at ``end_ns``): one
@@ -166,6 +167,9 @@ class ModelStats:
 
         :param failed: the execute raised: as Triton counts it, still an execution (and its
             batch), but no inferences (``inference_count``).
+        :param executed_size: the batch size the backend executed when it is larger than that of
+            ``requests`` (null requests of the direct sequence strategy: as in Triton, the batch
+            statistics count them, ``inference_count`` does not); 0: the requests' total.
         """
         ready_ns = ready_ns or end_ns
         call = (start_ns, end_ns)
@@ -190,6 +194,7 @@ class ModelStats:
             self.execution_count += 1
             if not failed:
                 self.inference_count += size
+            size = executed_size or size
             entry = self.batches.get(size)
             if entry is None:
                 self.batches[size] = [1, before, infer, after]

@@ -390,7 +390,8 @@ def _sequence_batching_problems(config: Any) -> list[str]:
     """The rules Triton checks in ``sequence_batching``, in its words, the detail after them:
     each control kind on one tensor only; a correlation-id control of an integer or string
     datatype; a start/end/ready control with exactly one of the false/true value pairs, of
-    two values; the oldest strategy's preferred sizes positive and within max_batch_size."""
+    two values; the oldest strategy's preferred sizes positive and within max_batch_size; the
+    direct strategy's minimum slot utilization within [0, 1]."""
     batching = config.sequence_batching
     problems: list[str] = []
     seen: set[str] = set()
@@ -417,6 +418,11 @@ def _sequence_batching_problems(config: Any) -> list[str]:
                                 f"or 'bool_false_true' for {kind} {where}")
             elif len(getattr(control, given[0])) != 2:
                 problems.append(f"sequence batching control '{given[0]}' must have exactly 2 entries for {kind} {where}")
+    if batching.WhichOneof("strategy_choice") == "direct":
+        utilization = batching.direct.minimum_slot_utilization
+        if not 0.0 <= utilization <= 1.0:  # Triton's message says (0.0, 1.0]; it accepts 0, the default
+            problems.append(f"sequence batching minimum slot utilization must be in range (0.0, 1.0] (field "
+                            f"'sequence_batching.direct.minimum_slot_utilization': {utilization:g})")
     if batching.WhichOneof("strategy_choice") == "oldest":
         for size in batching.oldest.preferred_batch_size:
             if size < 1:

@@ -425,6 +425,11 @@ SEQUENCE_BATCHING_RULES = {  # the sequence_batching block → Triton 2.51's ref
                            "kind: CONTROL_SEQUENCE_START bool_false_true: [ false, true ]",
                            "kind: CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 1 ]"), ""),
     "oldest": ("oldest { max_candidate_sequences: 4 preferred_batch_size: [ 4 ] }", ""),
+    "direct_utilization_above": ("direct { minimum_slot_utilization: 1.5 }",
+                                 "sequence batching minimum slot utilization must be in range (0.0, 1.0]"),
+    "direct_utilization_negative": ("direct { minimum_slot_utilization: -0.25 }",
+                                    "sequence batching minimum slot utilization must be in range (0.0, 1.0]"),
+    "direct_utilization": ("direct { max_queue_delay_microseconds: 100 minimum_slot_utilization: 1.0 }", ""),
 }
 
 

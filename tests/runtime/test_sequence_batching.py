@@ -2,7 +2,9 @@
 
 The test backend ``Accumulator`` adds ``INPUT`` to the implicit state ``STATE_IN`` and returns
 the sum as ``OUTPUT`` and as the next state ``STATE_OUT``; it records, per request, the
-instance that ran it and the control tensors (START / READY / END / CORRID) it received.
+instance that ran it and the control tensors (START / READY / END / CORRID) it received. Like a
+Triton sequence model it reads READY: a request whose READY is false (a null request holding an
+empty batch slot) is recorded apart, in ``batches``, which keeps every execute's slots in order.
 """
 
 from __future__ import annotations
@@ -49,15 +51,27 @@ class Accumulator(Backend):
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.seen: list[Seen] = []
+        self.batches: list[list[int | str | None]] = []  # per execute, each slot's id (None: not ready)
+        self.nulls: list[dict[str, np.ndarray]] = []  # the inputs of every request whose READY was false
         self.release = threading.Event()
+        self.holding = threading.Event()  # set once a held request is executing
 
     def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
         responses = []
+        slots: list[int | str | None] = []
         for r in requests:
+            if "READY" in r.inputs and not r.inputs["READY"].any():
+                slots.append(None)
+                with self.lock:
+                    self.nulls.append({name: np.array(value) for name, value in r.inputs.items()})
+                responses.append(InferResponse({"OUTPUT": r.inputs["INPUT"], "STATE_OUT": r.inputs["STATE_IN"]}))
+                continue
+            slots.append(r.correlation_id)
             delay = float(r.parameters.get("delay_ms", 0))
             if delay:
                 time.sleep(delay / 1000)
             if r.parameters.get("hold"):
+                self.holding.set()
                 self.release.wait(60)
             total = r.inputs["STATE_IN"] + r.inputs["INPUT"]
             controls = {k: np.array(r.inputs[k]) for k in ("START", "READY", "END", "CORRID") if k in r.inputs}
@@ -67,6 +81,8 @@ class Accumulator(Backend):
                          controls, time.monotonic())
                 )
             responses.append(InferResponse({"OUTPUT": total, "STATE_OUT": total}))
+        with self.lock:
+            self.batches.append(slots)
         return responses
 
     def of(self, model: str) -> list[Seen]:
@@ -80,13 +96,14 @@ def config(
     instances: int = 1,
     corrid_type: str = "TYPE_UINT64",
     idle_us: int = 5_000_000,
+    dims: str = "1",
 ) -> str:
     return textwrap.dedent(
         f"""
         backend: "accum"
         max_batch_size: {max_batch_size}
-        input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
-        output [ {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+        input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ {dims} ] }} ]
+        output [ {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ {dims} ] }} ]
         instance_group [ {{ count: {instances} kind: KIND_CPU }} ]
         sequence_batching {{
           max_sequence_idle_microseconds: {idle_us}
@@ -405,6 +422,118 @@ def test_extra_sequence_waits_in_the_backlog(start_server: StartServer, make_rep
     assert waited["at"] >= ended_at
     order = [s.correlation_id for s in backend.of("m")]
     assert order == [1, 1, 1, 2, 2], order
+
+
+def statistics(server: ServerThread, model: str) -> dict[str, Any]:
+    response = httpx.get(f"http://{server.url}/v2/models/{model}/stats", timeout=30)
+    assert response.status_code == 200, response.text
+    stats: dict[str, Any] = response.json()["model_stats"][0]
+    return stats
+
+
+def test_direct_strategy_keeps_each_sequence_in_its_batch_slot(start_server: StartServer, make_repo: MakeRepo) -> None:
+    """As Triton 2.51 does (checked side by side): batch element i is slot i, empty slots below
+    the highest ready one hold null requests, and a new sequence takes the lowest free slot."""
+    server, backend = serve(start_server, make_repo, {"m": config("direct { }", 4)})
+    client = Client(server, "m", True)
+    try:
+        answers = [client.send(101, 1, start=True), client.send(102, 2, start=True),
+                   client.send(103, 3, start=True), client.send(103, 4), client.send(101, 5, end=True),
+                   client.send(104, 6, start=True), client.send(102, 7), client.send(104, 8)]
+    finally:
+        client.close()
+    assert answers == [1, 2, 3, 7, 6, 6, 9, 14]  # each sequence's own sum: null requests touch no state
+    assert backend.batches == [[101], [None, 102], [None, None, 103], [None, None, 103], [101],
+                               [104], [None, 102], [104]]  # 104 took slot 0, freed by 101's END
+    assert len(backend.nulls) == 6
+    for null in backend.nulls:  # READY, START and END false, CORRID 0, zero inputs, initial state
+        assert {name: value.tolist() for name, value in null.items()} == {
+            "INPUT": [[0]], "START": [[0]], "READY": [[0.0]], "END": [[False]], "CORRID": [[0]], "STATE_IN": [[0]]}
+        assert null["INPUT"].dtype == np.int32 and null["CORRID"].dtype == np.uint64
+    stats = statistics(server, "m")
+    assert (stats["inference_count"], stats["execution_count"]) == (8, 8)  # null requests are not inferences
+    assert stats["inference_stats"]["success"]["count"] == 8
+    # ... but the batch statistics count the batch the model executed, null requests included
+    assert {b["batch_size"]: b["compute_infer"]["count"] for b in stats["batch_stats"]} == {1: 4, 2: 2, 3: 2}
+
+
+def test_direct_strategy_batches_waiting_slots_of_one_shape(start_server: StartServer, make_repo: MakeRepo) -> None:
+    """Requests of busy slots wait for the instance and go together, each in its slot; a slot
+    whose request has other shapes than the lowest ready slot's holds a null request instead and
+    goes in the next batch."""
+    text = config("direct { }", 4, dims="-1")
+    server, backend = serve(start_server, make_repo, {"m": text})
+    client = httpclient.InferenceServerClient(server.url, concurrency=4)
+
+    def request(cid: int, values: list[int], start: bool = False, **kw: Any) -> Any:
+        data = np.array([values], dtype=np.int32)
+        inp = httpclient.InferInput("INPUT", list(data.shape), "INT32")
+        inp.set_data_from_numpy(data)
+        return client.async_infer("m", [inp], sequence_id=cid, sequence_start=start, **kw)
+
+    try:
+        for cid in (1, 2, 3):
+            request(cid, [0], start=True).get_result(timeout=60)
+        held = request(1, [0], parameters={"hold": True})  # slot 0 keeps the instance busy
+        assert backend.holding.wait(60), "the held request did not execute"
+        later = [request(2, [5, 5]), request(3, [7])]  # slot 1 and slot 2, two shapes
+        wait_for(lambda: server.server.dataplane.in_flight == 3, timeout=60, what="both to queue")
+        backend.release.set()
+        results = [r.get_result(timeout=60).as_numpy("OUTPUT").tolist() for r in (held, *later)]
+    finally:
+        client.close()
+    assert results == [[[0]], [[5, 5]], [[7]]]
+    assert backend.batches[3:] == [[1], [None, 2, None], [None, None, 3]]
+
+
+@pytest.mark.parametrize(
+    ("direct", "waits"),
+    [
+        ("max_queue_delay_microseconds: 120000000", False),  # no slot utilization: Triton ignores the delay
+        ("max_queue_delay_microseconds: 120000000 minimum_slot_utilization: 0.5", True),
+    ],
+)
+def test_direct_strategy_waits_only_for_a_slot_utilization(
+    start_server: StartServer, make_repo: MakeRepo, direct: str, waits: bool
+) -> None:
+    server, backend = serve(start_server, make_repo, {"m": config(f"direct {{ {direct} }}", 4)})
+    answers: dict[int, int] = {}
+
+    def sequence(cid: int) -> None:
+        client = Client(server, "m", True)
+        try:
+            answers[cid] = client.send(cid, cid, start=True)
+        finally:
+            client.close()
+
+    first = threading.Thread(target=sequence, args=(11,))
+    first.start()
+    if waits:  # 1 of 4 slots is under 0.5: it waits (up to the 120 s delay) for a second slot
+        wait_for(lambda: server.server.dataplane.in_flight == 1, timeout=60, what="the first request to arrive")
+        time.sleep(0.3)
+        assert backend.batches == [] and not answers
+        sequence(12)
+    first.join(60)
+    assert answers[11] == 11
+    if waits:
+        assert answers[12] == 12
+        assert [sorted(b, key=str) for b in backend.batches] == [[11, 12]]  # 2 of 4 slots ready: both go
+    else:
+        assert backend.batches == [[11]]
+
+
+def test_direct_strategy_sends_a_lone_slot_after_the_delay(start_server: StartServer, make_repo: MakeRepo) -> None:
+    direct = "direct { max_queue_delay_microseconds: 200000 minimum_slot_utilization: 1.0 }"
+    server, backend = serve(start_server, make_repo, {"m": config(direct, 4)})
+    client = Client(server, "m", True)
+    try:
+        begun = time.monotonic()
+        assert client.send(5, 3, start=True) == 3
+        waited = time.monotonic() - begun
+    finally:
+        client.close()
+    assert backend.batches == [[5]]
+    assert waited >= 0.2  # it waited for the delay: a lower bound, which a busy machine only raises
 
 
 @pytest.mark.parametrize("preserve", [True, False])

@@ -41,6 +41,22 @@ STOP = None
 Batch = Sequence[InferRequest]
 
 
+class SlotBatch(tuple[InferRequest, ...]):
+    """A batch in which some requests are null requests (``InferRequest.is_null``: the
+    direct sequence strategy's empty slots). The backend executes all of them; statistics count
+    only the others.
+
+    :ivar nulls: how many of its requests are null requests.
+    """
+
+    nulls: int
+
+    def __new__(cls, requests: Sequence[InferRequest], nulls: int) -> SlotBatch:
+        batch = super().__new__(cls, requests)
+        batch.nulls = nulls
+        return batch
+
+
 class Iterations(Protocol):
     """A scheduler of iterative sequences (``SequenceBatcher`` with ``iterative_sequence``);
     both calls come from the instance's worker thread after each execute."""
@@ -161,10 +177,16 @@ class InstanceWorker:
             return
         for request in live:
             request.finish = self._finish_response
-        stats = live[0].stats  # one model version per batch; None for uncounted (warmup) requests
+        counted = live
+        executed_size = 0  # the batch the backend sees, when it holds null requests
+        if type(batch) is SlotBatch and batch.nulls:
+            counted = [request for request in live if not request.is_null]
+            executed_size = sum(request.batch_size for request in live)
+        # one model version per batch; None for uncounted (warmup) requests
+        stats = counted[0].stats if counted else None
         start_ns = time.monotonic_ns()
         if stats is not None:
-            stats.begin(live, start_ns)
+            stats.begin(counted, start_ns)
         tracing = TRACING.on
         if tracing:
             mark_batch(live, "COMPUTE_START")
@@ -182,17 +204,17 @@ class InstanceWorker:
             self.last_execute_ns = end_ns - start_ns
         except Exception as exc:
             execution_board.leave(self._slot)
-            self._execute_failed(live, stats, start_ns, exc)
+            self._execute_failed(live, counted, executed_size, stats, start_ns, exc)
             return
         if tracing:
             mark_batch(live, "COMPUTE_OUTPUT_START")
         if results is None or len(results) != len(live):
-            self._results_missing(live, results, stats, start_ns, end_ns)
+            self._results_missing(live, counted, executed_size, results, stats, start_ns, end_ns)
             return
         # compute output: the responses are checked first, counted, then sent
         finished = self._answers(live, results)
         if stats is not None:
-            stats.executed(live, start_ns, end_ns, ready_ns=time.monotonic_ns())
+            stats.executed(counted, start_ns, end_ns, ready_ns=time.monotonic_ns(), executed_size=executed_size)
         for request, answer in finished:
             request.reply(answer)
 
@@ -219,13 +241,16 @@ class InstanceWorker:
         )
 
     def _execute_failed(
-        self, live: list[InferRequest], stats: ModelStats | None, start_ns: int, exc: Exception
+        self, live: list[InferRequest], counted: list[InferRequest], executed_size: int,
+        stats: ModelStats | None, start_ns: int, exc: Exception,
     ) -> None:
-        """Execute raised: count the execution (failed), answer every request with the error."""
+        """Execute raised: count the execution (failed), answer every request with the error.
+        ``counted``: the requests statistics count; ``executed_size``: the batch size the backend
+        executed when it held null requests (0: that of ``counted``)."""
         end_ns = time.monotonic_ns()
         self.last_execute_ns = end_ns - start_ns  # a slow failure is slow too
         if stats is not None:  # an execution all the same (Triton counts it and its batch)
-            stats.executed(live, start_ns, end_ns, failed=True)
+            stats.executed(counted, start_ns, end_ns, failed=True, executed_size=executed_size)
         # One record per failed execute: with the traceback of what the model raised (a
         # backend's InferError carries it as its cause), none for an InferError of its own.
         cause = exc.__cause__ if isinstance(exc, InferError) else exc
@@ -237,13 +262,14 @@ class InstanceWorker:
                 request.reply(error)
 
     def _results_missing(
-        self, live: list[InferRequest], results: Sequence[object] | None, stats: ModelStats | None,
-        start_ns: int, end_ns: int,
+        self, live: list[InferRequest], counted: list[InferRequest], executed_size: int,
+        results: Sequence[object] | None, stats: ModelStats | None, start_ns: int, end_ns: int,
     ) -> None:
         """Execute returned None (answers sent, or to come) or a result count that does not
-        match the batch (every request fails)."""
+        match the batch (every request fails). ``counted``, ``executed_size``: as for
+        ``_execute_failed``."""
         if stats is not None:
-            stats.executed(live, start_ns, end_ns)
+            stats.executed(counted, start_ns, end_ns, executed_size=executed_size)
         if results is None:
             self._check_senders(live)
             return

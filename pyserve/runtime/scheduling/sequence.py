@@ -6,10 +6,18 @@ pinned to one model instance from START to END, and each execute carries at most
 request per sequence, so a sequence's requests run strictly one after another on the
 instance that holds its state.
 
-* ``direct``: an instance holds ``max(max_batch_size, 1)`` sequences at once (its slots);
-  sequences beyond that wait in a backlog until a slot frees. A batch is the next request of
-  each ready slot, sent when every slot with work is included or after
-  ``max_queue_delay_microseconds``.
+* ``direct``: an instance holds ``max(max_batch_size, 1)`` sequences at once, each in a batch
+  slot of its own (the lowest free slot index, across instances) from START to END; sequences
+  beyond that wait in a backlog until a slot frees. A batch holds slots ``0..k``, where ``k``
+  is the highest slot with a queued request, and element ``i`` of the batch is slot ``i``: a
+  slot with nothing queued (or whose request's shapes differ from the lowest ready slot's) gets
+  a null request, as in Triton, so a model that keeps state per batch slot sees every sequence
+  in its place. A null request has the inputs of the lowest ready slot's request filled with
+  zeros (empty BYTES), READY (and START/END) false, CORRID 0, the initial state, no requested
+  outputs; its response is dropped and it is counted nowhere. A batch goes as soon as one slot
+  is ready, unless ``minimum_slot_utilization`` and ``max_queue_delay_microseconds`` are both
+  set: then it waits until that fraction of ``max_batch_size`` slots is ready or its oldest
+  request waited that long (Triton ignores the delay otherwise).
 * ``oldest``: an instance holds up to ``max_candidate_sequences`` sequences; batches take
   the oldest requests across them, honouring ``preferred_batch_size`` and
   ``max_queue_delay_microseconds`` like the dynamic batcher; with ``preserve_ordering``
@@ -42,6 +50,7 @@ import numpy as np
 from pyserve.api import datatypes
 from pyserve.api.errors import InferError
 from pyserve.api.inference import (
+    NULL_SENDER,
     SEQUENCE_END,
     SEQUENCE_START,
     InferRequest,
@@ -50,7 +59,7 @@ from pyserve.api.inference import (
 from pyserve.protocol import data_type_name
 from pyserve.repository.model_config import ModelIO, kind_name
 from pyserve.runtime.scheduling.dynamic import OrderGate
-from pyserve.runtime.scheduling.instance import STOP, Batch
+from pyserve.runtime.scheduling.instance import STOP, Batch, SlotBatch
 
 _CONTROL_FLAG = {"CONTROL_SEQUENCE_START": SEQUENCE_START, "CONTROL_SEQUENCE_END": SEQUENCE_END}
 
@@ -75,6 +84,7 @@ class _StateSpec:
 class _Sequence:
     correlation_id: int | str
     instance: int = -1
+    slot: int = -1  # direct strategy: its batch slot on that instance
     pending: deque[InferRequest] = field(default_factory=deque)
     state: dict[str, np.ndarray] = field(default_factory=dict)
     last_active_ns: int = 0
@@ -165,6 +175,8 @@ class SequenceBatcher:
             self.slots = self.max_batch_size
             self.max_delay_ns = int(seq.direct.max_queue_delay_microseconds) * 1000
             self.preferred = []
+        # direct: wait for this share of max_batch_size slots, up to max_delay_ns (0: never wait)
+        self.min_utilization = float(seq.direct.minimum_slot_utilization) if strategy == "direct" else 0.0
         self.idle_ns = int(seq.max_sequence_idle_microseconds or 1_000_000) * 1000
         self._controls = _controls(config)
         self._numeric_corrid = next(
@@ -176,6 +188,10 @@ class SequenceBatcher:
         self._instances = max(instances, 1)
         self._sequences: dict[int | str, _Sequence] = {}
         self._per_instance: list[list[_Sequence]] = [[] for _ in range(self._instances)]
+        # direct: each instance's batch slots, the sequence seated in each (None: free)
+        self._seats: list[list[_Sequence | None]] = (
+            [[None] * self.slots for _ in range(self._instances)] if strategy == "direct" else []
+        )
         self._backlog: deque[_Sequence] = deque()
         self._cond = threading.Condition(threading.Lock())
         self._stopping = False
@@ -304,6 +320,8 @@ class SequenceBatcher:
     # -- instance thread side ----------------------------------------------------------------
     def batch_source(self, index: int) -> Any:
         """The blocking ``next_batch`` of instance ``index``."""
+        if self.strategy == "direct":
+            return lambda: self._next_slot_batch(index)
         return lambda: self._next_batch(index)
 
     def observe(self, request: InferRequest, response: InferResponse) -> None:
@@ -334,8 +352,6 @@ class SequenceBatcher:
                 chosen, size, full = self._candidate(ready)
                 oldest = ready[0].pending[0].arrival_ns
                 due = full or self._stopping or self.max_delay_ns == 0 or now >= oldest + self.max_delay_ns
-                if self.strategy == "direct" and len(chosen) == len([s for s in self._per_instance[index]]):
-                    due = True  # every slot of the instance has its next request
                 if not due and self.preferred and any(p <= size for p in self.preferred):
                     target = max(p for p in self.preferred if p <= size)
                     chosen = self._trim(chosen, target)
@@ -343,6 +359,73 @@ class SequenceBatcher:
                 if due:
                     return tuple(self._dispatch(s) for s in chosen)
                 self._cond.wait(max(oldest + self.max_delay_ns - now, 0) / 1e9)
+
+    def _next_slot_batch(self, index: int) -> Batch | None:
+        """The direct strategy's next batch of instance ``index``: slots ``0..k`` in order."""
+        seats = self._seats[index]
+        with self._cond:
+            while True:
+                now = time.monotonic_ns()
+                self._expire_idle(now)
+                ready = [s for s in seats if s is not None and s.pending]
+                if not ready:
+                    if self._stopping and not self._backlog_for_pending():
+                        return STOP
+                    self._cond.wait(self._idle_wait(index, now))
+                    continue
+                wait_ns = self._slot_wait_ns(ready, now)
+                if wait_ns <= 0:
+                    return self._slot_batch(seats, ready)
+                self._cond.wait(wait_ns / 1e9)
+
+    def _slot_wait_ns(self, ready: list[_Sequence], now: int) -> int:
+        """How much longer the direct strategy waits for more slots (0 or less: send now)."""
+        if self._stopping or self.max_delay_ns == 0 or self.min_utilization == 0.0:
+            return 0
+        if len(ready) / self.max_batch_size >= self.min_utilization:
+            return 0
+        oldest = min(s.pending[0].arrival_ns for s in ready)
+        return oldest + self.max_delay_ns - now
+
+    def _slot_batch(self, seats: list[_Sequence | None], ready: list[_Sequence]) -> SlotBatch:
+        """Slots ``0..k`` (``k`` the highest ready slot): each ready one's next request, a null
+        request where a slot has none or its shapes differ from the lowest ready slot's."""
+        head = ready[0].pending[0]  # seats are in slot order: the lowest ready slot
+        signature = self._signature(head)
+        model_inputs = {name: array for name, array in head.inputs.items()}
+        highest = ready[-1].slot
+        batch: list[InferRequest] = []
+        nulls = 0
+        for slot in range(highest + 1):
+            sequence = seats[slot]
+            if sequence is not None and sequence.pending and self._signature(sequence.pending[0]) == signature:
+                batch.append(self._dispatch(sequence))
+            else:
+                batch.append(self._null_request(head, model_inputs))
+                nulls += 1
+        return SlotBatch(batch, nulls)
+
+    def _null_request(self, like: InferRequest, model_inputs: dict[str, np.ndarray]) -> InferRequest:
+        """A request that holds a batch slot without a sequence request in it (Triton's null
+        request): ``like``'s inputs as zeros, READY false, CORRID 0, initial state."""
+        inputs = {
+            name: (np.full(array.shape, b"", dtype=object) if array.dtype == object
+                   else np.zeros(array.shape, dtype=array.dtype))
+            for name, array in model_inputs.items()
+        }
+        null = InferRequest(self.model_name, like.model_version, inputs, (), batch_size=like.batch_size)
+        null.attach_sender(NULL_SENDER)
+        batch = (like.batch_size,) if self._batching else ()
+        control_shape = (*batch, 1)
+        for control in self._controls:
+            if control.kind == "CONTROL_SEQUENCE_CORRID":
+                value: Any = b"" if control.dtype == np.dtype(object) else 0
+            else:
+                value = control.false_true[0]
+            inputs[control.input_name] = np.full(control_shape, value, dtype=control.dtype)
+        for spec in self._states:
+            inputs[spec.input_name] = np.broadcast_to(spec.initial, (*batch, *spec.initial.shape)) if batch else spec.initial
+        return null
 
     def _candidate(self, ready: list[_Sequence]) -> tuple[list[_Sequence], int, bool]:
         chosen: list[_Sequence] = []
@@ -406,6 +489,9 @@ class SequenceBatcher:
 
     # -- slots, backlog, expiry --------------------------------------------------------------
     def _assign(self, sequence: _Sequence, front: bool = False) -> None:
+        if self._seats:
+            self._seat(sequence, front)
+            return
         counts = [len(s) for s in self._per_instance]
         index = min(range(self._instances), key=counts.__getitem__)
         if counts[index] >= self.slots:
@@ -417,11 +503,32 @@ class SequenceBatcher:
         sequence.instance = index
         self._per_instance[index].append(sequence)
 
+    def _seat(self, sequence: _Sequence, front: bool) -> None:
+        """Direct strategy: the lowest free slot index of any instance, else the backlog."""
+        for slot in range(self.slots):
+            for index, seats in enumerate(self._seats):
+                if seats[slot] is None:
+                    seats[slot] = sequence
+                    sequence.instance, sequence.slot = index, slot
+                    self._per_instance[index].append(sequence)
+                    return
+        if front:
+            self._backlog.appendleft(sequence)
+        else:
+            self._backlog.append(sequence)
+
+    def _unseat(self, sequence: _Sequence) -> None:
+        """Take the sequence off its instance (and its slot)."""
+        self._per_instance[sequence.instance].remove(sequence)
+        if self._seats and sequence.slot >= 0:
+            self._seats[sequence.instance][sequence.slot] = None
+            sequence.slot = -1
+
     def _release(self, sequence: _Sequence, keep_record: bool = False) -> None:
         if sequence.instance >= 0 and sequence in self._per_instance[sequence.instance]:
             if sequence.pending:
                 return  # still has queued requests (after END nothing more can join)
-            self._per_instance[sequence.instance].remove(sequence)
+            self._unseat(sequence)
         if not keep_record and self._sequences.get(sequence.correlation_id) is sequence:
             del self._sequences[sequence.correlation_id]
         while self._backlog:
@@ -437,7 +544,7 @@ class SequenceBatcher:
                 continue
             if sequence.ended or self._stopping or now - sequence.last_active_ns >= self.idle_ns:
                 if sequence.instance >= 0 and sequence in self._per_instance[sequence.instance]:
-                    self._per_instance[sequence.instance].remove(sequence)
+                    self._unseat(sequence)
                 if sequence in self._backlog:
                     self._backlog.remove(sequence)
                 del self._sequences[cid]
