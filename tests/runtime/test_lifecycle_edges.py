@@ -6,8 +6,10 @@ Real servers on loopback ports, real ``tritonclient`` calls.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from google.protobuf import json_format, text_format
-from suite_support import write_model
+from suite_support import wait_for, write_model
 from tritonclient.utils import InferenceServerException
 
 import pyserve
@@ -281,3 +283,33 @@ def test_an_ensemble_follows_its_step_model_out_and_back(start_server: StartServ
         client.close()
     assert infer(server, "ens", data).tolist() == [[1.0, 1.0]]
     assert infer(server, "outer", data).tolist() == [[1.0, 1.0]]
+
+
+class InputWatcher(pyserve.Backend):
+    """Answers OUT = IN * 2 (a new array) and keeps only a weak reference to each input."""
+
+    def __init__(self) -> None:
+        self.inputs: list[weakref.ref[np.ndarray]] = []
+
+    def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[Any]:
+        self.inputs.extend(weakref.ref(request.inputs["IN"]) for request in requests)
+        return [InferResponse({"OUT": request.inputs["IN"] * 2}) for request in requests]
+
+
+@pytest.mark.parametrize("batching", ["", "dynamic_batching { }"])
+def test_an_idle_instance_lets_go_of_the_requests_it_answered(
+    start_server: StartServer, tmp_path: Path, batching: str
+) -> None:
+    """The last batch's inputs (a 1 GiB tensor, say) are freed once answered, not kept by the
+    idle instance until its next request."""
+    write_model(tmp_path, "m", config(batching).replace('"echo"', '"watch"'))
+    backend = InputWatcher()
+    server = start_server(tmp_path, backends={"watch": backend})
+    assert infer(server, "m", np.ones((1, 2), dtype=np.float32)).tolist() == [[2.0, 2.0]]
+    assert len(backend.inputs) == 1
+
+    def freed() -> bool:
+        gc.collect()
+        return backend.inputs[0]() is None
+
+    wait_for(freed, timeout=60, what="the answered request's input to be freed")

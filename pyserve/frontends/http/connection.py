@@ -321,7 +321,15 @@ class HttpProtocol(asyncio.Protocol):
                 request.complete = True
                 self._next()
                 return
-            request.chunks.append(body)
+            chunks = request.chunks
+            if not chunks:
+                chunks.append(body)  # the usual case: the whole body in one piece, used as it is
+            elif type(chunks[0]) is bytes:  # a second piece: from here on one growing buffer, not
+                joined = bytearray(chunks[0])  # a list joined at the end (which held the body twice)
+                joined += body
+                chunks[0] = joined
+            else:
+                chunks[0] += body  # grows in place (realloc), each byte copied once
             return
         request.chunks.append(body)
         request.wake()

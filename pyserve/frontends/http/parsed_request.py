@@ -36,7 +36,9 @@ class ParsedRequest:
         self.keep_alive = True
         self.expect_continue = False
         self.target: tuple[str, str | None] | None = None  # (model, version) for native infer
-        self.chunks: list[bytes] = []
+        # the body: pieces for ASGI routes; for native infer one piece, a bytearray once a
+        # second piece arrived (grown in place, so the body is never held twice)
+        self.chunks: list[bytes | bytearray] = []
         self.buffered = 0  # body bytes received (native infer) or buffered unconsumed (ASGI)
         self.complete = False  # the whole message has been parsed
         self.early: Reply | None = None  # an answer decided before the body (error, 403)

@@ -150,6 +150,9 @@ class InstanceWorker:
             finally:
                 if rate is not None:
                     rate[0].release(rate[1])
+            # let the batch go now: kept until the next one arrives, an idle instance would hold
+            # the last requests' inputs (a 1 GiB tensor) for as long as it stays idle
+            batch = None
 
     def _execute_iteration(self, batch: Batch, iterations: Iterations) -> None:
         """One iteration of iterative sequences: requests the backend rescheduled (and left
