@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import orjson
@@ -25,6 +25,7 @@ from pyserve.dataplane.shared_memory import (
     ShmTarget,
     write_output,
 )
+from pyserve.frontends.http.wire import SINGLE_WRITE_LIMIT, BodyParts
 from pyserve.repository.model_config import ModelIO, TensorSpec
 from pyserve.repository.tensor_checks import (
     byte_size_mismatch,
@@ -445,10 +446,27 @@ def _decode_outputs(
     return outputs
 
 
+@overload
 def encode_infer(
-    response: InferResponse, decoded: DecodedRequest, model: ModelVersion
-) -> tuple[bytes, dict[str, str]]:
-    """The HTTP body and headers for a successful response."""
+    response: InferResponse, decoded: DecodedRequest, model: ModelVersion, parts: Literal[False] = False
+) -> tuple[bytes, dict[str, str]]: ...
+
+
+@overload
+def encode_infer(
+    response: InferResponse, decoded: DecodedRequest, model: ModelVersion, parts: bool
+) -> tuple[bytes | BodyParts, dict[str, str]]: ...
+
+
+def encode_infer(
+    response: InferResponse, decoded: DecodedRequest, model: ModelVersion, parts: bool = False
+) -> tuple[bytes | BodyParts, dict[str, str]]:
+    """The HTTP body and headers for a successful response.
+
+    :param parts: the caller writes a ``BodyParts`` itself: a body over ``SINGLE_WRITE_LIMIT``
+        with binary outputs is then the JSON header and views of the outputs, not joined.
+        Otherwise the body is always ``bytes``.
+    """
     io = model.io
     assert io is not None
     request = decoded.request
@@ -494,8 +512,12 @@ def encode_infer(
         json_bytes = _with_non_finite(header)
     if not blobs:
         return json_bytes, {"content-type": JSON_TYPE}
-    body = b"".join([json_bytes, *blobs])
-    return body, {"content-type": BINARY_TYPE, HEADER_LENGTH: str(len(json_bytes))}
+    out_headers = {"content-type": BINARY_TYPE, HEADER_LENGTH: str(len(json_bytes))}
+    if parts:
+        body = BodyParts([json_bytes, *blobs])
+        if body.size > SINGLE_WRITE_LIMIT:
+            return body, out_headers
+    return b"".join([json_bytes, *blobs]), out_headers
 
 
 def _to_wire_bytes(array: np.ndarray, datatype: str) -> bytes | memoryview:

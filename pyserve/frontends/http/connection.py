@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import socket
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import httptools
@@ -37,7 +37,14 @@ from pyserve.frontends.http.asgi_bridge import AsgiCycle
 from pyserve.frontends.http.body import too_large
 from pyserve.frontends.http.errors import JSON_HEADERS, error_body, error_reply
 from pyserve.frontends.http.parsed_request import ParsedRequest
-from pyserve.frontends.http.wire import CONTINUE, JSON_HEADS, SINGLE_WRITE_LIMIT, status_line
+from pyserve.frontends.http.wire import (
+    CONTINUE,
+    JSON_HEADS,
+    SINGLE_WRITE_LIMIT,
+    WRITE_PIECE,
+    BodyParts,
+    status_line,
+)
 from pyserve.runtime.scheduling import client_activity
 
 if TYPE_CHECKING:
@@ -86,6 +93,10 @@ class HttpProtocol(asyncio.Protocol):
         self.reading_paused = False
         self.write_paused = False
         self.drain_waiters: list[asyncio.Future[None]] = []
+        # a large body still to write, in order, piece by piece as the transport takes it
+        # (None: nothing waits); what is written meanwhile goes behind it
+        self.outgoing: deque[memoryview] | None = None
+        self.close_when_written = False  # close() came while ``outgoing`` was still writing
         # One lazy timer per connection: answering a request only moves ``deadline`` (no timer
         # handle is made or cancelled per request); the timer re-arms itself when it fires early.
         self.deadline: float | None = None  # loop time when ``deadline_action`` runs
@@ -135,6 +146,7 @@ class HttpProtocol(asyncio.Protocol):
         # headers) now, rather than at the next full garbage collection
         self.parser = None
         self.current = None
+        self.outgoing = None
         for waiter in self.drain_waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -149,6 +161,10 @@ class HttpProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self.outgoing is not None:
+            self._write_outgoing()
+            if self.outgoing is not None:  # paused again: drain waiters go on waiting
+                return
         for waiter in self.drain_waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -402,7 +418,7 @@ class HttpProtocol(asyncio.Protocol):
             request.asgi.disconnected()
 
     def _write_reply(
-        self, request: ParsedRequest, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
+        self, request: ParsedRequest, status: int, body: bytes | BodyParts, headers: list[tuple[bytes, bytes]]
     ) -> None:
         """Write a whole answer in one go, then move on to the next request."""
         transport = self.transport
@@ -425,10 +441,12 @@ class HttpProtocol(asyncio.Protocol):
         elif request.http_version == "1.0":
             parts.append(b"connection: keep-alive\r\n")
         parts.append(b"\r\n")
-        if len(body) <= SINGLE_WRITE_LIMIT:
+        if isinstance(body, BodyParts):  # a JSON header and large binary tensors: never joined
+            self.writelines([b"".join(parts), *body.buffers])
+        elif len(body) <= SINGLE_WRITE_LIMIT:
             parts.append(body)
             whole = b"".join(parts)
-            if len(self.server.connections) > 1:
+            if len(self.server.connections) > 1 and self.outgoing is None:
                 self.server.queue_reply(self, whole)
             else:
                 self.write(whole)
@@ -438,18 +456,57 @@ class HttpProtocol(asyncio.Protocol):
         self.finish(request)
 
     def write(self, data: bytes) -> None:
-        """Write ``data`` now, after any answer of this connection still queued."""
+        """Write ``data`` now, after any answer of this connection still queued or writing."""
         if self.queued:
             self.server.flush_replies()
-        if self.transport is not None:
+        if self.outgoing is not None:
+            self.outgoing.append(memoryview(data))
+        elif self.transport is not None:
             self.transport.write(data)
 
-    def writelines(self, parts: list[bytes]) -> None:
-        """Write ``parts`` now (large bodies: not joined), after any answer still queued."""
+    def writelines(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        """Write ``parts`` in order, after any answer still queued or writing. Large parts are
+        neither joined nor copied into the transport's buffer: they go out in pieces of
+        ``WRITE_PIECE`` bytes while the transport takes them (``pause_writing`` stops, and
+        ``resume_writing`` goes on), so a 1 GiB tensor is never held twice."""
         if self.queued:
             self.server.flush_replies()
-        if self.transport is not None:
-            self.transport.writelines(parts)
+        transport = self.transport
+        if transport is None or self.closed:
+            return
+        outgoing = self.outgoing
+        for part in parts:
+            if outgoing is None and len(part) <= WRITE_PIECE:
+                transport.write(part)
+                continue
+            if outgoing is None:
+                outgoing = self.outgoing = deque()
+            view = memoryview(part)
+            outgoing.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+        if outgoing is not None and not self.write_paused:
+            self._write_outgoing()
+
+    def _write_outgoing(self) -> None:
+        """Hand ``outgoing`` to the transport a piece at a time until it pauses or all is out."""
+        outgoing = self.outgoing
+        transport = self.transport
+        if outgoing is None:
+            return
+        if transport is None or self.closed or transport.is_closing():
+            self.outgoing = None
+            return
+        while outgoing and not self.write_paused:
+            view = outgoing[0]
+            if len(view) <= WRITE_PIECE:
+                outgoing.popleft()
+                transport.write(view)
+            else:
+                outgoing[0] = view[WRITE_PIECE:]
+                transport.write(view[:WRITE_PIECE])
+        if not outgoing:
+            self.outgoing = None
+            if self.close_when_written:
+                transport.close()
 
     def finish(self, request: ParsedRequest) -> None:
         """``request`` is answered: close, or go on with the next one."""
@@ -470,6 +527,9 @@ class HttpProtocol(asyncio.Protocol):
         """Close the connection once what was written (or queued) is flushed."""
         if self.queued:
             self.server.flush_replies()
+        if self.outgoing is not None:  # a large body is still going out: close after it
+            self.close_when_written = True
+            return
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from time import monotonic_ns
-from typing import Any
+from typing import Any, cast
 
 from pyserve.api.errors import InferError
 from pyserve.api.inference import FutureSender, InferRequest, InferResponse
@@ -33,6 +33,7 @@ from pyserve.frontends.http.codec import (
     parse_header_length,
 )
 from pyserve.frontends.http.errors import JSON_HEADERS, Reply, error_reply
+from pyserve.frontends.http.wire import BodyParts
 from pyserve.repository.scan import is_version_number
 from pyserve.runtime.versions import ModelVersion
 
@@ -181,16 +182,30 @@ def encode_reply(
 
     :raises InferError: the model answered an error, or the response cannot be encoded.
     """
+    status, content, headers = encode_reply_parts(result, decoded, model, decode_ns, accept_encoding, parts=False)
+    return status, cast(bytes, content), headers
+
+
+def encode_reply_parts(
+    result: InferResponse | InferError, decoded: DecodedRequest, model: ModelVersion, decode_ns: int,
+    accept_encoding: bytes | None, parts: bool = True,
+) -> tuple[int, bytes | BodyParts, list[tuple[bytes, bytes]]]:
+    """``encode_reply`` for a caller that writes a ``BodyParts`` body itself (the native HTTP
+    server): a large binary answer is its JSON header and views of the outputs, not one copy.
+
+    :raises InferError: as ``encode_reply``.
+    """
     if isinstance(result, InferError):
         raise result
-    content, out_headers = encode_infer(result, decoded, model)
+    content, out_headers = encode_infer(result, decoded, model, parts=parts)
     if len(out_headers) == 1 and out_headers.get("content-type") == JSON_TYPE:
         raw_headers = JSON_HEADERS  # the usual answer: shared, never mutated
     else:
         raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out_headers.items()]
     if accept_encoding:
-        content, applied = compress(content, accept_encoding.decode("latin-1"))
+        compressed, applied = compress(bytes(content), accept_encoding.decode("latin-1"))
         if applied:
+            content = compressed
             raw_headers = [*raw_headers, (b"content-encoding", applied.encode("latin-1"))]
     request = decoded.request
     if request.stats is not None:

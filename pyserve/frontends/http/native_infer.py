@@ -33,7 +33,7 @@ from pyserve.frontends.http.fast_infer import (
     Headers,
     declared_infer_body,
     decode_request,
-    encode_reply,
+    encode_reply_parts,
     route,
     submit_request,
 )
@@ -159,7 +159,7 @@ class InferHttpProtocol(HttpProtocol):
         if result is None:  # cancelled by a disconnect
             return
         try:
-            reply = encode_reply(result, decoded, model, decode_ns, headers.get(b"accept-encoding"))
+            reply = encode_reply_parts(result, decoded, model, decode_ns, headers.get(b"accept-encoding"))
         except InferError as exc:
             reply = error_reply(exc)
         except Exception as exc:  # noqa: BLE001 - a bug: answer 500, keep serving

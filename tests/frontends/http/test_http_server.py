@@ -512,3 +512,50 @@ def test_a_client_gone_mid_body_is_not_a_server_error(
     with _connect(server) as sock:  # still serving
         sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
         assert sock.recv(100).startswith(b"HTTP/1.1 200")
+
+
+def _binary_request(values: np.ndarray, extra: bytes = b"") -> bytes:
+    header = orjson.dumps({
+        "inputs": [{"name": "IN", "datatype": "FP32", "shape": [values.size],
+                    "parameters": {"binary_data_size": values.nbytes}}],
+        "outputs": [{"name": "OUT", "parameters": {"binary_data": True}}],
+    })
+    return (b"POST /v2/models/ident/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+            + extra + b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\n\r\n"
+            % (len(header), len(header) + values.nbytes) + header + values.tobytes())
+
+
+def _binary_output(headers: dict[str, str], body: bytes) -> np.ndarray:
+    json_length = int(headers["inference-header-content-length"])
+    size = orjson.loads(body[:json_length])["outputs"][0]["parameters"]["binary_data_size"]
+    assert len(body) == json_length + size
+    return np.frombuffer(body[json_length:], dtype=np.float32)
+
+
+def test_large_binary_answers_reach_a_slow_reader_whole_and_in_order(server: ServerThread) -> None:
+    """Answers larger than the socket buffers go out piece by piece as the client reads them
+    (not copied into the transport first): each whole and in order, also when the answers of
+    pipelined requests wait behind them, and a ``Connection: close`` one before the close."""
+    first = np.arange(3 << 20, dtype=np.float32)  # 12 MiB
+    last = -np.arange(5 << 19, dtype=np.float32)  # 10 MiB
+    with _connect(server) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        data = (_binary_request(first) + _infer_request(_body("small", (4.0, 5.0)))
+                + _binary_request(last, extra=b"Connection: close\r\n"))
+        # sent from a thread: the server stops reading while it cannot write (backpressure)
+        sender = threading.Thread(target=sock.sendall, args=(data,), daemon=True)
+        sender.start()
+        time.sleep(0.5)  # nothing read yet: the server's writes to this connection pause
+        reader = Reader(sock)
+        status, headers, body = reader.response()
+        assert status == 200
+        assert np.array_equal(_binary_output(headers, body), first)
+        status, _, body = reader.response()
+        assert status == 200
+        assert orjson.loads(body)["id"] == "small"
+        assert orjson.loads(body)["outputs"][0]["data"] == [4.0, 5.0]
+        status, headers, body = reader.response()
+        assert status == 200 and headers.get("connection") == "close"
+        assert np.array_equal(_binary_output(headers, body), last)
+        assert reader.closed()
+        sender.join(60)
