@@ -12,8 +12,12 @@ refused at load (see ``pyserve.repository.model_config.validate``).
 Counts for metrics and statistics: ``ResponseCache.add_listener(fn)`` registers
 ``fn(model_name, model_version, hit, duration_ns)``, called once per lookup of a cached
 model: on a hit with the lookup time, on a miss (when the response is stored, or failed)
-with lookup + insert time. ``ResponseCache.counts(model, version)`` returns running totals.
-Listeners run on the event loop (hits) or on instance threads (misses) and must be quick.
+with lookup + insert time (not the execute between them, as Triton counts it).
+``ResponseCache.counts(model, version)`` returns running totals per model version,
+``ResponseCache.totals()`` the server's (lookups, hits, misses, lookup and insert time) and
+``ResponseCache.occupancy()`` the store's entries, utilization and evictions (Triton's
+``nv_cache_*`` gauges). Listeners run on the event loop (hits) or on instance threads (misses)
+and must be quick.
 """
 
 from __future__ import annotations
@@ -52,6 +56,26 @@ class CacheCounts:
     miss_ns: int = 0
 
 
+@dataclass
+class CacheTotals:
+    """Running totals of the whole cache (every model)."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    lookup_ns: int = 0
+    insert_ns: int = 0
+
+
+@dataclass(frozen=True)
+class CacheOccupancy:
+    """What a store holds: entries, the share of its byte budget used, entries evicted so far."""
+
+    entries: int
+    utilization: float
+    evictions: int
+
+
 class CacheStore(Protocol):
     """Where entries live: bytes keys → ``InferResponse`` values."""
 
@@ -83,6 +107,7 @@ class LocalCache:
             raise CacheConfigError("the local cache needs size=<bytes> greater than 0")
         self.size = size
         self.used = 0
+        self.evictions = 0
         self._entries: OrderedDict[bytes, tuple[InferResponse, int]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -110,6 +135,7 @@ class LocalCache:
             while self._entries and self.used + cost > self.size:
                 _, (_, evicted) = self._entries.popitem(last=False)
                 self.used -= evicted
+                self.evictions += 1
             self._entries[key] = (stored, cost)
             self.used += cost
 
@@ -208,8 +234,8 @@ def request_key(request: InferRequest) -> bytes:
         update(repr(array.shape).encode())
         if array.dtype == object:
             update(encode_bytes_elements(array))
-        else:
-            update(memoryview(np.ascontiguousarray(array)).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer (numpy's stubs say so from Python 3.12)
+        else:  # its bytes as a flat byte view (also of an empty array, e.g. shape [0, 3])
+            update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
     update(b"\1")
     for name in request.requested_outputs:
         update(name.encode())
@@ -218,23 +244,27 @@ def request_key(request: InferRequest) -> bytes:
 
 
 class _StoringSender:
-    """Wraps a request's sender: stores its successful final response, reports the miss."""
+    """Wraps a request's sender: stores its successful final response, reports the miss with
+    the lookup and insert time."""
 
-    __slots__ = ("_cache", "_inner", "_key", "_request", "_start")
+    __slots__ = ("_cache", "_inner", "_key", "_lookup_ns", "_request")
 
-    def __init__(self, cache: ResponseCache, request: InferRequest, key: bytes, start: int) -> None:
+    def __init__(self, cache: ResponseCache, request: InferRequest, key: bytes, lookup_ns: int) -> None:
         self._cache = cache
         self._inner = request.attached_sender()
         self._request = request
         self._key = key
-        self._start = start
+        self._lookup_ns = lookup_ns
 
     def send(self, response: InferResponse | InferError | None, final: bool) -> None:
-        if final and isinstance(response, InferResponse):
-            self._cache.store.put(self._key, response)
         if final:
+            insert_ns = 0
+            if isinstance(response, InferResponse):
+                start = time.perf_counter_ns()
+                self._cache.store.put(self._key, response)
+                insert_ns = time.perf_counter_ns() - start
             request = self._request
-            self._cache._report(request.model_name, request.model_version, False, time.perf_counter_ns() - self._start)
+            self._cache._report(request.model_name, request.model_version, False, self._lookup_ns, insert_ns)
         self._inner.send(response, final)
 
     def is_cancelled(self) -> bool:
@@ -244,6 +274,9 @@ class _StoringSender:
 class ResponseCache:
     """The server's response cache: a store plus hit/miss accounting.
 
+    Thread-safety: ``serve`` runs on the event loop; the stored responses' senders report from
+    instance threads; ``counts``, ``totals`` and ``occupancy`` may be called from any thread.
+
     :param store: where entries are kept (``LocalCache`` or ``RedisCache``).
     """
 
@@ -251,6 +284,7 @@ class ResponseCache:
         self.store = store
         self._listeners: list[CacheListener] = []
         self._counts: dict[tuple[str, int], CacheCounts] = {}
+        self._totals = CacheTotals()
         self._lock = threading.Lock()
 
     def add_listener(self, listener: CacheListener) -> None:
@@ -263,6 +297,19 @@ class ResponseCache:
             counts = self._counts.get((model, version))
             return CacheCounts(**vars(counts)) if counts is not None else CacheCounts()
 
+    def totals(self) -> CacheTotals:
+        """The server's totals over every model (a copy)."""
+        with self._lock:
+            return CacheTotals(**vars(self._totals))
+
+    def occupancy(self) -> CacheOccupancy | None:
+        """The local store's entries, utilization and evictions; None for a store that does not
+        keep them here (redis)."""
+        store = self.store
+        if not isinstance(store, LocalCache):
+            return None
+        return CacheOccupancy(len(store), store.used / store.size, store.evictions)
+
     def serve(self, request: InferRequest) -> bool:
         """Answer ``request`` from the cache if possible (its sender must be attached).
 
@@ -272,24 +319,32 @@ class ResponseCache:
         start = time.perf_counter_ns()
         key = request_key(request)
         response = self.store.get(key)
+        lookup_ns = time.perf_counter_ns() - start
         if response is not None:
-            self._report(request.model_name, request.model_version, True, time.perf_counter_ns() - start)
+            self._report(request.model_name, request.model_version, True, lookup_ns, 0)
             request.reply(response)
             return True
-        request.attach_sender(_StoringSender(self, request, key, start))
+        request.attach_sender(_StoringSender(self, request, key, lookup_ns))
         return False
 
-    def _report(self, model: str, version: int, hit: bool, duration_ns: int) -> None:
+    def _report(self, model: str, version: int, hit: bool, lookup_ns: int, insert_ns: int) -> None:
+        duration_ns = lookup_ns + insert_ns
         with self._lock:
             counts = self._counts.get((model, version))
             if counts is None:
                 counts = self._counts[(model, version)] = CacheCounts()
+            totals = self._totals
+            totals.lookups += 1
+            totals.lookup_ns += lookup_ns
+            totals.insert_ns += insert_ns
             if hit:
                 counts.hits += 1
                 counts.hit_ns += duration_ns
+                totals.hits += 1
             else:
                 counts.misses += 1
                 counts.miss_ns += duration_ns
+                totals.misses += 1
         for listener in self._listeners:
             listener(model, version, hit, duration_ns)
 

@@ -12,7 +12,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
@@ -98,6 +98,14 @@ _HELP = {
     "nv_cache_num_misses_per_model": "Number of cache misses per model",
     "nv_cache_hit_duration_per_model": "Total cache hit duration per model, in microseconds",
     "nv_cache_miss_duration_per_model": "Total cache miss (insert+lookup) duration per model, in microseconds",
+    "nv_cache_util": "Cache utilization [0.0 - 1.0]",
+    "nv_cache_num_entries": "Number of responses stored in response cache",
+    "nv_cache_num_hits": "Number of cache hits in response cache",
+    "nv_cache_num_misses": "Number of cache misses in response cache",
+    "nv_cache_num_lookups": "Number of cache lookups in response cache",
+    "nv_cache_num_evictions": "Number of cache evictions in response cache",
+    "nv_cache_lookup_duration": "Total cache lookup duration (hit and miss), in microseconds",
+    "nv_cache_insertion_duration": "Total cache insertion duration, in microseconds",
     "nv_cpu_utilization": "CPU utilization rate [0.0 - 1.0]",
     "nv_cpu_memory_total_bytes": "CPU total memory (RAM), in bytes",
     "nv_cpu_memory_used_bytes": "CPU used memory (RAM), in bytes",
@@ -195,6 +203,42 @@ class _ModelCollector:
             yield from (family for family, _, _ in cache)
 
 
+class WatchedCache(Protocol):
+    """What the cache collector reads of ``pyserve.dataplane.cache.ResponseCache``."""
+
+    def totals(self) -> Any:
+        """Server-wide ``lookups``, ``hits``, ``misses``, ``lookup_ns``, ``insert_ns``."""
+
+    def occupancy(self) -> Any:
+        """``entries``, ``utilization``, ``evictions`` of the store, or None."""
+
+
+class _CacheCollector:
+    """Triton's server-wide response cache gauges (``nv_cache_util``, ``nv_cache_num_*``,
+    ``nv_cache_*_duration`` in microseconds), when the server has a cache."""
+
+    def __init__(self, cache: WatchedCache) -> None:
+        self._cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        totals = self._cache.totals()
+        occupancy = self._cache.occupancy()
+        values = [
+            ("nv_cache_util", occupancy.utilization if occupancy is not None else 0.0),
+            ("nv_cache_num_entries", occupancy.entries if occupancy is not None else 0),
+            ("nv_cache_num_hits", totals.hits),
+            ("nv_cache_num_misses", totals.misses),
+            ("nv_cache_num_lookups", totals.lookups),
+            ("nv_cache_num_evictions", occupancy.evictions if occupancy is not None else 0),
+            ("nv_cache_lookup_duration", totals.lookup_ns // 1000),
+            ("nv_cache_insertion_duration", totals.insert_ns // 1000),
+        ]
+        for name, value in values:
+            family = _family(name, "gauge")
+            family.add_sample(name, {}, value)
+            yield family
+
+
 # -- the server's metrics and the /metrics page ------------------------------------------------
 
 
@@ -216,6 +260,11 @@ class ServerMetrics:
     def versions(self) -> list[ModelVersion]:
         """The versions shown: every READY version."""
         return loaded_versions(self._records)
+
+    def watch_cache(self, cache: WatchedCache) -> None:
+        """Show the server's response cache: its gauges, and each lookup in the model's stats
+        (``cache`` must also call ``on_cache_lookup``: ``cache.add_listener``)."""
+        self.registry.register(_CacheCollector(cache))
 
     def on_cache_lookup(self, model: str, version: int, hit: bool, duration_ns: int) -> None:
         """``ResponseCache`` listener: count a hit or miss on the model version's stats."""

@@ -222,6 +222,7 @@ class Server:
                 raise StartupError(f"{flag}: {exc}") from None
         if self.dataplane.cache is not None:
             self.dataplane.cache.add_listener(self.metrics.on_cache_lookup)
+            self.metrics.watch_cache(self.dataplane.cache)
         self._metrics_service: MetricsService | None = None
         self.metrics_port: int | None = None
         self._saved_element_limit: int | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,14 +44,30 @@ def config(name: str, extra: str = "response_cache { enable: true }") -> str:
     return CONFIG.format(name=name, extra=extra)
 
 
+ANY_SHAPE = """
+backend: "counting"
+max_batch_size: 0
+response_cache { enable: true }
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1, -1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1, -1 ] },
+         { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ -1, -1 ] } ]
+"""
+
+
 class Counting(Backend):
-    """``OUTPUT0 = 2 * INPUT0``, ``OUTPUT1 = INPUT0 + 1``; counts executes per model."""
+    """``OUTPUT0 = 2 * INPUT0``, ``OUTPUT1 = INPUT0 + 1``; counts executes per model. An
+    execute of the model ``held`` waits for ``release``, setting ``holding`` meanwhile."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.executes: dict[str, int] = {}
+        self.holding = threading.Event()
+        self.release = threading.Event()
 
     def execute(self, instance: InstanceContext, requests: Sequence[InferRequest]) -> list[InferResponse]:
+        if instance.model.name == "held":
+            self.holding.set()
+            self.release.wait(60)
         with self.lock:
             self.executes[instance.model.name] = self.executes.get(instance.model.name, 0) + len(requests)
         return [
@@ -65,7 +82,8 @@ def backend() -> Counting:
 
 @pytest.fixture
 def server(start_server: Callable[..., ServerThread], make_repo: Callable[..., Path], backend: Counting) -> ServerThread:
-    repo = make_repo({"cached": config("cached"), "plain": config("plain", "")})
+    repo = make_repo({"cached": config("cached"), "plain": config("plain", ""), "held": config("held"),
+                      "any_shape": ANY_SHAPE})
     return start_server(repo, backends={"counting": backend}, cache_config=("local", {"size": str(1 << 20)}))
 
 
@@ -112,6 +130,38 @@ def test_hits_skip_the_backend(server: ServerThread, backend: Counting) -> None:
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), data * 2)
     assert backend.executes["cached"] == 4
     assert cache.counts("cached", 1).hits == 3
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (3, 0)])
+def test_empty_tensors_are_cached_too(server: ServerThread, backend: Counting, shape: tuple[int, int]) -> None:
+    data = np.zeros(shape, dtype=np.float32)
+    for _ in range(2):
+        result = http_infer(server.url, "any_shape", data)
+        assert result.as_numpy("OUTPUT0").shape == shape
+    assert backend.executes["any_shape"] == 1
+    other = np.zeros(shape[::-1], dtype=np.float32)  # the same (no) bytes, another shape
+    assert http_infer(server.url, "any_shape", other).as_numpy("OUTPUT0").shape == shape[::-1]
+    assert backend.executes["any_shape"] == 2
+
+
+def test_a_miss_counts_the_lookup_and_insert_not_the_execute(server: ServerThread, backend: Counting) -> None:
+    """As Triton counts it: a miss's duration is its lookup plus storing the response."""
+    cache = server.server.dataplane.cache
+    assert cache is not None
+    done = threading.Thread(target=http_infer, args=(server.url, "held", np.ones((1, 4), dtype=np.float32)))
+    done.start()
+    assert backend.holding.wait(60)
+    held_from = time.perf_counter_ns()
+    time.sleep(0.5)  # the execute lasts at least this long
+    held_ns = time.perf_counter_ns() - held_from
+    backend.release.set()
+    done.join(60)
+    counts = cache.counts("held", 1)
+    assert counts.misses == 1
+    assert 0 < counts.miss_ns < held_ns
+    totals = cache.totals()
+    assert totals.misses >= 1 and totals.lookups == totals.hits + totals.misses
+    assert totals.insert_ns > 0
 
 
 def test_models_without_the_flag_are_not_cached(server: ServerThread, backend: Counting) -> None:
@@ -168,6 +218,7 @@ def test_lru_eviction_by_bytes() -> None:
     assert cache.used <= cache.size
     cache.put(b"huge", _response(10_000))  # larger than the cache: never stored
     assert cache.get(b"huge") is None
+    assert cache.evictions == 3  # b, then c and a
 
 
 def test_cached_arrays_are_copies_and_read_only() -> None:
@@ -211,6 +262,8 @@ def test_keys_cover_names_dtypes_shapes_and_outputs() -> None:
         InferRequest("m", 1, {"A": data.reshape(2, 2)}, ("OUT",)),
         InferRequest("m", 1, {"A": data}, ("OUT", "OUT2")),
         InferRequest("m", 1, {"A": np.array([b"ab", b"c"], dtype=object)}, ("OUT",)),
+        InferRequest("m", 1, {"A": np.zeros((0, 3), dtype=np.int32)}, ("OUT",)),
+        InferRequest("m", 1, {"A": np.zeros((3, 0), dtype=np.int32)}, ("OUT",)),
     ]
     keys = {request_key(r) for r in others}
     assert len(keys) == len(others) and request_key(base) not in keys

@@ -173,6 +173,7 @@ def test_triton_names_types_and_labels(gate_server: ServerThread) -> None:
     assert 'nv_inference_request_failure{model="ident",reason="BACKEND",version="1"} 0\n' in page.text  # Triton's order
     assert "nv_inference_first_response_histogram_ms" not in page.families  # off by default
     assert "nv_cache_num_hits_per_model" not in page.families  # no cache configured
+    assert "nv_cache_num_lookups" not in page.families
     assert page.value("nv_cpu_memory_total_bytes") > page.value("nv_cpu_memory_used_bytes") > 0
     assert 0.0 <= page.value("nv_cpu_utilization") <= 1.0
 
@@ -549,6 +550,13 @@ def test_response_cache_metrics(make_repo: Callable[..., Path], start_server: St
     assert page.value("nv_inference_request_success", **labels) == 3  # includes cache hits
     assert page.value("nv_inference_count", **labels) == 1  # excludes them
     assert page.value("nv_inference_exec_count", **labels) == 1
+    # the server-wide gauges, as Triton 2.51 shows them (checked side by side)
+    assert {name: page.value(name) for name in ("nv_cache_num_lookups", "nv_cache_num_hits", "nv_cache_num_misses",
+                                                "nv_cache_num_entries", "nv_cache_num_evictions")} == {
+        "nv_cache_num_lookups": 3, "nv_cache_num_hits": 2, "nv_cache_num_misses": 1,
+        "nv_cache_num_entries": 1, "nv_cache_num_evictions": 0}
+    assert 0 < page.value("nv_cache_util") < 1
+    assert page.value("nv_cache_lookup_duration") >= 0 and page.value("nv_cache_insertion_duration") >= 0
     with urllib.request.urlopen(f"http://{server.url}/v2/models/cached/stats") as response:
         stats = json.loads(response.read())["model_stats"][0]["inference_stats"]
     assert stats["cache_hit"]["count"] == 2 and stats["cache_miss"]["count"] == 1
