@@ -167,8 +167,8 @@ def test_execute_raising_fails_the_request_and_names_the_model(broken_server: Se
     with pytest.raises(InferenceServerException, match="exec_error.*execute exploded") as caught:
         _infer(broken_server, "exec_error", [1])
     assert caught.value.status() == "500"
-    assert ("Failed to process the request(s) for model instance 'exec_error_0', message: "
-            "TritonModelException: execute exploded") in caught.value.message()  # Triton's words
+    assert ("Failed to process the request(s) for model 'exec_error_0', message: "
+            "TritonModelException: execute exploded") in caught.value.message()  # Triton 2.51's words
     with grpcclient.InferenceServerClient(broken_server.grpc_url) as client:
         item = grpcclient.InferInput("IN", [1], "INT32")
         item.set_data_from_numpy(np.array([1], dtype=np.int32))

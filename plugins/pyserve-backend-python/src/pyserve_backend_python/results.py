@@ -33,14 +33,14 @@ ServerResults = list[InferResponse | InferError] | None
 
 def execute_failure(model_name: str, instance_name: str, exc: BaseException) -> InferError:
     """The error every request of a batch gets when execute raised, in the words of Triton's
-    Python backend ("Failed to process the request(s) for model instance '<instance>', message:
-    TritonModelException: boom"): the exception class is named, except for an ``InferError``,
+    Python backend as Triton 2.51 answers it ("Failed to process the request(s) for model
+    '<instance>', message: TritonModelException: boom"): the exception class is named, except for an ``InferError``,
     whose message and code are kept. ``model_name`` stands in for a missing instance name."""
     code = exc.code if isinstance(exc, InferError) else ErrorCode.INTERNAL
     detail = exc.message if isinstance(exc, InferError) else str(exc)
     kind = "" if isinstance(exc, InferError) else f"{type(exc).__name__}: "
     return InferError(
-        f"Failed to process the request(s) for model instance '{instance_name or model_name}', "
+        f"Failed to process the request(s) for model '{instance_name or model_name}', "
         f"message: {kind}{detail}",
         code,
     )
