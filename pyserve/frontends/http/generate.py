@@ -79,7 +79,10 @@ def decode_generate(body: bytes | bytearray, model: ModelVersion) -> InferReques
                 raise InferError.invalid("request 'id' must be a string")
             request_id = value
         _take(model, key, value, inputs, shapes, params)
-    options = parse_parameters(params)
+    # Triton 2.51's generate reads no scheduling controls from the body: 'sequence_id',
+    # 'priority', 'timeout' and the like reach the model as its parameters (an LLM's 'timeout'),
+    # checked side by side. Reserved 'triton_' keys are still refused.
+    parse_parameters({key: value for key, value in params.items() if key not in _PLAIN_IN_GENERATE})
     batch = finish_inputs(model.name, io, inputs, shapes)
     return InferRequest(
         model.name,
@@ -87,13 +90,13 @@ def decode_generate(body: bytes | bytearray, model: ModelVersion) -> InferReques
         inputs,
         tuple(io.outputs),
         id=request_id,
-        parameters=options.custom,
-        flags=options.flags,
-        correlation_id=options.correlation_id,
-        priority=options.priority,
-        timeout_us=options.timeout_us,
+        parameters={key: value for key, value in params.items() if key != "headers"},
         batch_size=batch,
     )
+
+
+_PLAIN_IN_GENERATE = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout"})
+"""Request parameters ``/infer`` reads as controls and ``/generate`` passes to the model."""
 
 
 def _take(model: ModelVersion, key: str, value: Any, inputs: dict[str, np.ndarray],

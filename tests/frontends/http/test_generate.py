@@ -203,6 +203,13 @@ def test_generate_extra_keys_become_parameters(http: httpx.Client) -> None:
     assert json.loads(response.json()["PARAMS"]) == {
         "temperature": 0.5, "stream": False, "prompt_id": "p", "max_tokens": 3,
     }
+    # keys that /infer reads as scheduling controls are the model's parameters here, as in
+    # Triton 2.51 (checked side by side): an LLM's 'timeout' or 'priority' reaches it
+    body = {"IN": [1], "sequence_id": 5, "sequence_start": True, "priority": "high", "timeout": -5}
+    response = http.post("/v2/models/params/generate", json=body)
+    assert response.status_code == 200, response.text
+    assert json.loads(response.json()["PARAMS"]) == {
+        "sequence_id": 5, "sequence_start": True, "priority": "high", "timeout": -5}
     # a nested parameter naming an input feeds that input, as Triton reads vLLM-style bodies
     response = http.post("/v2/models/params/generate", json={"parameters": {"IN": [8, 9], "top_k": 2}})
     assert response.status_code == 200, response.text
