@@ -32,7 +32,7 @@ def classify(array: np.ndarray, k: int, labels: tuple[str, ...], batched: bool, 
         for j, index in enumerate(top):
             value = values[index]
             text = f"{float(value):f}" if as_float else str(int(value))
-            if index < len(labels):
+            if index < len(labels) and labels[index]:  # an empty label line: none, as in Triton
                 text = f"{text}:{index}:{labels[index]}"
             else:
                 text = f"{text}:{index}"

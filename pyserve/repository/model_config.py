@@ -531,6 +531,16 @@ def histogram_buckets(config: Any, family: str) -> tuple[float, ...] | None:
     return None
 
 
+def label_lines(text: str) -> tuple[str, ...]:
+    """A labels file's lines as Triton reads them: split at ``\n`` only (a label may hold any
+    other character), no empty last line after a final newline; a ``\r`` before the ``\n``
+    (a Windows-edited file) is dropped, where Triton keeps it in the label."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return tuple(line[:-1] if line.endswith("\r") else line for line in lines)
+
+
 def model_io(config: Any, model_dir: Path) -> ModelIO:
     """Build the validation tables for a valid config (labels are read here)."""
 
@@ -538,7 +548,7 @@ def model_io(config: Any, model_dir: Path) -> ModelIO:
         labels: tuple[str, ...] = ()
         if with_labels and tensor.label_filename:
             text = contained_path(model_dir, tensor.label_filename).read_text(encoding="utf-8")
-            labels = tuple(text.splitlines())
+            labels = label_lines(text)
         reshape = tuple(int(d) for d in tensor.reshape.shape) if tensor.HasField("reshape") else None
         dtype = datatypes.from_config_name(data_type_name(tensor.data_type))
         assert dtype is not None
