@@ -250,7 +250,9 @@ class ReplicaSet:
         self.models.server_handle.bind(self.dataplane, self.loop)
         self.models.attach_loop(self.loop)
         self.by_generation: dict[int, ModelVersion] = {}
-        self._loaded_config: dict[str, bytes] = {}  # model name → the owner config it was loaded with
+        # model name → the owner config and owner generations it was loaded for: a new generation
+        # under the same config (model.py edited, then reloaded) loads the replica again
+        self._loaded_config: dict[str, tuple[bytes, frozenset[int]]] = {}
         self._wanted: dict[str, tuple[bytes, Any, dict[int, tuple[int, Any]]]] = {}
         self._sync: asyncio.Task[None] | None = None
         self._again = False
@@ -337,7 +339,7 @@ class ReplicaSet:
             await loop.run_in_executor(None, self.models.unload_model, name)
         slots = asyncio.Semaphore(self.load_threads)
 
-        async def load(name: str, config: bytes) -> None:
+        async def load(name: str, config: bytes, generations: frozenset[int]) -> None:
             message = pb.ModelConfig.FromString(config)
             async with slots:
                 try:
@@ -348,11 +350,15 @@ class ReplicaSet:
                     log.warning("frontend: no replica of model '%s': %s", name, exc.message)
                 except Exception:  # noqa: BLE001 - a bug in one load: the others go on
                     log.exception("frontend: no replica of model '%s'", name)
-            self._loaded_config[name] = config  # loaded, or failed: the same config is not retried
+            self._loaded_config[name] = (config, generations)  # loaded, or failed: not retried
+
+        def generations_of(versions: dict[int, tuple[int, Any]]) -> frozenset[int]:
+            return frozenset(generation for generation, _ in versions.values())
 
         # as the owner loads its models at the start: several at once (``--model-load-thread-count``)
-        await asyncio.gather(*(load(name, config) for name, (config, _, _) in wanted.items()
-                               if self._loaded_config.get(name) != config))
+        await asyncio.gather(*(load(name, config, generations_of(versions))
+                               for name, (config, _, versions) in wanted.items()
+                               if self._loaded_config.get(name) != (config, generations_of(versions))))
         for name, (_, _, versions) in wanted.items():
             record = self.models.records.get(name)
             for version, (generation, io) in versions.items():

@@ -36,6 +36,7 @@ from suite_support import (
     accumulate_config,
     echo_config,
     python_echo_config,
+    wait_for,
 )
 from tritonclient.utils import InferenceServerException
 
@@ -364,6 +365,40 @@ def test_unload_and_load_reach_every_process(server: ServerThread) -> None:
         with _http(server) as client:
             assert np.array_equal(client.infer("pyecho", [_fp32(values)]).as_numpy("OUTPUT0"), values)
     _wait_for_replicas(server, 2)
+
+
+SCALED_PY = ECHO_MODEL_PY.replace("as_numpy())", "as_numpy() * FACTOR)") + "\nFACTOR = {factor}\n"
+
+
+@pytest.mark.parametrize("mode", ["explicit", "poll"])
+def test_a_replica_follows_its_model_py_edited_and_reloaded(tmp_path: Path, mode: str) -> None:
+    """Only model.py changes (the config stays): the frontend's replica is loaded again, so no
+    answer comes from the code it was first loaded with. Every connection goes to the frontend."""
+    repo = tmp_path / "repo"
+    write_model(repo, "scaled", python_echo_config("scaled"), {"1/model.py": SCALED_PY.format(factor=1)})
+    control = {"model_control_mode": "explicit", "load_models": ["*"]} if mode == "explicit" else {
+        "model_control_mode": "poll", "repository_poll_secs": 0.2}
+    values = np.ones((1, 2), dtype=np.float32)
+    with serve(repo, frontend_processes=1, replicate_models="auto", frontend_balance="frontends",
+               **control) as server:  # type: ignore[arg-type]
+        _wait_for_replicas(server, 1)
+        for factor in (2, 3):
+            (repo / "scaled" / "1" / "model.py").write_text(SCALED_PY.format(factor=factor))
+            if mode == "explicit":
+                with _http(server) as client:
+                    client.load_model("scaled")
+            else:  # the poll picks the change up: wait for the owner's new code
+                def reloaded(factor: int = factor) -> bool:
+                    with _http(server) as client:
+                        return bool(client.infer("scaled", [_fp32(values)]).as_numpy("OUTPUT0")[0, 0] == factor)
+                wait_for(reloaded, timeout=60, what=f"the owner to serve factor {factor}")
+            for _ in range(CONNECTIONS):  # before and after the replica is loaded again
+                with _http(server) as client:
+                    answer = client.infer("scaled", [_fp32(values)]).as_numpy("OUTPUT0")
+                assert answer.tolist() == [[factor, factor]], (factor, answer)
+            _wait_for_replicas(server, 1)
+        with _http(server) as client:
+            assert client.infer("scaled", [_fp32(values)]).as_numpy("OUTPUT0").tolist() == [[3.0, 3.0]]
 
 
 # -- processes -------------------------------------------------------------------------------
