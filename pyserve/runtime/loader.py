@@ -87,6 +87,10 @@ class ModelLoader:
         self._draining: dict[threading.Thread, list[ModelVersion]] = {}  # retired versions still draining
         self.prepared: dict[str, Built] = {}
         """Models ``prepare`` built, waiting for ``start_prepared``."""
+        self.retire_listeners: list[Callable[[], None]] = []
+        """Called on the event loop as soon as a READY version stops taking requests (its
+        unload begins; its executes may still run): the hand-off server tells frontends then,
+        so that their replicas stop answering too, not once the owner's executes drained."""
 
     def read_config(self, source: ModelSource) -> Any:
         """``VersionBuilder.read_config``: a model's parsed and normalized config.
@@ -330,6 +334,8 @@ class ModelLoader:
         with self._lock:
             with contextlib.suppress(ValueError):
                 self._load_order.remove(version)
+        for listener in self.retire_listeners:
+            listener()
 
     def _drain(self, version: ModelVersion, deadline: float | None = None,
                finalize_by: float | None = None) -> bool:

@@ -361,6 +361,7 @@ class Server:
         self.dataplane.unloading_elsewhere.append(self._handoff.unloading_versions)
         self.dataplane.replica_readiness.append(self._handoff.replicas_not_ready)
         self.plugins.add_server_plugin(ModelChangeObserver(self._handoff), name="pyserve-handoff")
+        self.models.loader.retire_listeners.append(self._handoff.models_changed)
 
     @property
     def balancer(self) -> ConnectionBalancer | None:

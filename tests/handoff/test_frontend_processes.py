@@ -10,6 +10,7 @@ must behave as in a single process.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -399,6 +400,65 @@ def test_a_replica_follows_its_model_py_edited_and_reloaded(tmp_path: Path, mode
             _wait_for_replicas(server, 1)
         with _http(server) as client:
             assert client.infer("scaled", [_fp32(values)]).as_numpy("OUTPUT0").tolist() == [[3.0, 3.0]]
+
+
+HELD_PY = """
+import os, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.marks = args["model_repository"]
+
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            value = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+            if value.flat[0] == 1:  # held until the test releases it
+                open(os.path.join(self.marks, "holding"), "w").close()
+                deadline = time.monotonic() + 300
+                while not os.path.exists(os.path.join(self.marks, "release")) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", value)]))
+        return out
+"""
+
+
+def test_an_unload_stops_the_replicas_while_the_owner_still_drains(tmp_path: Path) -> None:
+    """As in Triton (checked side by side): once an unload began, no new request is answered,
+    also by a frontend's replica while the owner waits for an execute to end."""
+    from pyserve import InferRequest
+
+    repo = tmp_path / "repo"
+    write_model(repo, "held", python_echo_config("held"), {"1/model.py": HELD_PY})
+    values = np.zeros((1, 2), dtype=np.float32)
+    with serve(repo, frontend_processes=1, replicate_models="auto", frontend_balance="frontends",
+               model_control_mode="explicit", load_models=["*"], exit_timeout_secs=600) as server:
+        _wait_for_replicas(server, 1)  # an unload waits for executes up to 600 s: past every wait here
+        handoff = server.server._handoff
+        assert handoff is not None and server._loop is not None
+        owner_version = server.server.models.records["held"].versions[1]
+        held = InferRequest("held", 1, {"INPUT0": np.ones((1, 2), dtype=np.float32)}, ("OUTPUT0",))
+        in_owner = asyncio.run_coroutine_threadsafe(server.server.dataplane.infer(owner_version, held), server._loop)
+        unloading = threading.Thread(target=lambda: _http(server).unload_model("held"))
+        try:
+            wait_for(lambda: (repo / "held" / "holding").exists(), timeout=60, what="the owner's execute to hold")
+            unloading.start()
+            wait_for(lambda: owner_version.state.name == "UNLOADING", timeout=60, what="the unload to begin")
+            wait_for(lambda: not any(handoff.replicas.values()), timeout=60,
+                     what="the frontend to stop answering from its replica while the owner drains")
+            for _ in range(CONNECTIONS):  # every connection is a frontend's: none is answered
+                with _http(server) as client, pytest.raises(InferenceServerException) as refused:
+                    client.infer("held", [_fp32(values)])
+                assert "held" in str(refused.value)
+        finally:
+            (repo / "held" / "release").touch()
+        assert in_owner.result(60).outputs["OUTPUT0"].tolist() == [[1.0, 1.0]]
+        unloading.join(60)
+        with _http(server) as client:
+            assert not client.is_model_ready("held")
 
 
 # -- processes -------------------------------------------------------------------------------
