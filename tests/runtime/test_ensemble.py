@@ -137,6 +137,34 @@ def test_chain_matches_calling_the_steps_by_hand(start_server: StartServer, make
         client.close()
 
 
+def test_ensemble_responses_carry_the_sequence_parameters(start_server: StartServer, make_repo: MakeRepo) -> None:
+    """As Triton 2.51 answers (checked side by side): every ensemble response names the request's
+    sequence id and START / END flags, also when it has none; a plain model's does not."""
+    repo = make_repo({"ident": identity(), "scale": SCALE, "chain": CHAIN})
+    server = start_server(repo, backends={"scale": Scale()})
+    body = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [2], "data": [1, 2]}]}
+    with httpx.Client(base_url=f"http://{server.url}", timeout=30) as http:
+        plain = http.post("/v2/models/chain/infer", json=body).json()
+        assert plain["parameters"] == {"sequence_end": False, "sequence_id": 0, "sequence_start": False}
+        assert plain["outputs"][0]["data"] == [3.0, 5.0]
+        numbered = http.post("/v2/models/chain/infer", json={
+            **body, "parameters": {"sequence_id": 42, "sequence_start": True}}).json()
+        assert numbered["parameters"] == {"sequence_end": False, "sequence_id": 42, "sequence_start": True}
+        named = http.post("/v2/models/chain/infer", json={
+            **body, "parameters": {"sequence_id": "s-1", "sequence_end": True}}).json()
+        assert named["parameters"] == {"sequence_end": True, "sequence_id": "s-1", "sequence_start": False}
+        step_only = http.post("/v2/models/scale/infer", json=body).json()
+        assert "parameters" not in step_only
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        tensor = grpcclient.InferInput("IN", [2], "FP32")
+        tensor.set_data_from_numpy(np.array([1, 2], dtype=np.float32))
+        response = client.infer("chain", [tensor], sequence_id=7).get_response()
+        assert response.parameters["sequence_id"].int64_param == 7
+        assert response.parameters["sequence_start"].bool_param is False
+
+
 def test_independent_steps_run_concurrently(start_server: StartServer, make_repo: MakeRepo) -> None:
     fan = ensemble(
         step("slow_a", {"INPUT0": "IN"}, {"OUTPUT0": "A"}) + "," + step("slow_b", {"INPUT0": "IN"}, {"OUTPUT0": "B"}),

@@ -41,6 +41,8 @@ import numpy as np
 from pyserve.api import datatypes
 from pyserve.api.errors import ErrorCode, InferError
 from pyserve.api.inference import (
+    SEQUENCE_END,
+    SEQUENCE_START,
     FutureSender,
     InferRequest,
     InferResponse,
@@ -135,6 +137,16 @@ class _Wave:
 
     def fork(self) -> _Wave:
         return _Wave(dict(self.pool), set(self.started), self.ready_ns)
+
+
+def sequence_parameters(request: InferRequest) -> dict[str, bool | int | str]:
+    """The parameters every ensemble response carries in Triton (checked side by side with
+    2.51): the request's sequence id (0 when none) and START / END flags."""
+    return {
+        "sequence_end": bool(request.flags & SEQUENCE_END),
+        "sequence_id": request.correlation_id,
+        "sequence_start": bool(request.flags & SEQUENCE_START),
+    }
 
 
 class _Call:
@@ -270,8 +282,9 @@ class _Run:
                 and not self.needed.isdisjoint(updated):
             wave.emitted = True
             pool = wave.pool
-            response = InferResponse({name: pool[name] for name in self.request.requested_outputs
-                                      if pool[name] is not ABSENT})
+            request = self.request
+            response = InferResponse({name: pool[name] for name in request.requested_outputs
+                                      if pool[name] is not ABSENT}, sequence_parameters(request))
         if response is not None:
             if self.calls and self.streaming:
                 checked = check_outputs(self.request, response, self.scheduler.io, self.scheduler.name)
