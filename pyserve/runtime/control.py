@@ -100,6 +100,9 @@ class ModelControl:
         self._poll_stop = threading.Event()
         self._poller: threading.Thread | None = None
         self._local = threading.local()
+        self._explicit: set[str] = set() if self.startup_models == [LOAD_ALL] else set(self.startup_models)
+        """Models loaded by name (``--load-model``, the load API), not only as an ensemble's
+        step: ``unload_dependents`` of an ensemble keeps them, as Triton does."""
 
     def follow_explicitly(self) -> None:
         """Switch to explicit mode: models load and unload only when asked (a frontend's copy of
@@ -137,6 +140,8 @@ class ModelControl:
                     log.error("failed to load '%s', failed to poll from model repository", name)
                     self.missing_startup_models.append(name)
             sources = {name: sources[name] for name in wanted if name in sources}
+        elif self.control_mode is ControlMode.EXPLICIT:  # --load-model=*: each is loaded by name
+            self._explicit.update(sources)
         return sources
 
     def _load_sources(self, sources: Mapping[str, ModelSource]) -> None:
@@ -294,6 +299,7 @@ class ModelControl:
             version could be loaded (the previous versions, if any, keep serving).
         """
         with self._operation():
+            self._explicit.add(name)
             override_config = None
             if config is not None:
                 try:
@@ -387,7 +393,8 @@ class ModelControl:
         they stay listed as UNAVAILABLE with reason ``unloaded``.
 
         :param unload_dependents: also unload the ensembles that use the model (recursively),
-            and, for an ensemble, the models it uses that no other loaded ensemble uses.
+            and, for an ensemble, the models it uses that no other loaded ensemble uses and that
+            were not loaded by name themselves (as Triton keeps those).
         :param forget: drop the model from the index as well (it left the repository).
         """
         with self._operation():
@@ -407,6 +414,7 @@ class ModelControl:
                     self._unload(other, True, False, seen)
         with self._model_lock(name):
             self._loader.unload_record(record, forget)
+        self._explicit.discard(name)
         if dependents:
             for step in sorted(uses - self._registry.in_use()):
                 self._unload_down(step, seen)
@@ -414,7 +422,7 @@ class ModelControl:
     def _unload_down(self, name: str, seen: set[str]) -> None:
         """Unload a composing model of an unloaded ensemble, and its own composing models."""
         record = self._registry.records.get(name)
-        if name in seen or record is None:
+        if name in seen or record is None or name in self._explicit:
             return
         seen.add(name)
         uses = composing(record)

@@ -526,6 +526,31 @@ def test_unload_dependents_unloads_the_ensembles_using_a_model(
     assert index(server)["base"][0]["reason"] == "unloaded"
 
 
+@pytest.mark.parametrize("by_name", ["load API", "--load-model"])
+def test_unload_dependents_keeps_the_models_loaded_by_name(
+    start_server: StartServer, tmp_path: Path, scale: Scale, clients: list[Any], by_name: str
+) -> None:
+    """As Triton 2.51 does (checked side by side): an ensemble's unload with dependents takes
+    along the steps it loaded, not a step that was loaded by name itself."""
+    repo = tmp_path / "repo"
+    write_model(repo, "base", scale_config(2))
+    write_model(repo, "ens", ENSEMBLE)
+    startup = ["base"] if by_name == "--load-model" else []
+    server = start_server(repo, backends={"scale": scale}, model_control_mode="explicit", load_models=startup)
+    hc = http(server)
+    clients.append(hc)
+    if by_name == "load API":
+        hc.load_model("base")
+    hc.load_model("ens")
+    hc.unload_model("ens", unload_dependents=True)
+    assert hc.is_model_ready("base")
+    assert index(server)["ens"][0]["reason"] == "unloaded"
+    hc.unload_model("base")  # unloaded by name: a later ensemble load loads it as its step only
+    hc.load_model("ens")
+    hc.unload_model("ens", unload_dependents=True)
+    assert not hc.is_model_ready("base")
+
+
 # ---------------------------------------------------------------------------
 # poll mode
 
