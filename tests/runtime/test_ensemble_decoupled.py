@@ -252,7 +252,7 @@ def test_an_error_in_one_wave_fails_the_request_and_drops_the_other_waves(
     # wave 0 is in the 300 ms slow step when response 1 of decstep, an error, comes
     stream.send("ens_slow", [[1, 2]], fail_at=1, delay_ms=20)
     message = stream.error_message()
-    assert "in ensemble 'ens_slow', step 1 (model 'decstep')" in message and "burst failed at 1" in message, message
+    assert message.startswith("in ensemble 'ens_slow', ") and "burst failed at 1" in message, message
     stream.assert_quiet(0.6)  # neither wave 0's response nor a final flag follows
     after = stats(server, "ens_slow")
     assert after["inference_stats"]["fail"]["count"] - before["inference_stats"]["fail"]["count"] == 1

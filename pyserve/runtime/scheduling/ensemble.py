@@ -239,9 +239,7 @@ class _Run:
                 self.calls.discard(call)
                 self._add_durations(call.child)
             if isinstance(response, InferError):
-                step = call.step
-                self._fail(InferError(f"in ensemble '{self.scheduler.name}', step {step.index} "
-                                      f"(model '{step.model_name}'): {response.message}", response.code))
+                self._step_failed(call.step, response)
             elif self.request.is_cancelled():
                 self._fail(InferError("request was cancelled", ErrorCode.CANCELLED))
             elif response is None:
@@ -416,8 +414,11 @@ class _Run:
             request.exec_end_ns = start + before + infer + after
 
     def _step_failed(self, step: Step, error: InferError) -> None:
-        self._fail(InferError(f"in ensemble '{self.scheduler.name}', step {step.index} "
-                              f"(model '{step.model_name}'): {error.message}", error.code))
+        """A step failed: the run fails with the step's error in Triton 2.51's words, ``in
+        ensemble '<name>', <the step's message>`` (the step is logged at debug level)."""
+        log.debug("ensemble '%s': step %d (model '%s') failed: %s", self.scheduler.name, step.index,
+                  step.model_name, error.message)
+        self._fail(InferError(f"in ensemble '{self.scheduler.name}', {error.message}", error.code))
 
     def _bug(self, exc: Exception) -> None:
         log.exception("ensemble '%s' failed", self.scheduler.name)
