@@ -476,7 +476,7 @@ class HttpProtocol(asyncio.Protocol):
             return
         outgoing = self.outgoing
         for part in parts:
-            if outgoing is None and len(part) <= WRITE_PIECE:
+            if outgoing is None and (part.nbytes if isinstance(part, memoryview) else len(part)) <= WRITE_PIECE:
                 transport.write(part)
                 continue
             if outgoing is None:
