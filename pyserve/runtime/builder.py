@@ -126,6 +126,9 @@ class Built:
     """``prepare``: the model directory's fingerprint once its versions were built (what loading
     itself wrote there included), to tell later changes from it."""
     config_origin: Path | str = ""
+    config_refused: bool = False
+    """The config could not be read or is invalid (``error`` says why): as in Triton, such a
+    model does not count for the server's readiness."""
     """Where the config came from, for messages: its file (or the model directory when there
     is none: auto-complete), or the load request that carried it."""
 
@@ -165,6 +168,7 @@ class VersionBuilder:
         source = built.source
         if source.conflict:
             built.error = source.conflict
+            built.config_refused = True
             return
         try:
             if override_config is not None:
@@ -178,6 +182,7 @@ class VersionBuilder:
                 config = self.read_config(source)
         except ModelConfigError as exc:
             built.error = str(exc)
+            built.config_refused = True
             return
         built.config = config
         try:

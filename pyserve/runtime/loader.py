@@ -203,6 +203,7 @@ class ModelLoader:
             target.source = built.source
             target.fingerprint = built.fingerprint
             target.clean_load = not (built.error or failures)
+            target.config_refused = built.config_refused
             target.override_dir = change.record_dir
             target.versions = change.versions
             if built.error:

@@ -77,9 +77,12 @@ class ModelRegistry:
 
     def all_ready(self) -> bool:
         """Triton's strict readiness: every model has a version and every version is READY
-        (versions UNAVAILABLE because they were unloaded are tolerated)."""
+        (versions UNAVAILABLE because they were unloaded are tolerated). A model whose config was
+        refused counts for nothing, as Triton never registers it (checked side by side)."""
         for record in list(self.records.values()):
             if not record.versions:
+                if record.config_refused:
+                    continue
                 return False
             for v in list(record.versions.values()):
                 if not _counts_as_ready(v):

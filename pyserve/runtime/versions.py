@@ -117,6 +117,9 @@ class ModelRecord:
         overrides; removed when the versions loaded from it are unloaded.
     :ivar clean_load: every version of the last load loaded: a plain load request of such a
         model whose files have not changed since (``fingerprint``) is not reloaded, as in Triton.
+    :ivar config_refused: its last load stopped at its config (unreadable, invalid, or the name in
+        two repositories): it has no versions and, as Triton never registers such a model, it
+        does not hold the server's strict readiness back.
     """
 
     name: str
@@ -128,6 +131,7 @@ class ModelRecord:
     fingerprint: Any = None
     override_dir: Path | None = None
     clean_load: bool = False
+    config_refused: bool = False
 
     def fail(self, reason: str, detail: str = "") -> None:
         """Make the model UNAVAILABLE: ``reason`` for clients, ``detail`` (the full text,

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from suite_support import write_model
+from suite_support import wait_for, write_model
 
 import pyserve
 from pyserve import (
@@ -552,6 +552,34 @@ def test_auto_complete_failure(start_server: StartServer, make_repo: MakeRepo) -
 
 def _config_of(server: ServerThread, name: str) -> dict[str, Any]:
     return httpx.get(f"http://{server.url}/v2/models/{name}/config").json()
+
+
+@pytest.mark.parametrize("mode", ["none", "poll"])
+def test_a_refused_config_does_not_hold_the_server_readiness_back(
+    start_server: StartServer, tmp_path: Path, mode: str
+) -> None:
+    """As Triton 2.51 answers (checked side by side): a model whose config cannot be used never
+    becomes a model, so the server stays ready; one whose load fails does not."""
+    repo = tmp_path / "repo"
+    write_model(repo, "good", identity())
+    if mode == "none":
+        write_model(repo, "bad", identity(name="other"))  # the name does not match the directory
+    server = start_server(repo, model_control_mode=mode, repository_poll_secs=0.2)
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        if mode == "poll":  # a broken model appears while the server runs
+            write_model(repo, "bad", identity('input [ { name: "X" data_type: TYPE_FOO dims: [ 1 ] } ]'))
+            wait_for(lambda: any(e["name"] == "bad" and e.get("state") for e in index(server)),
+                     timeout=60, what="the poll to see the new model")
+        assert entry(server, "bad")["state"] == "UNAVAILABLE"  # listed, with its reason
+        assert client.is_server_ready()
+        write_model(repo, "fails", identity().replace('backend: "identity"', 'backend: "nosuch"'))
+        if mode == "none":
+            assert client.is_server_ready()  # not loaded: the repository is read at start only
+        else:
+            wait_for(lambda: not client.is_server_ready(), timeout=60, what="the failed load to count")
+    finally:
+        client.close()
 
 
 def test_model_config_name_reads_configs_name_pbtxt_where_a_model_has_one(
