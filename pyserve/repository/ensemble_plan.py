@@ -51,7 +51,7 @@ def build_plan(config: Any, io: ModelIO, lookup: ModelLookup) -> list[Step]:
             decoupled.add(index)
         steps.append(step)
     _raise_problems(problems)
-    problems = _input_types(steps, lookup, dtypes) + _ensemble_tensors(steps, io, dtypes, producers)
+    problems = _input_types(steps, lookup, dtypes) + _ensemble_tensors(config.name, steps, io, dtypes, producers)
     problems += _shape_problems(config.name, steps, io, lookup)
     cycle = _find_cycle(steps, producers)
     if cycle:
@@ -169,21 +169,26 @@ def _dims(shape: tuple[int, ...]) -> str:
 
 
 def _ensemble_tensors(
-    steps: list[Step], io: ModelIO, dtypes: dict[str, str], producers: dict[str, int]
+    name: str, steps: list[Step], io: ModelIO, dtypes: dict[str, str], producers: dict[str, int]
 ) -> list[str]:
     """Problems with the ensemble's own tensors: inputs no step reads, outputs no step writes
-    (or writes with another datatype)."""
+    (or writes with another datatype), and, in Triton's words, a step output that is neither
+    read by a step nor an ensemble output."""
     problems: list[str] = []
     consumed = {t for s in steps for t in s.inputs.values()}
-    for name in io.inputs:
-        if name not in consumed:
-            problems.append(f"ensemble input '{name}' is not used by any step")
-    for name, spec in io.outputs.items():
-        if name not in producers:
-            problems.append(f"ensemble output '{name}' is not produced by any step")
-        elif dtypes[name] != spec.datatype.name:
-            problems.append(f"ensemble output '{name}' is {spec.datatype.name} but step {producers[name]} "
-                            f"produces it as {dtypes[name]}")
+    for tensor in sorted(producers):
+        if tensor not in consumed and tensor not in io.outputs:
+            problems.append(f"ensemble tensor '{tensor}' is unused in ensemble '{name}' "
+                            f"(written by step {producers[tensor]})")
+    for tensor in io.inputs:
+        if tensor not in consumed:
+            problems.append(f"ensemble input '{tensor}' is not used by any step")
+    for tensor, spec in io.outputs.items():
+        if tensor not in producers:
+            problems.append(f"ensemble output '{tensor}' is not produced by any step")
+        elif dtypes[tensor] != spec.datatype.name:
+            problems.append(f"ensemble output '{tensor}' is {spec.datatype.name} but step {producers[tensor]} "
+                            f"produces it as {dtypes[tensor]}")
     return problems
 
 

@@ -479,6 +479,8 @@ ENSEMBLE_SHAPES = {  # ensemble → Triton 2.51's refusal ("" loads), checked si
     "e_rank": (_ensemble(0, "[ 4 ]", "[ 4 ]", [("m24", "X", "Y")]),
                "ensemble tensor X: inconsistent shape: [4] is inferred from model e_rank while [2,4] is inferred "
                "from model m24"),
+    "e_unused": (_ensemble(0, "[ 4 ]", "[ 4 ]", [("m4", "X", "Y"), ("m4", "X", "spare")]),
+                 "ensemble tensor 'spare' is unused in ensemble 'e_unused'"),
 }
 
 

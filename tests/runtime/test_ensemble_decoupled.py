@@ -132,7 +132,7 @@ MODELS = {
     "ens_plain": ensemble([ADD1, step("add1", {"IN": "MID"}, {"OUT": "OUT"})], extra=DECOUPLED),
     # refused: a step fed by a decoupled step and by the ensemble's input
     "ens_mixed_step": ensemble([step("decstep", {"IN": "IN"}, {"OUT": "D"}),
-                                step("pair", {"INPUT0": "D", "INPUT1": "IN"}, {"OUTPUT0": "OUT", "OUTPUT1": "X"})]),
+                                step("pair", {"INPUT0": "D", "INPUT1": "IN"}, {"OUTPUT0": "OUT"})]),
     # refused: outputs from different decoupled origins
     "ens_mixed_outputs": ensemble([ADD1, step("decstep", {"IN": "IN"}, {"OUT": "B"})], outputs=("MID", "B")),
 }
