@@ -421,13 +421,14 @@ class SharedMemoryManager:
                 region.users -= 1
 
     def status(self, name: str = "", kind: str = "system") -> list[dict[str, Any]]:
-        """Status entries of every region of ``kind``, or of region ``name``.
+        """Status entries of every region of ``kind`` (by name, as Triton lists them), or of region
+        ``name``.
 
         :raises InferError: NOT_FOUND for an unknown ``name``.
         """
         with self._lock:
             if not name:
-                return [r.status() for r in self._regions.values() if r.kind == kind]
+                return [r.status() for _, r in sorted(self._regions.items()) if r.kind == kind]  # by name, as Triton
             region = self._regions.get(name)
         if region is None or region.kind != kind:
             label = "system" if kind == "system" else "cuda"

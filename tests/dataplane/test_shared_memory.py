@@ -244,6 +244,8 @@ def test_bad_requests_are_clear_400s(http: httpx.Client, regions: Any) -> None:
     assert "classification cannot be combined" in error(
         _infer_body(region, {**region, "classification": 2})
     )
+    assert "Output can't set both 'shared_memory_region' and 'binary_data'" in error(  # Triton 2.51's words
+        _infer_body(region, {**region, "binary_data": True}))
     assert "should be at least 64 bytes" in error(_infer_body(region, {**region, "shared_memory_byte_size": 16}))
     assert "Invalid offset + byte size for shared memory region: 'r' (output 'OUTPUT0'" in error(
         _infer_body(region, {**region, "shared_memory_offset": 96}))
@@ -280,6 +282,10 @@ def test_registration_errors(http: httpx.Client, regions: Any) -> None:
     assert unknown.status_code == 404
     assert http.post("/v2/systemsharedmemory/region/zzz/unregister").status_code == 200
     assert [r["name"] for r in http.get("/v2/systemsharedmemory/status").json()] == ["a"]
+    for name in ("f2", "f18", "f4"):
+        assert register(name, {"key": key, "byte_size": 8}).status_code == 200
+    # listed by name, as Triton 2.51 lists them (checked side by side), not in registration order
+    assert [r["name"] for r in http.get("/v2/systemsharedmemory/status").json()] == ["a", "f18", "f2", "f4"]
     assert http.post("/v2/systemsharedmemory/unregister").status_code == 200
     assert http.get("/v2/systemsharedmemory/status").json() == []
 

@@ -437,6 +437,8 @@ def _decode_outputs(
             what = f"output '{entry['name']}'"
             if k:
                 raise InferError.invalid(f"{what}: classification cannot be combined with shared memory")
+            if binary:  # Triton 2.51's words (checked side by side)
+                raise InferError.invalid("Output can't set both 'shared_memory_region' and 'binary_data'")
             if shm is None:
                 raise InferError.unsupported(f"{what}: shared memory is not enabled on this endpoint")
             target = shm.output_target(params, what)
