@@ -119,11 +119,13 @@ class DataPlane:
         return self.models.get(name, version)
 
     def check_trace_model(self, name: str) -> None:
-        """Per-model trace settings must name a model of the repository (in any state).
+        """Per-model trace settings must name a model with a READY version, as Triton 2.51 asks
+        (an unloaded one is unknown there too, checked side by side); its settings are kept
+        while it is unloaded and apply again once it is loaded.
 
-        :raises InferError: INVALID_ARG for an unknown model, as Triton 2.51 answers.
+        :raises InferError: INVALID_ARG for an unknown or unloaded model, in Triton's words.
         """
-        if name not in self.models.records:
+        if not self.model_ready(name):
             raise InferError.invalid(f"Request for unknown model : {name}")
 
     def model_ready(self, name: str, version: str | None = None) -> bool:

@@ -104,6 +104,9 @@ def test_settings_over_http(serve: Callable[..., ServerThread], client_for: Any)
     assert ignored.status_code == 200 and ignored.json() == before
     missing = http.get("/v2/models/missing/trace/setting")  # 400, as Triton 2.51 answers
     assert missing.status_code == 400 and "Request for unknown model" in missing.json()["error"]
+    server.server.models.unload_model("other")  # unloaded: unknown too, as in Triton 2.51
+    gone = http.post("/v2/models/other/trace/setting", json={"trace_rate": "7"})
+    assert gone.status_code == 400 and gone.json()["error"] == "Request for unknown model : other"
     assert http.get("/v2/models/ident/versions/1/trace/setting").status_code == 404
 
     off = http.post("/v2/trace/setting", json={"trace_level": ["OFF"]}).json()
