@@ -194,7 +194,8 @@ class VersionBuilder:
         if not selected:
             built.error = (
                 "; ".join(problems) if problems
-                else f"no version directory (a numeric folder such as '1') in '{source.path}'"
+                else f"at least one version must be available under the version policy of model "
+                f"'{source.name}': no version directory (a numeric folder such as '1') in '{source.path}'"
             )
             return
         for problem in problems:  # Triton loads the versions that exist and logs the others

@@ -199,6 +199,7 @@ def test_model_without_version_folder(start_server: StartServer, make_repo: Make
     found = entry(server, "empty")
     assert found["state"] == "UNAVAILABLE"
     assert "no version directory" in found["reason"]
+    assert "at least one version must be available under the version policy of model 'empty'" in found["reason"]
     assert any("empty: " in p and "no version directory" in p for p in validate_repositories([repo]))
 
 
