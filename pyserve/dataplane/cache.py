@@ -56,15 +56,18 @@ class CacheCounts:
     miss_ns: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheTotals:
-    """Running totals of the whole cache (every model)."""
+    """The whole cache's totals (every model): lookups are its hits plus its misses."""
 
-    lookups: int = 0
-    hits: int = 0
-    misses: int = 0
-    lookup_ns: int = 0
-    insert_ns: int = 0
+    hits: int
+    misses: int
+    lookup_ns: int
+    insert_ns: int
+
+    @property
+    def lookups(self) -> int:
+        return self.hits + self.misses
 
 
 @dataclass(frozen=True)
@@ -284,7 +287,8 @@ class ResponseCache:
         self.store = store
         self._listeners: list[CacheListener] = []
         self._counts: dict[tuple[str, int], CacheCounts] = {}
-        self._totals = CacheTotals()
+        self._lookup_ns = 0  # every lookup's, and every insert's: the per-model times hold both
+        self._insert_ns = 0
         self._lock = threading.Lock()
 
     def add_listener(self, listener: CacheListener) -> None:
@@ -298,9 +302,11 @@ class ResponseCache:
             return CacheCounts(**vars(counts)) if counts is not None else CacheCounts()
 
     def totals(self) -> CacheTotals:
-        """The server's totals over every model (a copy)."""
+        """The server's totals over every model (the per-model counts summed)."""
         with self._lock:
-            return CacheTotals(**vars(self._totals))
+            counts = list(self._counts.values())
+            return CacheTotals(sum(c.hits for c in counts), sum(c.misses for c in counts),
+                               self._lookup_ns, self._insert_ns)
 
     def occupancy(self) -> CacheOccupancy | None:
         """The local store's entries, utilization and evictions; None for a store that does not
@@ -333,18 +339,14 @@ class ResponseCache:
             counts = self._counts.get((model, version))
             if counts is None:
                 counts = self._counts[(model, version)] = CacheCounts()
-            totals = self._totals
-            totals.lookups += 1
-            totals.lookup_ns += lookup_ns
-            totals.insert_ns += insert_ns
+            self._lookup_ns += lookup_ns
+            self._insert_ns += insert_ns
             if hit:
                 counts.hits += 1
                 counts.hit_ns += duration_ns
-                totals.hits += 1
             else:
                 counts.misses += 1
                 counts.miss_ns += duration_ns
-                totals.misses += 1
         for listener in self._listeners:
             listener(model, version, hit, duration_ns)
 

@@ -392,8 +392,8 @@ class SequenceBatcher:
         request where a slot has none or its shapes differ from the lowest ready slot's."""
         head = ready[0].pending[0]  # seats are in slot order: the lowest ready slot
         signature = self._signature(head)
-        model_inputs = {name: array for name, array in head.inputs.items()}
         highest = ready[-1].slot
+        null_inputs = self._null_inputs(head) if highest + 1 > len(ready) else {}  # before head's controls
         batch: list[InferRequest] = []
         nulls = 0
         for slot in range(highest + 1):
@@ -401,20 +401,22 @@ class SequenceBatcher:
             if sequence is not None and sequence.pending and self._signature(sequence.pending[0]) == signature:
                 batch.append(self._dispatch(sequence))
             else:
-                batch.append(self._null_request(head, model_inputs))
+                null = InferRequest(self.model_name, head.model_version, dict(null_inputs), (),
+                                    batch_size=head.batch_size)
+                null.attach_sender(NULL_SENDER)
+                batch.append(null)
                 nulls += 1
         return SlotBatch(batch, nulls)
 
-    def _null_request(self, like: InferRequest, model_inputs: dict[str, np.ndarray]) -> InferRequest:
-        """A request that holds a batch slot without a sequence request in it (Triton's null
-        request): ``like``'s inputs as zeros, READY false, CORRID 0, initial state."""
+    def _null_inputs(self, like: InferRequest) -> dict[str, np.ndarray]:
+        """The inputs of a batch's null requests (Triton's: a request that holds a batch slot
+        without a sequence request in it), shared by them, read-only: ``like``'s inputs as zeros
+        (empty BYTES), READY (and START/END) false, CORRID 0, the initial state."""
         inputs = {
             name: (np.full(array.shape, b"", dtype=object) if array.dtype == object
                    else np.zeros(array.shape, dtype=array.dtype))
-            for name, array in model_inputs.items()
+            for name, array in like.inputs.items()
         }
-        null = InferRequest(self.model_name, like.model_version, inputs, (), batch_size=like.batch_size)
-        null.attach_sender(NULL_SENDER)
         batch = (like.batch_size,) if self._batching else ()
         control_shape = (*batch, 1)
         for control in self._controls:
@@ -423,9 +425,11 @@ class SequenceBatcher:
             else:
                 value = control.false_true[0]
             inputs[control.input_name] = np.full(control_shape, value, dtype=control.dtype)
+        for array in inputs.values():
+            array.flags.writeable = False
         for spec in self._states:
             inputs[spec.input_name] = np.broadcast_to(spec.initial, (*batch, *spec.initial.shape)) if batch else spec.initial
-        return null
+        return inputs
 
     def _candidate(self, ready: list[_Sequence]) -> tuple[list[_Sequence], int, bool]:
         chosen: list[_Sequence] = []
