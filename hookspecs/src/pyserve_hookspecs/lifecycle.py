@@ -280,6 +280,9 @@ def pyserve_execute(
         ``sequence_batching { iterative_sequence: true }`` a backend may instead call
         ``request.reschedule()`` and leave that request unanswered (``None`` in its place): it
         comes back in a later batch, until an execute answers it.
+        The output arrays of a returned or sent response are the server's from then on: it
+        encodes and sends them without a copy, possibly after execute returned, so a backend
+        must not write into them again (one that reuses an output buffer hands over a copy).
     :raises Exception: every request of the batch gets an error response naming the model;
         the exception is logged once and the instance keeps serving.
     """

@@ -292,22 +292,25 @@ def test_received_read_only_input_is_copied_once_when_asked_for() -> None:
     assert pb_utils.get_input_tensor_by_name(request, "W").as_numpy() is writeable  # no copy needed
 
 
-def test_outputs_reach_the_server_as_they_are_and_as_bytes() -> None:
-    """No copy and no view on the hot path; BYTES elements become ``bytes`` in a new array.
-    (Whoever passes an output on to another model hands over a read-only view.)"""
+def test_outputs_reach_the_server_as_the_models_values_at_hand_over_and_as_bytes() -> None:
+    """The server takes what the outputs hold when the response is handed over (see
+    test_python_output_ownership.py for when that needs no copy); BYTES elements become
+    ``bytes`` in a new array, the model's own arrays untouched. (Whoever passes an output on
+    to another model hands over a read-only view.)"""
     kept = np.array([1, 2], dtype=np.int32)
     objects = np.array([1, "é", b"\xff"], dtype=object)
     response = pb_utils.InferenceResponse([pb_utils.Tensor("A", kept), pb_utils.Tensor("B", objects)])
     outputs = response.to_server().outputs  # type: ignore[union-attr]
-    assert outputs["A"] is kept
+    kept[0] = 9  # the model writes its array again: the answer keeps the values it was given
+    assert outputs["A"].tolist() == [1, 2] and outputs["A"].dtype == np.int32
     assert kept.flags.writeable  # the model's own array is untouched
     answer = pb_utils.InferenceResponse.from_server(response.to_server())  # type: ignore[arg-type]
     assert not answer.output_tensors()[0]._array.flags.writeable  # what a BLS caller receives
     assert outputs["B"].tolist() == [b"1", "é".encode(), b"\xff"]
     assert objects.tolist() == [1, "é", b"\xff"]
     all_bytes = np.array([b"x"], dtype=object)
-    assert np.shares_memory(pb_utils.InferenceResponse([pb_utils.Tensor("C", all_bytes)]).to_server()
-                            .outputs["C"], all_bytes)  # type: ignore[union-attr]  # no conversion needed
+    assert pb_utils.InferenceResponse([pb_utils.Tensor("C", all_bytes)]).to_server().outputs[  # type: ignore[union-attr]
+        "C"].tolist() == [b"x"]
 
 
 def test_bls_request_converts_str_elements_and_shares_read_only() -> None:

@@ -204,7 +204,7 @@ class InferenceRequest:
         if self._server_request is None:
             raise TritonModelException("only requests passed to execute() have a response sender")
         if self._sender is None:
-            self._sender = InferenceResponseSender(self._server_request, self._decoupled)
+            self._sender = InferenceResponseSender(self._server_request, self._decoupled, self._inputs)
         return self._sender
 
     def set_release_flags(self, flags: int) -> None:

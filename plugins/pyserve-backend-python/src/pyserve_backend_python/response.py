@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pyserve import InferError, InferRequest, InferResponse
@@ -13,7 +13,7 @@ from pyserve.api.inference import BackendResponseSender
 from pyserve_backend_python import arguments
 from pyserve_backend_python.constants import TRITONSERVER_RESPONSE_COMPLETE_FINAL
 from pyserve_backend_python.errors import TritonError, TritonModelException, as_triton_error
-from pyserve_backend_python.tensor import Tensor, output_array, server_array
+from pyserve_backend_python.tensor import Tensor, owned_output, server_array
 
 
 def parse_parameters(parameters: Mapping[str, Any] | str | None, what: str) -> dict[str, Any]:
@@ -91,12 +91,15 @@ class InferenceResponse:
         return f"InferenceResponse(output_tensors={self._output_tensors!r})"
 
     # -- conversions ---------------------------------------------------------------------------
-    def to_server(self) -> InferResponse | InferError:
-        """The server's response (or error) for this response: the outputs are the model's
-        arrays, BYTES elements as ``bytes`` (see ``tensor.output_array``)."""
+    def to_server(self, received: Sequence[Tensor] = ()) -> InferResponse | InferError:
+        """The server's response (or error) for this response, when the model hands it over
+        (``received``: the input tensors of the request it answers). The outputs are the
+        model's arrays where nothing of the model can still write them, else copies of them,
+        BYTES elements as ``bytes`` (see ``tensor.owned_output``)."""
         if self._error is not None:
             return self._error.to_infer_error()
-        outputs = {tensor._name: output_array(tensor._array) for tensor in self._output_tensors}
+        tensors = self._output_tensors
+        outputs = {tensors[index]._name: owned_output(tensors, index, received) for index in range(len(tensors))}
         return InferResponse(outputs, self._parameters or None)
 
     @classmethod
@@ -131,11 +134,12 @@ class InferenceResponseSender:
     Every refusal raises ``TritonModelException`` with Triton's message.
     """
 
-    __slots__ = ("__weakref__", "_decoupled", "_request", "_sender")
+    __slots__ = ("__weakref__", "_decoupled", "_received", "_request", "_sender")
 
-    def __init__(self, request: InferRequest, decoupled: bool = True) -> None:
+    def __init__(self, request: InferRequest, decoupled: bool = True, received: Sequence[Tensor] = ()) -> None:
         self._request = request
         self._decoupled = decoupled
+        self._received = received  # the request's input tensors, as execute got them
         self._sender: BackendResponseSender = request.response_sender()
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
@@ -162,7 +166,7 @@ class InferenceResponseSender:
         if not self._decoupled and (response is None or sender.responses_sent):  # the first response passes
             check_one_response(sender.responses_sent, response is not None, final)
         try:
-            sender.send(response.to_server() if response is not None else None, final)
+            sender.send(response.to_server(self._received) if response is not None else None, final)
         except InferError:
             raise TritonModelException(CLOSED_MESSAGE) from None
 

@@ -25,6 +25,7 @@ from pyserve import (
 )
 from pyserve_backend_python.errors import TritonModelException
 from pyserve_backend_python.response import InferenceResponse, check_one_response
+from pyserve_backend_python.tensor import Tensor
 
 log = logging.getLogger("pyserve.python_backend")
 
@@ -95,7 +96,10 @@ def convert(
                 f"found type '{type(item)}'.",
                 ErrorCode.INTERNAL,
             )
-    converted: list[InferResponse | InferError | None] = [_one(model_name, item) for item in result]
+    converted: list[InferResponse | InferError | None] = [
+        _one(model_name, item, wrapped[index]._inputs if wrapped is not None else ())
+        for index, item in enumerate(result)
+    ]
     if all(item is not None for item in converted) and not any(r.sender_taken for r in requests):
         return converted  # type: ignore[return-value]
     _answer_through_senders(model_name, requests, converted, instance_name, wrapped)
@@ -201,11 +205,11 @@ def _release(model_name: str, request: InferRequest) -> None:
         pass  # answered meanwhile
 
 
-def _one(model_name: str, item: Any) -> InferResponse | InferError | None:
+def _one(model_name: str, item: Any, received: Sequence[Tensor]) -> InferResponse | InferError | None:
     if item is None:
         return None
     if isinstance(item, InferenceResponse):
-        return item.to_server()
+        return item.to_server(received)
     return InferError(
         f"Python model '{model_name}' returned {type(item).__name__} for a request; expected "
         "pb_utils.InferenceResponse",

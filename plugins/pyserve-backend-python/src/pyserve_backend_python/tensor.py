@@ -8,13 +8,17 @@ model code may write into its inputs as it can in Triton.
 
 What the backend hands to another model (BLS inputs) goes through ``server_array``: a
 read-only view (no copy), so that whoever receives it copies before writing, and BYTES
-elements as ``bytes``, as Triton's serialisation leaves them; outputs go through
-``output_array`` (the same conversion, no view), and a BLS caller receives read-only views.
+elements as ``bytes``, as Triton's serialisation leaves them; a BLS caller receives read-only
+views. A response's outputs go through ``owned_output`` when the model hands the response over:
+the memory is the server's from then on, copied unless nothing of the model can still write it.
 """
 
 from __future__ import annotations
 
 import struct
+import sys
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import ml_dtypes
@@ -141,10 +145,94 @@ def _bytes_elements(array: np.ndarray) -> np.ndarray:
 
 
 def output_array(array: np.ndarray) -> np.ndarray:
-    """A model output as the server takes it: the array itself (no copy, no view: the
-    frontends only read it, and whoever passes it on to another model hands over a read-only
-    view, see ``server_array`` and ``from_server``), BYTES elements as ``bytes``."""
+    """``array`` with BYTES elements as ``bytes`` (no copy of any other array)."""
     return _bytes_elements(array) if array.dtype == np.object_ else array
+
+
+COPIED_UP_TO = 64 * 1024
+"""Outputs of at most this many bytes are copied outright by ``owned_output``: cheaper than
+finding out whether the model still holds them."""
+
+
+def owned_output(tensors: list[Tensor], index: int, received: Sequence[Tensor] = ()) -> np.ndarray:
+    """The array of ``tensors[index]`` (an output of a response the model hands over: execute
+    returned it, or a response sender sends it) as memory the model can no longer change, which
+    Triton guarantees by copying every output at that moment. A model may keep a buffer and
+    fill it again for its next request (``self.out[:] = ...``) while the server still encodes
+    or sends the last answer from it.
+
+    No copy when nothing of the model reaches the memory: the tensor and every array, buffer
+    view and ``bytearray`` under it are held once, by the one above (so by nothing the model
+    keeps), none is weakly referenced, and the memory under them is a numpy array or
+    immutable ``bytes``; or it is the memory of one of the request's own inputs
+    (``received``, the tensors ``execute`` got). Otherwise (and for outputs of at most
+    ``COPIED_UP_TO`` bytes) a C-contiguous copy. BYTES elements become ``bytes``
+    (``output_array``). Call it with no other reference to the tensor or its array in hand:
+    the caller's own references would count as the model's.
+    """
+    array = tensors[index]._array
+    if array.dtype == np.object_:
+        converted = _bytes_elements(array)
+        if converted is not array:
+            return converted  # a new array that nothing else holds
+        del converted
+    if array.nbytes <= COPIED_UP_TO:
+        return array.copy()
+    del array  # not counted as a holder below
+    most, memory = _holders(tensors, index)
+    array = tensors[index]._array
+    if most <= _HELD_ONCE or any(memory is _memory_under(tensor._array) for tensor in received):
+        return array
+    return array.copy()
+
+
+_UNSHARED = 1 << 30  # what ``_holders`` reports for a chain it cannot prove private
+
+
+def _holders(tensors: list[Tensor], index: int) -> tuple[int, Any]:
+    """Walk from ``tensors[index]`` down to the memory under its array: the tensor, its array,
+    the arrays, memoryviews and ``bytearray`` that array is a view of. Returns the largest
+    reference count met (``_HELD_ONCE`` when each is held by the one above alone; ``_UNSHARED``
+    when one is weakly referenced or the memory is of a kind whose other holders cannot be
+    counted, such as a DLPack capsule or an ``mmap``) and the object that holds the memory."""
+    link: Any = tensors[index]
+    most = sys.getrefcount(link)
+    link = link._array
+    while True:
+        if type(link) is bytes:  # immutable: however many hold it, nobody writes it
+            return most, link
+        most = max(most, sys.getrefcount(link))
+        if weakref.getweakrefcount(link):
+            return _UNSHARED, link
+        if isinstance(link, np.ndarray):
+            if link.base is None:
+                return most, link
+            link = link.base
+        elif isinstance(link, memoryview):
+            link = link.obj
+        elif type(link) is bytearray:
+            return most, link
+        else:
+            return _UNSHARED, link
+
+
+def _memory_under(array: Any) -> Any:
+    """The object that holds the memory of ``array`` (the end of ``_holders``' walk)."""
+    link = array
+    while True:
+        if isinstance(link, np.ndarray) and link.base is not None:
+            link = link.base
+        elif isinstance(link, memoryview):
+            link = link.obj
+        else:
+            return link
+
+
+def _held_once_count() -> int:
+    """The reference count ``_holders`` sees on a link held by the one above alone, measured
+    on a chain made for it (the interpreter's own references differ between versions)."""
+    chain = [Tensor._wrap("", np.frombuffer(bytearray(16), np.uint8)[1:])]
+    return _holders(chain, 0)[0]
 
 
 def server_array(array: np.ndarray) -> np.ndarray:
@@ -183,7 +271,8 @@ class Tensor:
 
     Callers may rely on: ``Tensor(name, array)`` keeping the array without a copy
     (fixed-width str/bytes arrays become object arrays of ``bytes``, as Triton's BYTES
-    tensors are); ``as_numpy()`` returning that array; ``as_numpy()`` of a tensor pyserve
+    tensors are), the server taking an output's values when its response is handed over
+    (``owned_output``); ``as_numpy()`` returning that array; ``as_numpy()`` of a tensor pyserve
     hands the model (request inputs, BLS outputs) being writeable, as in Triton, and writes
     into it never reaching anyone else; ``is_cpu()`` always being True here;
     and DLPack export/import working with numpy and PyTorch (CPU tensors; GPU tensors are
@@ -324,3 +413,6 @@ def _import_torch_bf16(obj: Any) -> np.ndarray | None:
 
         return np.from_dlpack(obj.contiguous().view(torch.int16)).view(ml_dtypes.bfloat16)
     return None
+
+
+_HELD_ONCE = _held_once_count()
