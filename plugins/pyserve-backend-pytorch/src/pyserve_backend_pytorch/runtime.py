@@ -150,6 +150,9 @@ def to_numpy(tensor: Any) -> np.ndarray:
     return tensor.numpy()
 
 
+COPIED_UP_TO = 64 * 1024
+"""CPU results of at most this many bytes are copied without looking where they lie."""
+
 STRING = "TYPE_STRING"
 """TorchScript takes and returns these as ``List[str]``: one dimension, batch included (as Triton)."""
 
@@ -531,6 +534,7 @@ class TorchInstance(FrameworkInstance):
         self.text_inputs = self.string_inputs  # List[str] takes UTF-8 text: checked per request
         self.string_outputs = tuple(t.name for t in model.outputs if t.config_type == STRING)
         self._one_string_output = len(model.outputs) == 1 and bool(self.string_outputs)
+        self._input_memory: frozenset[int] = frozenset()
 
     def close(self) -> None:
         """Drop the module (and the CUDA cache of its device)."""
@@ -649,6 +653,10 @@ class TorchInstance(FrameworkInstance):
                 )
 
     def run(self, inputs: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
+        self._input_memory = frozenset(  # where large inputs lie: an output over them needs no copy
+            array.ctypes.data for array in inputs.values()
+            if isinstance(array, np.ndarray) and array.nbytes > COPIED_UP_TO
+        )
         outputs = self.forward(inputs)
         for name in self.string_outputs:
             if name in outputs:
@@ -656,6 +664,11 @@ class TorchInstance(FrameworkInstance):
         return outputs
 
     def to_host(self, value: Any) -> np.ndarray:
+        """The host array the server sends for one result of ``run``: memory the module cannot
+        change any more, as Triton copies every result into the response. A result on a GPU
+        comes over in one fresh copy; a CPU result is copied unless it lies over one of this
+        batch's large inputs (an echoed input), since it may be module state that the next
+        forward updates in place (a buffer ``forward`` fills and returns, or a view of it)."""
         if isinstance(value, np.ndarray):  # a TYPE_STRING output, made an array in run
             return value
         if not isinstance(value, self.torch.Tensor):
@@ -663,7 +676,12 @@ class TorchInstance(FrameworkInstance):
                 f"forward of model '{self.model.name}' returned {type(value).__name__} for a tensor output",
                 ErrorCode.INTERNAL,
             )
-        return to_numpy(value)
+        if not value.is_cpu:
+            return to_numpy(value)
+        array = to_numpy(value)
+        if array.nbytes > COPIED_UP_TO and value.untyped_storage().data_ptr() in self._input_memory:
+            return array
+        return array.copy()
 
     def error(self, exc: Exception) -> InferError:
         return InferError(
