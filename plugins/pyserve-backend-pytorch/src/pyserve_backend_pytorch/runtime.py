@@ -676,10 +676,10 @@ class TorchInstance(FrameworkInstance):
                 f"forward of model '{self.model.name}' returned {type(value).__name__} for a tensor output",
                 ErrorCode.INTERNAL,
             )
-        if not value.is_cpu:
-            return to_numpy(value)
         array = to_numpy(value)
-        if array.nbytes > COPIED_UP_TO and value.untyped_storage().data_ptr() in self._input_memory:
+        if not value.is_cpu or (
+            array.nbytes > COPIED_UP_TO and value.untyped_storage().data_ptr() in self._input_memory
+        ):
             return array
         return array.copy()
 
