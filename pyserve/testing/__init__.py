@@ -55,6 +55,11 @@ Helpers
     Skips the calling test when every connection of ``thread`` goes to a frontend process
     (``PYSERVE_TEST_LAYOUT=frontends``): for checks of what the owner itself executes.
 
+``wrong_echo_answers(client_module, url, model, size, names=("IN", "OUT"), threads=4, each=25)``
+    Sends distinct FP32 values from several clients at once to a model that answers its input
+    as its output, and returns a line for each answer that carried other values than its
+    request's (a backend that reuses an output buffer while answers are still being sent).
+
 ``OWN_GRPC_CONNECTION``
     ``channel_args`` that give a tritonclient gRPC client a connection of its own (grpc's channels
     to one address share one otherwise), for tests that care which process serves a connection.
@@ -142,6 +147,7 @@ from pyserve.testing.helpers import (
     serve,
     shared_python_environment,
     write_model,
+    wrong_echo_answers,
 )
 from pyserve.testing.inputs import generate_inputs
 
@@ -160,6 +166,7 @@ __all__ = [
     "shared_python_environment",
     "serve",
     "write_model",
+    "wrong_echo_answers",
 ]
 
 

@@ -256,3 +256,45 @@ def shared_python_environment(tmp_path_factory: Any, packages: Sequence[str]) ->
     if isinstance(made, RuntimeError):
         pytest.skip(f"cannot make a test environment with {', '.join(key)}: {made}")
     return made
+
+
+def wrong_echo_answers(
+    client_module: Any,
+    url: str,
+    model: str,
+    size: int,
+    names: tuple[str, str] = ("IN", "OUT"),
+    threads: int = 4,
+    each: int = 25,
+) -> list[str]:
+    """Send ``each`` requests from each of ``threads`` clients at once (``client_module``:
+    ``tritonclient.http`` or ``tritonclient.grpc``) to a model that answers its FP32 input
+    ``names[0]`` (``size`` elements) as output ``names[1]``, every request with values of its
+    own; returns a line for every answer that did not carry the values its request sent (an
+    empty list when all did). Waits up to 300 s for the clients."""
+    import numpy as np
+
+    input_name, output_name = names
+    wrong: list[str] = []
+
+    def run(number: int) -> None:
+        client = client_module.InferenceServerClient(url)
+        try:
+            for index in range(each):
+                value = float(number * 1000 + index)
+                item = client_module.InferInput(input_name, [size], "FP32")
+                item.set_data_from_numpy(np.full(size, value, dtype=np.float32))
+                answer = client.infer(model, [item]).as_numpy(output_name)
+                if answer.shape != (size,) or not (answer == value).all():
+                    wrong.append(f"client {number} request {index}: sent {value}, got {answer[:3]}...")
+        finally:
+            client.close()
+
+    workers = [threading.Thread(target=run, args=(number,)) for number in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=300)
+    if any(worker.is_alive() for worker in workers):
+        wrong.append("a client did not finish within 300 s")
+    return wrong

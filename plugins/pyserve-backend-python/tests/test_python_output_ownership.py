@@ -6,7 +6,6 @@ of the model holds any more are taken without a copy."""
 from __future__ import annotations
 
 import queue
-import threading
 import weakref
 from typing import Any
 
@@ -17,6 +16,8 @@ import tritonclient.http as httpclient
 from pyserve_backend_python.response import InferenceResponse
 from pyserve_backend_python.tensor import COPIED_UP_TO, Tensor
 from python_backend_helpers import PROCESS_MODE
+
+from pyserve.testing import wrong_echo_answers
 
 LARGE = 2 * COPIED_UP_TO  # elements of FP32: 8x the size copied outright
 
@@ -165,32 +166,6 @@ def test_a_dlpack_output_of_another_framework_is_copied() -> None:
     assert not (sent == 3).any()
 
 
-def _infer_all(client_module: Any, url: str, model: str, size: int, threads: int = 4, each: int = 25) -> list[str]:
-    """Every thread sends ``each`` requests of its own values; the answers that came back wrong."""
-    wrong: list[str] = []
-
-    def run(number: int) -> None:
-        client = client_module.InferenceServerClient(url)
-        try:
-            for index in range(each):
-                value = float(number * 1000 + index)
-                item = client_module.InferInput("IN", [size], "FP32")
-                item.set_data_from_numpy(np.full(size, value, dtype=np.float32))
-                answer = client.infer(model, [item]).as_numpy("OUT")
-                if answer.shape != (size,) or not (answer == value).all():
-                    wrong.append(f"thread {number} request {index}: sent {value}, got {answer[:3]}...")
-        finally:
-            client.close()
-
-    workers = [threading.Thread(target=run, args=(number,)) for number in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=300)
-    assert not any(worker.is_alive() for worker in workers)
-    return wrong
-
-
 @pytest.mark.parametrize("mode", ["thread", "process"])
 @pytest.mark.parametrize("size", [16, LARGE])
 def test_a_model_filling_one_buffer_for_every_request_answers_each_client_its_own_values(
@@ -198,8 +173,8 @@ def test_a_model_filling_one_buffer_for_every_request_answers_each_client_its_ow
 ) -> None:
     config = REUSING_CONFIG + (PROCESS_MODE if mode == "process" else "")
     server = serve({"reuse": (config, REUSING_MODEL)})
-    assert _infer_all(httpclient, server.url, "reuse", size) == []
-    assert _infer_all(grpcclient, server.grpc_url, "reuse", size) == []
+    assert wrong_echo_answers(httpclient, server.url, "reuse", size) == []
+    assert wrong_echo_answers(grpcclient, server.grpc_url, "reuse", size) == []
 
 
 @pytest.mark.parametrize("size", [16, LARGE])
