@@ -270,8 +270,9 @@ def wrong_echo_answers(
     """Send ``each`` requests from each of ``threads`` clients at once (``client_module``:
     ``tritonclient.http`` or ``tritonclient.grpc``) to a model that answers its FP32 input
     ``names[0]`` (``size`` elements) as output ``names[1]``, every request with values of its
-    own; returns a line for every answer that did not carry the values its request sent (an
-    empty list when all did). Waits up to 300 s for the clients."""
+    own; returns a line for every answer that did not carry the values its request sent, and
+    for every client whose request failed (it sends no more): an empty list when all were
+    right. Waits up to 300 s for the clients."""
     import numpy as np
 
     input_name, output_name = names
@@ -285,8 +286,11 @@ def wrong_echo_answers(
                 item = client_module.InferInput(input_name, [size], "FP32")
                 item.set_data_from_numpy(np.full(size, value, dtype=np.float32))
                 answer = client.infer(model, [item]).as_numpy(output_name)
-                if answer.shape != (size,) or not (answer == value).all():
-                    wrong.append(f"client {number} request {index}: sent {value}, got {answer[:3]}...")
+                if answer is None or answer.shape != (size,) or not (answer == value).all():
+                    shown = None if answer is None else answer[:3]
+                    wrong.append(f"client {number} request {index}: sent {value}, got {shown}...")
+        except Exception as exc:  # a failed request is a wrong answer too, not a thread's traceback
+            wrong.append(f"client {number}: {type(exc).__name__}: {exc}")
         finally:
             client.close()
 

@@ -177,6 +177,14 @@ def test_a_model_filling_one_buffer_for_every_request_answers_each_client_its_ow
     assert wrong_echo_answers(grpcclient, server.grpc_url, "reuse", size) == []
 
 
+def test_the_echo_check_reports_failed_requests_and_other_outputs(serve: Any) -> None:
+    server = serve({"reuse": (REUSING_CONFIG, REUSING_MODEL)})
+    missing = wrong_echo_answers(httpclient, server.url, "no_such_model", 16, threads=2, each=3)
+    assert len(missing) == 2 and all("no_such_model" in line for line in missing)
+    unnamed = wrong_echo_answers(grpcclient, server.grpc_url, "reuse", 16, ("IN", "NOT_AN_OUTPUT"), threads=1, each=2)
+    assert len(unnamed) == 2 and all("got None" in line for line in unnamed)
+
+
 @pytest.mark.parametrize("size", [16, LARGE])
 def test_a_decoupled_model_refilling_its_buffer_between_sends_streams_each_value(serve: Any, size: int) -> None:
     server = serve({"steps": (DECOUPLED_CONFIG, DECOUPLED_MODEL)})
