@@ -271,7 +271,7 @@ class _Servers:
         settings = self.settings
         restrictions = {k: Restriction(*v) for k, v in settings["http_restricted_api"].items()}
         http = self.http = FrontendHttpServer(
-            OwnerHttpProxy(settings["owner_http"]), self.dataplane,
+            OwnerHttpProxy(settings["owner_http"], settings["http_max_input_size"]), self.dataplane,
             max_input_size=settings["http_max_input_size"], restrictions=restrictions,
             **settings.get("http_limits", {}),
         )

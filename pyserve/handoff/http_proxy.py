@@ -7,6 +7,10 @@ back as it arrives (server-sent events included, the OpenAI ``/v1`` routes and d
 infer streams among them). A client that goes away before its answer is complete drops the
 connection to the owner, so the owner cancels the request as if its own client had left. Idle
 connections to the owner are reused.
+
+A body over ``--http-max-input-size`` is refused here, in the owner's words, before anything
+is relayed. Should the owner still stop reading a body and close (it answers errors early), its
+answer is relayed when it arrived, and otherwise the client gets a JSON 502, never a bare 500.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import contextlib
 from typing import Any
 
 import httptools
+
+from pyserve.frontends.http.body import too_large
+from pyserve.frontends.http.errors import HTTP_STATUS, JSON_HEADERS, error_body
 
 _HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
@@ -48,10 +55,15 @@ class _Answer:
 
 
 class OwnerHttpProxy:
-    """An ASGI application relaying each request to ``path`` (the owner's HTTP Unix socket)."""
+    """An ASGI application relaying each request to ``path`` (the owner's HTTP Unix socket).
 
-    def __init__(self, path: str) -> None:
+    :param max_input_size: ``--http-max-input-size``: a longer body is refused here, as the
+        owner would refuse it.
+    """
+
+    def __init__(self, path: str, max_input_size: int) -> None:
         self.path = path
+        self.max_input_size = max_input_size
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -65,15 +77,44 @@ class OwnerHttpProxy:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await _send_error(send, *refusal)
+            return
+        started = False
+
+        async def send_once_started(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
         reader, writer = await self._connect()
         reusable = False
         try:
-            reusable = await self._relay(scope, receive, send, reader, writer)
+            reusable = await self._relay(scope, receive, send_once_started, reader, writer)
+        except ConnectionError:
+            if started:
+                raise
+            await _send_error(send, 502, "the model owner closed the connection before it answered")
         finally:
             if reusable and len(self._idle) < _MAX_IDLE:
                 self._idle.append((reader, writer))
             else:
                 writer.close()
+
+    def _refusal(self, scope: dict[str, Any]) -> tuple[int, str] | None:
+        """``(status, message)`` for a body the owner would refuse for its length, from its
+        ``Content-Length``; ``None`` otherwise (a streamed body is counted as it is relayed)."""
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    return None  # the owner says what is wrong with it
+                if declared > self.max_input_size:
+                    error = too_large(self.max_input_size, length=declared)
+                    return HTTP_STATUS[error.code], error.message
+        return None
 
     async def _relay(self, scope: dict[str, Any], receive: Any, send: Any,
                      reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
@@ -86,24 +127,35 @@ class OwnerHttpProxy:
         if message["type"] == "http.disconnect":
             return False
         body = message.get("body", b"")
+        if len(body) > self.max_input_size:
+            return await self._refuse_streamed(send)
         if not message.get("more_body", False):  # the whole body is here: one write, with its length
             head.append(b"content-length: %d\r\n\r\n" % len(body))
             writer.write(b"".join(head) + body)
         else:  # stream it: the owner may answer before reading all of it only on errors
             head.append(b"transfer-encoding: chunked\r\n\r\n")
             writer.write(b"".join(head) + (b"%x\r\n%s\r\n" % (len(body), body) if body else b""))
+            received = len(body)
             while True:
-                await writer.drain()
+                try:
+                    await writer.drain()
+                except ConnectionError:  # the owner stopped reading: it may have answered
+                    break
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     return False
                 body = message.get("body", b"")
+                received += len(body)
+                if received > self.max_input_size:
+                    writer.transport.abort()
+                    return await self._refuse_streamed(send)
                 if body:
                     writer.write(b"%x\r\n%s\r\n" % (len(body), body))
                 if not message.get("more_body", False):
+                    writer.write(b"0\r\n\r\n")
                     break
-            writer.write(b"0\r\n\r\n")
-        await writer.drain()
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
         answer = _Answer()
         head_only = scope["method"] == "HEAD"
         watcher = asyncio.ensure_future(self._watch(receive, writer, answer))
@@ -111,6 +163,13 @@ class OwnerHttpProxy:
             return await self._answer(answer, reader, send, head_only)
         finally:
             watcher.cancel()
+
+    async def _refuse_streamed(self, send: Any) -> bool:
+        """Answer a body that streamed past the limit as the owner would; returns False (the
+        owner's connection is not reused)."""
+        error = too_large(self.max_input_size)
+        await _send_error(send, HTTP_STATUS[error.code], error.message)
+        return False
 
     @staticmethod
     async def _watch(receive: Any, writer: asyncio.StreamWriter, answer: _Answer) -> None:
@@ -155,3 +214,11 @@ class OwnerHttpProxy:
         with contextlib.suppress(Exception):
             return answer.parser.should_keep_alive() and not head_only
         return False
+
+
+async def _send_error(send: Any, status: int, message: str) -> None:
+    """A whole ``{"error": message}`` answer."""
+    body = error_body(message)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*JSON_HEADERS, (b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

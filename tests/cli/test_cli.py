@@ -188,6 +188,14 @@ def test_backend_config_errors_are_clear(value: str, message: str) -> None:
     assert "argument --backend-config" in result.stderr and message in result.stderr
 
 
+@pytest.mark.parametrize("value", ["0", "-1024"])
+def test_a_max_input_size_that_is_not_positive_stops_the_start(value: str) -> None:
+    """As Triton, whose own HTTP script looks for its words in the server's output."""
+    result = pyserve("run", "--http-port", "0", f"--http-max-input-size={value}")
+    assert result.returncode == 2
+    assert "Error: --http-max-input-size must be greater than 0." in result.stderr
+
+
 def test_backend_config_is_parsed() -> None:
     from pyserve.cli.main import _backend_config, build_parser
 

@@ -859,6 +859,90 @@ def test_a_client_that_goes_away_cancels_the_handed_off_request(tmp_path: Path) 
         assert thread.server.dataplane.in_flight == 0
 
 
+def _answer_of(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One whole HTTP/1.1 answer with a Content-Length: status, headers, body."""
+    sock.settimeout(60)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before an answer: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
+    while len(body) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed mid-answer"
+        body += chunk
+    return int(status_line.split()[1]), headers, body
+
+
+def test_a_relayed_body_over_the_limit_gets_the_json_refusal(tmp_path: Path) -> None:
+    """A repository call with a body over --http-max-input-size, sent to the frontend (which
+    relays every route but infer to the owner), is refused there in Triton's words with a
+    JSON 400, whether its length is declared or it streams in chunks, many times over."""
+    write_model(tmp_path / "repo", "echo", ECHO)
+    limit = 4096
+    with serve(tmp_path / "repo", frontend_processes=1, http_max_input_size=limit) as thread:
+        path = b"/v2/repository/models/echo/load"
+        body = b'{"parameters": {"config": "' + b"x" * (2 * limit) + b'"}}'
+        for attempt in range(6):
+            sock = _connect_to_frontend(thread)
+            with sock:
+                if attempt % 2 == 0:
+                    sock.sendall(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"
+                                 % (path, len(body), body))
+                    expected = f"request JSON size of {len(body)} bytes exceeds the maximum allowed input size"
+                else:
+                    chunks = b"".join(b"%x\r\n%s\r\n" % (512, body[i:i + 512]) for i in range(0, 4 * 512 * 4, 512))
+                    sock.sendall(b"POST %s HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n%s"
+                                 % (path, chunks))
+                    expected = f"request JSON size of more than {limit} bytes exceeds the maximum allowed input size"
+                status, headers, answer = _answer_of(sock)
+            assert status == 400, answer
+            assert headers["content-type"] == "application/json"
+            assert expected in json.loads(answer)["error"]
+        with _http(thread) as client:  # the owner and the frontend still serve
+            assert client.is_model_ready("echo")
+
+
+def test_an_owner_that_closes_before_answering_is_a_json_502(tmp_path: Path) -> None:
+    """The proxy's owner side goes away mid-body without an answer: the client gets a JSON 502
+    naming that, not a bare 500."""
+    from pyserve.handoff.http_proxy import OwnerHttpProxy
+
+    path = str(tmp_path / "owner.sock")
+
+    async def scenario() -> tuple[int, bytes]:
+        async def owner(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(100)  # takes a little of the request, then hangs up
+            writer.transport.abort()
+
+        listener = await asyncio.start_unix_server(owner, path)
+        proxy = OwnerHttpProxy(path, max_input_size=1 << 30)
+        pieces = [b"x" * 65536] * 64
+        sent: list[dict[str, object]] = []
+
+        async def receive() -> dict[str, object]:
+            await asyncio.sleep(0)
+            piece = pieces.pop() if pieces else b""
+            return {"type": "http.request", "body": piece, "more_body": bool(pieces)}
+
+        async def send(message: dict[str, object]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "raw_path": b"/v2/repository/index", "query_string": b"",
+                 "headers": [(b"host", b"x"), (b"transfer-encoding", b"chunked")]}
+        await asyncio.wait_for(proxy(scope, receive, send), 60)
+        listener.close()
+        start, *bodies = sent
+        return int(start["status"]), b"".join(m["body"] for m in bodies)  # type: ignore[misc]
+
+    status, body = asyncio.run(scenario())
+    assert status == 502
+    assert json.loads(body) == {"error": "the model owner closed the connection before it answered"}
+
+
 def test_generate_stream_is_relayed_as_it_streams(server: ServerThread) -> None:
     """Server-sent events of a decoupled model, on every connection (relayed by frontends)."""
     for _ in range(CONNECTIONS):

@@ -3,9 +3,10 @@
 The cap (``--http-max-input-size``) is enforced from ``Content-Length`` before anything is
 read, while streaming for chunked bodies, and on the decompressed size for gzip/deflate, so
 an oversized or zip-bomb body is refused without the memory being allocated. As in Triton,
-the cap is on the JSON of an infer request: the binary tensor data that follows a JSON header
-(``Inference-Header-Content-Length``) is bounded by this machine's memory instead
-(``infer_body_limit``).
+the cap is on the JSON of an infer request and on a raw binary body
+(``Inference-Header-Content-Length: 0``): the binary tensor data that follows a JSON header is
+bounded by this machine's memory instead (``infer_body_limit``). The refusals use Triton's
+words, which its test scripts match.
 """
 
 from __future__ import annotations
@@ -33,17 +34,34 @@ BINARY_DATA_LIMIT = _machine_memory()
 larger one could never be held)."""
 
 
-def too_large(limit: int, json_limit: int | None = None) -> InferError:
-    """The error for a body over ``limit``; ``json_limit`` (``--http-max-input-size``) when
-    ``limit`` is an infer body's that binary data raised above it (``infer_body_limit``)."""
+def too_large(limit: int, json_limit: int | None = None, *, length: int | None = None,
+              raw: bool = False) -> InferError:
+    """The error for a body over ``limit``.
+
+    :param json_limit: ``--http-max-input-size`` when ``limit`` is an infer body's that binary
+        data raised above it (``infer_body_limit``).
+    :param length: the body's length where it is known (its ``Content-Length``); else the body
+        was refused as it streamed in, once it passed ``limit``.
+    :param raw: the body is one raw binary input (``Inference-Header-Content-Length: 0``).
+    """
     if json_limit is not None and limit > json_limit:
         return InferError.invalid(
             f"request body is larger than {limit} bytes: its binary data may not exceed this machine's "
             f"memory ({BINARY_DATA_LIMIT} bytes)"
         )
+    size = f"more than {limit}" if length is None else str(length)
+    if raw:
+        return InferError.invalid(
+            f"Raw input has a byte_size ({size} bytes) that exceeds the maximum allowed value of {limit} "
+            f"bytes. {_RAISE_IT}"
+        )
     return InferError.invalid(
-        f"request body is larger than the server's limit of {limit} bytes (--http-max-input-size)"
+        f"request JSON size of {size} bytes exceeds the maximum allowed input size of {limit} bytes. "
+        f"{_RAISE_IT}"
     )
+
+
+_RAISE_IT = "Use --http-max-input-size to increase the limit."
 
 
 def infer_body_limit(header_length: bytes | None, content_encoding: bytes | None, limit: int) -> int:
@@ -51,8 +69,9 @@ def infer_body_limit(header_length: bytes | None, content_encoding: bytes | None
 
     ``limit`` (``--http-max-input-size``) caps its JSON: the whole body, or, with
     ``Inference-Header-Content-Length``, the JSON header, while the binary data after it may
-    be up to ``BINARY_DATA_LIMIT``. A compressed body is capped as a whole (its decompressed
-    size too). A header length that is not an integer leaves ``limit`` (the codec refuses it).
+    be up to ``BINARY_DATA_LIMIT``. A raw binary body (header length 0) and a compressed body
+    are capped as a whole (the latter's decompressed size too). A header length that is not an
+    integer leaves ``limit`` (the codec refuses it).
 
     :raises InferError: the JSON header alone is over ``limit``.
     """
@@ -63,10 +82,9 @@ def infer_body_limit(header_length: bytes | None, content_encoding: bytes | None
     except ValueError:
         return limit
     if json_length > limit:
-        raise InferError.invalid(
-            f"request JSON header of {json_length} bytes is larger than the server's limit of {limit} bytes "
-            "(--http-max-input-size)"
-        )
+        raise too_large(limit, length=json_length)
+    if json_length == 0:  # one raw binary input: its bytes are the body
+        return limit
     return max(limit, json_length + BINARY_DATA_LIMIT)
 
 
@@ -87,7 +105,8 @@ async def read_body(request: Request, limit: int, body_limit: int | None = None)
         except ValueError:
             raise InferError.invalid("Content-Length must be an integer") from None
         if declared > cap:
-            raise too_large(cap, limit)
+            raw = request.headers.get("inference-header-content-length", "").strip() == "0"
+            raise too_large(cap, limit, length=declared, raw=raw)
     chunks: list[bytes] = []
     received = 0
     try:
@@ -115,7 +134,9 @@ def decode_content(body: bytes | bytearray, content_encoding: str, limit: int) -
     try:
         return inflate(body, encoding, limit)
     except TooLarge:
-        raise too_large(limit) from None
+        raise InferError.invalid(
+            f"Decompressed data size exceeds the maximum allowed value of {limit} bytes. {_RAISE_IT}"
+        ) from None
     except ValueError as exc:
         raise InferError.invalid(f"request body is {exc}") from None
 

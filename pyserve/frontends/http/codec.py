@@ -9,6 +9,7 @@ A response carries JSON ``data`` or, per output, binary data after the JSON head
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -147,9 +148,17 @@ def _decode_header(
     regions: list[Region] = []  # the shared-memory regions the request uses
     if not all(isinstance(entry, dict) for entry in raw_inputs):
         raise InferError.invalid("each entry of 'inputs' must be a JSON object")
-    check_input_count(name, io, len(raw_inputs), lambda: (entry.get("name") for entry in raw_inputs))
+    try:
+        check_input_count(name, io, len(raw_inputs), lambda: (entry.get("name") for entry in raw_inputs))
+    except InferError:
+        _refuse_mismatched_data(raw_inputs)
+        raise
     for entry in raw_inputs:
-        spec, shape = check_input(name, io, entry.get("name"), entry.get("datatype"), entry.get("shape"))
+        try:
+            spec, shape = check_input(name, io, entry.get("name"), entry.get("datatype"), entry.get("shape"))
+        except InferError:
+            _refuse_mismatched_data(raw_inputs)
+            raise
         if spec.name in inputs:
             raise InferError.invalid(f"input '{spec.name}' is given more than once for model '{name}'")
         array, offset = _decode_input(entry, spec, shape, binary, offset, name, shm, regions)
@@ -324,12 +333,26 @@ def _json_to_bytes_array(elements: list[Any], name: str, shape: tuple[int, ...],
     return out.reshape(shape)
 
 
+SHAPE_MISMATCH = "Unable to parse 'data': Shape does not match true shape of 'data' field"
+"""Triton's words, whole, for JSON ``data`` with another element count than its ``shape``
+(its test scripts match the whole ``{"error": ...}`` body)."""
+
+
 def _check_element_count(size: int, name: str, shape: tuple[int, ...], count: int) -> None:
     if size != count:
-        raise InferError.invalid(
-            f"Unable to parse 'data' of input '{name}': it holds {size} element(s) but the input shape "
-            f"{list(shape)} needs {count}"
-        )
+        raise InferError.invalid(SHAPE_MISMATCH)
+
+
+def _refuse_mismatched_data(raw_inputs: list[dict[str, Any]]) -> None:
+    """As Triton, which reads every input's JSON before it checks them against the config:
+    on a config check's failure, a JSON ``data`` whose element count is not its ``shape``'s
+    is the error reported (only called on that failure path)."""
+    for entry in raw_inputs:
+        data, shape = entry.get("data"), entry.get("shape")
+        if (isinstance(data, list) and isinstance(shape, list)
+                and all(type(d) is int and d >= 0 for d in shape)
+                and len(_flatten_json(data)) != math.prod(shape)):
+            raise InferError.invalid(SHAPE_MISMATCH)
 
 
 def _exact_integers(data: list[Any], shape: tuple[int, ...]) -> np.ndarray | None:

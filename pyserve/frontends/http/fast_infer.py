@@ -79,19 +79,22 @@ def infer_model(dataplane: InferencePlane, name: str, version: str | None) -> Mo
     return model
 
 
-def check_declared_length(declared: bytes | None, limit: int, json_limit: int | None = None) -> None:
+def check_declared_length(declared: bytes | None, limit: int, json_limit: int | None = None,
+                          raw: bool = False) -> None:
     """Refuse a body whose ``Content-Length`` is over ``limit`` before reading any of it.
 
     :param json_limit: ``--http-max-input-size`` when ``limit`` is an infer body's
         (``body.infer_body_limit``), for the error's words.
+    :param raw: the body is one raw binary input, for the error's words.
     :raises InferError: over the limit, or not an integer.
     """
     if declared is not None:
         try:
-            if int(declared) > limit:
-                raise too_large(limit, json_limit)
+            length = int(declared)
         except ValueError:
             raise InferError.invalid("Content-Length must be an integer") from None
+        if length > limit:
+            raise too_large(limit, json_limit, length=length, raw=raw)
 
 
 def declared_infer_body(headers: Iterable[tuple[bytes, bytes]], limit: int) -> int:
@@ -110,7 +113,8 @@ def declared_infer_body(headers: Iterable[tuple[bytes, bytes]], limit: int) -> i
         elif name == b"content-encoding":
             encoding = value
     cap = infer_body_limit(header_length, encoding, limit)
-    check_declared_length(declared, cap, limit)
+    raw = header_length is not None and header_length.strip() == b"0"
+    check_declared_length(declared, cap, limit, raw=raw)
     return cap
 
 

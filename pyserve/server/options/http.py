@@ -39,7 +39,7 @@ class HttpOptions:
         default=True,
     )
     http_max_input_size: int = setting(
-        flag("--http-max-input-size", type=int, metavar="BYTES",
+        flag("--http-max-input-size", type=values.http_max_input_size, metavar="BYTES",
              help="largest request body accepted (default 64 MiB); of an infer request with binary "
                   "tensor data, the largest JSON header (the data may be up to the machine's memory)"),
         default=MAX_INPUT_SIZE,

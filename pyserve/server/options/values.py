@@ -53,6 +53,13 @@ def poll_secs(value: str) -> float:
     return secs
 
 
+def http_max_input_size(value: str) -> int:
+    size = int(value)
+    if size <= 0:  # Triton's words, which its scripts look for in the log
+        raise argparse.ArgumentTypeError("Error: --http-max-input-size must be greater than 0.")
+    return size
+
+
 def config_name(value: str) -> str:
     try:
         return check_config_name(value)

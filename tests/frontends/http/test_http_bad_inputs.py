@@ -29,6 +29,7 @@ import orjson
 import pytest
 from suite_support import write_model
 
+from pyserve.frontends.http.codec import SHAPE_MISMATCH
 from pyserve.server.core import Server, ServerOptions, ServerThread
 
 SMALL_LIMIT = 1024
@@ -211,7 +212,7 @@ CASES: list[Case] = [
                 body(tensor("FP32", [4], binary_data_size=20)), f32_bytes(5), 400,
                 "input byte size mismatch for input 'IN' for model 'f32'. Expected 16, got 20", "f32"),
     Case("huge-shape-json", "shape [10^12] with 4 JSON values", body(tensor("FP32", [HUGE], [1, 2, 3, 4])), 400,
-         "it holds 4 element(s) but the input shape [1000000000000] needs 1000000000000", model="f32"),
+         SHAPE_MISMATCH, model="f32"),
     binary_case("huge-shape-binary", "shape [10^12] FP32 with 16 binary bytes",
                 body(tensor("FP32", [HUGE], binary_data_size=16)), f32_bytes(4), 400,
                 "Expected 4000000000000, got 16 (shape [1000000000000] of FP32; 'binary_data_size' is 16)", "f32"),
@@ -281,15 +282,20 @@ CASES: list[Case] = [
     # -- JSON tensor data
     Case("data-deeper-than-shape-too-many", "shape [4] with data [[[1,2,3,4,5]]]",
          body(tensor("INT32", [4], [[[1, 2, 3, 4, 5]]])), 400,
-         "it holds 5 element(s) but the input shape [4] needs 4", model="i32"),
+         SHAPE_MISMATCH, model="i32"),
     Case("data-nested-200-deep-too-many", "shape [1] with two values nested 200 deep",
          body(tensor("INT32", [1], [1])).replace(b"[1]}", b"[" * 200 + b"1,2" + b"]" * 200 + b"}"), 400,
-         "it holds 2 element(s) but the input shape [1] needs 1", model="i32"),
+         SHAPE_MISMATCH, model="i32"),
     Case("data-count-mismatch", "shape [3] with 2 values", body(tensor("INT32", [3], [1, 2])), 400,
-         "it holds 2 element(s) but the input shape [3] needs 3", model="i32"),
+         SHAPE_MISMATCH, model="i32"),
     Case("ragged-data", "shape [2,4] with rows of 4 and 2 values",
          body({**A, "shape": [2, 4], "data": [[1, 2, 3, 4], [1, 2]]}, {**B, "shape": [2, 1], "data": [1, 2]}), 400,
-         "Unable to parse 'data' of input 'A': it holds 6 element(s) but the input shape [2, 4] needs 8"),
+         SHAPE_MISMATCH),
+    Case("data-count-mismatch-and-missing-input", "A's data has 3 values for shape [1,4], B is missing",
+         body({**A, "data": [1, 2, 3]}), 400, SHAPE_MISMATCH),
+    Case("data-count-mismatch-and-unknown-input", "a known input with 2 values for shape [3], then an unknown one",
+         body(tensor("INT32", [3], [1, 2]), {**tensor("INT32", [1], [1]), "name": "NOPE"}), 400, SHAPE_MISMATCH,
+         model="i32"),
     Case("data-not-a-list", "'data': 5", body(tensor("INT32", [1], 5)), 400,
          "'data' of input 'IN' must be a JSON array", model="i32"),
     Case("strings-for-int32", "[\"1\", \"2\"] for INT32", body(tensor("INT32", [2], ["1", "2"])), 400,
@@ -358,19 +364,26 @@ CASES: list[Case] = [
          "request body is truncated gzip data", headers={"Content-Encoding": "gzip"}),
     Case("body-over-limit", f"a {SMALL_LIMIT + 1000}-byte body to a server with --http-max-input-size {SMALL_LIMIT}",
          body(tensor("FP32", [250], [1.0] * 250)), 400,
-         f"request body is larger than the server's limit of {SMALL_LIMIT} bytes (--http-max-input-size)",
+         f"request JSON size of {len(body(tensor('FP32', [250], [1.0] * 250)))} bytes exceeds the maximum "
+         f"allowed input size of {SMALL_LIMIT} bytes. Use --http-max-input-size to increase the limit.",
          model="f32", server="small"),
     Case("body-far-over-limit", "a 5 MB body to a server with --http-max-input-size 1024 (refused unread)",
          b" " * 5_000_000, 400,
-         f"request body is larger than the server's limit of {SMALL_LIMIT} bytes (--http-max-input-size)",
+         f"request JSON size of 5000000 bytes exceeds the maximum allowed input size of {SMALL_LIMIT} bytes",
          model="f32", server="small"),
+    Case("raw-binary-over-limit", "a 1028-byte raw binary body (Inference-Header-Content-Length: 0), limit 1024",
+         np.ones(257, dtype=np.float32).tobytes(), 400,
+         f"Raw input has a byte_size (1028 bytes) that exceeds the maximum allowed value of {SMALL_LIMIT} "
+         "bytes. Use --http-max-input-size to increase the limit.",
+         model="f32", server="small", headers={"Inference-Header-Content-Length": "0"}),
     Case("gzip-bomb", "a ~230-byte gzip body that inflates to 200 KB, limit 1024",
          gzip.compress(b" " * 200_000), 400,
-         f"request body is larger than the server's limit of {SMALL_LIMIT} bytes (--http-max-input-size)",
+         f"Decompressed data size exceeds the maximum allowed value of {SMALL_LIMIT} bytes. "
+         "Use --http-max-input-size to increase the limit.",
          model="f32", server="small", headers={"Content-Encoding": "gzip"}),
     Case("deflate-bomb", "a ~220-byte deflate body that inflates to 200 KB, limit 1024",
          zlib.compress(b" " * 200_000), 400,
-         f"request body is larger than the server's limit of {SMALL_LIMIT} bytes (--http-max-input-size)",
+         f"Decompressed data size exceeds the maximum allowed value of {SMALL_LIMIT} bytes",
          model="f32", server="small", headers={"Content-Encoding": "deflate"}),
 ]
 # fmt: on
@@ -395,6 +408,14 @@ def test_bad_input(servers: dict[str, httpx.Client], case: Case) -> None:
     assert_error_body(response, case.status, case.error)
 
 
+def test_mismatched_data_is_the_whole_triton_body(servers: dict[str, httpx.Client]) -> None:
+    """Triton's own HTTP script matches this answer's whole body: JSON data with more values
+    than its shape, and the model's second input missing, is answered with the data's error."""
+    response = servers["main"].post("/v2/models/m/infer", content=body({**A, "data": list(range(18))}))
+    assert response.status_code == 400
+    assert response.content == b'{"error":"Unable to parse \'data\': Shape does not match true shape of \'data\' field"}'
+
+
 def test_case_ids_are_unique() -> None:
     assert len({c.id for c in CASES}) == len(CASES)
 
@@ -414,7 +435,8 @@ def test_chunked_body_over_limit(servers: dict[str, httpx.Client]) -> None:
             yield b" " * 512
 
     response = servers["small"].post("/v2/models/f32/infer", content=chunks())
-    assert_error_body(response, 400, f"larger than the server's limit of {SMALL_LIMIT} bytes")
+    assert_error_body(response, 400, f"request JSON size of more than {SMALL_LIMIT} bytes exceeds the maximum "
+                                     f"allowed input size of {SMALL_LIMIT} bytes")
 
 
 def _rss_bytes() -> int:
@@ -439,7 +461,7 @@ def test_huge_declared_shapes_are_refused_without_allocating(servers: dict[str, 
             assert_error_body(response, 400, case.error)
     # also a huge non-batched BYTES shape with JSON data, and a huge batch dimension
     response = http.post("/v2/models/s/infer", content=body(tensor("BYTES", [HUGE], ["a", "b"])))
-    assert_error_body(response, 400, "it holds 2 element(s) but the input shape [1000000000000] needs")
+    assert_error_body(response, 400, SHAPE_MISMATCH)
     assert _rss_bytes() - before < 100 * 1024 * 1024
 
 
@@ -501,11 +523,25 @@ def test_binary_data_past_the_json_limit_is_served(servers: dict[str, httpx.Clie
 
 
 @pytest.mark.parametrize("server", ["small", "small-uvicorn"])
+def test_a_raw_binary_body_is_capped_by_the_limit(servers: dict[str, httpx.Client], server: str) -> None:
+    """As in Triton, a raw binary body (Inference-Header-Content-Length: 0) is one input: the
+    whole of it is capped, in Triton's words, and one at the limit is served."""
+    raw = {"Inference-Header-Content-Length": "0"}
+    over = np.ones(SMALL_LIMIT // 4 + 1, dtype=np.float32)
+    response = servers[server].post("/v2/models/f32/infer", content=over.tobytes(), headers=raw)
+    assert_error_body(response, 400, f"Raw input has a byte_size ({over.nbytes} bytes) that exceeds the "
+                                     f"maximum allowed value of {SMALL_LIMIT} bytes")
+    at = np.arange(SMALL_LIMIT // 4, dtype=np.float32)
+    assert _binary_output(servers[server].post("/v2/models/f32/infer", content=at.tobytes(), headers=raw)) == at.tobytes()
+
+
+@pytest.mark.parametrize("server", ["small", "small-uvicorn"])
 def test_a_json_header_over_the_limit_is_refused_unread(servers: dict[str, httpx.Client], server: str) -> None:
     content, headers = _binary_request(np.ones(4, dtype=np.float32), pad=SMALL_LIMIT)
     response = servers[server].post("/v2/models/f32/infer", content=content, headers=headers)
-    assert_error_body(response, 400, f"is larger than the server's limit of {SMALL_LIMIT} bytes (--http-max-input-size)")
-    assert "request JSON header of" in response.json()["error"]
+    header_length = int(headers["Inference-Header-Content-Length"])
+    assert_error_body(response, 400, f"request JSON size of {header_length} bytes exceeds the maximum allowed "
+                                     f"input size of {SMALL_LIMIT} bytes")
 
 
 def test_binary_data_larger_than_the_machine_is_refused_unread(servers: dict[str, httpx.Client]) -> None:

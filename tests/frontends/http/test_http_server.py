@@ -336,7 +336,7 @@ def test_oversized_declared_body_is_refused_unread(server: ServerThread) -> None
         reader = Reader(sock)
         sock.sendall(b"POST /v2/models/ident/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (MAX_INPUT + 1))
         status, headers, answer = reader.response()  # answered before any body byte is sent
-        assert status == 400 and b"larger than the server's limit of 4096 bytes" in answer
+        assert status == 400 and b"exceeds the maximum allowed input size of 4096 bytes" in answer
         assert headers["connection"] == "close"
         assert reader.closed()
 
