@@ -599,6 +599,52 @@ def test_cancelled_head_is_skipped_while_waiting_for_the_delay() -> None:
     assert sender.sent and sender.sent[0][0].code is ErrorCode.CANCELLED
 
 
+def _drain(scheduler: DynamicBatcher, now: int) -> list[str]:
+    """The ids of every batch due at the monotonic ``now``, in the order they are sent."""
+    order: list[str] = []
+    while True:
+        batch, _ = scheduler.due(now)
+        if batch is None:
+            return order
+        order += [r.id for r in batch]
+
+
+def test_a_delayed_request_stays_ahead_of_lower_priority_levels() -> None:
+    """As in Triton, a request its DELAY policy timed out goes behind its own level's requests,
+    not behind every level: a timed-out priority-1 request still runs before priority 2."""
+    scheduler = batcher(config(1, """
+        max_queue_delay_microseconds: 0 priority_levels: 2 default_priority_level: 2
+        priority_queue_policy { key: 1 value: { timeout_action: DELAY default_timeout_microseconds: 1000 } }
+    """))
+    requests = {}
+    for rid, priority in (("high-late", 1), ("high", 1), ("low", 2)):
+        requests[rid], _ = make_request(rid)
+        requests[rid].priority = priority
+    requests["high"].arrival_ns = requests["high-late"].arrival_ns + 10**9  # not timed out yet
+    for rid in ("high-late", "high", "low"):
+        scheduler.enqueue(requests[rid])
+    assert _drain(scheduler, requests["high-late"].arrival_ns + 10**6) == ["high", "high-late", "low"]
+
+
+def test_priority_levels_may_be_as_many_as_the_field_holds() -> None:
+    """``priority_levels`` is a uint64: its largest value loads, and requests at far-apart
+    levels run in level order; queues exist only for levels that hold requests."""
+    scheduler = batcher(config(1, """
+        max_queue_delay_microseconds: 0 priority_levels: 18446744073709551615 default_priority_level: 4294967296
+        priority_queue_policy { key: 9223372036854775808 value: { max_queue_size: 1 } }
+    """))
+    made = [make_request(rid)[0] for rid in ("default", "lowest", "first", "far")]
+    for request, priority in zip(made, (0, 18446744073709551615, 1, 9223372036854775808)):
+        request.priority = priority
+        scheduler.enqueue(request)
+    extra, _ = make_request("one-too-many")
+    extra.priority = 9223372036854775808
+    with pytest.raises(InferError, match="Exceeds maximum queue size"):
+        scheduler.enqueue(extra)
+    assert _drain(scheduler, time.monotonic_ns()) == ["first", "default", "far", "lowest"]
+    assert scheduler._head() is None
+
+
 def test_stop_sends_what_is_queued_then_stops() -> None:
     scheduler = batcher(config(8, "max_queue_delay_microseconds: 10000000"))
     request, _ = make_request("a", rows=2)

@@ -16,8 +16,10 @@ Queue policies (``default_queue_policy`` / ``priority_queue_policy``) bound each
 queue (``max_queue_size`` → an UNAVAILABLE "queue full" error at once) and time out queued
 requests (``default_timeout_microseconds``, overridable downwards per request with
 ``allow_timeout_override``): REJECT answers them with an error, DELAY moves them behind
-every request that has not timed out. Cancelled requests are dropped without reaching
-execute. With ``preserve_ordering``, responses leave in arrival order whatever instance
+the requests of their own level that have not timed out (still ahead of every lower
+priority level), as in Triton. A level's queue exists only while it holds requests, so
+``priority_levels`` may be as large as its uint64 field. Cancelled requests are dropped
+without reaching execute. With ``preserve_ordering``, responses leave in arrival order whatever instance
 finished first.
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+from bisect import insort
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,6 +76,21 @@ class _Queued:
     request: InferRequest
     deadline: int
     signature: tuple[Any, ...]
+
+
+class _Level:
+    """One priority level's queue: the requests in arrival order, then those its DELAY policy
+    moved behind them when they timed out."""
+
+    __slots__ = ("delayed", "pending", "policy")
+
+    def __init__(self, policy: QueuePolicy) -> None:
+        self.policy = policy
+        self.pending: deque[_Queued] = deque()
+        self.delayed: deque[_Queued] = deque()
+
+    def __len__(self) -> int:
+        return len(self.pending) + len(self.delayed)
 
 
 class _OrderedSender:
@@ -150,14 +168,15 @@ class DynamicBatcher:
             QueuePolicy.from_config(batching.default_queue_policy)
             if batching.HasField("default_queue_policy") else QueuePolicy()
         )
-        self.policies = [default_policy] * (self.levels + 1)
-        for level, policy in batching.priority_queue_policy.items():
-            if 1 <= level <= self.levels:
-                self.policies[level] = QueuePolicy.from_config(policy)
+        self._default_policy = default_policy
+        self._level_policies = {
+            int(level): QueuePolicy.from_config(policy)
+            for level, policy in batching.priority_queue_policy.items() if 1 <= level <= self.levels
+        }
         self._ragged = frozenset(n for n, s in io.inputs.items() if s.allow_ragged_batch)
         self._batching = io.batching
-        self._queues: list[deque[_Queued]] = [deque() for _ in range(self.levels + 1)]
-        self._delayed: deque[_Queued] = deque()
+        self._queues: dict[int, _Level] = {}  # the levels holding requests
+        self._level_order: list[int] = []  # their numbers, highest priority (lowest number) first
         self._cond = threading.Condition(threading.Lock())
         self._stopping = False
         self._held = False  # the event loop executes a request (``AdaptiveBatcher``): threads wait
@@ -177,15 +196,22 @@ class DynamicBatcher:
     def _item(self, request: InferRequest) -> tuple[int, _Queued]:
         """The priority level ``request`` queues at, and its queue entry."""
         level = request.priority if 1 <= request.priority <= self.levels else self.default_level
-        return level, _Queued(request, self.policies[level].deadline(request), self._signature(request))
+        return level, _Queued(request, self.policy(level).deadline(request), self._signature(request))
+
+    def policy(self, level: int) -> QueuePolicy:
+        """The queue policy of priority ``level``."""
+        return self._level_policies.get(level, self._default_policy)
 
     def _append(self, level: int, item: _Queued) -> None:
         """Queue ``item`` at ``level`` (with the lock held; waking a thread is the caller's).
 
         :raises InferError: UNAVAILABLE when the level's ``max_queue_size`` is reached.
         """
-        queue = self._queues[level]
-        policy = self.policies[level]
+        queue = self._queues.get(level)
+        if queue is None:
+            queue = self._queues[level] = _Level(self.policy(level))
+            insort(self._level_order, level)
+        policy = queue.policy
         if policy.max_queue_size and len(queue) >= policy.max_queue_size:
             raise InferError(
                 f"Exceeds maximum queue size ({policy.max_queue_size}) of model "
@@ -194,7 +220,7 @@ class DynamicBatcher:
             )
         if self._order is not None:
             self._order.wrap(item.request)
-        queue.append(item)
+        queue.pending.append(item)
 
     def stop(self, workers: int) -> None:
         """Send what is queued, then stop every worker."""
@@ -273,15 +299,24 @@ class DynamicBatcher:
         )
 
     def _head(self) -> _Queued | None:
-        for queue in self._queues[1:]:
-            if queue:
-                return queue[0]
-        return self._delayed[0] if self._delayed else None
+        for level in self._level_order:
+            queue = self._queues[level]
+            if queue.pending:
+                return queue.pending[0]
+            if queue.delayed:
+                return queue.delayed[0]
+        return None
 
     def _ordered(self) -> Any:
-        for queue in self._queues[1:]:
-            yield from queue
-        yield from self._delayed
+        for level in self._level_order:
+            queue = self._queues[level]
+            yield from queue.pending
+            yield from queue.delayed
+
+    def _drop_empty_levels(self) -> None:
+        if any(not self._queues[level] for level in self._level_order):
+            self._level_order = [level for level in self._level_order if self._queues[level]]
+            self._queues = {level: self._queues[level] for level in self._level_order}
 
     def _candidate(self, head: _Queued) -> tuple[list[_Queued], int, bool, int]:
         """The requests that could form the next batch (up to ``max_batch_size``, all of the
@@ -308,31 +343,32 @@ class DynamicBatcher:
 
     def _remove(self, batch: list[_Queued]) -> None:
         chosen = {id(q) for q in batch}
-        for queue in (*self._queues[1:], self._delayed):
-            while queue and id(queue[0]) in chosen:
-                queue.popleft()
+        for level in self._level_order:
+            queue = self._queues[level]
+            for part in (queue.pending, queue.delayed):
+                while part and id(part[0]) in chosen:
+                    part.popleft()
         # Members always come from the heads of the queues in order, so popping heads suffices.
+        self._drop_empty_levels()
 
     def _expire(self, now: int) -> int:
         """Drop cancelled requests, time out expired ones; return the next deadline (0 = none)."""
         next_deadline = 0
-        for level in range(1, self.levels + 1):
+        for level in self._level_order:
             queue = self._queues[level]
-            if not queue:
-                continue
-            policy = self.policies[level]
+            delay = queue.policy.delay_on_timeout
             keep: deque[_Queued] = deque()
             changed = False
-            for item in queue:
+            for item in queue.pending:
                 request = item.request
                 if request.is_cancelled():
                     request.reply(InferError("request was cancelled", ErrorCode.CANCELLED))
                     changed = True
                 elif item.deadline and now >= item.deadline:
                     changed = True
-                    if policy.delay_on_timeout:
+                    if delay:
                         item.deadline = 0
-                        self._delayed.append(item)
+                        queue.delayed.append(item)
                     else:
                         request.reply(
                             InferError(f"Request timeout expired for model '{request.model_name}'", ErrorCode.UNAVAILABLE)
@@ -342,13 +378,14 @@ class DynamicBatcher:
                     if item.deadline and (not next_deadline or item.deadline < next_deadline):
                         next_deadline = item.deadline
             if changed:
-                self._queues[level] = keep
-        if self._delayed and any(q.request.is_cancelled() for q in self._delayed):
-            live: deque[_Queued] = deque()
-            for item in self._delayed:
-                if item.request.is_cancelled():
-                    item.request.reply(InferError("request was cancelled", ErrorCode.CANCELLED))
-                else:
-                    live.append(item)
-            self._delayed = live
+                queue.pending = keep
+            if queue.delayed and any(q.request.is_cancelled() for q in queue.delayed):
+                live: deque[_Queued] = deque()
+                for item in queue.delayed:
+                    if item.request.is_cancelled():
+                        item.request.reply(InferError("request was cancelled", ErrorCode.CANCELLED))
+                    else:
+                        live.append(item)
+                queue.delayed = live
+        self._drop_empty_levels()
         return next_deadline
