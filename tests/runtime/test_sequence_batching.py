@@ -654,3 +654,56 @@ def test_a_request_both_rescheduled_and_answered_fails_once(start_server: StartS
     with pytest.raises(InferenceServerException, match="returned a response for a request of model 'both' it rescheduled"):
         client.infer("both", [tensor], sequence_id=9, sequence_start=True, sequence_end=True)
     assert backend.runs[9] == [(0, 1)]
+
+
+# -- cancellation, at the scheduler ----------------------------------------------------------------
+class _Kept:
+    """A response sender that keeps what it is sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[Any, bool]] = []
+
+    def send(self, response: Any, final: bool) -> None:
+        self.sent.append((response, final))
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+def _sequence_request(cid: int, value: int, flags: int = 0) -> tuple[InferRequest, _Kept]:
+    request = InferRequest("m", 1, {"INPUT": np.array([value], np.int32)}, ("OUTPUT",), id=f"{cid}-{value}",
+                           correlation_id=cid, flags=flags)
+    kept = _Kept()
+    request.attach_sender(kept)
+    return request, kept
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_a_cancelled_queued_request_ends_its_sequence(strategy: str) -> None:
+    """As in Triton: the cancelled request and every one queued behind it in its sequence are
+    answered CANCELLED when the sequence's turn comes, the sequence is released (a request
+    without START is then refused), and other sequences go on."""
+    from pyserve.api.errors import ErrorCode, InferError
+    from pyserve.api.inference import SEQUENCE_START
+    from pyserve.repository.model_config import model_io, parse_config
+    from pyserve.runtime.scheduling.sequence import SequenceBatcher
+
+    parsed = parse_config(config(STRATEGIES[strategy]), Path("config.pbtxt"))
+    scheduler = SequenceBatcher(parsed, model_io(parsed, Path(".")), 1, Path("."))
+    next_batch = scheduler.batch_source(0)
+    (first, _), (cancelled, cancelled_kept), (behind, behind_kept) = (
+        _sequence_request(7, 1, SEQUENCE_START), _sequence_request(7, 2), _sequence_request(7, 3))
+    for request in (first, cancelled, behind):
+        scheduler.enqueue(request)
+    assert [r.id for r in next_batch()] == ["7-1"]
+    cancelled.cancel()
+    other, _ = _sequence_request(8, 5, SEQUENCE_START)
+    scheduler.enqueue(other)
+    assert [r.id for r in next_batch()] == ["8-5"]
+    for kept in (cancelled_kept, behind_kept):
+        [(error, final)] = kept.sent
+        assert final and isinstance(error, InferError) and error.code is ErrorCode.CANCELLED
+    late, _ = _sequence_request(7, 4)
+    with pytest.raises(InferError, match="must specify the START flag"):
+        scheduler.enqueue(late)
+    scheduler.stop(1)

@@ -28,6 +28,9 @@ inputs as tensors with the configured datatype and false/true values. Implicit s
 (``state``) is kept per sequence: the backend receives it as ``input_name`` and returns the
 next value as ``output_name``; START resets it to ``initial_state`` (or zeros). A sequence
 that sees no request for ``max_sequence_idle_microseconds`` is released with its state.
+A sequence whose next request was cancelled while it queued ends there, as in Triton: that
+request and every one queued behind it are answered CANCELLED, and the sequence's slot and
+state are released (a later request must START it again).
 
 ``iterative_sequence: true``: every request is a sequence of its own (START on its first
 execute; a correlation id is assigned when the client gave none), which the backend
@@ -48,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from pyserve.api import datatypes
-from pyserve.api.errors import InferError
+from pyserve.api.errors import ErrorCode, InferError
 from pyserve.api.inference import (
     NULL_SENDER,
     SEQUENCE_END,
@@ -342,7 +345,7 @@ class SequenceBatcher:
             while True:
                 now = time.monotonic_ns()
                 self._expire_idle(now)
-                ready = [s for s in self._per_instance[index] if s.pending]
+                ready = self._live([s for s in self._per_instance[index] if s.pending])
                 if not ready:
                     if self._stopping and not self._backlog_for_pending():
                         return STOP
@@ -367,7 +370,7 @@ class SequenceBatcher:
             while True:
                 now = time.monotonic_ns()
                 self._expire_idle(now)
-                ready = [s for s in seats if s is not None and s.pending]
+                ready = self._live([s for s in seats if s is not None and s.pending])
                 if not ready:
                     if self._stopping and not self._backlog_for_pending():
                         return STOP
@@ -459,6 +462,22 @@ class SequenceBatcher:
         if not self._batching:
             return ()
         return tuple((n, a.shape[1:]) for n, a in sorted(request.inputs.items()))
+
+    def _live(self, ready: list[_Sequence]) -> list[_Sequence]:
+        """``ready`` less the sequences whose next request was cancelled, which end here: that
+        request and the rest of their queue are answered CANCELLED and they are released."""
+        if self.iterative or not any(s.pending[0].is_cancelled() for s in ready):
+            return ready
+        live = []
+        for sequence in ready:
+            if not sequence.pending[0].is_cancelled():
+                live.append(sequence)
+                continue
+            sequence.ended = True
+            while sequence.pending:
+                sequence.pending.popleft().reply(InferError("request was cancelled", ErrorCode.CANCELLED))
+            self._release(sequence)
+        return live
 
     def _dispatch(self, sequence: _Sequence) -> InferRequest:
         """Take the sequence's next request and give it its control and state tensors."""
