@@ -59,6 +59,7 @@ __all__ = [
     "pyserve_execute",
     "pyserve_instance_create",
     "pyserve_instance_finalize",
+    "sequence_tensors",
 ]
 
 NUMPY_NAME_TO_CONFIG: dict[str, str] = {
@@ -131,6 +132,37 @@ def config_tensors(
             )
         )
     return tuple(result)
+
+
+def sequence_tensors(config: Any) -> tuple[tuple[ConfigTensor, ...], tuple[ConfigTensor, ...]]:
+    """What the sequence batcher adds to the requests of a ``sequence_batching`` model, as
+    ``ConfigTensor``: the ``control_input`` tensors (dims ``[1]``, the datatype their
+    false/true values or CORRID ``data_type`` give) and the implicit ``state`` inputs, then the
+    state outputs it keeps for the sequence's next request. A framework backend feeds the
+    first to the framework beside the config inputs (Triton's libtorch counts them among
+    forward's arguments) and returns the second with every response. ``((), ())`` for a model
+    without sequence batching."""
+    if not config.HasField("sequence_batching"):
+        return (), ()
+    batching = config.sequence_batching
+    inputs = []
+    for control_input in batching.control_input:
+        for control in control_input.control:
+            if len(control.int32_false_true) == 2:
+                config_type = "TYPE_INT32"
+            elif len(control.fp32_false_true) == 2:
+                config_type = "TYPE_FP32"
+            elif len(control.bool_false_true) == 2:
+                config_type = "TYPE_BOOL"
+            else:  # CORRID
+                config_type = data_type_name(control.data_type) if control.data_type else "TYPE_UINT64"
+            inputs.append(ConfigTensor(control_input.name, config_type, (1,), (1,)))
+    outputs = []
+    for state in batching.state:
+        dims = tuple(int(d) for d in state.dims)
+        inputs.append(ConfigTensor(state.input_name, data_type_name(state.data_type), dims, dims))
+        outputs.append(ConfigTensor(state.output_name, data_type_name(state.data_type), dims, dims))
+    return tuple(inputs), tuple(outputs)
 
 
 INT32_MAX = 2**31 - 1
@@ -244,7 +276,7 @@ def check_config(
                     f"(model {kind}s: {', '.join(found) or 'none'})"
                 )
             _compare(model, kind, tensor, match)
-    declared_inputs = {t.name for t in model.inputs}
+    declared_inputs = {t.name for t in (*model.inputs, *model.sequence_inputs)}
     for name, model_tensor in model_inputs.items():
         if name not in declared_inputs:
             shape = "" if model_tensor.shape is None else f" {list(model_tensor.shape)}"
@@ -382,6 +414,10 @@ class FrameworkModel(abc.ABC):
     max_batch_size: int
     inputs: tuple[ConfigTensor, ...]
     outputs: tuple[ConfigTensor, ...]
+    sequence_inputs: tuple[ConfigTensor, ...] = field(default=(), kw_only=True)
+    """The sequence batcher's control and state inputs the framework takes (``sequence_tensors``)."""
+    state_outputs: tuple[ConfigTensor, ...] = field(default=(), kw_only=True)
+    """The implicit state outputs every response carries back to the sequence batcher."""
     _announced: set[str] = field(default_factory=set, repr=False, kw_only=True)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, kw_only=True)
 
@@ -451,6 +487,8 @@ class FrameworkInstance(abc.ABC):
         try:
             present = requests[0].inputs
             names = [t.name for t in model.inputs if t.name in present]
+            if model.sequence_inputs:
+                names += [t.name for t in model.sequence_inputs if t.name in present]
             if len(requests) == 1:  # the common case at low load: no joining, no name merging
                 inputs = {n: present[n] for n in names}
                 requested = requests[0].requested_outputs
@@ -460,9 +498,11 @@ class FrameworkInstance(abc.ABC):
                 inputs = gather_inputs(requests, names)
                 wanted = [t.name for t in model.outputs if any(t.name in r.requested_outputs for r in requests)]
                 rows = sum(r.batch_size for r in requests)
+            if model.state_outputs:
+                wanted += [t.name for t in model.state_outputs]
             results = self.run(inputs, wanted)
             outputs: dict[str, np.ndarray] = {}
-            for tensor in model.outputs:
+            for tensor in (*model.outputs, *model.state_outputs) if model.state_outputs else model.outputs:
                 if tensor.name in wanted:
                     outputs[tensor.name] = self._client_shape(tensor, self.to_host(results[tensor.name]), rows)
             if not model.batching:

@@ -81,3 +81,21 @@ def strings() -> bytes:
         [helper.make_tensor_value_info("echo", TensorProto.STRING, ["N", 2])],
     )
     return _model(graph)
+
+
+def accumulator() -> bytes:
+    """A sequence model: ``OUTPUT = INPUT + STATE_IN`` (also the next ``STATE_OUT``), and
+    ``STARTED``, the ``START`` control input it was given (INT32, dims [1], no batching)."""
+    nodes = [
+        helper.make_node("Add", ["INPUT", "STATE_IN"], ["OUTPUT"]),
+        helper.make_node("Identity", ["OUTPUT"], ["STATE_OUT"]),
+        helper.make_node("Identity", ["START"], ["STARTED"]),
+    ]
+    int32 = TensorProto.INT32
+    graph = helper.make_graph(
+        nodes,
+        "accumulator",
+        [helper.make_tensor_value_info(n, int32, [1]) for n in ("INPUT", "START", "STATE_IN")],
+        [helper.make_tensor_value_info(n, int32, [1]) for n in ("OUTPUT", "STATE_OUT", "STARTED")],
+    )
+    return _model(graph)

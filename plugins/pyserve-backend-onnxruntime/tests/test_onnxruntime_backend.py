@@ -428,3 +428,48 @@ def test_gpu_instance_uses_cuda_provider(tmp_path: Path, pyserve_server_factory:
     x = np.random.default_rng(6).standard_normal((3, 4)).astype(np.float32)
     got = grpc_infer(gpu_server.grpc_url, "mlp_gpu", {"x": x}).as_numpy("y")
     np.testing.assert_allclose(got, direct(ort_models.mlp(), {"x": x})[0], rtol=1e-4, atol=1e-5)
+
+
+SEQUENCE_CONFIG = """
+platform: "onnxruntime_onnx"
+max_batch_size: 0
+input [ { name: "INPUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+output [
+  { name: "OUTPUT", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "STARTED", data_type: TYPE_INT32, dims: [ 1 ] }
+]
+instance_group [ { count: 2, kind: KIND_CPU } ]
+sequence_batching {
+  direct { }
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
+    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] } ] }
+  ]
+  state [ { input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+}
+"""
+
+
+def test_a_sequence_model_gets_its_control_inputs_and_implicit_state(tmp_path: Path) -> None:
+    """The sequence batcher's START control and the implicit state reach the graph beside the
+    config input (a control the graph does not take, READY, is not fed to it), and the state
+    output carries over to the sequence's next request, per sequence, never to the client."""
+    write_model(tmp_path / "repo", "accumulator", SEQUENCE_CONFIG, {"1/model.onnx": ort_models.accumulator()})
+    with serve(tmp_path / "repo", backends=BACKENDS) as server:
+        client = httpclient.InferenceServerClient(server.url)
+
+        def send(sequence: int, value: int, **flags: bool) -> tuple[int, int]:
+            given = httpclient.InferInput("INPUT", [1], "INT32")
+            given.set_data_from_numpy(np.array([value], dtype=np.int32))
+            result = client.infer("accumulator", [given], sequence_id=sequence, **flags)
+            assert result.as_numpy("STATE_OUT") is None
+            return int(result.as_numpy("OUTPUT")[0]), int(result.as_numpy("STARTED")[0])
+
+        # two instances: a slot each, so the two sequences run side by side
+        assert send(1, 1, sequence_start=True) == (1, 1)
+        assert send(2, 10, sequence_start=True) == (10, 1)
+        assert send(1, 2) == (3, 0)
+        assert send(2, 5) == (15, 0)
+        assert send(1, 3, sequence_end=True) == (6, 0)
+        assert send(1, 7, sequence_start=True) == (7, 1)  # START again: the state starts over
+        client.close()

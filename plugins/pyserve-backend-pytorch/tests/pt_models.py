@@ -61,6 +61,17 @@ class TensorForStrings(torch.nn.Module):
         return torch.zeros(len(words))
 
 
+class Accumulator(torch.nn.Module):
+    """A sequence model as Triton's QA writes one: ``forward(value, start, state)`` takes the
+    config input ``INPUT__0``, the START control ``START__1`` and the implicit state
+    ``STATE_IN__2``, and returns ``(value + state, value + state as the next state, start)``."""
+
+    def forward(self, value: torch.Tensor, start: torch.Tensor,
+                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        total = value + state
+        return total, total.clone(), start
+
+
 def seeded(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     for parameter in module.parameters():

@@ -572,3 +572,46 @@ def test_gpu_instance_forward_runs_with_its_device_current(tmp_path: Path, pyser
     server = pyserve_server_factory(tmp_path / "repo", backends=BACKENDS, use_entry_points=False)
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     np.testing.assert_array_equal(infer(server, "grpc", "current", {"INPUT__0": x}).as_numpy("OUTPUT__0"), x + 1)
+
+
+SEQUENCE_CONFIG = """
+backend: "pytorch"
+max_batch_size: 1
+input [ { name: "INPUT__0", data_type: TYPE_INT64, dims: [ 1 ] } ]
+output [
+  { name: "OUTPUT__0", data_type: TYPE_INT64, dims: [ 1 ] },
+  { name: "STARTED__2", data_type: TYPE_FP32, dims: [ 1 ] }
+]
+instance_group [ { count: 1, kind: KIND_CPU } ]
+sequence_batching {
+  oldest { max_candidate_sequences: 2 }
+  control_input [ { name: "START__1" control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] } ]
+  state [ { input_name: "STATE_IN__2" output_name: "STATE_OUT__1" data_type: TYPE_INT64 dims: [ 1 ] } ]
+}
+"""
+
+
+def test_control_and_state_inputs_are_forward_arguments(tmp_path: Path) -> None:
+    """As Triton's libtorch backend: the sequence batcher's control input and implicit state
+    count among forward's '__<index>' arguments, and the state output among its results; the
+    state carries over per sequence and never reaches the client. The model passes the load's
+    probe run too (the probe feeds the control and state inputs)."""
+    pt_models.save_scripted(pt_models.Accumulator(), tmp_path / "accumulator.pt")
+    write_model(tmp_path / "repo", "accumulator", SEQUENCE_CONFIG,
+                {"1/model.pt": (tmp_path / "accumulator.pt").read_bytes()})
+    with serve(tmp_path / "repo", backends=BACKENDS) as server:
+        client = httpclient.InferenceServerClient(server.url)
+
+        def send(sequence: int, value: int, **flags: bool) -> tuple[int, float]:
+            given = httpclient.InferInput("INPUT__0", [1, 1], "INT64")
+            given.set_data_from_numpy(np.array([[value]], dtype=np.int64))
+            result = client.infer("accumulator", [given], sequence_id=sequence, **flags)
+            assert result.as_numpy("STATE_OUT__1") is None
+            return int(result.as_numpy("OUTPUT__0")[0, 0]), float(result.as_numpy("STARTED__2")[0, 0])
+
+        assert send(1, 1, sequence_start=True) == (1, 1.0)
+        assert send(2, 10, sequence_start=True) == (10, 1.0)
+        assert send(1, 2) == (3, 0.0)
+        assert send(2, 5) == (15, 0.0)
+        assert send(1, 3, sequence_end=True) == (6, 0.0)
+        client.close()

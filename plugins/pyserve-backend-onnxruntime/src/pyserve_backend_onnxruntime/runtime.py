@@ -34,6 +34,7 @@ from pyserve.api.backend_support import (
     config_tensors,
     int_parameter,
     needs_auto_complete,
+    sequence_tensors,
 )
 
 if TYPE_CHECKING:
@@ -272,12 +273,15 @@ class OnnxModel(FrameworkModel):
             if accelerator.name != "openvino":
                 raise ValueError(f"unknown cpu_execution_accelerator '{accelerator.name}' (onnxruntime knows openvino)")
             openvino = True
+        sequence_inputs, state_outputs = sequence_tensors(config)
         return cls(
             name=model.name,
             path=model_file(model),
             max_batch_size=int(config.max_batch_size),
             inputs=config_tensors(config.input, "input", "onnxruntime", UNSUPPORTED_TYPES),
             outputs=config_tensors(config.output, "output", "onnxruntime", UNSUPPORTED_TYPES),
+            sequence_inputs=sequence_inputs,
+            state_outputs=state_outputs,
             intra_op_threads=int_parameter(params, "intra_op_thread_count", MAX_THREAD_COUNT),
             default_threads=model.backend.cpu_threads,
             inter_op_threads=int_parameter(params, "inter_op_thread_count", MAX_THREAD_COUNT),
@@ -402,7 +406,10 @@ class OnnxInstance(FrameworkInstance):
         self.model = model
         self.session: onnxruntime.InferenceSession | None = session
         self.device_id = device_id
-        self._input_types = {t.name: t.config_type for t in model.inputs}
+        self._input_types = {t.name: t.config_type for t in (*model.inputs, *model.sequence_inputs)}
+        # the sequence batcher's control inputs the graph does not take are not fed to it
+        graph_inputs = {i.name for i in session.get_inputs()} if session is not None else set()
+        self._unfed = frozenset(t.name for t in model.sequence_inputs if t.name not in graph_inputs)
         self.text_inputs = frozenset(t.name for t in model.inputs if t.config_type == "TYPE_STRING")
         self._run_options = model.run_options()
 
@@ -412,7 +419,8 @@ class OnnxInstance(FrameworkInstance):
 
     def run(self, inputs: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
         """One ``session.run`` (I/O binding on a GPU); output name → array."""
-        feeds = {name: _to_feed(array, self._input_types[name]) for name, array in inputs.items()}
+        feeds = {name: _to_feed(array, self._input_types[name]) for name, array in inputs.items()
+                 if name not in self._unfed}
         if self.device_id is None:
             assert self.session is not None
             values = self.session.run(wanted, feeds, self._run_options)

@@ -38,6 +38,7 @@ from pyserve.api.backend_support import (
     bool_parameter,
     config_tensors,
     int_parameter,
+    sequence_tensors,
 )
 from pyserve.api.datatypes import from_config_name
 
@@ -369,12 +370,15 @@ class TorchModel(FrameworkModel):
         config = model.config
         params = model.parameters
         apply_process_flags(model.name, params)
+        sequence_inputs, state_outputs = sequence_tensors(config)
         return cls(
             name=model.name,
             path=model_file(model),
             max_batch_size=int(config.max_batch_size),
             inputs=string_tensors_checked(config_tensors(config.input, "input", "pytorch"), "input", config),
             outputs=string_tensors_checked(config_tensors(config.output, "output", "pytorch"), "output", config),
+            sequence_inputs=sequence_inputs,
+            state_outputs=state_outputs,
             inference_mode=bool(bool_parameter(params, "INFERENCE_MODE", True)),
             compile=bool(bool_parameter(params, "torch_compile", False)),
             compile_backend=params.get("torch_compile_backend", "").strip() or "inductor",
@@ -440,8 +444,9 @@ class TorchModel(FrameworkModel):
             raise ValueError(f"torch.compile failed for '{self.path.name}': {type(exc).__name__}: {exc}") from None
 
     def _input_binding(self, loaded: LoadedModule) -> InputBinding:
-        """How config inputs become forward arguments: by argument name or by ``__<index>``."""
-        names = [t.name for t in self.inputs]
+        """How config inputs become forward arguments: by argument name or by ``__<index>``. The
+        sequence batcher's control and state inputs count as inputs, as in Triton."""
+        names = [t.name for t in (*self.inputs, *self.sequence_inputs)]
         signature = f"forward({', '.join(loaded.arg_names)})"
         if all(name in loaded.arg_names for name in names):
             missing = [a for a in loaded.arg_names[: loaded.required] if a not in names]
@@ -480,15 +485,16 @@ class TorchModel(FrameworkModel):
         return InputBinding(keywords=(), positions=tuple(by_index[i] for i in range(len(order))))
 
     def _output_indices(self) -> dict[str, int]:
-        """Output name → position in forward's result (``__<index>`` names, else config order)."""
-        names = [t.name for t in self.outputs]
+        """Output name → position in forward's result (``__<index>`` names, else config order,
+        then the implicit state outputs)."""
+        names = [t.name for t in (*self.outputs, *self.state_outputs)]
         indexed = _indexed(names)
         return indexed if indexed is not None else {name: i for i, name in enumerate(names)}
 
     def probe_inputs(self) -> dict[str, np.ndarray]:
         """Zeros shaped from the config (batch 1, variable dims 1), one array per required input."""
         arrays = {}
-        for tensor in self.inputs:
+        for tensor in (*self.inputs, *self.sequence_inputs):
             if tensor.optional:
                 continue
             shape = ((1,) if self.batching else ()) + tuple(d if d > 0 else 1 for d in tensor.dims)
@@ -593,13 +599,14 @@ class TorchInstance(FrameworkInstance):
         elif isinstance(result, list) and (self._one_string_output or (result and all(isinstance(x, str) for x in result))):
             result = (result,)  # a List[str] is one result, not a list of results
         if isinstance(result, Mapping):
-            missing = [t.name for t in self.model.outputs if t.name not in result]
+            every = (*self.model.outputs, *self.model.state_outputs)
+            missing = [t.name for t in every if t.name not in result]
             if missing:
                 raise InferError(
                     f"forward of model '{self.model.name}' returned a dict without output '{missing[0]}' "
                     f"(keys: {', '.join(map(str, result))})"
                 )
-            return {t.name: result[t.name] for t in self.model.outputs}
+            return {t.name: result[t.name] for t in every}
         if not isinstance(result, (tuple, list)):
             raise InferError(
                 f"forward of model '{self.model.name}' returned {type(result).__name__}; expected a "
