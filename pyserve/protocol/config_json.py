@@ -60,8 +60,43 @@ def model_config_from_json(text: str | bytes) -> Message:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"model config is not valid JSON: {exc}") from exc
+        # Triton's parser (protobuf's C++ JSON reader) also takes object keys without quotes
+        # (``{direct: {...}}``), which its own QA load requests send
+        quoted = _quote_bare_keys(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+        try:
+            data = json.loads(quoted)
+        except json.JSONDecodeError:
+            raise ValueError(f"model config is not valid JSON: {exc}") from exc
     return model_config_from_dict(data)
+
+
+def _quote_bare_keys(text: str) -> str:
+    """``text`` with every unquoted object key (an identifier followed by ``:`` outside a
+    string) put in double quotes; the rest is left as it is."""
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        char = text[i]
+        if char == '"':  # a string, escapes included: copied as it is
+            end = i + 1
+            while end < n and text[end] != '"':
+                end += 2 if text[end] == "\\" else 1
+            out.append(text[i:end + 1])
+            i = end + 1
+        elif char.isalpha() or char == "_":
+            end = i
+            while end < n and (text[end].isalnum() or text[end] == "_"):
+                end += 1
+            after = end
+            while after < n and text[after].isspace():
+                after += 1
+            word = text[i:end]
+            out.append(f'"{word}"' if after < n and text[after] == ":" else word)
+            i = end
+        else:
+            out.append(char)
+            i += 1
+    return "".join(out)
 
 
 def _normalize(data: dict[str, Any], descriptor: Descriptor) -> dict[str, Any]:

@@ -422,6 +422,18 @@ def test_config_from_json_accepts_numbers_and_strings() -> None:
     assert config.dynamic_batching.priority_queue_policy[1].max_queue_size == 1
 
 
+def test_config_from_json_takes_keys_without_quotes() -> None:
+    """As Triton's JSON reader does (its QA load requests send ``{direct: {...}}``); strings
+    that look like keys are left alone."""
+    config = model_config_from_json(
+        '{name: "m:1", max_batch_size : 2, sequence_batching: { direct: { max_queue_delay_microseconds: 10 } },'
+        ' "parameters": {"k": {string_value: "a\\"b: c"}}}'
+    )
+    assert config.name == "m:1" and config.max_batch_size == 2
+    assert config.sequence_batching.direct.max_queue_delay_microseconds == 10
+    assert config.parameters["k"].string_value == 'a"b: c'
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -430,6 +442,7 @@ def test_config_from_json_accepts_numbers_and_strings() -> None:
         ('{"input": [{"data_type": "TYPE_NOPE"}]}', "TYPE_NOPE"),
         ("[1, 2]", "JSON object"),
         ("{not json", "not valid JSON"),
+        ("{name: m}", "not valid JSON"),  # a bare key is taken, a bare value is not
     ],
 )
 def test_config_from_json_rejects_bad_input(text: str, message: str) -> None:
