@@ -89,6 +89,17 @@ LOAD_REQUEST_CONFIG = "the load request's 'config' parameter"
 """Where a config given with a model-control load request (instead of a file) came from, for messages."""
 
 
+class DevicesUnavailable(ModelConfigError):
+    """The config asks for GPUs this machine does not have (``KIND_GPU`` without a GPU, GPU
+    ids past the visible ones). Unlike other config errors this is one of the machine, so, as
+    in Triton, the model's versions fail to load with it (UNAVAILABLE, not ready) instead of
+    the model being left unregistered. ``config`` is the otherwise normalized config."""
+
+    def __init__(self, message: str, config: Any) -> None:
+        super().__init__(message)
+        self.config = config
+
+
 def normalize(
     config: Any, model_dir: Path, platform_backend: Any = None, config_file: Path | str | None = None
 ) -> None:
@@ -102,7 +113,8 @@ def normalize(
         ``<model_dir>/config.pbtxt``; ``configs/<name>.pbtxt`` with ``--model-config-name``),
         or a description such as ``LOAD_REQUEST_CONFIG`` when it came from no file.
     :raises ModelConfigError: when the config cannot be completed (name mismatch, no way to
-        tell the backend, GPU instances without GPUs).
+        tell the backend); ``DevicesUnavailable`` (once the rest is filled in) for GPU
+        instances this machine cannot give.
     """
     name = model_dir.name
     where = config_file if config_file is not None else model_dir / "config.pbtxt"
@@ -122,7 +134,7 @@ def normalize(
     if config.platform == ENSEMBLE_PLATFORM:
         config.model_transaction_policy.SetInParent()  # Triton 2.51 shows {decoupled: false} for ensembles
         return
-    _normalize_instance_groups(config, where)
+    device_problems = _normalize_instance_groups(config, where)
     if config.HasField("dynamic_batching") and not config.dynamic_batching.preferred_batch_size:
         if config.max_batch_size > 0:
             config.dynamic_batching.preferred_batch_size.append(config.max_batch_size)
@@ -132,6 +144,8 @@ def normalize(
         config.optimization.input_pinned_memory.enable = True
     if not config.optimization.HasField("output_pinned_memory"):
         config.optimization.output_pinned_memory.enable = True
+    if device_problems:
+        raise DevicesUnavailable("; ".join(device_problems), config)
 
 
 def _resolve_backend(config: Any, model_dir: Path, platform_backend: Any, where: Path | str) -> None:
@@ -214,7 +228,13 @@ def _short(config_file: Path | str) -> str:
     return f"{config_file.parent.name}/{config_file.name}"
 
 
-def _normalize_instance_groups(config: Any, config_file: Path | str) -> None:
+def _normalize_instance_groups(config: Any, config_file: Path | str) -> list[str]:
+    """Name and complete the instance groups; returns the GPUs they ask for that this
+    machine lacks (one line each).
+
+    :raises ModelConfigError: a group that can never be valid (KIND_CPU listing gpus).
+    """
+    device_problems: list[str] = []
     if not config.instance_group:  # Triton 2.51 names the group it adds after the model ...
         config.instance_group.add(name=config.name)
     gpus = gpu_count()
@@ -230,15 +250,16 @@ def _normalize_instance_groups(config: Any, config_file: Path | str) -> None:
             group.kind = _kind_value(group, kind)
         if kind == "KIND_GPU":
             if not gpus:
-                raise ModelConfigError(
+                device_problems.append(
                     f"{_short(config_file)}: {where} ('{group.name}') has kind KIND_GPU "
                     "but no GPU is available"
                 )
+                continue
             if not group.gpus:
                 group.gpus.extend(range(gpus))
             bad = [g for g in group.gpus if g < 0 or g >= gpus]
             if bad:
-                raise ModelConfigError(
+                device_problems.append(
                     f"{_short(config_file)}: {where} ('{group.name}') names GPU(s) {bad}, "
                     f"but only {gpus} GPU(s) are available"
                 )
@@ -246,6 +267,7 @@ def _normalize_instance_groups(config: Any, config_file: Path | str) -> None:
             raise ModelConfigError(
                 f"{_short(config_file)}: {where} ('{group.name}') has kind KIND_CPU but lists gpus"
             )
+    return device_problems
 
 
 @dataclass(frozen=True, slots=True)

@@ -171,15 +171,7 @@ class VersionBuilder:
             built.config_refused = True
             return
         try:
-            if override_config is not None:
-                built.config_origin = model_config.LOAD_REQUEST_CONFIG
-                config = ModelConfig()
-                config.CopyFrom(override_config)
-                model_config.normalize(config, source.path, self.host.platform_backend, built.config_origin)
-            else:
-                path = source.config_path
-                built.config_origin = path if path.exists() else source.path
-                config = self.read_config(source)
+            config, unavailable = self._config_of(built, override_config)
         except ModelConfigError as exc:
             built.error = str(exc)
             built.config_refused = True
@@ -200,6 +192,11 @@ class VersionBuilder:
             return
         for problem in problems:  # Triton loads the versions that exist and logs the others
             log.error("model '%s': %s; loading the other versions", source.name, problem)
+        if unavailable is not None:
+            for number in selected:
+                version = built.versions[number] = self._new_version(source.name, number)
+                version.fail(unavailable)
+            return
         if config.platform == model_config.ENSEMBLE_PLATFORM:
             self._build_ensemble(built, config, selected)
             return
@@ -221,6 +218,28 @@ class VersionBuilder:
                     break
                 log.warning("model '%s' version %d failed to load (%s); retry %d of %d",
                             source.name, number, version.reason, attempt + 1, self._settings.load_retries)
+
+    def _config_of(self, built: Built, override_config: Any) -> tuple[Any, str | None]:
+        """The normalized config of ``built`` (the load request's, else its file's), and what
+        this machine lacks of the GPUs it asks for (its versions then fail to load with that,
+        as in Triton), or None.
+
+        :raises ModelConfigError: the config is refused.
+        """
+        source = built.source
+        try:
+            if override_config is not None:
+                built.config_origin = model_config.LOAD_REQUEST_CONFIG
+                config = ModelConfig()
+                config.CopyFrom(override_config)
+                model_config.normalize(config, source.path, self.host.platform_backend, built.config_origin)
+            else:
+                path = source.config_path
+                built.config_origin = path if path.exists() else source.path
+                config = self.read_config(source)
+        except model_config.DevicesUnavailable as exc:
+            return exc.config, str(exc)
+        return config, None
 
     def _build_ensemble(self, built: Built, config: Any, selected: list[int]) -> None:
         source = built.source

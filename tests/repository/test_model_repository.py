@@ -512,6 +512,11 @@ def test_gpu_instances_without_gpu(start_server: StartServer, make_repo: MakeRep
     found = entry(server, "gpu")
     assert found["state"] == "UNAVAILABLE"
     assert "KIND_GPU" in found["reason"] and "no GPU is available" in found["reason"]
+    # as Triton: the model is there and its version failed to load (not a refused config), so
+    # the server is not ready
+    assert found["version"] == "1"
+    assert not version_ready(server, "gpu", 1)
+    assert httpx.get(f"http://{server.url}/v2/health/ready").status_code == 400
     assert entry(server, "ok")["state"] == "READY"
 
 
