@@ -27,7 +27,10 @@ by its index within its request (Triton 24.03+): success / fail / empty (a final
 response) / cancel, with the response's compute infer (from the previous response, or the
 execute start, until the backend handed it over) and compute output (until it went to the
 frontend). Failures carry a reason: ``REJECTED`` (refused by the scheduler: queue full, queue
-timeout), ``CANCELED``, ``BACKEND`` (the request reached execute), ``OTHER``.
+timeout), ``CANCELED``, ``BACKEND`` (the request reached execute), ``OTHER``. As Triton
+documents for ensembles, an ensemble's failures are ``OTHER`` (cancellations aside), and a
+request that failed in a composing model counts twice for the ensemble: the composing
+model's failed request (``step_failed``) and the ensemble's own.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ class ModelStats:
     """
 
     __slots__ = (
-        "batches", "cache_hit_count", "cache_hit_ns", "cache_miss_count", "cache_miss_ns",
+        "batches", "ensemble", "cache_hit_count", "cache_hit_ns", "cache_miss_count", "cache_miss_ns",
         "compute_count", "dequeued", "enqueued", "execution_count", "fail_count", "fail_ns",
         "failures", "first_bounds", "first_buckets", "first_count", "first_sum_ms", "inference_count",
         "infer_ns", "input_ns", "last_inference_ns", "latency_buckets", "load_duration_s", "lock", "memory_usage",
@@ -100,6 +103,7 @@ class ModelStats:
 
     def __init__(self, first_bounds: Sequence[float] = FIRST_RESPONSE_BUCKETS_MS) -> None:
         self.lock = threading.Lock()
+        self.ensemble = False  # an ensemble's: failures are OTHER, a composing failure counts too
         self.success_count = 0
         self.success_ns = 0
         self.fail_count = 0
@@ -344,6 +348,8 @@ class ModelStats:
         code = error.code
         if code is ErrorCode.CANCELLED:
             reason = _CANCELED
+        elif self.ensemble:
+            reason = _OTHER
         elif start > 0:
             reason = _BACKEND
         elif code is ErrorCode.UNAVAILABLE:
@@ -364,6 +370,14 @@ class ModelStats:
                 self._count_response(request, _R_CANCEL, now, now)
             elif start > 0:
                 self._count_response(request, _R_FAIL, now, now)
+
+    def step_failed(self, duration_ns: int) -> None:
+        """An ensemble's composing model failed a request of its run (``duration_ns`` after the
+        run began): a failure of the ensemble's too, as Triton counts it (reason ``OTHER``)."""
+        with self.lock:
+            self.fail_count += 1
+            self.fail_ns += duration_ns
+            self.failures[_OTHER] += 1
 
     def response_sent(self, request: InferRequest) -> None:
         """A frontend encoded the successful final response of ``request`` and handed it to the

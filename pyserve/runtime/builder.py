@@ -260,6 +260,7 @@ class VersionBuilder:
             version.scheduler = EnsembleScheduler(source.name, steps, version.io, self._get)
             _metric_options(version, config)
             version.stats.load_duration_s = 0.0  # nothing to load: its steps are models of their own
+            version.stats.ensemble = True
             version.state = ModelState.READY
 
     def _new_version(self, name: str, number: int) -> ModelVersion:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import textwrap
 import threading
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -390,7 +391,10 @@ def test_ensemble_statistics_count_executions_batches_and_step_time(
 
 
 def test_failed_ensemble_request_counts_no_execution(start_server: StartServer, make_repo: MakeRepo) -> None:
-    server = start_server(make_repo(BATCHING_CHAIN), backends={"scale": Scale()})
+    """A request that fails in a composing model counts no execution; as Triton counts (and
+    documents) it, it is two failures of the ensemble's, with reason OTHER: the composing
+    model's failed request and the ensemble's own (checked side by side with Triton 2.51)."""
+    server = start_server(make_repo(BATCHING_CHAIN), backends={"scale": Scale()}, allow_metrics=True)
     client = httpclient.InferenceServerClient(server.url)
     try:
         with pytest.raises(InferenceServerException, match="negative values"):
@@ -400,9 +404,13 @@ def test_failed_ensemble_request_counts_no_execution(start_server: StartServer, 
         client.close()
     stats = model_stats(server, "bchain")
     assert (stats["inference_count"], stats["execution_count"]) == (1, 1)
-    assert stats["inference_stats"]["fail"]["count"] == 1
+    assert stats["inference_stats"]["fail"]["count"] == 2
     assert stats["inference_stats"]["success"]["count"] == 1
     assert [b["batch_size"] for b in stats["batch_stats"]] == [1]
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    assert 'nv_inference_request_failure{model="bchain",reason="OTHER",version="1"} 2\n' in text
+    assert 'nv_inference_request_failure{model="bchain",reason="BACKEND",version="1"} 0\n' in text
 
 
 # -- optional inputs (Triton's L0_optional_input cases) -------------------------------------------

@@ -306,7 +306,7 @@ class _Run:
             model = self.scheduler.lookup(step.model_name, step.version)
             child = self._step_request(step, model, wave.pool)
         except InferError as exc:
-            self._step_failed(step, exc)
+            self._step_failed(step, exc, composing=False)
             return
         if wave.ready_ns:  # the hand-off from the step before is this step's queue time
             child.arrival_ns = wave.ready_ns
@@ -413,11 +413,16 @@ class _Run:
         else:
             request.exec_end_ns = start + before + infer + after
 
-    def _step_failed(self, step: Step, error: InferError) -> None:
+    def _step_failed(self, step: Step, error: InferError, composing: bool = True) -> None:
         """A step failed: the run fails with the step's error in Triton 2.51's words, ``in
-        ensemble '<name>', <the step's message>`` (the step is logged at debug level)."""
+        ensemble '<name>', <the step's message>`` (the step is logged at debug level).
+        ``composing``: the step model refused or answered the request with ``error`` (so it
+        counted a failure, which counts for the ensemble too); False: no request reached it."""
         log.debug("ensemble '%s': step %d (model '%s') failed: %s", self.scheduler.name, step.index,
                   step.model_name, error.message)
+        stats = self.request.stats
+        if composing and stats is not None and not self.closed and error.code is not ErrorCode.CANCELLED:
+            stats.step_failed(time.monotonic_ns() - self.request.arrival_ns)
         self._fail(InferError(f"in ensemble '{self.scheduler.name}', {error.message}", error.code))
 
     def _bug(self, exc: Exception) -> None:
