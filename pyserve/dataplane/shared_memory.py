@@ -348,11 +348,13 @@ class SharedMemoryManager:
             ``--allow-client-shm false``; the name taken.
         """
         self._check_allowed()
-        _check_name(name)
+        if not isinstance(name, str) or not name:  # Triton's words first, which its scripts match
+            raise InferError.invalid("failed to register shared memory region: invalid args: a shared memory "
+                                     "region needs a non-empty name")
         if not isinstance(raw_handle, (bytes, bytearray)) or len(raw_handle) != CUDA_IPC_HANDLE_SIZE:
             size = len(raw_handle) if isinstance(raw_handle, (bytes, bytearray)) else type(raw_handle).__name__
             raise InferError.invalid(
-                f"failed to register CUDA shared memory region '{name}': 'raw_handle' must be a "
+                f"failed to register CUDA shared memory region '{name}': invalid args: 'raw_handle' must be a "
                 f"{CUDA_IPC_HANDLE_SIZE}-byte cudaIpcMemHandle_t (got {size})"
             )
         _check_uint(device_id, "device_id")

@@ -65,6 +65,7 @@ def parse_restrictions(items: Iterable[str], *, grpc: bool = False) -> dict[str,
     :raises RestrictionError: unknown category, a category restricted twice, or a bad form.
     """
     result: dict[str, Restriction] = {}
+    feature = "protocol" if grpc else "api"  # Triton's word for each flag's categories
     for item in items:
         apis, sep, header = item.partition(":")
         key, eq, value = header.partition("=")
@@ -77,9 +78,9 @@ def parse_restrictions(items: Iterable[str], *, grpc: bool = False) -> dict[str,
             api = api.strip()
             if api not in CATEGORIES:
                 raise RestrictionError(  # Triton's words first (its scripts grep them), then the choices
-                    f"unknown restricted api '{api}' (expected one of {', '.join(CATEGORIES)})")
+                    f"unknown restricted {feature} '{api}' (expected one of {', '.join(CATEGORIES)})")
             if api in result:
-                raise RestrictionError(f"api '{api}' can not be specified in multiple config groups")
+                raise RestrictionError(f"restricted {feature} '{api}' can not be specified in multiple config groups")
             result[api] = Restriction(key, value)
     return result
 

@@ -283,7 +283,8 @@ def _is_uint(value: Any) -> bool:
 def _reserved_message(key: str, allow: frozenset[str]) -> str:
     allowed = sorted(k for k in allow if k.startswith("triton_"))
     if not allowed:
-        return f"parameter keys starting with 'triton_' are reserved: '{key}'"
+        return (f"parameter keys starting with 'triton_' are reserved for Triton usage and should not be "
+                f"specified (got '{key}')")  # Triton's words, which its scripts match
     return ("parameter keys starting with 'triton_' are reserved for Triton usage. Only the following keys "
             f"starting with 'triton_' are allowed: {', '.join(allowed)} (got '{key}')")  # Triton's gRPC text
 

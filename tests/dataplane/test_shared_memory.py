@@ -309,6 +309,10 @@ def test_grpc_errors(server: ServerThread, regions: Any) -> None:
         with pytest.raises(InferenceServerException) as info:
             client.get_system_shared_memory_status("nope")
         assert info.value.status() == "StatusCode.NOT_FOUND"
+        # a CUDA registration with no name or handle, in Triton's words (its L0_grpc aio test
+        # matches them), with or without a GPU
+        with pytest.raises(InferenceServerException, match="failed to register shared memory region.*invalid args"):
+            client.register_cuda_shared_memory("", b"", 0, 0)
     finally:
         client.close()
 

@@ -178,10 +178,15 @@ def test_restriction_parsing() -> None:
     for bad in ("health", "health:k", "nope:k=v", ":k=v", "health:=v"):
         with pytest.raises(RestrictionError):
             parse_restrictions([bad])
-    with pytest.raises(RestrictionError, match="api 'health' can not be specified in multiple config groups"):
+    with pytest.raises(RestrictionError, match="restricted api 'health' can not be specified in multiple config groups"):
         parse_restrictions(["health:a=1", "health:b=2"])
     with pytest.raises(RestrictionError, match="unknown restricted api 'nope'"):
         parse_restrictions(["nope:k=v"])
+    # the gRPC flag's categories are "protocols" in Triton's words (its L0_grpc script greps them)
+    with pytest.raises(RestrictionError, match="restricted protocol 'health' can not be specified in multiple"):
+        parse_restrictions(["health:a=1", "health:b=2"], grpc=True)
+    with pytest.raises(RestrictionError, match="unknown restricted protocol 'model-reposit'"):
+        parse_restrictions(["model-reposit:k=v"], grpc=True)
     assert http_category("GET", "/metrics") is None
     assert http_category("POST", "/v2/repository/models/x/load") == "model-repository"
     assert http_category("POST", "/v2/models/x/versions/2/generate_stream") == "inference"
@@ -189,7 +194,7 @@ def test_restriction_parsing() -> None:
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["model-repository,health:k1=v1", "metadata,health:k2=v2"],
-     "api 'health' can not be specified in multiple config groups"),
+     "restricted api 'health' can not be specified in multiple config groups"),
     (["model-reposit,health:k1=v1", "metadata,health:k2=v2"], "unknown restricted api 'model-reposit'"),
 ])
 def test_bad_restrictions_stop_the_server_with_tritons_words(tmp_path: Path, flags: list[str], message: str) -> None:

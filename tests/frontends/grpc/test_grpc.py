@@ -464,7 +464,7 @@ def test_reserved_parameters_refused(stub: service_pb2_grpc.GRPCInferenceService
         body = {"inputs": [{"name": "IN", "datatype": "INT32", "shape": [1], "data": [1]}], "parameters": {key: True}}
         response = http.post("/v2/models/echo/infer", json=body)
         assert response.status_code == 400
-        assert response.json()["error"] == f"parameter keys starting with 'triton_' are reserved: '{key}'"
+        assert response.json()["error"] == f"parameter keys starting with 'triton_' are reserved for Triton usage and should not be specified (got '{key}')"
 
 
 @pytest.mark.parametrize("value", [True, False])

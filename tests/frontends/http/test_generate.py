@@ -218,7 +218,8 @@ def test_generate_extra_keys_become_parameters(http: httpx.Client) -> None:
     assert_error(http.post("/v2/models/params/generate", json={"IN": [1], "parameters": {"IN": 5}}), 400,
                  "Converting keyword: 'parameters': input 'IN' already exists in request")
     assert_error(http.post("/v2/models/params/generate", json={"IN": [1], "triton_x": True}), 400,
-                 "parameter keys starting with 'triton_' are reserved: 'triton_x'")
+                 "parameter keys starting with 'triton_' are reserved for Triton usage and should not be "
+                 "specified (got 'triton_x')")
     assert_error(http.post("/v2/models/params/generate", json={"IN": [1], "parameters": [1]}), 400,
                  "Expected JSON object for keyword: 'parameters'")
     assert_error(http.post("/v2/models/params/generate", json={"IN": [1], "bad": [1, 2]}), 400)

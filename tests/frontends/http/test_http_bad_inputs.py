@@ -349,7 +349,8 @@ CASES: list[Case] = [
     Case("binary-data-output-not-bool", "binary_data_output: 1", body(A, B, parameters={"binary_data_output": 1}), 400,
          "parameter 'binary_data_output' must be a boolean"),
     Case("reserved-triton-parameter", "parameter triton_foo", body(A, B, parameters={"triton_foo": 1}), 400,
-         "parameter keys starting with 'triton_' are reserved: 'triton_foo'"),
+         "parameter keys starting with 'triton_' are reserved for Triton usage and should not be specified "
+         "(got 'triton_foo')"),
     Case("non-scalar-parameter", "parameter p: [1, 2]", body(A, B, parameters={"p": [1, 2]}), 400,
          "parameter 'p' has invalid type. It should be either 'int', 'bool', or 'string'. (got array)"),
     Case("shared-memory-input", "an input naming an unregistered shared memory region",
