@@ -50,8 +50,12 @@ from pyserve.runtime.scheduling import client_activity
 if TYPE_CHECKING:
     from pyserve.frontends.http.server import HttpServer
 
-KEEP_ALIVE_TIMEOUT = 5.0
-"""Seconds an idle keep-alive connection stays open (uvicorn's default)."""
+KEEP_ALIVE_TIMEOUT: float | None = None
+"""Seconds an idle keep-alive connection stays open; None: until the client closes it, as
+Triton's HTTP server keeps it. A client reusing a pooled connection the server closed while it
+was idle has its request fail mid-send when the body is large (a multi-GB request from
+tritonclient after a pause), so idle connections are closed only when the server needs their
+room: past ``--http-max-connections`` the longest idle one gives way (``HttpServer.refusal``)."""
 READ_TIMEOUT = 60.0
 """Seconds a partly received request may go without a byte before it is answered 408 and the
 connection closed (a client that stalls mid-request must not hold the connection for ever)."""
@@ -100,6 +104,7 @@ class HttpProtocol(asyncio.Protocol):
         # One lazy timer per connection: answering a request only moves ``deadline`` (no timer
         # handle is made or cancelled per request); the timer re-arms itself when it fires early.
         self.deadline: float | None = None  # loop time when ``deadline_action`` runs
+        self.idle_since: float | None = None  # loop time when it last fell idle; None: busy
         self.deadline_action: Callable[[], None] | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0  # when ``timer`` fires
@@ -603,7 +608,16 @@ class HttpProtocol(asyncio.Protocol):
             action()
 
     def _arm_idle_timer(self) -> None:
-        self._set_deadline(KEEP_ALIVE_TIMEOUT, self._idle_timeout)
+        self.idle_since = self.loop.time()
+        if KEEP_ALIVE_TIMEOUT is None:
+            self.deadline = None  # no deadline while idle (a timer still set finds none)
+        else:
+            self._set_deadline(KEEP_ALIVE_TIMEOUT, self._idle_timeout)
+
+    @property
+    def idle(self) -> bool:
+        """Open, between requests (nothing received of the next one)."""
+        return not self.closed and not self.pipeline and self.current is None and self.idle_since is not None
 
     def _idle_timeout(self) -> None:
         if not self.pipeline and self.current is None:

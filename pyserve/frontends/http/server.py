@@ -12,9 +12,11 @@ one loop turn later (``HttpServer.flush_replies``): replies then leave in bursts
 machine that cut the server's CPU per request by about a sixth and the load generator's by half
 at 8–32 connections. A lone connection is answered at once: nothing would join its burst.
 
-Past ``max_connections`` open TCP connections (``--http-max-connections``) a new one is
-answered 503 and closed, and a warning is logged. On shutdown, listening stops, idle
-keep-alive connections close, and the answers in progress get a grace period.
+Idle keep-alive connections stay open until their client closes them, as in Triton
+(``connection.KEEP_ALIVE_TIMEOUT``). Past ``max_connections`` open TCP connections
+(``--http-max-connections``) the longest idle one is closed to make room; when none is idle, a
+new connection is answered 503 and closed, and a warning is logged. On shutdown, listening
+stops, idle keep-alive connections close, and the answers in progress get a grace period.
 """
 
 from __future__ import annotations
@@ -107,6 +109,10 @@ class HttpServer:
             return None
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family == socket.AF_UNIX:
+            return None
+        idle = [c for c in self.connections if c.idle and c.client is not None]  # TCP ones, not relays
+        if idle:  # the longest idle keep-alive connection makes room (its client reconnects)
+            min(idle, key=lambda c: c.idle_since or 0.0).close()
             return None
         self._refusals.refused(self.max_connections)
         body = error_body(f"the server has reached its limit of {self.max_connections} connections "

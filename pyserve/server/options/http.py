@@ -46,8 +46,9 @@ class HttpOptions:
     )
     http_max_connections: int = setting(  # 0: from the descriptor limit (pyserve.frontends.limits)
         flag("--http-max-connections", type=values.non_negative_int, metavar="N",
-             help="open connections past which new ones are answered 503 (default 0: half the "
-                  "descriptor limit less a reserve, at most 16384)"),
+             help="open connections past which the longest idle one is closed, or, with none idle, "
+                  "new ones are answered 503 (default 0: half the descriptor limit less a reserve, "
+                  "at most 16384)"),
         default=0,
     )
     http_header_timeout_secs: float = setting(  # 0: no total limit

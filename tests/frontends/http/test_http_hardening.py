@@ -92,27 +92,50 @@ def capped(repo: Path) -> Iterator[ServerThread]:
 
 
 def test_connections_past_the_cap_get_503_and_a_warning(capped: ServerThread, caplog: pytest.LogCaptureFixture) -> None:
+    """Idle keep-alive connections stay open (as in Triton) until the cap needs their room: a
+    connection past it closes the longest idle one; only while none is idle is it answered 503."""
     caplog.set_level(logging.WARNING, "pyserve.frontends.http")
     port = capped.server.http_port
     first = socket.create_connection(("127.0.0.1", port), timeout=30)
     second = socket.create_connection(("127.0.0.1", port), timeout=30)
+    third = None
     try:
         for sock in (first, second):
             sock.sendall(REQUEST)
             assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as third:
-            answer = read_all(third)
+        third = socket.create_connection(("127.0.0.1", port), timeout=30)
+        third.sendall(REQUEST)  # past the cap: the longest idle one (first) made room for it
+        assert third.recv(65536).startswith(b"HTTP/1.1 200 ")
+        assert read_all(first) == b""
+        wait_for(lambda: len(capped.server._http.connections) == 2, what="the idle connection to close")
+        for sock in (second, third):  # both busy now: a request has begun on each
+            sock.sendall(REQUEST[:20])
+        wait_for(lambda: not any(c.idle for c in capped.server._http.connections), what="both to be busy")
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as fourth:
+            answer = read_all(fourth)
         assert answer.startswith(b"HTTP/1.1 503 "), answer
         assert b"limit of 2 connections (--http-max-connections)" in answer
         assert "--http-max-connections" in caplog.text
-        first.close()
-        wait_for(lambda: len(capped.server._http.connections) == 1, what="the first connection to close")
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as fourth:
-            fourth.sendall(REQUEST)
-            assert fourth.recv(65536).startswith(b"HTTP/1.1 200 ")
+        second.sendall(REQUEST[20:])  # the busy ones go on as if nothing happened
+        assert second.recv(65536).startswith(b"HTTP/1.1 200 ")
     finally:
-        first.close()
-        second.close()
+        for sock in (first, second, third):
+            if sock is not None:
+                sock.close()
+
+
+def test_idle_keep_alive_connections_stay_open(repo: Path) -> None:
+    """As Triton's HTTP server: no idle timeout closes a keep-alive connection under a client
+    that pauses between requests (a pooled connection a client reuses after a while)."""
+    with serve(repo, frontend_processes=0) as thread:
+        with socket.create_connection(("127.0.0.1", thread.server.http_port), timeout=30) as sock:
+            sock.sendall(REQUEST)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+            port = sock.getsockname()[1]
+            (connection,) = [c for c in thread.server._http.connections if c.client and c.client[1] == port]
+            assert connection.idle and connection.deadline is None  # nothing will close it
+            sock.sendall(REQUEST)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
 
 
 def test_the_soft_descriptor_limit_is_raised_to_the_hard_one_at_start(repo: Path) -> None:
