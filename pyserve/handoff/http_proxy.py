@@ -8,8 +8,9 @@ infer streams among them). A client that goes away before its answer is complete
 connection to the owner, so the owner cancels the request as if its own client had left. Idle
 connections to the owner are reused.
 
-A body over ``--http-max-input-size`` is refused here, in the owner's words, before anything
-is relayed. Should the owner still stop reading a body and close (it answers errors early), its
+A body over ``--http-max-input-size`` (for an infer request, over the cap its
+``Inference-Header-Content-Length`` gives: binary tensor data is not counted) is refused here, in
+the owner's words, before anything is relayed. Should the owner still stop reading a body and close (it answers errors early), its
 answer is relayed when it arrived, and otherwise the client gets a JSON 502, never a bare 500.
 """
 
@@ -21,8 +22,10 @@ from typing import Any
 
 import httptools
 
+from pyserve.api.errors import InferError
 from pyserve.frontends.http.body import too_large
 from pyserve.frontends.http.errors import HTTP_STATUS, JSON_HEADERS, error_body
+from pyserve.frontends.http.fast_infer import declared_infer_body
 
 _HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
@@ -77,9 +80,10 @@ class OwnerHttpProxy:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        refusal = self._refusal(scope)
-        if refusal is not None:
-            await _send_error(send, *refusal)
+        try:
+            cap = declared_infer_body(scope["headers"], self.max_input_size)
+        except InferError as exc:  # over the cap from its headers: refused unread, as the owner would
+            await _send_error(send, HTTP_STATUS[exc.code], exc.message)
             return
         started = False
 
@@ -91,7 +95,7 @@ class OwnerHttpProxy:
         reader, writer = await self._connect()
         reusable = False
         try:
-            reusable = await self._relay(scope, receive, send_once_started, reader, writer)
+            reusable = await self._relay(scope, receive, send_once_started, reader, writer, cap)
         except ConnectionError:
             if started:
                 raise
@@ -102,22 +106,8 @@ class OwnerHttpProxy:
             else:
                 writer.close()
 
-    def _refusal(self, scope: dict[str, Any]) -> tuple[int, str] | None:
-        """``(status, message)`` for a body the owner would refuse for its length, from its
-        ``Content-Length``; ``None`` otherwise (a streamed body is counted as it is relayed)."""
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    return None  # the owner says what is wrong with it
-                if declared > self.max_input_size:
-                    error = too_large(self.max_input_size, length=declared)
-                    return HTTP_STATUS[error.code], error.message
-        return None
-
     async def _relay(self, scope: dict[str, Any], receive: Any, send: Any,
-                     reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+                     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, cap: int) -> bool:
         target = scope["raw_path"] + (b"?" + scope["query_string"] if scope["query_string"] else b"")
         head = [scope["method"].encode("ascii"), b" ", target, b" HTTP/1.1\r\n"]
         for name, value in scope["headers"]:
@@ -127,8 +117,8 @@ class OwnerHttpProxy:
         if message["type"] == "http.disconnect":
             return False
         body = message.get("body", b"")
-        if len(body) > self.max_input_size:
-            return await self._refuse_streamed(send)
+        if len(body) > cap:
+            return await self._refuse_streamed(send, cap)
         if not message.get("more_body", False):  # the whole body is here: one write, with its length
             head.append(b"content-length: %d\r\n\r\n" % len(body))
             writer.write(b"".join(head) + body)
@@ -146,9 +136,9 @@ class OwnerHttpProxy:
                     return False
                 body = message.get("body", b"")
                 received += len(body)
-                if received > self.max_input_size:
+                if received > cap:
                     writer.transport.abort()
-                    return await self._refuse_streamed(send)
+                    return await self._refuse_streamed(send, cap)
                 if body:
                     writer.write(b"%x\r\n%s\r\n" % (len(body), body))
                 if not message.get("more_body", False):
@@ -164,10 +154,10 @@ class OwnerHttpProxy:
         finally:
             watcher.cancel()
 
-    async def _refuse_streamed(self, send: Any) -> bool:
-        """Answer a body that streamed past the limit as the owner would; returns False (the
+    async def _refuse_streamed(self, send: Any, cap: int) -> bool:
+        """Answer a body that streamed past ``cap`` as the owner would; returns False (the
         owner's connection is not reused)."""
-        error = too_large(self.max_input_size)
+        error = too_large(cap, self.max_input_size)
         await _send_error(send, HTTP_STATUS[error.code], error.message)
         return False
 

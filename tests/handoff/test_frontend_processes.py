@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -511,6 +512,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 
 class TritonPythonModel:
@@ -941,6 +943,57 @@ def test_an_owner_that_closes_before_answering_is_a_json_502(tmp_path: Path) -> 
     status, body = asyncio.run(scenario())
     assert status == 502
     assert json.loads(body) == {"error": "the model owner closed the connection before it answered"}
+
+
+def test_the_proxy_caps_a_body_as_the_owner_does(tmp_path: Path) -> None:
+    """An infer body whose binary data after its JSON header passes --http-max-input-size is
+    relayed (the owner takes binary data up to the machine's memory); a body of that length
+    without a JSON header, or with one over the cap, is refused before anything is relayed."""
+    from pyserve.handoff.http_proxy import OwnerHttpProxy
+
+    path = str(tmp_path / "owner.sock")
+    relayed: list[int] = []
+
+    async def owner(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.startswith(b"content-length")))
+        relayed.append(len(await reader.readexactly(length)))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    async def call(proxy: OwnerHttpProxy, headers: list[tuple[bytes, bytes]], body: bytes) -> int:
+        sent: list[dict[str, Any]] = []
+        given = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if given:
+                return given.pop()
+            await asyncio.Event().wait()  # the client stays: no disconnect
+            raise AssertionError("unreachable")
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "raw_path": b"/v2/models/m/infer", "query_string": b"",
+                 "headers": [(b"content-length", b"%d" % len(body)), *headers]}
+        await asyncio.wait_for(proxy(scope, receive, send), 60)
+        return int(sent[0]["status"])
+
+    async def scenario() -> list[int]:
+        listener = await asyncio.start_unix_server(owner, path)
+        proxy = OwnerHttpProxy(path, max_input_size=4096)
+        body = b"{}" + bytes(10_000)
+        statuses = [
+            await call(proxy, [(b"inference-header-content-length", b"2")], body),  # binary data: relayed
+            await call(proxy, [], body),  # all JSON: over the cap
+            await call(proxy, [(b"inference-header-content-length", b"0")], body),  # raw: over the cap
+        ]
+        listener.close()
+        return statuses
+
+    assert asyncio.run(scenario()) == [200, 400, 400]
+    assert relayed == [10_002]
 
 
 def test_generate_stream_is_relayed_as_it_streams(server: ServerThread) -> None:
