@@ -103,6 +103,8 @@ def test_connections_past_the_cap_get_503_and_a_warning(capped: ServerThread, ca
         for sock in (first, second):
             sock.sendall(REQUEST)
             assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        wait_for(lambda: len(capped.server._http.connections) == 2
+                 and all(c.idle for c in capped.server._http.connections), what="both to fall idle")
         third = socket.create_connection(("127.0.0.1", port), timeout=30)
         third.sendall(REQUEST)  # past the cap: the longest idle one (first) made room for it
         assert third.recv(65536).startswith(b"HTTP/1.1 200 ")
@@ -133,7 +135,9 @@ def test_idle_keep_alive_connections_stay_open(repo: Path) -> None:
             assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
             port = sock.getsockname()[1]
             (connection,) = [c for c in thread.server._http.connections if c.client and c.client[1] == port]
-            assert connection.idle and connection.deadline is None  # nothing will close it
+            # idle once the server has finished with the answer the client already read
+            wait_for(lambda: connection.idle, what="the connection to fall idle")
+            assert connection.deadline is None  # nothing will close it
             sock.sendall(REQUEST)
             assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
 
