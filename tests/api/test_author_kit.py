@@ -280,8 +280,10 @@ class TestSloppy(BackendConformance):
     def conformance_repository(self, tmp_path):
         (tmp_path / "sloppy" / "1").mkdir(parents=True)
         (tmp_path / "sloppy" / "config.pbtxt").write_text(
-            'backend: "sloppy"\\nmax_batch_size: 8\\n'
-            'dynamic_batching { max_queue_delay_microseconds: 50000 }\\n'
+            'backend: "sloppy"\\nmax_batch_size: 16\\n'
+            # a delay long enough that the bad request and the good ones sent with it share a
+            # batch however busy the machine is (the sloppy backend fails the whole batch)
+            'dynamic_batching { max_queue_delay_microseconds: 1000000 }\\n'
             'input [ { name: "IN" data_type: TYPE_INT32 dims: [ 2 ] } ]\\n'
             'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 2 ] } ]\\n'
         )
